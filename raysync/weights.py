@@ -1,0 +1,646 @@
+"""Weights as data: extract, lay out in buckets, describe, validate, apply.
+
+A version of a model travels as a few *buckets*. Each bucket is one Ray object
+holding a list of uint8 numpy views of the trainer's tensors: ``ray.put`` of
+such a list is a single copy, straight into the object store, and Ray lays the
+buffers out back to back (64-byte aligned from 2 KiB up, 8-byte aligned
+below). :func:`plan_layout` computes the same offsets, so a receiver can treat a
+bucket as one flat buffer and apply it with one ``copy_``; it checks the real
+addresses first and falls back to one copy per tensor if they differ.
+
+A :class:`Manifest` says what is in the buckets (key, shape, dtype, bucket,
+offset, bytes) and carries a ``layout_hash`` that changes only when the
+structure of the model does. Everything here is bit-exact for every dtype:
+bytes move as uint8 and are re-interpreted on arrival.
+
+Example:
+    >>> model = torch.nn.Linear(4, 2)
+    >>> tensors = extract_tensors(model)
+    >>> manifest = plan_layout(tensors)
+    >>> buckets = pack(tensors, manifest)          # lists of uint8 views, no copy
+    >>> views = unpack(manifest, buckets)          # back to tensors, no copy
+    >>> torch.equal(views["weight"], model.weight)
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import warnings
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from raysync.errors import ChecksumError, InvalidWeightsError, ReadOnlyWeightsError, WeightMismatchError
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BoundModel",
+    "Manifest",
+    "ReadOnlyTensor",
+    "TensorEntry",
+    "bucket_checksums",
+    "extract_tensors",
+    "pack",
+    "plan_layout",
+    "schema_of",
+    "to_tensordict",
+    "unpack",
+    "validate",
+    "verify_checksums",
+]
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+"""Default bucket size: big enough that a version is a handful of copies."""
+
+# Ray's serializer aligns out-of-band buffers like this (see ray/includes/serialization.pxi).
+_MAJOR_ALIGN = 64
+_MINOR_ALIGN = 8
+_MAJOR_SIZE = 2048
+
+WeightsLike = Any  # nn.Module | TensorDictBase | Mapping[str, Tensor | Mapping]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in a version.
+
+    Attributes:
+        key: dotted name, as in ``state_dict()``.
+        shape: the tensor's shape.
+        dtype: the dtype's name without ``torch.`` (``"bfloat16"``).
+        bucket: index of the bucket that holds it.
+        index: position of its buffer in the bucket's list.
+        offset: byte offset from the start of the bucket.
+        nbytes: its size in bytes.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    bucket: int
+    index: int
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The entry's dtype as a ``torch.dtype``."""
+        return _dtype_from_name(self.dtype)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The description of one version's buckets; small, picklable, torch-free.
+
+    Attributes:
+        entries: one :class:`TensorEntry` per tensor, sorted by key.
+        bucket_nbytes: the span of each bucket in bytes (padding included).
+        layout_hash: changes exactly when keys, shapes, dtypes or the bucket
+            plan change.
+        checksums: one CRC32 per bucket when the pusher asked for them.
+
+    Example:
+        >>> m = plan_layout({"w": torch.zeros(2, 3)})
+        >>> m.entries[0].shape, m.total_nbytes
+        ((2, 3), 24)
+    """
+
+    entries: tuple[TensorEntry, ...]
+    bucket_nbytes: tuple[int, ...]
+    layout_hash: str
+    checksums: tuple[int, ...] | None = None
+
+    @property
+    def num_buckets(self) -> int:
+        """How many buckets (Ray objects) a version has."""
+        return len(self.bucket_nbytes)
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of tensor data in a version (padding excluded)."""
+        return sum(e.nbytes for e in self.entries)
+
+    def keys(self) -> list[str]:
+        """The tensor keys, sorted."""
+        return [e.key for e in self.entries]
+
+    def schema(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{key: (shape, dtype_name)}``, the part :func:`validate` compares."""
+        return {e.key: (e.shape, e.dtype) for e in self.entries}
+
+    def bucket_entries(self, bucket: int) -> list[TensorEntry]:
+        """The entries of one bucket in buffer order."""
+        return sorted((e for e in self.entries if e.bucket == bucket), key=lambda e: e.index)
+
+    def with_checksums(self, checksums: Sequence[int] | None) -> Manifest:
+        """A copy of this manifest carrying per-bucket checksums (or none)."""
+        return Manifest(
+            self.entries,
+            self.bucket_nbytes,
+            self.layout_hash,
+            tuple(checksums) if checksums is not None else None,
+        )
+
+
+# --------------------------------------------------------------------------- extract
+
+
+def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
+    """Flatten weights into ``{dotted_key: tensor}``, sorted by key.
+
+    Args:
+        weights: an ``nn.Module`` (its parameters and persistent buffers), a
+            ``TensorDict``, or a nested or dotted state dict.
+
+    Returns:
+        The tensors, detached, in canonical (sorted) key order. No copy.
+
+    Raises:
+        InvalidWeightsError: the weights are empty or hold a non-tensor leaf.
+
+    Example:
+        >>> list(extract_tensors({"a": {"b": torch.ones(1)}, "c.d": torch.zeros(2)}))
+        ['a.b', 'c.d']
+    """
+    flat: dict[str, torch.Tensor] = {}
+    if isinstance(weights, torch.nn.Module):
+        for key, value in weights.state_dict(keep_vars=False).items():
+            flat[key] = value
+    elif isinstance(weights, TensorDictBase):
+        for key, value in weights.flatten_keys(".").items():
+            flat[str(key)] = value
+    elif isinstance(weights, Mapping):
+        _flatten_mapping(weights, "", flat)
+    else:
+        raise InvalidWeightsError(
+            f"cannot take weights from a {type(weights).__name__}: pass an nn.Module, "
+            "a TensorDict or a (nested) state dict of tensors"
+        )
+    if not flat:
+        raise InvalidWeightsError(
+            "no tensors to push: the weights are empty (a module without parameters or "
+            "buffers, or an empty dict)"
+        )
+    return {key: flat[key].detach() for key in sorted(flat)}
+
+
+def _flatten_mapping(mapping: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            raise InvalidWeightsError(f"weight keys must be strings, got {key!r} ({type(key).__name__})")
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            if name in out:
+                raise InvalidWeightsError(f"key {name!r} appears twice (nested and dotted)")
+            out[name] = value
+        elif isinstance(value, TensorDictBase):
+            for sub, tensor in value.flatten_keys(".").items():
+                out[f"{name}.{sub}"] = tensor
+        elif isinstance(value, Mapping):
+            _flatten_mapping(value, name + ".", out)
+        else:
+            raise InvalidWeightsError(
+                f"weight {name!r} is a {type(value).__name__}, not a tensor: "
+                "only tensors (or nested dicts of tensors) can be pushed"
+            )
+
+
+def schema_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{key: (shape, dtype_name)}`` of a flat tensor dict, comparable with ``Manifest.schema()``.
+
+    Example:
+        >>> schema_of({"w": torch.zeros(2, dtype=torch.bfloat16)})
+        {'w': ((2,), 'bfloat16')}
+    """
+    return {k: (tuple(t.shape), _dtype_name(t.dtype)) for k, t in tensors.items()}
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def plan_layout(
+    tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Manifest:
+    """Assign every tensor a bucket and an offset.
+
+    Tensors fill buckets in key order; a bucket closes when the next tensor
+    would take it past ``bucket_bytes`` (a larger tensor gets a bucket of its
+    own). Inside a bucket, tensors of 2 KiB or more come first so that Ray's
+    alignment of the buffers is predictable.
+
+    Args:
+        tensors: flat ``{key: tensor}`` (see :func:`extract_tensors`).
+        bucket_bytes: the target bucket size.
+
+    Returns:
+        The manifest (without checksums).
+
+    Example:
+        >>> m = plan_layout({"a": torch.zeros(1000), "b": torch.zeros(1000)}, bucket_bytes=4000)
+        >>> m.num_buckets
+        2
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    filled = 0
+    for key in sorted(tensors):
+        t = tensors[key]
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and filled + nbytes > bucket_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((key, t))
+        filled += nbytes
+    entries: list[TensorEntry] = []
+    spans: list[int] = []
+    for b, group in enumerate(groups):
+        major = [(k, t) for k, t in group if t.numel() * t.element_size() >= _MAJOR_SIZE]
+        minor = [(k, t) for k, t in group if t.numel() * t.element_size() < _MAJOR_SIZE]
+        offset = 0
+        for i, (key, t) in enumerate(major + minor):
+            nbytes = t.numel() * t.element_size()
+            align = _MAJOR_ALIGN if nbytes >= _MAJOR_SIZE else _MINOR_ALIGN
+            offset = -(-offset // align) * align
+            entries.append(
+                TensorEntry(key, tuple(t.shape), _dtype_name(t.dtype), b, i, offset, nbytes)
+            )
+            offset += nbytes
+        spans.append(offset)
+    entries.sort(key=lambda e: e.key)
+    digest = hashlib.sha1(repr(([tuple(e.__dict__.values()) for e in entries], spans)).encode())
+    return Manifest(tuple(entries), tuple(spans), digest.hexdigest()[:16])
+
+
+def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[np.ndarray]]:
+    """Uint8 numpy views of the tensors, grouped by bucket in buffer order. No copy.
+
+    Hand each list to ``ray.put``: that is the one copy a version costs.
+    Non-contiguous tensors are made contiguous first; GPU tensors are copied to
+    the host.
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> pack(t, plan_layout(t))[0][0].dtype
+        dtype('uint8')
+    """
+    buckets: list[list[np.ndarray]] = [[] for _ in range(manifest.num_buckets)]
+    for b in range(manifest.num_buckets):
+        for entry in manifest.bucket_entries(b):
+            buckets[b].append(_as_bytes(tensors[entry.key]))
+    return buckets
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.view(torch.uint8).numpy()
+
+
+def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]:
+    """One CRC32 per bucket over its tensors' bytes (padding excluded).
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> len(bucket_checksums(pack(t, plan_layout(t))))
+        1
+    """
+    out = []
+    for arrays in buckets:
+        crc = 0
+        for a in arrays:
+            if a.nbytes:
+                crc = zlib.crc32(memoryview(a).cast("B"), crc)
+        out.append(crc)
+    return tuple(out)
+
+
+def verify_checksums(manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]]) -> None:
+    """Raise :class:`ChecksumError` if any bucket's bytes differ from the manifest's CRC."""
+    if manifest.checksums is None:
+        return
+    got = bucket_checksums(buckets)
+    bad = [b for b, (want, have) in enumerate(zip(manifest.checksums, got)) if want != have]
+    if bad:
+        raise ChecksumError(
+            f"bucket(s) {bad} of layout {manifest.layout_hash} failed their checksum: "
+            "the bytes were corrupted in transit or in the object store; the version is refused"
+        )
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def validate(manifest: Manifest, model_schema: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
+    """Check a version against a model's ``{key: (shape, dtype)}``; report every problem at once.
+
+    Raises:
+        WeightMismatchError: listing missing, unexpected, mis-shaped and mis-typed keys.
+
+    Example:
+        >>> m = plan_layout({"w": torch.zeros(3)})
+        >>> validate(m, {"w": ((2,), "float32")})
+        Traceback (most recent call last):
+        ...
+        raysync.errors.WeightMismatchError: weights do not match the model: shape mismatch w: pushed (3,), model (2,)
+    """
+    pushed = manifest.schema()
+    missing = sorted(set(model_schema) - set(pushed))
+    unexpected = sorted(set(pushed) - set(model_schema))
+    shapes = {
+        k: (pushed[k][0], tuple(model_schema[k][0]))
+        for k in sorted(set(pushed) & set(model_schema))
+        if tuple(pushed[k][0]) != tuple(model_schema[k][0])
+    }
+    dtypes = {
+        k: (pushed[k][1], model_schema[k][1])
+        for k in sorted(set(pushed) & set(model_schema))
+        if pushed[k][1] != model_schema[k][1]
+    }
+    if not (missing or unexpected or shapes or dtypes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys {_short(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys {_short(unexpected)}")
+    parts += [f"shape mismatch {k}: pushed {a}, model {b}" for k, (a, b) in list(shapes.items())[:10]]
+    parts += [f"dtype mismatch {k}: pushed {a}, model {b}" for k, (a, b) in list(dtypes.items())[:10]]
+    raise WeightMismatchError(
+        "weights do not match the model: " + "; ".join(parts),
+        missing=missing,
+        unexpected=unexpected,
+        shape_mismatch=shapes,
+        dtype_mismatch=dtypes,
+    )
+
+
+def _short(keys: list[str], limit: int = 20) -> str:
+    return repr(keys) if len(keys) <= limit else f"{keys[:limit]!r} and {len(keys) - limit} more"
+
+
+# --------------------------------------------------------------------------- unpack / apply
+
+
+def unpack(
+    manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]], *, read_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """Tensors that view the bucket buffers, with their shapes and dtypes. No copy.
+
+    Args:
+        manifest: the version's manifest.
+        buckets: what ``ray.get`` returned for the version's bucket refs.
+        read_only: wrap each tensor as :class:`ReadOnlyTensor`, so in-place
+            writes raise instead of changing shared memory.
+
+    Example:
+        >>> t = {"w": torch.arange(3.0)}
+        >>> m = plan_layout(t)
+        >>> unpack(m, pack(t, m))["w"]
+        tensor([0., 1., 2.])
+    """
+    out: dict[str, torch.Tensor] = {}
+    for entry in manifest.entries:
+        arr = buckets[entry.bucket][entry.index]
+        out[entry.key] = _tensor_from_bytes(arr, entry, read_only=read_only)
+    return out
+
+
+def _tensor_from_bytes(arr: np.ndarray, entry: TensorEntry, *, read_only: bool) -> torch.Tensor:
+    if arr.nbytes != entry.nbytes:
+        raise ChecksumError(
+            f"tensor {entry.key!r} arrived with {arr.nbytes} bytes, the manifest says {entry.nbytes}"
+        )
+    with warnings.catch_warnings():
+        # Object-store buffers are read-only numpy arrays; torch warns but shares them.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(arr) if arr.nbytes else torch.empty(0, dtype=torch.uint8)
+    t = flat.view(entry.torch_dtype).reshape(entry.shape)
+    return t.as_subclass(ReadOnlyTensor) if read_only else t
+
+
+def to_tensordict(tensors: Mapping[str, torch.Tensor]) -> TensorDict:
+    """A nested TensorDict from dotted keys (``"a.b"`` becomes ``td["a", "b"]``).
+
+    Example:
+        >>> to_tensordict({"a.b": torch.ones(1)})["a", "b"]
+        tensor([1.])
+    """
+    td = TensorDict({}, batch_size=[])
+    for key, value in tensors.items():
+        td.set(tuple(key.split(".")), value)
+    return td
+
+
+def _span(arrays: Sequence[np.ndarray], entries: Sequence[TensorEntry], nbytes: int) -> torch.Tensor | None:
+    """One uint8 tensor over a whole bucket if Ray laid it out as planned, else None.
+
+    The returned tensor aliases the object-store buffer; the caller must keep
+    ``arrays`` alive while using it and must not write to it.
+    """
+    if not arrays or nbytes == 0:
+        return None
+    base = arrays[0].ctypes.data
+    for arr, entry in zip(arrays, entries):
+        if arr.nbytes and arr.ctypes.data - base != entry.offset:
+            return None
+    raw = (ctypes.c_uint8 * nbytes).from_address(base)
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8))
+
+
+class BoundModel:
+    """A module whose parameters and buffers are laid out like a manifest's buckets.
+
+    Binding allocates one flat buffer per bucket, copies the module's current
+    values in, and re-points each parameter and buffer at its slice (the
+    ``Parameter`` objects stay the same). Applying a version is then one
+    ``copy_`` per bucket. With ``view=True`` nothing is allocated: applying
+    swaps the parameters for read-only views of the received buffers.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> src = torch.nn.Linear(4, 2)
+        >>> tensors = extract_tensors(src)
+        >>> m = plan_layout(tensors)
+        >>> bound = BoundModel(model, m)
+        >>> bound.apply(pack(tensors, m))
+        >>> torch.equal(model.weight, src.weight)
+        True
+    """
+
+    def __init__(self, module: torch.nn.Module, manifest: Manifest, *, view: bool = False) -> None:
+        validate(manifest, module_schema(module))
+        self.module = module
+        self.manifest = manifest
+        self.view = view
+        self._slots = {e.key: _slot(module, e.key) for e in manifest.entries}
+        self._held: Any = None  # view mode: the buffers the parameters point into
+        self._flat: list[torch.Tensor] = []
+        if not view:
+            self._bind_flat()
+
+    @property
+    def layout_hash(self) -> str:
+        """The layout this binding was made for."""
+        return self.manifest.layout_hash
+
+    def _bind_flat(self) -> None:
+        self._flat = [torch.empty(n, dtype=torch.uint8) for n in self.manifest.bucket_nbytes]
+        with torch.no_grad():
+            for entry in self.manifest.entries:
+                owner, name, is_param = self._slots[entry.key]
+                current = getattr(owner, name)
+                target = self._flat[entry.bucket][entry.offset : entry.offset + entry.nbytes]
+                target = target.view(entry.torch_dtype).reshape(entry.shape)
+                target.copy_(current.detach().to("cpu"))
+                if is_param:
+                    current.data = target
+                else:
+                    owner._buffers[name] = target
+
+    def apply(self, buckets: Sequence[Sequence[np.ndarray]]) -> None:
+        """Make the module hold exactly the bytes of ``buckets`` (same layout as the binding).
+
+        Call :func:`validate` and :func:`verify_checksums` first; after them
+        nothing here can fail part-way.
+        """
+        if self.view:
+            tensors = unpack(self.manifest, buckets, read_only=True)
+            for key, t in tensors.items():
+                owner, name, is_param = self._slots[key]
+                if is_param:
+                    # Shared read-only weights cannot be trained: no gradient.
+                    owner._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+                else:
+                    owner._buffers[name] = t
+            self._held = buckets
+            return
+        with torch.no_grad():
+            for b, flat in enumerate(self._flat):
+                entries = self.manifest.bucket_entries(b)
+                arrays = buckets[b]
+                src = _span(arrays, entries, self.manifest.bucket_nbytes[b])
+                if src is not None:
+                    flat.copy_(src)
+                    continue
+                for entry, arr in zip(entries, arrays):
+                    if entry.nbytes:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore", UserWarning)
+                            flat[entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+
+
+def module_schema(module: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{key: (shape, dtype)}`` of a module's state dict (parameters and persistent buffers)."""
+    return schema_of(module.state_dict(keep_vars=True))
+
+
+def _slot(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, bool]:
+    prefix, _, name = key.rpartition(".")
+    owner = module.get_submodule(prefix) if prefix else module
+    if name in owner._parameters:
+        return owner, name, True
+    if name in owner._buffers:
+        return owner, name, False
+    raise InvalidWeightsError(f"{key!r} is neither a parameter nor a buffer of {type(module).__name__}")
+
+
+# --------------------------------------------------------------------------- read-only views
+
+_ALLOWED_INPLACE = {"requires_grad_", "retain_grad", "share_memory_", "__set__"}
+
+
+class ReadOnlyTensor(torch.Tensor):
+    """A tensor whose memory is shared and must not be written.
+
+    In-place operations (``add_``, ``copy_``, ``x[0] = 1``, ``out=``) raise
+    :class:`raysync.ReadOnlyWeightsError`; views and ``.data`` / ``.detach()``
+    stay read-only; every other result is an ordinary tensor.
+
+    Example:
+        >>> t = torch.ones(2).as_subclass(ReadOnlyTensor)
+        >>> t.add_(1)
+        Traceback (most recent call last):
+        ...
+        raysync.errors.ReadOnlyWeightsError: 'add_' would write into weights shared ...
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "") or ""
+        if _writes(name, args, kwargs):
+            raise ReadOnlyWeightsError(
+                f"{name!r} would write into weights shared read-only between actors "
+                "(apply='view'); clone() them first, or use @synced_model(..., apply='copy') "
+                "for weights this actor changes"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        return _keep_read_only(result, args)
+
+
+def _writes(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    out = kwargs.get("out")
+    if out is not None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if any(isinstance(o, ReadOnlyTensor) for o in outs):
+            return True
+    if name in _ALLOWED_INPLACE or not args or not isinstance(args[0], ReadOnlyTensor):
+        return False
+    if name in {"__setitem__", "set_", "resize_", "resize_as_"}:
+        return True
+    if name.startswith("__i") and name.endswith("__"):  # __iadd__ and friends
+        return True
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _keep_read_only(result: Any, args: Sequence[Any]) -> Any:
+    if isinstance(result, torch.Tensor) and not isinstance(result, ReadOnlyTensor):
+        ptrs = {
+            a.untyped_storage().data_ptr()
+            for a in args
+            if isinstance(a, ReadOnlyTensor) and a.device.type != "meta"
+        }
+        if ptrs and result.device.type != "meta":
+            try:
+                shares = result.untyped_storage().data_ptr() in ptrs
+            except (RuntimeError, NotImplementedError):
+                shares = False
+            if shares:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return result.as_subclass(ReadOnlyTensor)
+    elif isinstance(result, (tuple, list)):
+        return type(result)(_keep_read_only(r, args) for r in result)
+    return result
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidWeightsError(f"unknown dtype {name!r} in a manifest")
+    return dtype
