@@ -1,1 +1,48 @@
-"""raysync."""
+"""raysync: keep the weights of many Ray actors in step with a trainer.
+
+Example:
+    >>> import ray, raysync, torch
+    >>> ray.init()  # doctest: +SKIP
+    >>> hub = raysync.connect()
+    >>> @ray.remote
+    ... @raysync.synced_model("policy")
+    ... class Collector:
+    ...     def __init__(self):
+    ...         self.policy = torch.nn.Linear(4, 2)
+    >>> collectors = [Collector.remote() for _ in range(4)]
+    >>> hub.push(torch.nn.Linear(4, 2), wait=True, timeout=60)
+    1
+"""
+
+from raysync.errors import (
+    ApplyError,
+    ChecksumError,
+    InvalidWeightsError,
+    RaySyncError,
+    ReadOnlyWeightsError,
+    SyncTimeoutError,
+    UnknownModelError,
+    WeightMismatchError,
+)
+from raysync.hub import HubClient, connect
+from raysync.synced import RayModuleTransform, synced_model
+from raysync.weights import Manifest, TensorEntry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplyError",
+    "ChecksumError",
+    "HubClient",
+    "InvalidWeightsError",
+    "Manifest",
+    "RayModuleTransform",
+    "RaySyncError",
+    "ReadOnlyWeightsError",
+    "SyncTimeoutError",
+    "TensorEntry",
+    "UnknownModelError",
+    "WeightMismatchError",
+    "connect",
+    "synced_model",
+]

@@ -1,0 +1,651 @@
+"""The control plane: the ``WeightHub`` actor and the ``HubClient`` users hold.
+
+The hub is one named, detached, async Ray actor per cluster (per name). It
+never sees tensor bytes: a pusher puts a version's buckets into the object
+store itself and hands the hub their ``ObjectRef``\\ s, which the hub borrows
+and forwards. The hub stamps versions (monotonic per model), keeps the newest
+``keep`` of each model, remembers every subscriber and the version it applied,
+and delivers each new version to push-mode subscribers, one delivery loop per
+subscriber so that a slow or dead one holds up nobody.
+
+Ownership: Ray >= 2.56 has no ``ray.put(_owner=...)``, so the process that
+pushed a version owns its objects. If that process dies, the versions it
+pushed can no longer be fetched (subscribers keep the version they applied,
+and the next push from a live trainer repairs everything).
+
+Example:
+    >>> import ray, raysync, torch
+    >>> ray.init()  # doctest: +SKIP
+    >>> hub = raysync.connect()
+    >>> v = hub.push(torch.nn.Linear(4, 2))
+    >>> hub.latest()
+    1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from tensordict import TensorDict
+
+from raysync.errors import (
+    ApplyError,
+    SyncTimeoutError,
+    UnknownModelError,
+    WeightMismatchError,
+)
+from raysync.weights import (
+    DEFAULT_BUCKET_BYTES,
+    Manifest,
+    bucket_checksums,
+    extract_tensors,
+    pack,
+    plan_layout,
+    schema_of,
+    to_tensordict,
+    unpack,
+    validate,
+)
+
+__all__ = ["DEFAULT_HUB", "DEFAULT_NAMESPACE", "HubClient", "WeightHub", "connect", "get_hub_actor"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HUB = "raysync"
+"""The hub's actor name unless told otherwise."""
+DEFAULT_NAMESPACE = "raysync"
+"""raysync's own Ray namespace: every driver, job and the CLI find the same hub there."""
+
+_REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
+_PING_TIMEOUT_S = 0.5
+
+
+@dataclass
+class _Version:
+    version: int
+    manifest: Manifest
+    refs: list[ray.ObjectRef]
+    pushed_at: float
+    pusher: dict[str, Any]
+
+
+@dataclass
+class _Model:
+    versions: dict[int, _Version] = field(default_factory=dict)
+    latest: int = 0
+    pushes: int = 0
+    bytes_pushed: int = 0
+    last_push_time: float | None = None
+
+    @property
+    def newest(self) -> _Version | None:
+        return self.versions.get(self.latest)
+
+
+@dataclass
+class _Subscriber:
+    sub_id: str
+    model_id: str
+    handle: Any
+    info: dict[str, Any]
+    schema: dict[str, tuple[tuple[int, ...], str]] | None
+    applied: int | None = None
+    sent: int = 0
+    failed: int = 0  # newest version that failed to apply
+    last_apply_time: float | None = None
+    last_apply_s: float | None = None
+    last_error: str | None = None
+    state: str = "live"
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def mode(self) -> str:
+        return str(self.info.get("mode", "push"))
+
+
+@ray.remote(num_cpus=0)
+class WeightHub:
+    """The hub actor. Reach it through :func:`connect`; its methods are internal.
+
+    Example:
+        >>> hub = raysync.connect("my-hub", keep=3)   # creates or finds the actor
+    """
+
+    def __init__(self, name: str = DEFAULT_HUB, keep: int = 2) -> None:
+        self._name = name
+        self._keep = max(1, int(keep))
+        self._models: dict[str, _Model] = {}
+        self._subs: dict[str, _Subscriber] = {}
+        self._cond: asyncio.Condition | None = None
+        self._started = time.time()
+
+    # ------------------------------------------------------------------ helpers
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _changed(self) -> None:
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    def _model_subs(self, model_id: str) -> list[_Subscriber]:
+        return [s for s in self._subs.values() if s.model_id == model_id and s.state != "dead"]
+
+    def _drop(self, sub: _Subscriber, why: str) -> None:
+        if self._subs.get(sub.sub_id) is sub:
+            del self._subs[sub.sub_id]
+        sub.state = "dead"
+        logger.warning("hub %r dropped subscriber %s of %r: %s", self._name, sub.sub_id, sub.model_id, why)
+
+    # ------------------------------------------------------------------ admin
+    async def configure(self, keep: int) -> dict[str, Any]:
+        if keep != self._keep:
+            logger.info("hub %r now keeps %d versions per model (was %d)", self._name, keep, self._keep)
+            self._keep = max(1, int(keep))
+            for model in self._models.values():
+                self._trim(model)
+        return {"name": self._name, "keep": self._keep, "pid": os.getpid()}
+
+    def _trim(self, model: _Model) -> None:
+        for v in sorted(model.versions)[: -self._keep]:
+            del model.versions[v]  # drops the hub's borrow of that version's objects
+
+    # ------------------------------------------------------------------ publish
+    async def publish(
+        self, model_id: str, manifest: Manifest, refs: list[ray.ObjectRef], pusher: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Stamp and keep a version; start delivering it. Returns ``{"version": v}`` or ``{"error": e}``."""
+        for sub in self._model_subs(model_id):
+            if sub.schema is None:
+                continue
+            try:
+                validate(manifest, sub.schema)
+            except WeightMismatchError as err:
+                err.args = (
+                    f"{err.args[0]} (against subscriber {sub.sub_id} of model {model_id!r}; "
+                    "no version was published and every subscriber keeps its weights)",
+                )
+                return {"error": err}
+        model = self._models.setdefault(model_id, _Model())
+        model.latest += 1
+        version = model.latest
+        model.versions[version] = _Version(version, manifest, list(refs), time.time(), pusher)
+        model.pushes += 1
+        model.bytes_pushed += manifest.total_nbytes
+        model.last_push_time = time.time()
+        self._trim(model)
+        for sub in self._model_subs(model_id):
+            if sub.mode == "push":
+                self._kick(sub)
+        await self._changed()
+        logger.debug("hub %r: %r version %d published", self._name, model_id, version)
+        return {"version": version}
+
+    def _kick(self, sub: _Subscriber) -> None:
+        if sub.task is None or sub.task.done():
+            sub.task = asyncio.get_running_loop().create_task(self._deliver(sub))
+
+    async def _deliver(self, sub: _Subscriber) -> None:
+        """Send the newest version to one subscriber until it holds it (one call in flight)."""
+        while sub.state != "dead":
+            model = self._models.get(sub.model_id)
+            newest = model.newest if model else None
+            if newest is None or newest.version <= max(sub.applied or 0, sub.sent):
+                return
+            sub.sent = newest.version
+            try:
+                reply = await sub.handle._raysync_notify.remote(
+                    sub.model_id, newest.version, newest.manifest, newest.refs
+                )
+            except ActorDiedError as err:
+                self._drop(sub, f"actor died ({type(err).__name__})")
+                await self._changed()
+                return
+            except (ActorUnavailableError, RayActorError) as err:
+                # Restarting or unreachable: it re-registers when it is back.
+                sub.state = "unreachable"
+                sub.sent = 0
+                sub.last_error = f"{type(err).__name__}: {str(err)[:300]}"
+                await self._changed()
+                return
+            except Exception as err:  # the notify itself failed: record, do not loop
+                sub.last_error = f"{type(err).__name__}: {str(err)[:500]}"
+                sub.failed = max(sub.failed, newest.version)
+                await self._changed()
+                return
+            self._record(sub, reply)
+            await self._changed()
+
+    def _record(self, sub: _Subscriber, reply: dict[str, Any]) -> None:
+        applied = reply.get("applied")
+        if applied is not None and (sub.applied is None or applied > sub.applied):
+            sub.applied = applied
+            sub.last_apply_time = time.time()
+            sub.last_apply_s = reply.get("apply_s")
+        if reply.get("error"):
+            sub.last_error = reply["error"]
+            sub.failed = max(sub.failed, int(reply.get("failed") or 0))
+        elif applied is not None:
+            sub.last_error = None
+        if sub.state == "unreachable":
+            sub.state = "live"
+
+    # ------------------------------------------------------------------ subscribers
+    async def register(
+        self,
+        model_id: str,
+        sub_id: str,
+        handle: Any,
+        info: dict[str, Any],
+        schema: dict[str, tuple[tuple[int, ...], str]] | None,
+    ) -> dict[str, Any] | None:
+        """Add (or re-add, after a restart) a subscriber; return the newest version to start from."""
+        old = self._subs.get(sub_id)
+        if old is not None and old.task is not None:
+            old.task.cancel()
+        sub = _Subscriber(sub_id, model_id, handle, dict(info), schema)
+        self._subs[sub_id] = sub
+        model = self._models.get(model_id)
+        newest = model.newest if model else None
+        logger.info("hub %r: subscriber %s registered for %r", self._name, sub_id, model_id)
+        await self._changed()
+        if newest is None:
+            return None
+        sub.sent = newest.version  # the subscriber applies it itself, from __init__
+        return {"version": newest.version, "manifest": newest.manifest, "refs": newest.refs}
+
+    async def unregister(self, sub_id: str) -> None:
+        sub = self._subs.pop(sub_id, None)
+        if sub is not None and sub.task is not None:
+            sub.task.cancel()
+        await self._changed()
+
+    async def report(self, sub_id: str, reply: dict[str, Any]) -> None:
+        """A subscriber applied (or failed to apply) a version on its own (start-up, pull mode)."""
+        sub = self._subs.get(sub_id)
+        if sub is None:
+            return
+        self._record(sub, reply)
+        if sub.mode == "push":
+            self._kick(sub)  # a version may have been pushed while it was busy
+        await self._changed()
+
+    # ------------------------------------------------------------------ queries
+    async def latest(self, model_id: str) -> int | None:
+        model = self._models.get(model_id)
+        return model.latest if model and model.latest else None
+
+    async def get(
+        self, model_id: str, version: int | None = None, newer_than: int | None = None
+    ) -> dict[str, Any] | None:
+        """The refs of one kept version (newest by default); None if nothing newer than ``newer_than``."""
+        model = self._models.get(model_id)
+        if model is None or not model.versions:
+            return {
+                "error": UnknownModelError(
+                    f"no version of model {model_id!r} on hub {self._name!r}; models here: "
+                    f"{sorted(self._models)}. Push one first with hub.push(model, model_id={model_id!r})"
+                )
+            }
+        v = model.versions.get(version if version is not None else model.latest)
+        if v is None:
+            return {
+                "error": UnknownModelError(
+                    f"version {version} of model {model_id!r} is not kept (kept: "
+                    f"{sorted(model.versions)}); raise keep= on connect() to keep more"
+                )
+            }
+        if newer_than is not None and v.version <= newer_than:
+            return None
+        return {"version": v.version, "manifest": v.manifest, "refs": v.refs}
+
+    async def wait(self, model_id: str, version: int, timeout: float | None) -> dict[str, Any]:
+        """Wait until every live subscriber of ``model_id`` applied ``version`` (or failed it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cond = self._condition()
+        while True:
+            laggards, failures = self._pending(model_id, version)
+            if not laggards:
+                return {"laggards": [], "failures": failures}
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                await self._reap(laggards)
+                laggards, failures = self._pending(model_id, version)
+                return {"laggards": laggards, "failures": failures}
+            step = _REAP_INTERVAL_S if remaining is None else min(remaining, _REAP_INTERVAL_S)
+            try:
+                async with cond:
+                    await asyncio.wait_for(cond.wait(), step)
+            except asyncio.TimeoutError:
+                await self._reap(laggards)
+
+    def _pending(self, model_id: str, version: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        laggards, failures = [], []
+        for sub in self._model_subs(model_id):
+            if sub.applied is not None and sub.applied >= version:
+                continue
+            row = {
+                "subscriber": sub.sub_id,
+                "actor": sub.info.get("class_name"),
+                "applied": sub.applied,
+                "error": sub.last_error,
+                "state": sub.state,
+            }
+            (failures if sub.failed >= version else laggards).append(row)
+        return laggards, failures
+
+    async def _reap(self, rows: list[dict[str, Any]]) -> None:
+        """Drop laggards whose actor is dead (a dead actor answers a ping at once)."""
+
+        async def check(sub: _Subscriber) -> None:
+            try:
+                await asyncio.wait_for(sub.handle._raysync_ping.remote(), _PING_TIMEOUT_S)
+            except ActorDiedError:
+                self._drop(sub, "actor died")
+            except (asyncio.TimeoutError, Exception):
+                pass  # busy or restarting: alive as far as we know
+
+        subs = [self._subs[r["subscriber"]] for r in rows if r["subscriber"] in self._subs]
+        await asyncio.gather(*(check(s) for s in subs))
+
+    async def status(self) -> dict[str, Any]:
+        now = time.time()
+        models = {}
+        for model_id, model in sorted(self._models.items()):
+            newest = model.newest
+            models[model_id] = {
+                "latest": model.latest or None,
+                "versions_kept": sorted(model.versions),
+                "bytes_per_version": newest.manifest.total_nbytes if newest else 0,
+                "buckets": newest.manifest.num_buckets if newest else 0,
+                "layout_hash": newest.manifest.layout_hash if newest else None,
+                "pushes": model.pushes,
+                "bytes_pushed": model.bytes_pushed,
+                "last_push_time": model.last_push_time,
+                "last_push_age_s": None if model.last_push_time is None else now - model.last_push_time,
+            }
+        subs = []
+        for sub in sorted(self._subs.values(), key=lambda s: (s.model_id, s.sub_id)):
+            latest = self._models[sub.model_id].latest if sub.model_id in self._models else 0
+            subs.append(
+                {
+                    "subscriber": sub.sub_id,
+                    "model_id": sub.model_id,
+                    "actor_id": sub.info.get("actor_id"),
+                    "class_name": sub.info.get("class_name"),
+                    "node_id": sub.info.get("node_id"),
+                    "pid": sub.info.get("pid"),
+                    "mode": sub.mode,
+                    "apply": sub.info.get("apply"),
+                    "applied": sub.applied,
+                    "lag": latest - (sub.applied or 0),
+                    "last_apply_time": sub.last_apply_time,
+                    "last_apply_s": sub.last_apply_s,
+                    "last_error": sub.last_error,
+                    "state": sub.state,
+                }
+            )
+        return {
+            "hub": self._name,
+            "keep": self._keep,
+            "uptime_s": now - self._started,
+            "models": models,
+            "subscribers": subs,
+        }
+
+
+# ---------------------------------------------------------------------- client side
+
+
+def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep: int = 2) -> Any:
+    """Get or create the named, detached hub actor (safe when many processes race).
+
+    Example:
+        >>> handle = get_hub_actor("raysync")  # doctest: +SKIP
+    """
+    if not ray.is_initialized():
+        ray.init()
+    return WeightHub.options(  # type: ignore[attr-defined]
+        name=name,
+        namespace=namespace or DEFAULT_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        max_concurrency=10_000,
+    ).remote(name=name, keep=keep)
+
+
+def connect(name: str = DEFAULT_HUB, *, namespace: str | None = None, keep: int = 2) -> HubClient:
+    """Connect to the hub called ``name``, creating it if no one has.
+
+    Args:
+        name: the hub's actor name; one hub serves many models.
+        namespace: Ray namespace of the hub; ``None`` is raysync's own
+            (``"raysync"``), so every driver, job and the CLI share it.
+        keep: how many versions per model the hub keeps (older ones are released).
+
+    Returns:
+        A picklable :class:`HubClient`: hand it to trainer actors or tasks.
+
+    Example:
+        >>> import ray, raysync, torch
+        >>> ray.init()  # doctest: +SKIP
+        >>> hub = raysync.connect()
+        >>> v = hub.push(torch.nn.Linear(4, 2))
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"hub name must be a non-empty string, got {name!r}")
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1 (versions kept per model), got {keep!r}")
+    client = HubClient(name, namespace=namespace)
+    handle = get_hub_actor(name, namespace, keep=keep)
+    ray.get(handle.configure.remote(keep))
+    client._handle = handle
+    return client
+
+
+class HubClient:
+    """What a trainer (or anyone) uses to push, wait, pull and inspect. Picklable.
+
+    Get one from :func:`connect`. Every option is keyword-only.
+
+    Example:
+        >>> hub = raysync.connect()
+        >>> v = hub.push(model)                     # returns once the snapshot is in the object store
+        >>> hub.wait(v, timeout=30)                 # until every subscriber applied it
+        >>> hub.pull()["fc", "weight"].shape
+    """
+
+    def __init__(self, name: str = DEFAULT_HUB, *, namespace: str | None = None) -> None:
+        self.name = name
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self._handle: Any = None
+        self._layouts: dict[tuple[Any, ...], Manifest] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only the address travels; the handle is looked up again where it lands.
+        return (_restore_client, (self.name, self.namespace))
+
+    def __repr__(self) -> str:
+        return f"HubClient(name={self.name!r}, namespace={self.namespace!r})"
+
+    @property
+    def actor(self) -> Any:
+        """The hub's Ray actor handle (looked up by name on first use)."""
+        if self._handle is None:
+            self._handle = get_hub_actor(self.name, self.namespace)
+        return self._handle
+
+    # ------------------------------------------------------------------ push
+    def push(
+        self,
+        weights: Any,
+        model_id: str = "policy",
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        checksum: bool = False,
+    ) -> int:
+        """Snapshot ``weights`` into the object store once and publish them as a new version.
+
+        Returns as soon as the snapshot is taken: the caller may change its
+        model right after. Subscribers apply the version in the background.
+
+        Args:
+            weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
+            model_id: which model this is; one hub serves several.
+            wait: also wait until every subscriber of ``model_id`` applied it.
+            timeout: seconds for ``wait=True`` (``None``: no limit).
+            bucket_bytes: target bucket size (a version is a few buckets).
+            checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
+
+        Returns:
+            The version number the hub stamped (1, 2, ... per model).
+
+        Raises:
+            WeightMismatchError: the weights do not fit the subscribers' models
+                (nothing is published; everyone keeps the previous version).
+            InvalidWeightsError: empty weights or non-tensor leaves.
+            SyncTimeoutError: ``wait=True`` and ``timeout`` passed first.
+
+        Example:
+            >>> v = hub.push(model)
+            >>> v = hub.push(model.state_dict(), "critic", wait=True, timeout=30)
+        """
+        _check_model_id(model_id)
+        _check_timeout(timeout)
+        t0 = time.perf_counter()
+        tensors = extract_tensors(weights)
+        manifest = self._layout(tensors, bucket_bytes)
+        buckets = pack(tensors, manifest)
+        if checksum:
+            manifest = manifest.with_checksums(bucket_checksums(buckets))
+        refs = [ray.put(bucket) for bucket in buckets]
+        del buckets
+        snapshot_s = time.perf_counter() - t0
+        pusher = {"pid": os.getpid(), "host": socket.gethostname(), "snapshot_s": snapshot_s}
+        reply = ray.get(self.actor.publish.remote(model_id, manifest, refs, pusher))
+        if "error" in reply:
+            raise reply["error"]
+        version = int(reply["version"])
+        logger.debug(
+            "pushed %r version %d: %.1f MiB in %d bucket(s), snapshot %.3f s",
+            model_id, version, manifest.total_nbytes / 2**20, manifest.num_buckets, snapshot_s,
+        )
+        if wait:
+            self.wait(version, model_id, timeout=timeout)
+        return version
+
+    def _layout(self, tensors: dict[str, Any], bucket_bytes: int) -> Manifest:
+        key = (bucket_bytes, tuple((k, *v) for k, v in schema_of(tensors).items()))
+        manifest = self._layouts.get(key)
+        if manifest is None:
+            manifest = plan_layout(tensors, bucket_bytes=bucket_bytes)
+            self._layouts = {key: manifest}  # one layout cached: structure rarely changes
+        return manifest
+
+    # ------------------------------------------------------------------ wait / query
+    def wait(self, version: int, model_id: str = "policy", *, timeout: float | None = None) -> None:
+        """Block until every subscriber of ``model_id`` applied ``version`` (or a newer one).
+
+        Subscribers whose actor died are dropped, not waited for.
+
+        Raises:
+            SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards.
+            ApplyError: some subscriber failed to apply it (it keeps its previous version).
+
+        Example:
+            >>> hub.wait(hub.push(model), timeout=30)
+        """
+        _check_model_id(model_id)
+        _check_timeout(timeout)
+        reply = ray.get(self.actor.wait.remote(model_id, int(version), timeout))
+        if reply["laggards"]:
+            rows = reply["laggards"]
+            names = ", ".join(
+                f"{r['subscriber']} ({r['actor']}, applied {r['applied']}"
+                + (f", error: {r['error']}" if r["error"] else "")
+                + ")"
+                for r in rows[:10]
+            )
+            raise SyncTimeoutError(
+                f"{len(rows)} subscriber(s) of {model_id!r} did not apply version {version} "
+                f"within {timeout} s: {names}",
+                laggards=rows,
+            )
+        if reply["failures"]:
+            rows = reply["failures"]
+            names = "; ".join(f"{r['subscriber']} ({r['actor']}): {r['error']}" for r in rows[:10])
+            raise ApplyError(
+                f"{len(rows)} subscriber(s) of {model_id!r} failed to apply version {version} "
+                f"and kept their previous weights: {names}",
+                failures=rows,
+            )
+
+    def latest(self, model_id: str = "policy") -> int | None:
+        """The newest version of ``model_id`` (``None`` before the first push).
+
+        Example:
+            >>> hub.latest()
+            12
+        """
+        _check_model_id(model_id)
+        result: int | None = ray.get(self.actor.latest.remote(model_id))
+        return result
+
+    def pull(self, model_id: str = "policy", version: int | None = None) -> TensorDict:
+        """The weights of a kept version (newest by default), as a nested TensorDict.
+
+        The tensors are private copies: change them freely.
+
+        Raises:
+            UnknownModelError: nothing pushed for ``model_id``, or ``version`` not kept.
+
+        Example:
+            >>> td = hub.pull()
+            >>> model.load_state_dict(td.flatten_keys(".").to_dict())
+        """
+        _check_model_id(model_id)
+        info = ray.get(self.actor.get.remote(model_id, version))
+        if info is not None and "error" in info:
+            raise info["error"]
+        assert info is not None
+        buckets = ray.get(info["refs"])
+        tensors = {k: t.clone() for k, t in unpack(info["manifest"], buckets).items()}
+        return to_tensordict(tensors)
+
+    def status(self) -> dict[str, Any]:
+        """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors).
+
+        Example:
+            >>> hub.status()["subscribers"][0]["lag"]
+            0
+        """
+        result: dict[str, Any] = ray.get(self.actor.status.remote())
+        return result
+
+
+def _restore_client(name: str, namespace: str) -> HubClient:
+    return HubClient(name, namespace=namespace)
+
+
+def _check_model_id(model_id: Any) -> None:
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
+
+
+def _check_timeout(timeout: Any) -> None:
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+
