@@ -141,37 +141,66 @@ def synced_model(
 
 
 def _synced_class(cls: type[T], spec: SyncSpec) -> type[T]:
-    specs: tuple[SyncSpec, ...] = cls.__dict__.get("__raysync_specs__", ())
-    if specs:  # a second @synced_model on the same (already synced) class
+    specs: tuple[SyncSpec, ...] = getattr(cls, "__raysync_specs__", ())
+    if specs:  # another @synced_model on an already synced class (or a subclass of one)
         if any(s.model_id == spec.model_id for s in specs):
             raise ValueError(f"{cls.__name__} already syncs model_id {spec.model_id!r}")
         cls.__raysync_specs__ = (*specs, spec)  # type: ignore[attr-defined]
         return cls
-    is_async = _is_async_class(cls)
-    base_init = cls.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        base_init(self, *args, **kwargs)
-        _ActorSync.attach(self, type(self).__raysync_specs__, is_async)
-
     namespace: dict[str, Any] = {
         "__raysync_specs__": (spec,),
-        "__init__": functools.wraps(base_init)(__init__),
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
+        "__init_subclass__": _init_subclass,
         "raysync_version": _raysync_version,
         "_raysync_ping": _raysync_ping,
     }
-    if is_async:
-        namespace["_raysync_notify"] = _raysync_notify_async
-        namespace["raysync_sync"] = _raysync_sync_async
-    else:
-        namespace["_raysync_notify"] = _raysync_notify
-        namespace["raysync_sync"] = _raysync_sync
-    for name, fn in _user_methods(cls):
-        namespace[name] = _guarded(fn, is_async)
-    return type(cls.__name__, (cls,), namespace)
+    synced = type(cls.__name__, (cls,), namespace)
+    inherited: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # every class but object, the nearest one winning
+        inherited.update(vars(klass))
+    _prepare(synced, own=inherited, init=cls.__init__)
+    return synced
+
+
+def _init_subclass(sub: type, **kwargs: Any) -> None:
+    """Subclasses of a synced class are synced too: their own methods get the same guard."""
+    hook_owner = next(
+        k for k in sub.__mro__[1:] if getattr(vars(k).get("__init_subclass__"), "__func__", None) is _init_subclass
+    )
+    super(hook_owner, sub).__init_subclass__(**kwargs)
+    _prepare(sub, own=dict(vars(sub)), init=sub.__dict__.get("__init__"))
+
+
+def _prepare(cls: type, *, own: Any, init: Any) -> None:
+    """Guard the methods ``cls`` defines, choose the async or sync receive path, wrap ``__init__``."""
+    is_async = _is_async_class(cls)
+    cls.__raysync_async__ = is_async  # type: ignore[attr-defined]
+    cls._raysync_notify = _raysync_notify_async if is_async else _raysync_notify  # type: ignore[attr-defined]
+    cls.raysync_sync = _raysync_sync_async if is_async else _raysync_sync  # type: ignore[attr-defined]
+    for name, fn in _user_methods(own):
+        setattr(cls, name, _guarded(fn, is_async))
+    if init is not None:
+        cls.__init__ = _attaching_init(init)  # type: ignore[misc]
+
+
+def _attaching_init(init: Callable[..., None]) -> Callable[..., None]:
+    """Run ``__init__``; once the outermost one returns, register with the hub."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        depth = self.__dict__.get("_raysync_init_depth", 0)
+        self.__dict__["_raysync_init_depth"] = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            self.__dict__["_raysync_init_depth"] = depth
+        if depth == 0:
+            cls = type(self)
+            _ActorSync.attach(self, cls.__raysync_specs__, cls.__raysync_async__)
+
+    return __init__
 
 
 def _is_async_class(cls: type) -> bool:
@@ -181,21 +210,17 @@ def _is_async_class(cls: type) -> bool:
     )
 
 
-def _user_methods(cls: type) -> Iterator[tuple[str, Callable[..., Any]]]:
-    seen: set[str] = set()
-    for klass in cls.__mro__:
-        if klass is object:
+def _user_methods(own: Any) -> Iterator[tuple[str, Callable[..., Any]]]:
+    """The public methods (and ``__call__``) among a class's own attributes."""
+    for name, value in list(own.items()):
+        if name in _RAYSYNC_METHODS or (name.startswith("_") and name != "__call__"):
             continue
-        for name, value in vars(klass).items():
-            if name in seen:
-                continue
-            seen.add(name)
-            if name in _RAYSYNC_METHODS or (name.startswith("_") and name != "__call__"):
-                continue
-            if inspect.isfunction(value) and not (
-                inspect.isgeneratorfunction(value) or inspect.isasyncgenfunction(value)
-            ):
-                yield name, value
+        if getattr(value, "__raysync_guarded__", False):
+            continue
+        if inspect.isfunction(value) and not (
+            inspect.isgeneratorfunction(value) or inspect.isasyncgenfunction(value)
+        ):
+            yield name, value
 
 
 def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
@@ -210,6 +235,7 @@ def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
             async with sync.async_lock.read():
                 return await fn(self, *args, **kwargs)
 
+        async_method.__raysync_guarded__ = True  # type: ignore[attr-defined]
         return async_method
     if is_async:
         # Sync methods of an async actor run on its event loop: nothing interleaves with them.
@@ -223,6 +249,7 @@ def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
         with sync.lock.read():
             return fn(self, *args, **kwargs)
 
+    method.__raysync_guarded__ = True  # type: ignore[attr-defined]
     return method
 
 
@@ -272,7 +299,7 @@ def _raysync_sync(self: Any, timeout: float | None = None, model_id: str | None 
     if sync is None:
         return False
     subs = [sync.subscription(model_id)] if model_id else list(sync.subs.values())
-    return any([sub.sync(timeout) for sub in subs])
+    return any([sub.sync_newest(timeout) for sub in subs])
 
 
 async def _raysync_sync_async(
@@ -283,7 +310,7 @@ async def _raysync_sync_async(
     if sync is None:
         return False
     subs = [sync.subscription(model_id)] if model_id else list(sync.subs.values())
-    results = [await sub.sync_async(timeout) for sub in subs]
+    results = [await sub.sync_newest_async(timeout) for sub in subs]
     return any(results)
 
 
@@ -465,7 +492,7 @@ class _Subscription:
             return None  # nothing pushed yet
         return info
 
-    def sync(self, timeout: float | None) -> bool:
+    def sync_newest(self, timeout: float | None) -> bool:
         if self.hub is None:
             return False
         info = self._newer(timeout)
@@ -477,7 +504,7 @@ class _Subscription:
             raise RaySyncError(f"raysync_sync could not apply version {info['version']}: {reply['error']}")
         return "skipped" not in reply
 
-    async def sync_async(self, timeout: float | None) -> bool:
+    async def sync_newest_async(self, timeout: float | None) -> bool:
         if self.hub is None:
             return False
         info = await asyncio.wait_for(

@@ -1,0 +1,75 @@
+"""Shared fixtures: one small local Ray cluster per test session, one hub per test."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import raysync
+
+OBJECT_STORE_BYTES = 1536 * 2**20  # keep the suite inside a 2-core, 24 GiB machine
+
+
+def wait_for_condition(
+    predicate: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s: {what or predicate} (last: {last!r})")
+
+
+@pytest.fixture(scope="session")
+def ray_start_regular() -> Iterator[dict[str, Any]]:
+    """A local Ray cluster shared by the session (4 logical CPUs, 1.5 GiB object store)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    info = ray.init(
+        num_cpus=4,
+        object_store_memory=OBJECT_STORE_BYTES,
+        include_dashboard=False,
+        logging_level="warning",
+        log_to_driver=False,
+    )
+    yield dict(info.address_info)
+    ray.shutdown()
+
+
+@pytest.fixture
+def hub_name(ray_start_regular: dict[str, Any]) -> str:
+    """A fresh hub name per test, so tests never see each other's versions."""
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def hub(hub_name: str) -> Iterator[raysync.HubClient]:
+    client = raysync.connect(hub_name)
+    yield client
+    ray.kill(client.actor)
+
+
+def small_policy(seed: int = 0, *, out: int = 4) -> torch.nn.Module:
+    """A tiny policy with parameters of three dtypes' worth of buffers."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, out))
+    return model
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bit-equal, key for key (compares raw bytes so NaNs and -0.0 count too)."""
+    assert sorted(a) == sorted(b)
+    for key in a:
+        x, y = a[key].detach().contiguous(), b[key].detach().contiguous()
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key
