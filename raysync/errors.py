@@ -141,4 +141,3 @@ class ReadOnlyWeightsError(RaySyncError, RuntimeError):
         >>> self.policy.weight.add_(1)  # doctest: +SKIP
         raysync.ReadOnlyWeightsError: 'add_' would write into weights shared ...
     """
-

@@ -330,7 +330,8 @@ class WeightHub:
                 await self._reap(laggards)
 
     def _pending(self, model_id: str, version: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        laggards, failures = [], []
+        laggards: list[dict[str, Any]] = []
+        failures: list[dict[str, Any]] = []
         for sub in self._model_subs(model_id):
             if sub.applied is not None and sub.applied >= version:
                 continue
@@ -541,7 +542,11 @@ class HubClient:
         version = int(reply["version"])
         logger.debug(
             "pushed %r version %d: %.1f MiB in %d bucket(s), snapshot %.3f s",
-            model_id, version, manifest.total_nbytes / 2**20, manifest.num_buckets, snapshot_s,
+            model_id,
+            version,
+            manifest.total_nbytes / 2**20,
+            manifest.num_buckets,
+            snapshot_s,
         )
         if wait:
             self.wait(version, model_id, timeout=timeout)
@@ -648,4 +653,3 @@ def _check_model_id(model_id: Any) -> None:
 def _check_timeout(timeout: Any) -> None:
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
         raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-

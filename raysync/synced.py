@@ -166,10 +166,12 @@ def _synced_class(cls: type[T], spec: SyncSpec) -> type[T]:
 
 def _init_subclass(sub: type, **kwargs: Any) -> None:
     """Subclasses of a synced class are synced too: their own methods get the same guard."""
-    hook_owner = next(
-        k for k in sub.__mro__[1:] if getattr(vars(k).get("__init_subclass__"), "__func__", None) is _init_subclass
+    hook_owner: type = next(
+        k
+        for k in sub.__mro__[1:]
+        if getattr(vars(k).get("__init_subclass__"), "__func__", None) is _init_subclass
     )
-    super(hook_owner, sub).__init_subclass__(**kwargs)
+    super(hook_owner, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
     _prepare(sub, own=dict(vars(sub)), init=sub.__dict__.get("__init__"))
 
 
@@ -302,9 +304,7 @@ def _raysync_sync(self: Any, timeout: float | None = None, model_id: str | None 
     return any([sub.sync_newest(timeout) for sub in subs])
 
 
-async def _raysync_sync_async(
-    self: Any, timeout: float | None = None, model_id: str | None = None
-) -> bool:
+async def _raysync_sync_async(self: Any, timeout: float | None = None, model_id: str | None = None) -> bool:
     """Async form of ``raysync_sync`` for async actors: ``await self.raysync_sync()``."""
     sync = _ActorSync.of(self)
     if sync is None:
@@ -439,11 +439,17 @@ class _Subscription:
     def _reply(self, version: int, t0: float, error: BaseException | None) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         if error is None:
-            logger.debug("%s applied %r version %d in %.4f s", self.sub_id, self.spec.model_id, version, elapsed)
+            logger.debug(
+                "%s applied %r version %d in %.4f s", self.sub_id, self.spec.model_id, version, elapsed
+            )
             return {"applied": self.version, "apply_s": elapsed}
         logger.warning(
             "%s failed to apply %r version %d, keeps version %s: %s",
-            self.sub_id, self.spec.model_id, version, self.version, error,
+            self.sub_id,
+            self.spec.model_id,
+            version,
+            self.version,
+            error,
         )
         return {
             "applied": self.version,
@@ -649,9 +655,7 @@ class _ModuleHost:
     def __init__(self, module_factory: Callable[[], torch.nn.Module]) -> None:
         self.module = module_factory()
         if not isinstance(self.module, torch.nn.Module):
-            raise TypeError(
-                f"module_factory must return an nn.Module, returned {type(self.module).__name__}"
-            )
+            raise TypeError(f"module_factory must return an nn.Module, returned {type(self.module).__name__}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
@@ -702,7 +706,7 @@ class RayModuleTransform:
                 placement_group_bundle_index=-1 if bundle_index is None else bundle_index,
             )
         self.model_id = model_id
-        self.actor = ray.remote(host).options(**options).remote(module_factory)
+        self.actor: Any = ray.remote(host).options(**options).remote(module_factory)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module in its actor on the given input; return the output."""

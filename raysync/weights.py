@@ -37,7 +37,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from raysync.errors import ChecksumError, InvalidWeightsError, ReadOnlyWeightsError, WeightMismatchError
+from raysync.errors import (
+    ChecksumError,
+    InvalidWeightsError,
+    ReadOnlyWeightsError,
+    WeightMismatchError,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -225,9 +230,7 @@ def schema_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int,
 # --------------------------------------------------------------------------- layout
 
 
-def plan_layout(
-    tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> Manifest:
+def plan_layout(tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
     """Assign every tensor a bucket and an offset.
 
     Tensors fill buckets in key order; a bucket closes when the next tensor
@@ -269,9 +272,7 @@ def plan_layout(
             nbytes = t.numel() * t.element_size()
             align = _MAJOR_ALIGN if nbytes >= _MAJOR_SIZE else _MINOR_ALIGN
             offset = -(-offset // align) * align
-            entries.append(
-                TensorEntry(key, tuple(t.shape), _dtype_name(t.dtype), b, i, offset, nbytes)
-            )
+            entries.append(TensorEntry(key, tuple(t.shape), _dtype_name(t.dtype), b, i, offset, nbytes))
             offset += nbytes
         spans.append(offset)
     entries.sort(key=lambda e: e.key)
@@ -321,7 +322,7 @@ def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]
         crc = 0
         for a in arrays:
             if a.nbytes:
-                crc = zlib.crc32(memoryview(a).cast("B"), crc)
+                crc = zlib.crc32(a.data.cast("B"), crc)
         out.append(crc)
     return tuple(out)
 
@@ -331,7 +332,7 @@ def verify_checksums(manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]]
     if manifest.checksums is None:
         return
     got = bucket_checksums(buckets)
-    bad = [b for b, (want, have) in enumerate(zip(manifest.checksums, got)) if want != have]
+    bad = [b for b, (want, have) in enumerate(zip(manifest.checksums, got, strict=True)) if want != have]
     if bad:
         raise ChecksumError(
             f"bucket(s) {bad} of layout {manifest.layout_hash} failed their checksum: "
@@ -353,7 +354,7 @@ def validate(manifest: Manifest, model_schema: Mapping[str, tuple[tuple[int, ...
         >>> validate(m, {"w": ((2,), "float32")})
         Traceback (most recent call last):
         ...
-        raysync.errors.WeightMismatchError: weights do not match the model: shape mismatch w: pushed (3,), model (2,)
+        raysync.errors.WeightMismatchError: weights do not match the model: shape mismatch w: ...
     """
     pushed = manifest.schema()
     missing = sorted(set(model_schema) - set(pushed))
@@ -452,11 +453,11 @@ def _span(arrays: Sequence[np.ndarray], entries: Sequence[TensorEntry], nbytes: 
     if not arrays or nbytes == 0:
         return None
     base = arrays[0].ctypes.data
-    for arr, entry in zip(arrays, entries):
+    for arr, entry in zip(arrays, entries, strict=True):
         if arr.nbytes and arr.ctypes.data - base != entry.offset:
             return None
     raw = (ctypes.c_uint8 * nbytes).from_address(base)
-    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8))
+    return torch.from_numpy(np.ctypeslib.as_array(raw))
 
 
 class BoundModel:
@@ -534,7 +535,7 @@ class BoundModel:
                 if src is not None:
                     flat.copy_(src)
                     continue
-                for entry, arr in zip(entries, arrays):
+                for entry, arr in zip(entries, arrays, strict=True):
                     if entry.nbytes:
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore", UserWarning)

@@ -45,7 +45,7 @@ def test_models_are_independent_and_unknown_ones_are_named(hub: raysync.HubClien
     hub.push({"v": torch.ones(3)}, "critic")
     hub.push({"v": torch.ones(3) * 2}, "critic")
     assert (hub.latest("actor"), hub.latest("critic")) == (1, 2)
-    with pytest.raises(raysync.UnknownModelError, match="'nope'.*'actor', 'critic'"):
+    with pytest.raises(raysync.UnknownModelError, match=r"'nope'.*'actor', 'critic'"):
         hub.pull("nope")
     with pytest.raises(KeyError):  # also the built-in a caller would catch
         hub.pull("nope")
@@ -56,7 +56,7 @@ def test_keep_releases_old_versions(hub_name: str) -> None:
     for i in range(4):
         hub.push({"w": torch.full((4,), float(i))})
     assert hub.status()["models"]["policy"]["versions_kept"] == [3, 4]
-    with pytest.raises(raysync.UnknownModelError, match="version 1 .* not kept .*keep="):
+    with pytest.raises(raysync.UnknownModelError, match=r"version 1 .* not kept .*keep="):
         hub.pull(version=1)
     ray.kill(hub.actor)
 

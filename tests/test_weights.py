@@ -87,7 +87,7 @@ def test_buckets_split_at_the_configured_size_and_cover_every_tensor() -> None:
         entries = manifest.bucket_entries(b)
         assert sum(e.nbytes for e in entries) <= 3 * 4096
         ends = [e.offset + e.nbytes for e in entries]
-        assert all(e2.offset >= end for e2, end in zip(entries[1:], ends))  # no overlap
+        assert all(e2.offset >= end for e2, end in zip(entries[1:], ends[:-1], strict=True))  # no overlap
 
 
 def test_layout_hash_changes_only_with_structure() -> None:
@@ -100,7 +100,9 @@ def test_layout_hash_changes_only_with_structure() -> None:
 
 
 def test_validate_lists_every_problem_at_once() -> None:
-    manifest = plan_layout({"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(1), "x": torch.zeros(1)})
+    manifest = plan_layout(
+        {"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(1), "x": torch.zeros(1)}
+    )
     model = {"a": ((2,), "float32"), "b": ((4,), "float32"), "c": ((1,), "int64"), "m": ((1,), "float32")}
     with pytest.raises(raysync.WeightMismatchError) as info:
         validate(manifest, model)

@@ -1,0 +1,40 @@
+# raysync: `make demo` runs the quick start, `make test` runs lint, types and the tests.
+# Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Which torch to install first. Without a GPU we take the CPU build (torch==2.13.0 is the
+# CPU wheel on our CI machines; elsewhere add TORCH_PIP_ARGS="--index-url
+# https://download.pytorch.org/whl/cpu"). With nvidia-smi present, plain `torch` (CUDA).
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+TORCH_PIP_ARGS ?=
+STAMP := $(VENV)/.raysync-installed
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check raysync tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy raysync
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=10
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/push_fanout.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
