@@ -25,19 +25,23 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from tensordict import TensorDict
 
 from raysync.errors import (
     ApplyError,
+    InvalidWeightsError,
     SyncTimeoutError,
     UnknownModelError,
     WeightMismatchError,
@@ -46,9 +50,11 @@ from raysync.weights import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
     bucket_checksums,
+    cast_floating,
     extract_tensors,
     pack,
     plan_layout,
+    same_bytes,
     schema_of,
     to_tensordict,
     unpack,
@@ -102,6 +108,9 @@ class _Subscriber:
     failed: int = 0  # newest version that failed to apply
     last_apply_time: float | None = None
     last_apply_s: float | None = None
+    last_pause_s: float | None = None
+    last_buckets_fetched: int | None = None
+    last_prefetched: bool = False
     last_error: str | None = None
     state: str = "live"
     task: asyncio.Task[None] | None = None
@@ -232,6 +241,9 @@ class WeightHub:
             sub.applied = applied
             sub.last_apply_time = time.time()
             sub.last_apply_s = reply.get("apply_s")
+            sub.last_pause_s = reply.get("pause_s")
+            sub.last_buckets_fetched = reply.get("buckets_fetched")
+            sub.last_prefetched = bool(reply.get("prefetched"))
         if reply.get("error"):
             sub.last_error = reply["error"]
             sub.failed = max(sub.failed, int(reply.get("failed") or 0))
@@ -308,6 +320,21 @@ class WeightHub:
         if newer_than is not None and v.version <= newer_than:
             return None
         return {"version": v.version, "manifest": v.manifest, "refs": v.refs}
+
+    async def wait_newer(self, model_id: str, version: int, timeout: float) -> dict[str, Any] | None:
+        """Long poll: the newest version once it is newer than ``version``, or None after ``timeout``."""
+        cond = self._condition()
+
+        def newer() -> bool:
+            model = self._models.get(model_id)
+            return model is not None and model.latest > version
+
+        try:
+            async with cond:
+                await asyncio.wait_for(cond.wait_for(newer), timeout)
+        except asyncio.TimeoutError:
+            return None
+        return await self.get(model_id)
 
     async def wait(self, model_id: str, version: int, timeout: float | None) -> dict[str, Any]:
         """Wait until every live subscriber of ``model_id`` applied ``version`` (or failed it)."""
@@ -392,6 +419,9 @@ class WeightHub:
                     "lag": latest - (sub.applied or 0),
                     "last_apply_time": sub.last_apply_time,
                     "last_apply_s": sub.last_apply_s,
+                    "last_pause_s": sub.last_pause_s,
+                    "last_buckets_fetched": sub.last_buckets_fetched,
+                    "last_prefetched": sub.last_prefetched,
                     "last_error": sub.last_error,
                     "state": sub.state,
                 }
@@ -472,6 +502,8 @@ class HubClient:
         self.namespace = namespace or DEFAULT_NAMESPACE
         self._handle: Any = None
         self._layouts: dict[tuple[Any, ...], Manifest] = {}
+        self._separate: dict[str, frozenset[str]] = {}
+        self.last_push: dict[str, Any] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the address travels; the handle is looked up again where it lands.
@@ -495,6 +527,10 @@ class HubClient:
         *,
         wait: bool = False,
         timeout: float | None = None,
+        max_lag: int | None = None,
+        keys: Iterable[str] | Callable[[str], bool] | None = None,
+        dtype: torch.dtype | None = None,
+        delta: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: bool = False,
     ) -> int:
@@ -507,7 +543,17 @@ class HubClient:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
             model_id: which model this is; one hub serves several.
             wait: also wait until every subscriber of ``model_id`` applied it.
-            timeout: seconds for ``wait=True`` (``None``: no limit).
+            timeout: seconds for ``wait=True`` and ``max_lag`` (``None``: no limit).
+            max_lag: first wait while any subscriber is more than ``max_lag``
+                versions behind, so the trainer never runs further ahead.
+            keys: push only these tensors (exact keys, ``fnmatch`` patterns
+                such as ``"*.lora_*"``, or a predicate on the key); the others
+                keep the values of the previous version. Selected keys get
+                buckets of their own, so only their bytes move.
+            dtype: cast floating-point tensors to this dtype once, here
+                (subscribers' parameters must have that dtype).
+            delta: re-use the previous version's buckets whose bytes did not
+                change; subscribers holding them skip them.
             bucket_bytes: target bucket size (a version is a few buckets).
             checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
 
@@ -517,34 +563,86 @@ class HubClient:
         Raises:
             WeightMismatchError: the weights do not fit the subscribers' models
                 (nothing is published; everyone keeps the previous version).
-            InvalidWeightsError: empty weights or non-tensor leaves.
-            SyncTimeoutError: ``wait=True`` and ``timeout`` passed first.
+            InvalidWeightsError: empty weights, non-tensor leaves, ``keys``
+                that match nothing, or ``keys`` before any full push.
+            SyncTimeoutError: ``wait=True`` or ``max_lag`` and ``timeout`` passed first.
 
         Example:
             >>> v = hub.push(model)
-            >>> v = hub.push(model.state_dict(), "critic", wait=True, timeout=30)
+            >>> v = hub.push(model, max_lag=2, timeout=60)          # bounded staleness
+            >>> v = hub.push(model, keys=["*lora*"])                # adapters only
+            >>> v = hub.push(model, dtype=torch.bfloat16, delta=True)
         """
         _check_model_id(model_id)
         _check_timeout(timeout)
+        if max_lag is not None:
+            if not isinstance(max_lag, int) or max_lag < 1:
+                raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
+            target = (self.latest(model_id) or 0) + 1 - max_lag
+            if target >= 1:
+                self.wait(target, model_id, timeout=timeout)
         t0 = time.perf_counter()
         tensors = extract_tensors(weights)
-        manifest = self._layout(tensors, bucket_bytes)
+        if dtype is not None:
+            tensors = cast_floating(tensors, dtype)
+        selected = _select_keys(tensors, keys) if keys is not None else None
+        prev = self._previous(model_id) if (delta or selected is not None) else None
+        if selected is not None:
+            if prev is None:
+                raise InvalidWeightsError(
+                    f"push(keys=...) needs a previous full version of {model_id!r} to fill in the other "
+                    "keys: push the whole model once first"
+                )
+            if prev["manifest"].schema() != schema_of(tensors):
+                raise InvalidWeightsError(
+                    f"push(keys=...) needs the rest of the model to keep the structure of version "
+                    f"{prev['version']} of {model_id!r}; it changed, so push the whole model"
+                )
+            self._separate[model_id] = frozenset(selected)
+        manifest = self._layout(tensors, bucket_bytes, self._separate.get(model_id, frozenset()))
+        prev_buckets: list[Any] | None = None
+        if prev is not None:
+            prev_buckets = ray.get(list(prev["refs"]))
+            if selected is not None:  # the other keys keep the previous version's bytes
+                old = unpack(prev["manifest"], prev_buckets)
+                tensors = {k: (t if k in selected else old[k]) for k, t in tensors.items()}
         buckets = pack(tensors, manifest)
         if checksum:
             manifest = manifest.with_checksums(bucket_checksums(buckets))
-        refs = [ray.put(bucket) for bucket in buckets]
-        del buckets
+        refs: list[ray.ObjectRef] = []
+        put_bytes = puts = 0
+        same_layout = prev is not None and prev["manifest"].layout_hash == manifest.layout_hash
+        for b, bucket in enumerate(buckets):
+            if (
+                same_layout
+                and prev_buckets is not None
+                and _unchanged(b, manifest, selected, delta, bucket, prev_buckets)
+            ):
+                refs.append(prev["refs"][b])  # type: ignore[index]
+                continue
+            refs.append(ray.put(bucket))
+            put_bytes += manifest.bucket_nbytes[b]
+            puts += 1
+        del buckets, prev_buckets
         snapshot_s = time.perf_counter() - t0
-        pusher = {"pid": os.getpid(), "host": socket.gethostname(), "snapshot_s": snapshot_s}
+        self.last_push = {
+            "model_id": model_id,
+            "snapshot_s": snapshot_s,
+            "bytes_put": put_bytes,
+            "buckets_put": puts,
+            "buckets": len(refs),
+        }
+        pusher = {"pid": os.getpid(), "host": socket.gethostname(), **self.last_push}
         reply = ray.get(self.actor.publish.remote(model_id, manifest, refs, pusher))
         if "error" in reply:
             raise reply["error"]
         version = int(reply["version"])
         logger.debug(
-            "pushed %r version %d: %.1f MiB in %d bucket(s), snapshot %.3f s",
+            "pushed %r version %d: %.1f MiB put in %d of %d bucket(s), snapshot %.3f s",
             model_id,
             version,
-            manifest.total_nbytes / 2**20,
+            put_bytes / 2**20,
+            self.last_push["buckets_put"],
             manifest.num_buckets,
             snapshot_s,
         )
@@ -552,11 +650,15 @@ class HubClient:
             self.wait(version, model_id, timeout=timeout)
         return version
 
-    def _layout(self, tensors: dict[str, Any], bucket_bytes: int) -> Manifest:
-        key = (bucket_bytes, tuple((k, *v) for k, v in schema_of(tensors).items()))
+    def _previous(self, model_id: str) -> dict[str, Any] | None:
+        info: dict[str, Any] | None = ray.get(self.actor.get.remote(model_id))
+        return None if info is None or "error" in info else info
+
+    def _layout(self, tensors: dict[str, Any], bucket_bytes: int, separate: frozenset[str]) -> Manifest:
+        key = (bucket_bytes, separate, tuple((k, *v) for k, v in schema_of(tensors).items()))
         manifest = self._layouts.get(key)
         if manifest is None:
-            manifest = plan_layout(tensors, bucket_bytes=bucket_bytes)
+            manifest = plan_layout(tensors, bucket_bytes=bucket_bytes, separate=separate)
             self._layouts = {key: manifest}  # one layout cached: structure rarely changes
         return manifest
 
@@ -639,6 +741,40 @@ class HubClient:
         """
         result: dict[str, Any] = ray.get(self.actor.status.remote())
         return result
+
+
+def _select_keys(tensors: dict[str, Any], keys: Iterable[str] | Callable[[str], bool]) -> set[str]:
+    """The keys a partial push sends: exact names, fnmatch patterns, or a predicate."""
+    if callable(keys):
+        chosen = {k for k in tensors if keys(k)}
+        if not chosen:
+            raise InvalidWeightsError("push(keys=<predicate>) selected no tensor")
+        return chosen
+    if isinstance(keys, str):
+        keys = [keys]
+    chosen = set()
+    for pattern in keys:
+        hits = {k for k in tensors if fnmatch.fnmatchcase(k, pattern)}
+        if not hits:
+            raise InvalidWeightsError(
+                f"push(keys=...): {pattern!r} matches no tensor; keys look like {sorted(tensors)[:5]}"
+            )
+        chosen |= hits
+    return chosen
+
+
+def _unchanged(
+    b: int,
+    manifest: Manifest,
+    selected: set[str] | None,
+    delta: bool,
+    bucket: list[Any],
+    prev_buckets: list[Any],
+) -> bool:
+    """Whether bucket ``b`` can re-use the previous version's object (same layout assumed)."""
+    if selected is not None and not any(e.key in selected for e in manifest.bucket_entries(b)):
+        return True  # holds only keys this partial push leaves alone
+    return delta and same_bytes(bucket, prev_buckets[b])
 
 
 def _restore_client(name: str, namespace: str) -> HubClient:

@@ -66,6 +66,7 @@ class SyncSpec:
     apply: ApplyKind
     verify: bool
     fetch_timeout: float
+    prefetch: bool = False
 
 
 def synced_model(
@@ -78,6 +79,7 @@ def synced_model(
     apply: ApplyKind = "copy",
     verify: bool = False,
     fetch_timeout: float = 300.0,
+    prefetch: bool = False,
 ) -> Callable[[type[T]], type[T]]:
     """Keep the ``nn.Module`` in ``self.<attr>`` of an actor in step with the hub.
 
@@ -99,6 +101,11 @@ def synced_model(
             :class:`raysync.ReadOnlyWeightsError`. For inference only.
         verify: check per-bucket checksums (pushed with ``checksum=True``).
         fetch_timeout: seconds to wait for a version's bytes before giving up.
+        prefetch: fetch each new version in a background thread, into a second
+            set of buffers, while the actor works; at the next safe point (the
+            start of a method call, or the hub's delivery) applying is a
+            pointer swap. Costs a second copy of the weights; ``apply="copy"``
+            and non-async actors only.
 
     The class gains ``raysync_version(model_id=None) -> int | None`` (callable
     remotely) and ``raysync_sync(timeout=None, model_id=None) -> bool``
@@ -124,7 +131,11 @@ def synced_model(
         raise ValueError(f"apply must be 'copy' or 'view', got {apply!r}")
     if fetch_timeout <= 0:
         raise ValueError(f"fetch_timeout must be positive seconds, got {fetch_timeout!r}")
-    spec = SyncSpec(attr, model_id, hub, namespace, mode, apply, bool(verify), float(fetch_timeout))
+    if prefetch and apply != "copy":
+        raise ValueError("prefetch=True needs apply='copy' (with apply='view' there is nothing to copy)")
+    spec = SyncSpec(
+        attr, model_id, hub, namespace, mode, apply, bool(verify), float(fetch_timeout), bool(prefetch)
+    )
 
     def decorate(cls: type[T]) -> type[T]:
         if not isinstance(cls, type):
@@ -248,6 +259,9 @@ def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
         sync = _ActorSync.of(self)
         if sync is None:
             return fn(self, *args, **kwargs)
+        if sync.prefetching and not sync.lock.held():
+            for sub in sync.prefetching:  # a safe point: take a prefetched version now
+                sub.swap_if_staged()
         with sync.lock.read():
             return fn(self, *args, **kwargs)
 
@@ -264,6 +278,11 @@ def _raysync_version(self: Any, model_id: str | None = None) -> int | None:
     if sync is None:
         return None
     return sync.subscription(model_id).version
+
+
+def _ids(refs: list[ray.ObjectRef]) -> list[str | None]:
+    """A bucket's identity is the object it came from: same object, same bytes."""
+    return [r.hex() for r in refs]
 
 
 def _raysync_ping(self: Any) -> bool:
@@ -328,6 +347,7 @@ class _ActorSync:
         self.lock = _RWLock()
         self.async_lock = _AsyncRWLock()
         self.subs: dict[str, _Subscription] = {}
+        self.prefetching: list[_Subscription] = []
 
     @classmethod
     def of(cls, owner: Any) -> _ActorSync | None:
@@ -338,7 +358,13 @@ class _ActorSync:
         sync = cls(owner, is_async)
         owner.__dict__[cls._ATTR] = sync
         for spec in specs:
+            if spec.prefetch and is_async:
+                raise ValueError(
+                    f"{type(owner).__name__}: prefetch=True is not supported on async actors yet; "
+                    "drop it (async actors already fetch without blocking their event loop)"
+                )
             sync.subs[spec.model_id] = _Subscription(sync, spec)
+        sync.prefetching = [s for s in sync.subs.values() if s.spec.prefetch]
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
         if ctx is None or ctx.get_actor_id() is None:
             logger.warning(
@@ -405,44 +431,66 @@ class _Subscription:
         if newest is not None:
             reply = self.receive(newest["version"], newest["manifest"], newest["refs"])
             self.hub.report.remote(self.sub_id, reply)
+        if self.spec.prefetch:
+            self.start_prefetch()
 
     # -------------------------------------------------------------- apply
-    def _check(self, version: int, manifest: Manifest) -> bool:
-        """Validate before fetching; False if the version is not newer than the one held."""
-        if self.version is not None and version <= self.version:
-            return False
+    def _bound_for(self, manifest: Manifest) -> BoundModel | None:
         bound = self.bound
-        module = self.module()
-        if bound is None or bound.module is not module or bound.layout_hash != manifest.layout_hash:
-            validate(manifest, module_schema(module))
-        return True
+        if bound is None or bound.module is not self.module() or bound.layout_hash != manifest.layout_hash:
+            return None
+        return bound
 
-    def _fetch(self, manifest: Manifest, refs: list[ray.ObjectRef]) -> list[Any]:
-        buckets = ray.get(list(refs), timeout=self.spec.fetch_timeout)
+    def _plan(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> list[int] | None:
+        """Validate before fetching; the buckets to fetch, or None if the version is not newer."""
+        if self.version is not None and version <= self.version:
+            return None
+        bound = self._bound_for(manifest)
+        if bound is None:
+            validate(manifest, module_schema(self.module()))
+            return list(range(manifest.num_buckets))
+        return bound.needed(_ids(refs))
+
+    def _fetch(self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int]) -> dict[int, Any]:
+        arrays = ray.get([refs[b] for b in needed], timeout=self.spec.fetch_timeout)
+        fetched = dict(zip(needed, arrays, strict=True))
         if self.spec.verify:
-            verify_checksums(manifest, buckets)
-        return list(buckets)
+            verify_checksums(manifest, fetched)
+        return fetched
 
-    def _commit(self, version: int, manifest: Manifest, buckets: list[Any]) -> bool:
-        """Apply fetched buckets. Caller holds the write lock."""
+    def _commit(
+        self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], fetched: dict[int, Any]
+    ) -> float:
+        """Apply fetched buckets; return the pause (seconds readers waited). Caller holds the write lock."""
+        t0 = time.perf_counter()
         if self.version is not None and version <= self.version:
-            return False  # a newer one got in first
-        module = self.module()
-        bound = self.bound
-        if bound is None or bound.module is not module or bound.layout_hash != manifest.layout_hash:
-            bound = BoundModel(module, manifest, view=self.spec.apply == "view")
+            return 0.0  # a newer one got in first
+        bound = self._bound_for(manifest)
+        if bound is None:
+            bound = BoundModel(self.module(), manifest, view=self.spec.apply == "view")
             self.bound = bound
-        bound.apply(buckets)
+        ids = _ids(refs)
+        missing = [b for b in bound.needed(ids) if b not in fetched]
+        if missing:
+            raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
+        bound.apply(fetched, ids)
         self.version = version
-        return True
+        return time.perf_counter() - t0
 
-    def _reply(self, version: int, t0: float, error: BaseException | None) -> dict[str, Any]:
+    def _reply(
+        self, version: int, t0: float, error: BaseException | None, pause: float = 0.0, fetched: int = 0
+    ) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         if error is None:
             logger.debug(
-                "%s applied %r version %d in %.4f s", self.sub_id, self.spec.model_id, version, elapsed
+                "%s applied %r version %d in %.4f s (pause %.4f s)",
+                self.sub_id,
+                self.spec.model_id,
+                version,
+                elapsed,
+                pause,
             )
-            return {"applied": self.version, "apply_s": elapsed}
+            return {"applied": self.version, "apply_s": elapsed, "pause_s": pause, "buckets_fetched": fetched}
         logger.warning(
             "%s failed to apply %r version %d, keeps version %s: %s",
             self.sub_id,
@@ -461,15 +509,20 @@ class _Subscription:
         """Fetch, validate and apply a version (threads and plain actors)."""
         t0 = time.perf_counter()
         try:
-            if not self._check(version, manifest):
+            if self.spec.prefetch:
+                swapped = self.swap_if_staged(report=False)
+                if swapped is not None and self.version is not None and self.version >= version:
+                    return swapped
+            needed = self._plan(version, manifest, refs)
+            if needed is None:
                 return {"applied": self.version, "skipped": version}
-            buckets = self._fetch(manifest, refs)
+            fetched = self._fetch(manifest, refs, needed)
             with self.sync.lock.write():
-                self._commit(version, manifest, buckets)
-            del buckets
+                pause = self._commit(version, manifest, refs, fetched)
+            del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None)
+        return self._reply(version, t0, None, pause, len(needed))
 
     async def receive_async(
         self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]
@@ -477,17 +530,81 @@ class _Subscription:
         """Same as :meth:`receive` for async actors: waits without blocking the event loop."""
         t0 = time.perf_counter()
         try:
-            if not self._check(version, manifest):
+            needed = self._plan(version, manifest, refs)
+            if needed is None:
                 return {"applied": self.version, "skipped": version}
-            buckets = list(await asyncio.wait_for(asyncio.gather(*refs), self.spec.fetch_timeout))
+            arrays = await asyncio.wait_for(
+                asyncio.gather(*[refs[b] for b in needed]), self.spec.fetch_timeout
+            )
+            fetched = dict(zip(needed, arrays, strict=True))
             if self.spec.verify:
-                verify_checksums(manifest, buckets)
+                verify_checksums(manifest, fetched)
             async with self.sync.async_lock.write():
-                self._commit(version, manifest, buckets)
-            del buckets
+                pause = self._commit(version, manifest, refs, fetched)
+            del fetched, arrays
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None)
+        return self._reply(version, t0, None, pause, len(needed))
+
+    # -------------------------------------------------------------- prefetch
+    def start_prefetch(self) -> None:
+        self._staged: tuple[int, list[str | None]] | None = None
+        self._stage_lock = threading.Lock()
+        thread = threading.Thread(target=self._prefetch_loop, name=f"raysync-prefetch-{self.spec.model_id}")
+        thread.daemon = True
+        thread.start()
+
+    def _prefetch_loop(self) -> None:
+        """Background: wait for a newer version, copy its changed buckets into the spare buffers."""
+        known = self.version or 0
+        while True:
+            try:
+                info = ray.get(self.hub.wait_newer.remote(self.spec.model_id, known, 30.0), timeout=90)
+            except Exception as err:  # hub restarting or unreachable: try again shortly
+                logger.debug("%s prefetch: %s", self.sub_id, err)
+                time.sleep(1.0)
+                continue
+            if not info or "error" in info:
+                continue
+            version, manifest, refs = info["version"], info["manifest"], info["refs"]
+            known = max(known, version)
+            try:
+                with self._stage_lock:
+                    bound = self._bound_for(manifest)
+                    if bound is None or (self.version is not None and version <= self.version):
+                        continue  # first version or a new layout: the normal path binds it
+                    ids = _ids(refs)
+                    fetched = self._fetch(manifest, refs, bound.needed(ids, staging=True))
+                    bound.stage(fetched, ids)
+                    self._staged = (version, ids)
+                    del fetched
+            except Exception as err:
+                logger.warning("%s could not prefetch version %d: %s", self.sub_id, version, err)
+
+    def swap_if_staged(self, *, report: bool = True) -> dict[str, Any] | None:
+        """At a safe point: make a prefetched version current by re-pointing (no copy)."""
+        staged = getattr(self, "_staged", None)
+        if staged is None or (self.version is not None and staged[0] <= self.version):
+            return None
+        if not self._stage_lock.acquire(blocking=False):
+            return None  # still copying it in: the next safe point will take it
+        try:
+            staged = self._staged
+            bound = self.bound
+            if staged is None or bound is None or (self.version is not None and staged[0] <= self.version):
+                return None
+            with self.sync.lock.write():
+                t0 = time.perf_counter()
+                bound.swap()
+                self.version = staged[0]
+                pause = time.perf_counter() - t0
+            self._staged = None
+        finally:
+            self._stage_lock.release()
+        reply = {"applied": self.version, "apply_s": pause, "pause_s": pause, "prefetched": True}
+        if report:
+            self.hub.report.remote(self.sub_id, reply)
+        return reply
 
     # -------------------------------------------------------------- pull mode
     def _newer(self, timeout: float | None) -> dict[str, Any] | None:
@@ -545,6 +662,10 @@ class _RWLock:
 
     def _depth(self) -> int:
         return int(getattr(self._local, "depth", 0))
+
+    def held(self) -> bool:
+        """Whether this thread is inside a guarded method already."""
+        return self._depth() > 0
 
     @contextlib.contextmanager
     def read(self) -> Iterator[None]:

@@ -29,7 +29,7 @@ import ctypes
 import hashlib
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +51,11 @@ __all__ = [
     "ReadOnlyTensor",
     "TensorEntry",
     "bucket_checksums",
+    "cast_floating",
     "extract_tensors",
     "pack",
     "plan_layout",
+    "same_bytes",
     "schema_of",
     "to_tensordict",
     "unpack",
@@ -230,7 +232,12 @@ def schema_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int,
 # --------------------------------------------------------------------------- layout
 
 
-def plan_layout(tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+def plan_layout(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    separate: Collection[str] = (),
+) -> Manifest:
     """Assign every tensor a bucket and an offset.
 
     Tensors fill buckets in key order; a bucket closes when the next tensor
@@ -241,6 +248,8 @@ def plan_layout(tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFA
     Args:
         tensors: flat ``{key: tensor}`` (see :func:`extract_tensors`).
         bucket_bytes: the target bucket size.
+        separate: keys that get buckets of their own, after the others (so a
+            partial push of just those keys re-sends only their buckets).
 
     Returns:
         The manifest (without checksums).
@@ -252,16 +261,19 @@ def plan_layout(tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFA
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    filled = 0
-    for key in sorted(tensors):
-        t = tensors[key]
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and filled + nbytes > bucket_bytes:
-            groups.append([])
-            filled = 0
-        groups[-1].append((key, t))
-        filled += nbytes
+    apart = set(separate)
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    for selection in ([k for k in sorted(tensors) if k not in apart], sorted(apart & set(tensors))):
+        filled = 0
+        start = len(groups)
+        for key in selection:
+            t = tensors[key]
+            nbytes = t.numel() * t.element_size()
+            if len(groups) == start or (groups[-1] and filled + nbytes > bucket_bytes):
+                groups.append([])
+                filled = 0
+            groups[-1].append((key, t))
+            filled += nbytes
     entries: list[TensorEntry] = []
     spans: list[int] = []
     for b, group in enumerate(groups):
@@ -278,6 +290,36 @@ def plan_layout(tensors: Mapping[str, torch.Tensor], *, bucket_bytes: int = DEFA
     entries.sort(key=lambda e: e.key)
     digest = hashlib.sha1(repr(([tuple(e.__dict__.values()) for e in entries], spans)).encode())
     return Manifest(tuple(entries), tuple(spans), digest.hexdigest()[:16])
+
+
+def cast_floating(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast every floating-point tensor to ``dtype`` (integers and bools stay as they are).
+
+    Example:
+        >>> cast = cast_floating({"w": torch.ones(2), "n": torch.ones(2, dtype=torch.int64)}, torch.bfloat16)
+        >>> cast["w"].dtype, cast["n"].dtype
+        (torch.bfloat16, torch.int64)
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+
+
+def same_bytes(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    """Whether two buckets (lists of uint8 arrays) hold exactly the same bytes.
+
+    Example:
+        >>> same_bytes([np.zeros(3, np.uint8)], [np.zeros(3, np.uint8)])
+        True
+    """
+    if len(a) != len(b):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return all(
+            x.nbytes == y.nbytes and (x.nbytes == 0 or torch.equal(torch.from_numpy(x), torch.from_numpy(y)))
+            for x, y in zip(a, b, strict=True)
+        )
 
 
 def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[np.ndarray]]:
@@ -327,12 +369,20 @@ def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]
     return tuple(out)
 
 
-def verify_checksums(manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]]) -> None:
-    """Raise :class:`ChecksumError` if any bucket's bytes differ from the manifest's CRC."""
+def verify_checksums(
+    manifest: Manifest,
+    buckets: Mapping[int, Sequence[np.ndarray]] | Sequence[Sequence[np.ndarray]],
+) -> None:
+    """Raise :class:`ChecksumError` if a bucket's bytes differ from the manifest's CRC.
+
+    ``buckets`` is every bucket in order, or ``{index: arrays}`` for some of them.
+    """
     if manifest.checksums is None:
         return
-    got = bucket_checksums(buckets)
-    bad = [b for b, (want, have) in enumerate(zip(manifest.checksums, got, strict=True)) if want != have]
+    by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
+    order = sorted(by_index)
+    got = bucket_checksums([by_index[b] for b in order])
+    bad = [b for b, have in zip(order, got, strict=True) if manifest.checksums[b] != have]
     if bad:
         raise ChecksumError(
             f"bucket(s) {bad} of layout {manifest.layout_hash} failed their checksum: "
@@ -466,8 +516,13 @@ class BoundModel:
     Binding allocates one flat buffer per bucket, copies the module's current
     values in, and re-points each parameter and buffer at its slice (the
     ``Parameter`` objects stay the same). Applying a version is then one
-    ``copy_`` per bucket. With ``view=True`` nothing is allocated: applying
-    swaps the parameters for read-only views of the received buffers.
+    ``copy_`` per bucket, and only for buckets whose bytes differ from those
+    held (each bucket is known by an id: the ``ObjectRef`` it came from).
+    With ``view=True`` nothing is allocated: applying swaps the parameters for
+    read-only views of the received buffers.
+
+    A second set of buffers (``stage`` then ``swap``) lets a version be copied
+    in while the module is in use, and be made current by re-pointing.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -488,36 +543,62 @@ class BoundModel:
         self._slots = {e.key: _slot(module, e.key) for e in manifest.entries}
         self._held: Any = None  # view mode: the buffers the parameters point into
         self._flat: list[torch.Tensor] = []
+        self.ids: list[str | None] = [None] * manifest.num_buckets  # what the live buffers hold
+        self._spare: list[torch.Tensor] = []
+        self.spare_ids: list[str | None] = [None] * manifest.num_buckets
         if not view:
-            self._bind_flat()
+            self._flat = self._allocate()
+            with torch.no_grad():
+                for entry, target in self._views(self._flat):
+                    owner, name, _ = self._slots[entry.key]
+                    target.copy_(getattr(owner, name).detach().to("cpu"))
+            self._point_at(self._flat)
 
     @property
     def layout_hash(self) -> str:
         """The layout this binding was made for."""
         return self.manifest.layout_hash
 
-    def _bind_flat(self) -> None:
-        self._flat = [torch.empty(n, dtype=torch.uint8) for n in self.manifest.bucket_nbytes]
-        with torch.no_grad():
-            for entry in self.manifest.entries:
-                owner, name, is_param = self._slots[entry.key]
-                current = getattr(owner, name)
-                target = self._flat[entry.bucket][entry.offset : entry.offset + entry.nbytes]
-                target = target.view(entry.torch_dtype).reshape(entry.shape)
-                target.copy_(current.detach().to("cpu"))
-                if is_param:
-                    current.data = target
-                else:
-                    owner._buffers[name] = target
+    def _allocate(self) -> list[torch.Tensor]:
+        return [torch.empty(n, dtype=torch.uint8) for n in self.manifest.bucket_nbytes]
 
-    def apply(self, buckets: Sequence[Sequence[np.ndarray]]) -> None:
-        """Make the module hold exactly the bytes of ``buckets`` (same layout as the binding).
+    def _views(self, flat: list[torch.Tensor]) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
+        for entry in self.manifest.entries:
+            target = flat[entry.bucket][entry.offset : entry.offset + entry.nbytes]
+            yield entry, target.view(entry.torch_dtype).reshape(entry.shape)
 
-        Call :func:`validate` and :func:`verify_checksums` first; after them
+    def _point_at(self, flat: list[torch.Tensor]) -> None:
+        for entry, target in self._views(flat):
+            owner, name, is_param = self._slots[entry.key]
+            if is_param:
+                owner._parameters[name].data = target  # type: ignore[union-attr]
+            else:
+                owner._buffers[name] = target
+
+    def needed(self, ids: Sequence[str | None], *, staging: bool = False) -> list[int]:
+        """Indices of the buckets whose bytes differ from those held (live or spare set)."""
+        if self.view:
+            return list(range(self.manifest.num_buckets))
+        held = self.spare_ids if staging else self.ids
+        return [b for b, i in enumerate(ids) if i is None or held[b] != i]
+
+    def apply(
+        self,
+        buckets: Mapping[int, Sequence[np.ndarray]] | Sequence[Sequence[np.ndarray]],
+        ids: Sequence[str | None] | None = None,
+    ) -> None:
+        """Make the module hold the bytes of ``buckets`` (same layout as the binding).
+
+        ``buckets`` maps bucket index to its arrays (or is a list of all of
+        them); buckets left out must be ones the module already holds. Call
+        :func:`validate` and :func:`verify_checksums` first; after them
         nothing here can fail part-way.
         """
+        by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
+        ids = list(ids) if ids is not None else [None] * self.manifest.num_buckets
         if self.view:
-            tensors = unpack(self.manifest, buckets, read_only=True)
+            all_buckets = [by_index[b] for b in range(self.manifest.num_buckets)]
+            tensors = unpack(self.manifest, all_buckets, read_only=True)
             for key, t in tensors.items():
                 owner, name, is_param = self._slots[key]
                 if is_param:
@@ -525,21 +606,46 @@ class BoundModel:
                     owner._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
                 else:
                     owner._buffers[name] = t
-            self._held = buckets
+            self._held = all_buckets
+            self.ids = ids
             return
+        self._copy_into(self._flat, by_index)
+        for b in by_index:
+            self.ids[b] = ids[b]
+
+    def stage(self, buckets: Mapping[int, Sequence[np.ndarray]], ids: Sequence[str | None]) -> None:
+        """Copy a version into the spare buffers (the module keeps using the live ones)."""
+        if self.view:
+            raise RuntimeError("staging needs apply='copy'")
+        if not self._spare:
+            self._spare = self._allocate()
+            self.spare_ids = [None] * self.manifest.num_buckets
+        missing = [b for b in self.needed(ids, staging=True) if b not in buckets]
+        if missing:
+            raise ValueError(f"stage() needs bucket(s) {missing}: the spare buffers do not hold them")
+        self._copy_into(self._spare, buckets)
+        for b in buckets:
+            self.spare_ids[b] = ids[b]
+
+    def swap(self) -> None:
+        """Make the staged version current: re-point every parameter, no copy."""
+        self._point_at(self._spare)
+        self._flat, self._spare = self._spare, self._flat
+        self.ids, self.spare_ids = self.spare_ids, self.ids
+
+    def _copy_into(self, flat: list[torch.Tensor], buckets: Mapping[int, Sequence[np.ndarray]]) -> None:
         with torch.no_grad():
-            for b, flat in enumerate(self._flat):
+            for b, arrays in buckets.items():
                 entries = self.manifest.bucket_entries(b)
-                arrays = buckets[b]
                 src = _span(arrays, entries, self.manifest.bucket_nbytes[b])
                 if src is not None:
-                    flat.copy_(src)
+                    flat[b].copy_(src)
                     continue
                 for entry, arr in zip(entries, arrays, strict=True):
                     if entry.nbytes:
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore", UserWarning)
-                            flat[entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+                            flat[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
 
 
 def module_schema(module: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
