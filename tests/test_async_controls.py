@@ -140,23 +140,26 @@ def test_delta_push_skips_unchanged_buckets(hub: raysync.HubClient, hub_name: st
     lazy = make_follower(hub_name, mode="pull").remote()
     ray.get([eager.version.remote(), lazy.version.remote()])
     trainer = LoRAPolicy(4)
-    hub.push(trainer, bucket_bytes=BUCKET, delta=True, wait=False)
+
+    def push_delta() -> int:
+        v = hub.push(trainer, bucket_bytes=BUCKET, delta=True)
+        wait_for_condition(lambda: ray.get(eager.version.remote()) == v, what=f"eager follower on {v}")
+        return v
+
+    push_delta()
     assert ray.get(lazy.sync_now.remote())  # lazy holds version 1
     buckets = hub.last_push["buckets"]
     assert buckets >= 2 and hub.last_push["buckets_put"] == buckets
     with torch.no_grad():
         trainer.base1.weight.mul_(-1)  # one bucket's worth changes
-    hub.push(trainer, bucket_bytes=BUCKET, delta=True)
+    push_delta()
     assert hub.last_push["buckets_put"] == 1
     with torch.no_grad():
         trainer.base0.weight.mul_(-1)  # another one changes
-    v3 = hub.push(trainer, bucket_bytes=BUCKET, delta=True)
+    push_delta()
     assert hub.last_push["buckets_put"] == 1
-    hub.push(trainer, bucket_bytes=BUCKET, delta=True)  # nothing changed: nothing put
+    v3 = push_delta() - 1  # nothing changed: nothing put
     assert hub.last_push["bytes_put"] == 0
-    wait_for_condition(
-        lambda: ray.get(eager.version.remote()) == v3 + 1, what="eager follower on the newest version"
-    )
     rows = {r["mode"]: r for r in hub.status()["subscribers"]}
     assert rows["push"]["last_buckets_fetched"] == 0  # held every bucket of the last version already
     # The lazy one skipped versions 2 and 3: it fetches what changed since *its* version 1.
