@@ -110,6 +110,7 @@ class _Subscriber:
     last_apply_s: float | None = None
     last_pause_s: float | None = None
     last_buckets_fetched: int | None = None
+    last_bytes_fetched: int | None = None
     last_prefetched: bool = False
     last_error: str | None = None
     state: str = "live"
@@ -243,6 +244,7 @@ class WeightHub:
             sub.last_apply_s = reply.get("apply_s")
             sub.last_pause_s = reply.get("pause_s")
             sub.last_buckets_fetched = reply.get("buckets_fetched")
+            sub.last_bytes_fetched = reply.get("bytes_fetched")
             sub.last_prefetched = bool(reply.get("prefetched"))
         if reply.get("error"):
             sub.last_error = reply["error"]
@@ -421,6 +423,7 @@ class WeightHub:
                     "last_apply_s": sub.last_apply_s,
                     "last_pause_s": sub.last_pause_s,
                     "last_buckets_fetched": sub.last_buckets_fetched,
+                    "last_bytes_fetched": sub.last_bytes_fetched,
                     "last_prefetched": sub.last_prefetched,
                     "last_error": sub.last_error,
                     "state": sub.state,

@@ -478,7 +478,13 @@ class _Subscription:
         return time.perf_counter() - t0
 
     def _reply(
-        self, version: int, t0: float, error: BaseException | None, pause: float = 0.0, fetched: int = 0
+        self,
+        version: int,
+        t0: float,
+        error: BaseException | None,
+        pause: float = 0.0,
+        fetched: int = 0,
+        fetched_bytes: int = 0,
     ) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         if error is None:
@@ -490,7 +496,13 @@ class _Subscription:
                 elapsed,
                 pause,
             )
-            return {"applied": self.version, "apply_s": elapsed, "pause_s": pause, "buckets_fetched": fetched}
+            return {
+                "applied": self.version,
+                "apply_s": elapsed,
+                "pause_s": pause,
+                "buckets_fetched": fetched,
+                "bytes_fetched": fetched_bytes,
+            }
         logger.warning(
             "%s failed to apply %r version %d, keeps version %s: %s",
             self.sub_id,
@@ -522,7 +534,9 @@ class _Subscription:
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed))
+        return self._reply(
+            version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
+        )
 
     async def receive_async(
         self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]
@@ -544,11 +558,13 @@ class _Subscription:
             del fetched, arrays
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed))
+        return self._reply(
+            version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
+        )
 
     # -------------------------------------------------------------- prefetch
     def start_prefetch(self) -> None:
-        self._staged: tuple[int, list[str | None]] | None = None
+        self._staged: tuple[int, list[str | None], int] | None = None
         self._stage_lock = threading.Lock()
         thread = threading.Thread(target=self._prefetch_loop, name=f"raysync-prefetch-{self.spec.model_id}")
         thread.daemon = True
@@ -574,9 +590,10 @@ class _Subscription:
                     if bound is None or (self.version is not None and version <= self.version):
                         continue  # first version or a new layout: the normal path binds it
                     ids = _ids(refs)
-                    fetched = self._fetch(manifest, refs, bound.needed(ids, staging=True))
+                    needed = bound.needed(ids, staging=True)
+                    fetched = self._fetch(manifest, refs, needed)
                     bound.stage(fetched, ids)
-                    self._staged = (version, ids)
+                    self._staged = (version, ids, sum(manifest.bucket_nbytes[b] for b in needed))
                     del fetched
             except Exception as err:
                 logger.warning("%s could not prefetch version %d: %s", self.sub_id, version, err)
@@ -601,7 +618,13 @@ class _Subscription:
             self._staged = None
         finally:
             self._stage_lock.release()
-        reply = {"applied": self.version, "apply_s": pause, "pause_s": pause, "prefetched": True}
+        reply = {
+            "applied": self.version,
+            "apply_s": pause,
+            "pause_s": pause,
+            "prefetched": True,
+            "bytes_fetched": staged[2],
+        }
         if report:
             self.hub.report.remote(self.sub_id, reply)
         return reply
