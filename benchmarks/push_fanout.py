@@ -8,7 +8,8 @@ reported) after ``--warmup`` untimed ones:
 push-to-all-applied
     ``hub.push(sd, wait=True, timeout=...)``: from the call until every
     ``@synced_model`` receiver applied the version. The pieces are recorded
-    too: the snapshot inside ``push`` (from raysync's own debug log line),
+    too: the snapshot inside ``push`` (``HubClient.last_push["snapshot_s"]``, or
+    raysync's own debug log line on versions without it),
     each receiver's fetch+apply time (``last_apply_s`` in ``hub.status()``),
     and the rest (hub round trips, delivery calls).
 
@@ -47,10 +48,10 @@ Each configuration gets a fresh hub and fresh actors, and everything is
 killed before the next one. Every receiver's final version and a marker value
 written into the pushed weights are checked after the last push.
 
-Run (a full run takes several minutes and needs about 15 GiB of RAM)::
+Run (a full run takes several minutes and needs about 16 GiB of RAM at its peak)::
 
     python benchmarks/push_fanout.py                     # 256 MiB and 1 GiB, N = 1 2 4 8
-    python benchmarks/push_fanout.py --quick             # 16 MiB, N = 1 2, 2 repeats (< 1 min)
+    python benchmarks/push_fanout.py --quick             # 16 MiB, N = 1 2, 2 repeats (about a minute)
     python benchmarks/push_fanout.py --sizes-mib 64 --actors 1 4 --apply view --repeats 3
 
 Results: a table on stdout and JSON in ``--json`` (default
@@ -61,11 +62,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -106,9 +109,7 @@ class Blob(torch.nn.Module):
         super().__init__()
         numel = tensor_numel(total_bytes, num_tensors)
         for i in range(num_tensors):
-            self.register_parameter(
-                f"w{i:02d}", torch.nn.Parameter(torch.empty(numel), requires_grad=False)
-            )
+            self.register_parameter(f"w{i:02d}", torch.nn.Parameter(torch.empty(numel), requires_grad=False))
 
 
 def tensor_numel(total_bytes: int, num_tensors: int) -> int:
@@ -137,13 +138,19 @@ class Receiver:
 
     def probe(self) -> tuple[int | None, float]:
         """The version held and the marker value (first element of ``w00``)."""
-        return self.raysync_version(), float(self.policy.w00[0])  # type: ignore[attr-defined]
+        version: int | None = self.raysync_version()  # type: ignore[attr-defined]
+        marker = self.policy.get_parameter("w00")[0]
+        return version, float(marker)
 
     def memory(self) -> dict[str, int]:
         import psutil  # shipped inside ray (ray/thirdparty_files), importable once ray is
 
         info = psutil.Process().memory_info()
-        return {"rss": int(info.rss), "shared": int(info.shared), "private": int(info.rss - info.shared)}
+        return {
+            "rss": int(info.rss),
+            "shared": int(info.shared),
+            "private": int(info.rss - info.shared),
+        }
 
 
 class FloorReceiver:
@@ -211,7 +218,10 @@ class ObjectStoreGauge:
 
 
 class SnapshotLogCapture(logging.Handler):
-    """Collect ``snapshot_s`` from raysync's debug line "pushed ... snapshot %.3f s"."""
+    """Collect ``snapshot_s`` from raysync's debug line "pushed ... snapshot %.3f s".
+
+    The fallback for raysync versions whose ``HubClient`` has no ``last_push``.
+    """
 
     def __init__(self) -> None:
         super().__init__(level=logging.DEBUG)
@@ -220,7 +230,7 @@ class SnapshotLogCapture(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.msg.startswith("pushed %r version") and record.args:
             with contextlib.suppress(Exception):
-                self.snapshots.append(float(record.args[-1]))  # type: ignore[index]
+                self.snapshots.append(float(record.args[-1]))  # type: ignore[index,arg-type]
 
     def take(self) -> float | None:
         value = self.snapshots[-1] if self.snapshots else None
@@ -259,6 +269,42 @@ def shared_source(nbytes: int) -> Iterator[str]:
             os.unlink(path)
 
 
+def wait_until_quiet(busy_below: float = 50.0, timeout: float = 5.0) -> float:
+    """Wait (bounded) until the node's CPUs are mostly idle, e.g. after actors started.
+
+    Returns the last CPU utilisation seen, in percent of all cores (a noise indicator).
+    """
+    import psutil  # shipped inside ray (ray/thirdparty_files), importable once ray is
+
+    deadline = time.monotonic() + timeout
+    busy = psutil.cpu_percent(interval=0.2)
+    while busy >= busy_below and time.monotonic() < deadline:
+        busy = psutil.cpu_percent(interval=0.2)
+    if busy >= busy_below:
+        logger.info("CPUs still %.0f%% busy (other processes?): timings will be noisy", busy)
+    return busy
+
+
+def prefault_object_store(capacity: int, fraction: float = 0.9, chunk: int = 128 * MIB) -> float:
+    """Fill the object store once and free it, so no timed ``ray.put`` pays first-touch faults.
+
+    A fresh store's shared-memory pages are allocated (and zeroed) by the kernel
+    the first time anything writes them, which makes the first few pushes of a
+    run several times slower than the steady state a long-running trainer sees.
+    Returns the seconds this took.
+    """
+    t0 = time.perf_counter()
+    block = np.ones(chunk, dtype=np.uint8)
+    held = [ray.put(block) for _ in range(int(capacity * fraction) // chunk)]
+    del held, block
+    logger.info(
+        "object store pre-faulted (%.1f GiB) in %.1f s",
+        capacity * fraction / 2**30,
+        time.perf_counter() - t0,
+    )
+    return time.perf_counter() - t0
+
+
 def kill_all(actors: Sequence[Any]) -> None:
     for actor in actors:
         with contextlib.suppress(Exception):
@@ -269,7 +315,7 @@ def kill_all(actors: Sequence[Any]) -> None:
 
 
 def measure_snapshot_floor(src: torch.Tensor, repeats: int) -> dict[str, Any]:
-    """One whole-model ``dst.copy_(src)`` in the driver (the trainer's snapshot), pre-faulted dst."""
+    """One whole-model ``dst.copy_(src)`` in the driver (the snapshot), into a pre-faulted dst."""
     dst = torch.empty_like(src)
     dst.fill_(0)
     timed_copy(dst, src)  # warm-up
@@ -278,17 +324,16 @@ def measure_snapshot_floor(src: torch.Tensor, repeats: int) -> dict[str, Any]:
     return {"snapshot_copy_s": median(samples), "snapshot_copy_samples": samples}
 
 
-def measure_receiver_floor(
-    nbytes: int, n: int, repeats: int, source: str, timeout: float
-) -> dict[str, Any]:
+def measure_receiver_floor(nbytes: int, n: int, repeats: int, source: str, timeout: float) -> dict[str, Any]:
     """N simultaneous memory-to-memory copies of ``nbytes`` in N plain Ray actors."""
-    floor_cls = ray.remote(num_cpus=1)(FloorReceiver)
+    floor_cls: Any = ray.remote(num_cpus=1)(FloorReceiver)
     with contextlib.ExitStack() as stack:
         path = stack.enter_context(shared_source(nbytes)) if source == "shared" else None
         actors = [floor_cls.remote(nbytes, path) for _ in range(n)]
         stack.callback(kill_all, actors)
         ray.get([a.noop.remote() for a in actors], timeout=timeout)
         ray.get([a.copy.remote() for a in actors], timeout=timeout)  # warm-up, together
+        cpu_busy = wait_until_quiet()
         lead = 0.05 + 0.01 * n  # time for every call to reach its actor before the start
         walls, per_actor, driver_walls, noop_walls = [], [], [], []
         for _ in range(repeats):
@@ -310,6 +355,7 @@ def measure_receiver_floor(
         "recv_copy_driver_s": max(0.0, (median(driver_walls) or 0.0) - noop),
         "empty_call_fanout_s": noop,
         "floor_source": source,
+        "floor_cpu_busy_before": cpu_busy,
     }
 
 
@@ -317,8 +363,9 @@ def measure_receiver_floor(
 
 
 def receiver_class(apply: str, hub_name: str) -> Any:
-    synced = raysync.synced_model("policy", model_id="policy", hub=hub_name, apply=apply)(Receiver)  # type: ignore[arg-type]
-    return ray.remote(num_cpus=1)(synced)
+    """:class:`Receiver` under ``@raysync.synced_model(apply=...)`` and ``@ray.remote``."""
+    decorate = raysync.synced_model("policy", model_id="policy", hub=hub_name, apply=apply)  # type: ignore[arg-type]
+    return ray.remote(num_cpus=1)(decorate(Receiver))
 
 
 def measure_raysync(
@@ -333,9 +380,11 @@ def measure_raysync(
     """One configuration: a fresh hub and N fresh receivers; warm-up, then timed pushes."""
     model_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     hub_name = f"bench-{uuid.uuid4().hex[:8]}"
-    hub = raysync.connect(hub_name, keep=args.keep)
+    t_setup = time.perf_counter()
     cls = receiver_class(apply, hub_name)
+    # Start the receivers first: their processes start while connect() starts the hub's.
     actors = [cls.remote(model_bytes, len(sd)) for _ in range(n)]
+    hub = raysync.connect(hub_name, keep=args.keep)
     pushes = 0
 
     def push(wait: bool) -> tuple[int, float]:
@@ -349,9 +398,9 @@ def measure_raysync(
     def apply_times() -> list[float]:
         return [s["last_apply_s"] for s in hub.status()["subscribers"] if s["last_apply_s"] is not None]
 
-    t_setup = time.perf_counter()
     try:
         ray.get([a.ready.remote() for a in actors], timeout=args.timeout)  # all registered
+        cpu_busy = wait_until_quiet()
         baseline = gauge.settle()
         t_warm = time.perf_counter()
         push(wait=True)
@@ -361,11 +410,18 @@ def measure_raysync(
         capture.take()
         t_timed = time.perf_counter()
 
-        applied, snapshots, blocks, waits, apply_max, apply_med = [], [], [], [], [], []
+        applied, blocks, waits, apply_max, apply_med = [], [], [], [], []
+        snapshots: list[float | None] = []
+        wait_applies: list[float] = []
         for _ in range(args.repeats):
             _, dt = push(wait=True)
             applied.append(dt)
-            snapshots.append(capture.take())
+            logged = capture.take()
+            last_push = getattr(hub, "last_push", None)  # newer raysync: HubClient.last_push
+            if isinstance(last_push, dict) and last_push.get("snapshot_s") is not None:
+                snapshots.append(float(last_push["snapshot_s"]))
+            else:
+                snapshots.append(logged)
             times = apply_times()
             apply_max.append(max(times))
             apply_med.append(statistics.median(times))
@@ -376,6 +432,7 @@ def measure_raysync(
             hub.wait(v, "policy", timeout=args.timeout)
             waits.append(time.perf_counter() - t0)
             blocks.append(block)
+            wait_applies.append(max(apply_times()))
 
         status = hub.status()
         model_status = status["models"]["policy"]
@@ -395,7 +452,10 @@ def measure_raysync(
     gauge.settle(at_most=baseline + MIB, timeout=30)
     logger.info(
         "setup %.1f s, warm-up %.1f s, timed %.1f s, teardown %.1f s",
-        t_warm - t_setup, t_timed - t_warm, t_down - t_timed, time.perf_counter() - t_down,
+        t_warm - t_setup,
+        t_timed - t_warm,
+        t_down - t_timed,
+        time.perf_counter() - t_down,
     )
 
     applied_s = median(applied)
@@ -407,6 +467,7 @@ def measure_raysync(
         "push_to_all_applied_samples": applied,
         "snapshot_in_push_s": snapshot_s,
         "receiver_apply_max_s": median(apply_max),
+        "receiver_apply_max_samples": apply_max,
         "receiver_apply_median_s": median(apply_med),
         "rest_s": None
         if applied_s is None or snapshot_s is None
@@ -414,6 +475,8 @@ def measure_raysync(
         "trainer_block_s": block_s,
         "trainer_block_samples": blocks,
         "wait_after_push_s": wait_s,
+        "wait_after_push_samples": waits,
+        "receiver_apply_max_after_nowait_push_samples": wait_applies,
         "block_plus_wait_s": None if block_s is None or wait_s is None else block_s + wait_s,
         "store_baseline_bytes": baseline,
         "store_first_version_bytes": first_version_bytes,
@@ -426,6 +489,7 @@ def measure_raysync(
         "receiver_rss_bytes": median([m["rss"] for m in mems]),
         "receiver_private_rss_bytes": median([m["private"] for m in mems]),
         "verified": verified,
+        "cpu_busy_before": cpu_busy,
     }
 
 
@@ -439,7 +503,8 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'size':>8} {'apply':>5} {'N':>2} | {'applied_s':>9} {'floor_s':>8} {'ratio':>6} "
-        f"{'vs_N1':>6} | {'block_s':>8} {'snap_s':>7} {'blk/snap':>8} {'blk_vsN1':>8} | "
+        f"{'vs_N1':>6} | {'block_s':>8} {'put_s':>6} {'snap_s':>7} {'blk/snap':>8} "
+        f"{'blk_vsN1':>8} | "
         f"{'store_MiB/v':>11} {'copies/v':>8} | {'recv_apply':>10} {'priv_MiB':>8} {'ok':>3}"
     )
     print(header)
@@ -449,7 +514,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['size_mib']:>4} MiB {r['apply']:>5} {r['n']:>2} | "
             f"{fmt(r['push_to_all_applied_s']):>9} {fmt(r['floor_s']):>8} "
             f"{fmt(r['ratio_to_floor'], '.2f'):>6} {fmt(r['applied_vs_n1'], '.2f'):>6} | "
-            f"{fmt(r['trainer_block_s']):>8} {fmt(r['snapshot_copy_s']):>7} "
+            f"{fmt(r['trainer_block_s']):>8} {fmt(r['snapshot_in_push_s']):>6} "
+            f"{fmt(r['snapshot_copy_s']):>7} "
             f"{fmt(r['block_vs_snapshot'], '.2f'):>8} {fmt(r['block_vs_n1'], '.2f'):>8} | "
             f"{fmt(r['store_bytes_per_version'] / MIB, '.1f'):>11} "
             f"{fmt(r['store_copies_per_version'], '.2f'):>8} | "
@@ -457,14 +523,18 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt(r['receiver_private_rss_bytes'] / MIB, '.0f'):>8} "
             f"{'yes' if r['verified'] else 'NO':>3}"
         )
-    print(
-        "\napplied_s: push(wait=True) until all applied; floor_s: snapshot copy + N simultaneous "
-        "receiver copies;\nratio = applied_s / floor_s; vs_N1 = applied_s / same size+apply at the "
-        "smallest N;\nblock_s: push(wait=False) return time; snap_s: one whole-model copy_ in the "
-        "driver;\nblk_vsN1 = block_s / same size+apply at the smallest N; store_MiB/v: object-store "
-        "bytes / versions kept;\ncopies/v = that / model bytes; recv_apply: slowest receiver's "
-        "fetch+apply; priv_MiB: receiver RSS minus shared pages."
-    )
+    legend = [
+        "applied_s: hub.push(wait=True) until every receiver applied (median)",
+        "floor_s: one snapshot copy_ in the driver + N simultaneous copy_ in N plain actors",
+        "ratio = applied_s / floor_s; vs_N1 = applied_s / same size and apply at the smallest N",
+        "block_s: how long hub.push(wait=False) blocks; put_s: the snapshot (ray.put) inside push",
+        "snap_s: one whole-model copy_ in the driver; blk/snap = block_s / snap_s",
+        "blk_vsN1 = block_s / the same size and apply at the smallest N",
+        "store_MiB/v: object-store bytes used / versions kept; copies/v = that / model bytes",
+        "recv_apply: slowest receiver's fetch + apply; priv_MiB: receiver RSS minus shared pages",
+        "ok: every receiver ended on the last version with the pushed marker value",
+    ]
+    print("\n" + "\n".join(legend))
 
 
 def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -473,16 +543,25 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     def add(target: str, where: str, value: float | None, bound: float) -> None:
         checks.append(
-            {"target": target, "where": where, "value": value, "bound": bound,
-             "met": value is not None and value <= bound}
+            {
+                "target": target,
+                "where": where,
+                "value": value,
+                "bound": bound,
+                "met": value is not None and value <= bound,
+            }
         )
 
     for r in rows:
         where = f"{r['size_mib']} MiB {r['apply']} N={r['n']}"
         add("push-to-all-applied / floor", where, r["ratio_to_floor"], TARGET_APPLIED_VS_FLOOR)
         add("trainer block / snapshot copy", where, r["block_vs_snapshot"], TARGET_BLOCK_VS_SNAPSHOT)
-        add("object-store copies per version", where, r["store_copies_per_version"],
-            TARGET_COPIES_PER_VERSION)
+        add(
+            "object-store copies per version",
+            where,
+            r["store_copies_per_version"],
+            TARGET_COPIES_PER_VERSION,
+        )
     groups = sorted({(r["size_mib"], r["apply"]) for r in rows})
     for size, apply in groups:
         grp = sorted((r for r in rows if (r["size_mib"], r["apply"]) == (size, apply)), key=lambda r: r["n"])
@@ -497,8 +576,10 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_checks(checks: list[dict[str, Any]]) -> None:
-    print("\nTargets (ANCHORS.md): push-to-all-applied <= 1.3x floor; view N=max/N=min <= 1.5x; "
-          "trainer block <= 1.3x one snapshot copy and the same for every N; one copy per version.")
+    print(
+        "\nTargets (ANCHORS.md): push-to-all-applied <= 1.3x floor; view N=max/N=min <= 1.5x; "
+        "trainer block <= 1.3x one snapshot copy and the same for every N; one copy per version."
+    )
     width = max(len(c["target"]) for c in checks) if checks else 0
     for c in checks:
         print(
@@ -512,27 +593,76 @@ def print_checks(checks: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------- main
 
 
+def git_state() -> dict[str, Any]:
+    """The checkout the numbers came from: HEAD and whether raysync/ had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(
+            ["git", *argv], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        )
+        return done.stdout.strip()
+
+    out: dict[str, Any] = {"commit": None, "raysync_dirty": None}
+    with contextlib.suppress(Exception):
+        out["commit"] = git("rev-parse", "HEAD")
+        out["raysync_dirty"] = bool(git("status", "--porcelain", "--", "raysync"))
+    return out
+
+
+def raysync_fingerprint() -> str:
+    """A hash of raysync's source files as they are on disk now.
+
+    Actors import raysync from disk when they start, the driver once at start-up:
+    if the source changes during a run, later configurations mix two versions.
+    """
+    digest = hashlib.sha1()
+    for path in sorted(Path(raysync.__file__).resolve().parent.rglob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[256, 1024], help="model sizes in MiB")
     p.add_argument("--actors", type=int, nargs="+", default=[1, 2, 4, 8], help="receiver counts N")
     p.add_argument("--apply", nargs="+", choices=["copy", "view"], default=["copy", "view"])
     p.add_argument("--repeats", type=int, default=5, help="timed pushes per configuration (medians)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed pushes per configuration (>= 1)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed pushes per configuration (default: keep + 2, at least 1)",
+    )
     p.add_argument("--tensors", type=int, default=16, help="equal fp32 tensors per model")
     p.add_argument("--keep", type=int, default=2, help="versions the hub keeps")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for any one wait")
-    p.add_argument("--floor-source", choices=["shared", "private"], default="shared",
-                   help="floor receivers copy from one shared /dev/shm source or their own buffer")
-    p.add_argument("--object-store-mib", type=int, default=None,
-                   help="object store size (default: (keep + 3) x largest model, >= 1 GiB)")
+    p.add_argument(
+        "--floor-source",
+        choices=["shared", "private"],
+        default="shared",
+        help="floor receivers copy from one shared /dev/shm source or each from its own buffer "
+        "(private: 2x the model per actor, too much for 1 GiB x 8 on 24 GiB)",
+    )
+    p.add_argument(
+        "--object-store-mib",
+        type=int,
+        default=None,
+        help="object store size (default: (keep + 2) x largest model, >= 1 GiB)",
+    )
+    p.add_argument(
+        "--no-prefault",
+        action="store_true",
+        help="do not fill and free the object store once before measuring",
+    )
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats")
     p.add_argument("--verbose", action="store_true", help="debug logging, Ray worker logs shown")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes_mib, args.actors, args.repeats = [16], [1, 2], 2
-    args.warmup = max(1, args.warmup)
+    args.warmup = max(1, args.keep + 2 if args.warmup is None else args.warmup)
     args.actors = sorted(set(args.actors))
     if min(args.actors) < 1 or args.repeats < 1:
         p.error("--actors and --repeats must be >= 1")
@@ -551,17 +681,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     hub_logger.addHandler(capture)
 
     max_bytes = max(args.sizes_mib) * MIB
-    store = args.object_store_mib * MIB if args.object_store_mib else max(2**30, (args.keep + 3) * max_bytes)
+    store = args.object_store_mib * MIB if args.object_store_mib else max(2**30, (args.keep + 2) * max_bytes)
     ray.init(
         num_cpus=max(args.actors) + 2,
         object_store_memory=store,
         include_dashboard=False,
-        logging_level="warning",
+        logging_level=logging.WARNING,
         log_to_driver=args.verbose,
     )
     gauge = ObjectStoreGauge()
+    prefault_s = None if args.no_prefault else prefault_object_store(store)
+    gauge.settle(at_most=MIB, timeout=30)
     rows: list[dict[str, Any]] = []
     t_start = time.time()
+    source_start = raysync_fingerprint()
     try:
         for size_mib in args.sizes_mib:
             nbytes = size_mib * MIB
@@ -572,7 +705,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in args.actors:
                 logger.info("%d MiB, N=%d: floor", size_mib, n)
                 floor = measure_snapshot_floor(flat_src, args.repeats)
-                floor.update(measure_receiver_floor(model_bytes, n, args.repeats, args.floor_source, args.timeout))
+                floor.update(
+                    measure_receiver_floor(model_bytes, n, args.repeats, args.floor_source, args.timeout)
+                )
                 floor["floor_s"] = floor["snapshot_copy_s"] + floor["recv_copy_wall_s"]
                 for apply in args.apply:
                     logger.info("%d MiB, N=%d, apply=%s: raysync", size_mib, n, apply)
@@ -597,9 +732,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows.sort(key=lambda r: (r["size_mib"], r["apply"], r["n"]))
     checks = check_targets(rows)
 
+    source_end = raysync_fingerprint()
     print()
     print_table(rows)
     print_checks(checks)
+    if source_end != source_start:
+        print(
+            "\nWARNING: raysync's source changed on disk during this run: actors and hubs started "
+            "after the change ran other code than the driver. Run again on a quiet checkout."
+        )
 
     meta = {
         "script": "benchmarks/push_fanout.py",
@@ -613,11 +754,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ray": ray.__version__,
         "torch": torch.__version__,
         "raysync": raysync.__version__,
+        "git": git_state(),
+        "raysync_source_sha1": {"start": source_start, "end": source_end},
         "torch_threads_driver": torch.get_num_threads(),
         "object_store_bytes": store,
         "object_store_gauge": "ray._private.internal_api.get_memory_info_reply().store_stats"
         ".object_store_bytes_used",
         "floor_source": args.floor_source,
+        "object_store_prefault_s": prefault_s,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
