@@ -32,12 +32,11 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from tensordict import TensorDict
 
 from raysync.errors import (
     ApplyError,
@@ -60,6 +59,9 @@ from raysync.weights import (
     unpack,
     validate,
 )
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 __all__ = ["DEFAULT_HUB", "DEFAULT_NAMESPACE", "HubClient", "WeightHub", "connect", "get_hub_actor"]
 
@@ -194,12 +196,17 @@ class WeightHub:
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = time.time()
         self._trim(model)
-        for sub in self._model_subs(model_id):
-            if sub.mode == "push":
-                self._kick(sub)
+        # Deliver just after this reply has left: the pusher is waiting on it, and
+        # receivers starting their copies would otherwise compete with it for CPU.
+        asyncio.get_running_loop().call_later(0.001, self._kick_model, model_id)
         await self._changed()
         logger.debug("hub %r: %r version %d published", self._name, model_id, version)
         return {"version": version}
+
+    def _kick_model(self, model_id: str) -> None:
+        for sub in self._model_subs(model_id):
+            if sub.mode == "push":
+                self._kick(sub)
 
     def _kick(self, sub: _Subscriber) -> None:
         if sub.task is None or sub.task.done():

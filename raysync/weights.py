@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import sys
 import warnings
 import zlib
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
 
 from raysync.errors import (
     ChecksumError,
@@ -43,6 +43,9 @@ from raysync.errors import (
     ReadOnlyWeightsError,
     WeightMismatchError,
 )
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -180,7 +183,7 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     if isinstance(weights, torch.nn.Module):
         for key, value in weights.state_dict(keep_vars=False).items():
             flat[key] = value
-    elif isinstance(weights, TensorDictBase):
+    elif _is_tensordict(weights):
         for key, value in weights.flatten_keys(".").items():
             flat[str(key)] = value
     elif isinstance(weights, Mapping):
@@ -198,6 +201,12 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     return {key: flat[key].detach() for key in sorted(flat)}
 
 
+def _is_tensordict(value: Any) -> bool:
+    # Only an imported tensordict can have made a TensorDict: no need to import it to check.
+    module = sys.modules.get("tensordict")
+    return module is not None and isinstance(value, module.TensorDictBase)
+
+
 def _flatten_mapping(mapping: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
     for key, value in mapping.items():
         if not isinstance(key, str):
@@ -207,7 +216,7 @@ def _flatten_mapping(mapping: Mapping[Any, Any], prefix: str, out: dict[str, tor
             if name in out:
                 raise InvalidWeightsError(f"key {name!r} appears twice (nested and dotted)")
             out[name] = value
-        elif isinstance(value, TensorDictBase):
+        elif _is_tensordict(value):
             for sub, tensor in value.flatten_keys(".").items():
                 out[f"{name}.{sub}"] = tensor
         elif isinstance(value, Mapping):
@@ -488,6 +497,8 @@ def to_tensordict(tensors: Mapping[str, torch.Tensor]) -> TensorDict:
         >>> to_tensordict({"a.b": torch.ones(1)})["a", "b"]
         tensor([1.])
     """
+    from tensordict import TensorDict  # imported on use: it costs seconds at start-up
+
     td = TensorDict({}, batch_size=[])
     for key, value in tensors.items():
         td.set(tuple(key.split(".")), value)
