@@ -10,6 +10,7 @@ a caller would already catch for that kind of failure::
     ├── UnknownModelError       (KeyError)       no version was ever pushed for that model_id
     ├── ChecksumError           (ValueError)     a bucket's bytes do not match its checksum
     ├── ApplyError              (RuntimeError)   a subscriber failed to apply a version
+    ├── StaleWriterError        (PermissionError) another live process holds the model's writer lease
     └── ReadOnlyWeightsError    (RuntimeError)   an in-place write to ``apply="view"`` weights
 
 Example:
@@ -132,6 +133,19 @@ class ApplyError(RaySyncError, RuntimeError):
     def __init__(self, message: str, failures: list[dict[str, Any]] | None = None) -> None:
         super().__init__(message)
         self.failures = list(failures or [])
+
+
+class StaleWriterError(RaySyncError, PermissionError):
+    """Another live trainer holds the writer lease of this model; pushes from here are refused.
+
+    One writer per ``model_id``: the first process (or actor) that pushes
+    holds the lease until it dies or another takes over with
+    ``raysync.connect(..., takeover=True)``.
+
+    Example:
+        >>> hub.push(model)  # doctest: +SKIP
+        raysync.StaleWriterError: model 'policy' is written by actor 1f2e... (pid 4242) ...
+    """
 
 
 class ReadOnlyWeightsError(RaySyncError, RuntimeError):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import logging
 import os
 import socket
@@ -41,6 +42,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from raysync.errors import (
     ApplyError,
     InvalidWeightsError,
+    StaleWriterError,
     SyncTimeoutError,
     UnknownModelError,
     WeightMismatchError,
@@ -72,7 +74,9 @@ DEFAULT_HUB = "raysync"
 DEFAULT_NAMESPACE = "raysync"
 """raysync's own Ray namespace: every driver, job and the CLI find the same hub there."""
 
+_KV_NAMESPACE = "raysync"
 _REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
+_CLIENT_RETRY_S = 60.0  # how long a client keeps retrying while the hub restarts
 _PING_TIMEOUT_S = 0.5
 
 
@@ -92,6 +96,7 @@ class _Model:
     pushes: int = 0
     bytes_pushed: int = 0
     last_push_time: float | None = None
+    writer: dict[str, Any] | None = None  # the process (or actor) holding the writer lease
 
     @property
     def newest(self) -> _Version | None:
@@ -123,6 +128,45 @@ class _Subscriber:
         return str(self.info.get("mode", "push"))
 
 
+def _kv() -> Any:
+    """Ray's GCS key-value store (survives the hub process, not the cluster)."""
+    from ray.experimental import internal_kv
+
+    class _KV:
+        put = staticmethod(internal_kv._internal_kv_put)
+        get = staticmethod(internal_kv._internal_kv_get)
+        list = staticmethod(internal_kv._internal_kv_list)
+
+    return _KV
+
+
+def _lease(pusher: dict[str, Any]) -> dict[str, Any]:
+    keys = ("writer_id", "actor_id", "job_id", "pid", "host")
+    return {k: pusher.get(k) for k in keys} | {"since": time.time()}
+
+
+def _who(writer: dict[str, Any]) -> str:
+    kind = (
+        f"actor {writer['actor_id']}" if writer.get("actor_id") else f"driver of job {writer.get('job_id')}"
+    )
+    return f"{kind} (pid {writer.get('pid')} on {writer.get('host')})"
+
+
+def _writer_alive(writer: dict[str, Any]) -> bool:
+    """Whether the process holding a lease still runs (asked of the GCS; unsure means alive)."""
+    from ray._private import state
+
+    try:
+        if writer.get("actor_id"):
+            return bool(state.actors(actor_id=writer["actor_id"]).get("State") != "DEAD")
+        for job in state.jobs():
+            if job.get("JobID") == writer.get("job_id"):
+                return not job.get("IsDead", False)
+        return False
+    except Exception:
+        return True
+
+
 @ray.remote(num_cpus=0)
 class WeightHub:
     """The hub actor. Reach it through :func:`connect`; its methods are internal.
@@ -138,6 +182,7 @@ class WeightHub:
         self._subs: dict[str, _Subscriber] = {}
         self._cond: asyncio.Condition | None = None
         self._started = time.time()
+        self._restored = self._restore()
 
     # ------------------------------------------------------------------ helpers
     def _condition(self) -> asyncio.Condition:
@@ -159,6 +204,81 @@ class WeightHub:
         sub.state = "dead"
         logger.warning("hub %r dropped subscriber %s of %r: %s", self._name, sub.sub_id, sub.model_id, why)
 
+    # ------------------------------------------------------------------ persistence
+    def _kv_key(self, model_id: str) -> bytes:
+        return f"{self._name}/model/{model_id}".encode()
+
+    def _persist(self, model_id: str, model: _Model) -> None:
+        """Version counter and writer lease outlive the hub process (GCS key-value store)."""
+        record = {"latest": model.latest, "writer": model.writer}
+        _kv().put(self._kv_key(model_id), json.dumps(record).encode(), namespace=_KV_NAMESPACE)
+
+    def _restore(self) -> list[str]:
+        """After a restart: continue version numbers and leases where the last hub left them.
+
+        The kept versions themselves are lost with the old process (it held the
+        only references the hub had); the next push brings everyone forward.
+        """
+        restored = []
+        try:
+            prefix = f"{self._name}/model/".encode()
+            for key in _kv().list(prefix, namespace=_KV_NAMESPACE):
+                raw = _kv().get(key, namespace=_KV_NAMESPACE)
+                if raw is None:
+                    continue
+                record = json.loads(raw)
+                model_id = key[len(prefix) :].decode()
+                self._models[model_id] = _Model(latest=int(record["latest"]), writer=record.get("writer"))
+                restored.append(model_id)
+        except Exception as err:  # a fresh cluster, or no GCS access: start empty
+            logger.warning("hub %r could not restore its state: %s", self._name, err)
+        if restored:
+            logger.warning(
+                "hub %r restarted: continuing %s from their last version numbers; versions kept "
+                "before the restart are gone until the next push",
+                self._name,
+                {m: self._models[m].latest for m in restored},
+            )
+        return restored
+
+    async def _fence(self, model_id: str, model: _Model, pusher: dict[str, Any], takeover: bool) -> Any:
+        """One writer per model: None if ``pusher`` may publish, else the error to raise."""
+        me = pusher.get("writer_id")
+        current = model.writer
+        if me is None or current is None or current.get("writer_id") == me:
+            if me is not None and current is None:
+                model.writer = _lease(pusher)
+            return None
+        if takeover:
+            logger.warning(
+                "hub %r: %s took over model %r from %s", self._name, _who(pusher), model_id, _who(current)
+            )
+        elif await asyncio.to_thread(_writer_alive, current):
+            return StaleWriterError(
+                f"model {model_id!r} is written by {_who(current)}; this process ({_who(pusher)}) may not "
+                "push to it. Stop the other trainer, push under another model_id, or take over with "
+                "raysync.connect(..., takeover=True)"
+            )
+        else:
+            logger.info(
+                "hub %r: writer %s of %r is gone; %s takes over",
+                self._name,
+                _who(current),
+                model_id,
+                _who(pusher),
+            )
+        model.writer = _lease(pusher)
+        return None
+
+    async def heartbeat(self, sub_id: str) -> bool:
+        """A subscriber checks in; False tells it to register again (the hub restarted or dropped it)."""
+        sub = self._subs.get(sub_id)
+        if sub is None:
+            return False
+        if sub.state == "unreachable":
+            sub.state = "live"
+        return True
+
     # ------------------------------------------------------------------ admin
     async def configure(self, keep: int) -> dict[str, Any]:
         if keep != self._keep:
@@ -174,7 +294,12 @@ class WeightHub:
 
     # ------------------------------------------------------------------ publish
     async def publish(
-        self, model_id: str, manifest: Manifest, refs: list[ray.ObjectRef], pusher: dict[str, Any]
+        self,
+        model_id: str,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        pusher: dict[str, Any],
+        takeover: bool = False,
     ) -> dict[str, Any]:
         """Stamp and keep a version; start delivering it. Returns ``{"version": v}`` or ``{"error": e}``."""
         for sub in self._model_subs(model_id):
@@ -189,6 +314,9 @@ class WeightHub:
                 )
                 return {"error": err}
         model = self._models.setdefault(model_id, _Model())
+        refused = await self._fence(model_id, model, pusher, takeover)
+        if refused is not None:
+            return {"error": refused}
         model.latest += 1
         version = model.latest
         model.versions[version] = _Version(version, manifest, list(refs), time.time(), pusher)
@@ -196,6 +324,7 @@ class WeightHub:
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = time.time()
         self._trim(model)
+        await asyncio.to_thread(self._persist, model_id, model)
         # Deliver just after this reply has left: the pusher is waiting on it, and
         # receivers starting their copies would otherwise compete with it for CPU.
         asyncio.get_running_loop().call_later(0.001, self._kick_model, model_id)
@@ -274,13 +403,13 @@ class WeightHub:
         old = self._subs.get(sub_id)
         if old is not None and old.task is not None:
             old.task.cancel()
-        sub = _Subscriber(sub_id, model_id, handle, dict(info), schema)
+        sub = _Subscriber(sub_id, model_id, handle, dict(info), schema, applied=info.get("applied"))
         self._subs[sub_id] = sub
         model = self._models.get(model_id)
         newest = model.newest if model else None
         logger.info("hub %r: subscriber %s registered for %r", self._name, sub_id, model_id)
         await self._changed()
-        if newest is None:
+        if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return None
         sub.sent = newest.version  # the subscriber applies it itself, from __init__
         return {"version": newest.version, "manifest": newest.manifest, "refs": newest.refs}
@@ -410,6 +539,7 @@ class WeightHub:
                 "bytes_pushed": model.bytes_pushed,
                 "last_push_time": model.last_push_time,
                 "last_push_age_s": None if model.last_push_time is None else now - model.last_push_time,
+                "writer": model.writer,
             }
         subs = []
         for sub in sorted(self._subs.values(), key=lambda s: (s.model_id, s.sub_id)):
@@ -440,6 +570,7 @@ class WeightHub:
             "hub": self._name,
             "keep": self._keep,
             "uptime_s": now - self._started,
+            "restored_models": self._restored,
             "models": models,
             "subscribers": subs,
         }
@@ -466,7 +597,9 @@ def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep
     ).remote(name=name, keep=keep)
 
 
-def connect(name: str = DEFAULT_HUB, *, namespace: str | None = None, keep: int = 2) -> HubClient:
+def connect(
+    name: str = DEFAULT_HUB, *, namespace: str | None = None, keep: int = 2, takeover: bool = False
+) -> HubClient:
     """Connect to the hub called ``name``, creating it if no one has.
 
     Args:
@@ -474,6 +607,10 @@ def connect(name: str = DEFAULT_HUB, *, namespace: str | None = None, keep: int 
         namespace: Ray namespace of the hub; ``None`` is raysync's own
             (``"raysync"``), so every driver, job and the CLI share it.
         keep: how many versions per model the hub keeps (older ones are released).
+        takeover: push even to models another live trainer writes; that
+            trainer's later pushes are then refused (``StaleWriterError``).
+            Without it, a second writer gets ``StaleWriterError``. A writer
+            is a process or an actor: every client it makes shares one lease.
 
     Returns:
         A picklable :class:`HubClient`: hand it to trainer actors or tasks.
@@ -488,7 +625,7 @@ def connect(name: str = DEFAULT_HUB, *, namespace: str | None = None, keep: int 
         raise ValueError(f"hub name must be a non-empty string, got {name!r}")
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1 (versions kept per model), got {keep!r}")
-    client = HubClient(name, namespace=namespace)
+    client = HubClient(name, namespace=namespace, takeover=takeover)
     handle = get_hub_actor(name, namespace, keep=keep)
     ray.get(handle.configure.remote(keep))
     client._handle = handle
@@ -507,9 +644,13 @@ class HubClient:
         >>> hub.pull()["fc", "weight"].shape
     """
 
-    def __init__(self, name: str = DEFAULT_HUB, *, namespace: str | None = None) -> None:
+    def __init__(
+        self, name: str = DEFAULT_HUB, *, namespace: str | None = None, takeover: bool = False
+    ) -> None:
         self.name = name
         self.namespace = namespace or DEFAULT_NAMESPACE
+        self.takeover = takeover
+        self.retry_s = _CLIENT_RETRY_S
         self._handle: Any = None
         self._layouts: dict[tuple[Any, ...], Manifest] = {}
         self._separate: dict[str, frozenset[str]] = {}
@@ -517,7 +658,7 @@ class HubClient:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the address travels; the handle is looked up again where it lands.
-        return (_restore_client, (self.name, self.namespace))
+        return (_restore_client, (self.name, self.namespace, self.takeover))
 
     def __repr__(self) -> str:
         return f"HubClient(name={self.name!r}, namespace={self.namespace!r})"
@@ -528,6 +669,21 @@ class HubClient:
         if self._handle is None:
             self._handle = get_hub_actor(self.name, self.namespace)
         return self._handle
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call the hub; while it restarts (or after it died), find it again and retry."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                return ray.get(getattr(self.actor, method).remote(*args))
+            except (ActorDiedError, ActorUnavailableError) as err:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.warning("hub %r unavailable (%s); retrying %s", self.name, type(err).__name__, method)
+                self._handle = None  # a restarted or re-created hub is found by name
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     # ------------------------------------------------------------------ push
     def push(
@@ -543,6 +699,7 @@ class HubClient:
         delta: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: bool = False,
+        check_finite: bool = False,
     ) -> int:
         """Snapshot ``weights`` into the object store once and publish them as a new version.
 
@@ -566,6 +723,7 @@ class HubClient:
                 change; subscribers holding them skip them.
             bucket_bytes: target bucket size (a version is a few buckets).
             checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
+            check_finite: refuse weights with NaN or Inf (names the tensors).
 
         Returns:
             The version number the hub stamped (1, 2, ... per model).
@@ -574,7 +732,10 @@ class HubClient:
             WeightMismatchError: the weights do not fit the subscribers' models
                 (nothing is published; everyone keeps the previous version).
             InvalidWeightsError: empty weights, non-tensor leaves, ``keys``
-                that match nothing, or ``keys`` before any full push.
+                that match nothing, ``keys`` before any full push, NaN/Inf
+                with ``check_finite``, or a version larger than the object store.
+            StaleWriterError: another live trainer holds this model's writer
+                lease (see ``connect(takeover=...)``).
             SyncTimeoutError: ``wait=True`` or ``max_lag`` and ``timeout`` passed first.
 
         Example:
@@ -595,6 +756,16 @@ class HubClient:
         tensors = extract_tensors(weights)
         if dtype is not None:
             tensors = cast_floating(tensors, dtype)
+        if check_finite:
+            bad = [
+                k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
+            ]
+            if bad:
+                raise InvalidWeightsError(
+                    f"weights of {model_id!r} hold NaN or Inf in {bad[:20]}"
+                    + (f" and {len(bad) - 20} more" if len(bad) > 20 else "")
+                    + "; nothing was pushed"
+                )
         selected = _select_keys(tensors, keys) if keys is not None else None
         prev = self._previous(model_id) if (delta or selected is not None) else None
         if selected is not None:
@@ -610,6 +781,13 @@ class HubClient:
                 )
             self._separate[model_id] = frozenset(selected)
         manifest = self._layout(tensors, bucket_bytes, self._separate.get(model_id, frozenset()))
+        capacity = _store_capacity()
+        if capacity is not None and sum(manifest.bucket_nbytes) > capacity:
+            raise InvalidWeightsError(
+                f"a version of {model_id!r} takes {sum(manifest.bucket_nbytes) / 2**30:.2f} GiB, more than "
+                f"this node's object store ({capacity / 2**30:.2f} GiB): start Ray with a larger "
+                "object_store_memory, or push less (dtype=torch.bfloat16, keys=...)"
+            )
         prev_buckets: list[Any] | None = None
         if prev is not None:
             prev_buckets = ray.get(list(prev["refs"]))
@@ -642,8 +820,8 @@ class HubClient:
             "buckets_put": puts,
             "buckets": len(refs),
         }
-        pusher = {"pid": os.getpid(), "host": socket.gethostname(), **self.last_push}
-        reply = ray.get(self.actor.publish.remote(model_id, manifest, refs, pusher))
+        pusher = {**_writer_identity(), **self.last_push}
+        reply = self._call("publish", model_id, manifest, refs, pusher, self.takeover)
         if "error" in reply:
             raise reply["error"]
         version = int(reply["version"])
@@ -661,7 +839,7 @@ class HubClient:
         return version
 
     def _previous(self, model_id: str) -> dict[str, Any] | None:
-        info: dict[str, Any] | None = ray.get(self.actor.get.remote(model_id))
+        info: dict[str, Any] | None = self._call("get", model_id)
         return None if info is None or "error" in info else info
 
     def _layout(self, tensors: dict[str, Any], bucket_bytes: int, separate: frozenset[str]) -> Manifest:
@@ -687,7 +865,7 @@ class HubClient:
         """
         _check_model_id(model_id)
         _check_timeout(timeout)
-        reply = ray.get(self.actor.wait.remote(model_id, int(version), timeout))
+        reply = self._call("wait", model_id, int(version), timeout)
         if reply["laggards"]:
             rows = reply["laggards"]
             names = ", ".join(
@@ -718,7 +896,7 @@ class HubClient:
             12
         """
         _check_model_id(model_id)
-        result: int | None = ray.get(self.actor.latest.remote(model_id))
+        result: int | None = self._call("latest", model_id)
         return result
 
     def pull(self, model_id: str = "policy", version: int | None = None) -> TensorDict:
@@ -734,7 +912,7 @@ class HubClient:
             >>> model.load_state_dict(td.flatten_keys(".").to_dict())
         """
         _check_model_id(model_id)
-        info = ray.get(self.actor.get.remote(model_id, version))
+        info = self._call("get", model_id, version)
         if info is not None and "error" in info:
             raise info["error"]
         assert info is not None
@@ -749,7 +927,7 @@ class HubClient:
             >>> hub.status()["subscribers"][0]["lag"]
             0
         """
-        result: dict[str, Any] = ray.get(self.actor.status.remote())
+        result: dict[str, Any] = self._call("status")
         return result
 
 
@@ -787,8 +965,34 @@ def _unchanged(
     return delta and same_bytes(bucket, prev_buckets[b])
 
 
-def _restore_client(name: str, namespace: str) -> HubClient:
-    return HubClient(name, namespace=namespace)
+def _restore_client(name: str, namespace: str, takeover: bool = False) -> HubClient:
+    return HubClient(name, namespace=namespace, takeover=takeover)
+
+
+def _writer_identity() -> dict[str, Any]:
+    """Who is pushing: an actor, or a driver / task worker process (clients in it share a lease)."""
+    ctx = ray.get_runtime_context()
+    actor_id = ctx.get_actor_id()
+    job_id = ctx.get_job_id()
+    return {
+        "writer_id": actor_id or f"{job_id}/{ctx.get_worker_id()}",
+        "actor_id": actor_id,
+        "job_id": job_id,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+
+
+def _store_capacity() -> float | None:
+    """Object-store bytes of the node this process runs on (None if unknown)."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                return float(node["Resources"]["object_store_memory"])
+    except Exception:
+        return None
+    return None
 
 
 def _check_model_id(model_id: Any) -> None:

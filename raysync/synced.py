@@ -38,9 +38,10 @@ from typing import Any, Literal, TypeVar
 
 import ray
 import torch
+from ray.exceptions import ActorDiedError
 
 from raysync.errors import RaySyncError
-from raysync.hub import DEFAULT_HUB, get_hub_actor
+from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, get_hub_actor
 from raysync.weights import BoundModel, Manifest, module_schema, validate, verify_checksums
 
 __all__ = ["RayModuleTransform", "synced_model"]
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Mode = Literal["push", "pull"]
 ApplyKind = Literal["copy", "view"]
+
+_HEARTBEAT_S = 2.0  # how often a subscriber checks in with the hub
 
 _RAYSYNC_METHODS = {"raysync_version", "raysync_sync", "_raysync_notify", "_raysync_ping"}
 
@@ -376,6 +379,41 @@ class _ActorSync:
             return
         for sub in sync.subs.values():
             sub.register(ctx)
+        thread = threading.Thread(target=sync._heartbeat_loop, args=(ctx,), name="raysync-heartbeat")
+        thread.daemon = True
+        thread.start()
+
+    def _heartbeat_loop(self, ctx: Any) -> None:
+        """Check in with the hub; register again if it restarted or dropped this actor."""
+        while True:
+            time.sleep(_HEARTBEAT_S)
+            for sub in list(self.subs.values()):
+                try:
+                    known = ray.get(sub.hub.heartbeat.remote(sub.sub_id), timeout=_HEARTBEAT_S * 5)
+                except ActorDiedError:  # killed for good: follow a new hub of that name, if any
+                    try:
+                        sub.hub = ray.get_actor(
+                            sub.spec.hub, namespace=sub.spec.namespace or DEFAULT_NAMESPACE
+                        )
+                    except ValueError:
+                        continue
+                    known = False
+                except Exception:  # restarting or busy: try again next beat
+                    continue
+                if known:
+                    continue
+                try:
+                    logger.warning(
+                        "%s: hub %r does not know this subscriber (restarted?); registering again at "
+                        "version %s of %r",
+                        sub.sub_id,
+                        sub.spec.hub,
+                        sub.version,
+                        sub.spec.model_id,
+                    )
+                    sub.register(ctx)
+                except Exception as err:
+                    logger.warning("%s could not register again: %s", sub.sub_id, err)
 
     def subscription(self, model_id: str | None) -> _Subscription:
         if model_id is None:
@@ -422,6 +460,7 @@ class _Subscription:
             "mode": self.spec.mode,
             "apply": self.spec.apply,
             "attr": self.spec.attr,
+            "applied": self.version,
         }
         newest = ray.get(
             self.hub.register.remote(
@@ -431,7 +470,7 @@ class _Subscription:
         if newest is not None:
             reply = self.receive(newest["version"], newest["manifest"], newest["refs"])
             self.hub.report.remote(self.sub_id, reply)
-        if self.spec.prefetch:
+        if self.spec.prefetch and not hasattr(self, "_stage_lock"):
             self.start_prefetch()
 
     # -------------------------------------------------------------- apply
