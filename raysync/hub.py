@@ -47,6 +47,7 @@ from raysync.errors import (
     UnknownModelError,
     WeightMismatchError,
 )
+from raysync.transports import TRANSPORTS
 from raysync.weights import (
     DEFAULT_BUCKET_BYTES,
     Manifest,
@@ -598,7 +599,12 @@ def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep
 
 
 def connect(
-    name: str = DEFAULT_HUB, *, namespace: str | None = None, keep: int = 2, takeover: bool = False
+    name: str = DEFAULT_HUB,
+    *,
+    namespace: str | None = None,
+    keep: int = 2,
+    takeover: bool = False,
+    transport: str = "object_store",
 ) -> HubClient:
     """Connect to the hub called ``name``, creating it if no one has.
 
@@ -611,6 +617,8 @@ def connect(
             trainer's later pushes are then refused (``StaleWriterError``).
             Without it, a second writer gets ``StaleWriterError``. A writer
             is a process or an actor: every client it makes shares one lease.
+        transport: the client's default data path, ``"object_store"`` or
+            ``"nixl"`` (Ray's tensor transport; see :mod:`raysync.transports.nixl`).
 
     Returns:
         A picklable :class:`HubClient`: hand it to trainer actors or tasks.
@@ -625,7 +633,7 @@ def connect(
         raise ValueError(f"hub name must be a non-empty string, got {name!r}")
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1 (versions kept per model), got {keep!r}")
-    client = HubClient(name, namespace=namespace, takeover=takeover)
+    client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
     handle = get_hub_actor(name, namespace, keep=keep)
     ray.get(handle.configure.remote(keep))
     client._handle = handle
@@ -645,8 +653,16 @@ class HubClient:
     """
 
     def __init__(
-        self, name: str = DEFAULT_HUB, *, namespace: str | None = None, takeover: bool = False
+        self,
+        name: str = DEFAULT_HUB,
+        *,
+        namespace: str | None = None,
+        takeover: bool = False,
+        transport: str = "object_store",
     ) -> None:
+        _check_transport(transport)
+        self.transport = transport
+        self._pools: dict[str, Any] = {}
         self.name = name
         self.namespace = namespace or DEFAULT_NAMESPACE
         self.takeover = takeover
@@ -658,7 +674,7 @@ class HubClient:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the address travels; the handle is looked up again where it lands.
-        return (_restore_client, (self.name, self.namespace, self.takeover))
+        return (_restore_client, (self.name, self.namespace, self.takeover, self.transport))
 
     def __repr__(self) -> str:
         return f"HubClient(name={self.name!r}, namespace={self.namespace!r})"
@@ -700,6 +716,7 @@ class HubClient:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: bool = False,
         check_finite: bool = False,
+        transport: str | None = None,
     ) -> int:
         """Snapshot ``weights`` into the object store once and publish them as a new version.
 
@@ -724,6 +741,8 @@ class HubClient:
             bucket_bytes: target bucket size (a version is a few buckets).
             checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
             check_finite: refuse weights with NaN or Inf (names the tensors).
+            transport: ``"object_store"`` or ``"nixl"``; default: the client's.
+                NIXL sends full versions (no ``keys``, ``delta`` or ``checksum``).
 
         Returns:
             The version number the hub stamped (1, 2, ... per model).
@@ -746,6 +765,10 @@ class HubClient:
         """
         _check_model_id(model_id)
         _check_timeout(timeout)
+        transport = transport or self.transport
+        _check_transport(transport)
+        if transport == "nixl" and (keys is not None or delta or checksum):
+            raise ValueError("transport='nixl' sends whole versions: drop keys=, delta= and checksum=")
         if max_lag is not None:
             if not isinstance(max_lag, int) or max_lag < 1:
                 raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
@@ -781,13 +804,17 @@ class HubClient:
                 )
             self._separate[model_id] = frozenset(selected)
         manifest = self._layout(tensors, bucket_bytes, self._separate.get(model_id, frozenset()))
-        capacity = _store_capacity()
+        if transport == "nixl":
+            manifest = manifest.with_transport("nixl")
+        capacity = _store_capacity() if transport == "object_store" else None
         if capacity is not None and sum(manifest.bucket_nbytes) > capacity:
             raise InvalidWeightsError(
                 f"a version of {model_id!r} takes {sum(manifest.bucket_nbytes) / 2**30:.2f} GiB, more than "
                 f"this node's object store ({capacity / 2**30:.2f} GiB): start Ray with a larger "
                 "object_store_memory, or push less (dtype=torch.bfloat16, keys=...)"
             )
+        if transport == "nixl":
+            return self._push_nixl(model_id, tensors, manifest, t0, wait=wait, timeout=timeout)
         prev_buckets: list[Any] | None = None
         if prev is not None:
             prev_buckets = ray.get(list(prev["refs"]))
@@ -834,6 +861,41 @@ class HubClient:
             manifest.num_buckets,
             snapshot_s,
         )
+        if wait:
+            self.wait(version, model_id, timeout=timeout)
+        return version
+
+    def _push_nixl(
+        self,
+        model_id: str,
+        tensors: dict[str, Any],
+        manifest: Manifest,
+        t0: float,
+        *,
+        wait: bool,
+        timeout: float | None,
+    ) -> int:
+        from raysync.transports.nixl import SnapshotPool
+
+        pool = self._pools.setdefault(model_id, SnapshotPool())
+        refs = pool.put(tensors, manifest)
+        snapshot_s = time.perf_counter() - t0
+        self.last_push = {
+            "model_id": model_id,
+            "transport": "nixl",
+            "snapshot_s": snapshot_s,
+            "bytes_put": 0,  # nothing in the object store: receivers read the trainer's buffers
+            "bytes_snapshot": sum(manifest.bucket_nbytes),
+            "buckets_put": len(refs),
+            "buckets": len(refs),
+        }
+        reply = self._call(
+            "publish", model_id, manifest, refs, {**_writer_identity(), **self.last_push}, self.takeover
+        )
+        if "error" in reply:
+            raise reply["error"]
+        version = int(reply["version"])
+        logger.debug("pushed %r version %d over NIXL, snapshot %.3f s", model_id, version, snapshot_s)
         if wait:
             self.wait(version, model_id, timeout=timeout)
         return version
@@ -965,8 +1027,15 @@ def _unchanged(
     return delta and same_bytes(bucket, prev_buckets[b])
 
 
-def _restore_client(name: str, namespace: str, takeover: bool = False) -> HubClient:
-    return HubClient(name, namespace=namespace, takeover=takeover)
+def _restore_client(
+    name: str, namespace: str, takeover: bool = False, transport: str = "object_store"
+) -> HubClient:
+    return HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
+
+
+def _check_transport(transport: Any) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
 def _writer_identity() -> dict[str, Any]:

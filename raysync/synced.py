@@ -42,6 +42,7 @@ from ray.exceptions import ActorDiedError
 
 from raysync.errors import RaySyncError
 from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, get_hub_actor
+from raysync.transports.nixl import receive_into
 from raysync.weights import BoundModel, Manifest, module_schema, validate, verify_checksums
 
 __all__ = ["RayModuleTransform", "synced_model"]
@@ -349,6 +350,7 @@ class _ActorSync:
         self.is_async = is_async
         self.lock = _RWLock()
         self.async_lock = _AsyncRWLock()
+        self.loop: asyncio.AbstractEventLoop | None = None  # an async actor's event loop, once seen
         self.subs: dict[str, _Subscription] = {}
         self.prefetching: list[_Subscription] = []
 
@@ -436,6 +438,10 @@ class _Subscription:
         self.bound: BoundModel | None = None
         self.sub_id = ""
         self.hub: Any = None
+        # Guards the spare buffer set (prefetch staging, NIXL receives).
+        self._stage_lock = threading.Lock()
+        self._staged: tuple[int, list[str | None], int] | None = None
+        self._prefetching = False
 
     # -------------------------------------------------------------- registration
     def module(self) -> torch.nn.Module:
@@ -470,7 +476,7 @@ class _Subscription:
         if newest is not None:
             reply = self.receive(newest["version"], newest["manifest"], newest["refs"])
             self.hub.report.remote(self.sub_id, reply)
-        if self.spec.prefetch and not hasattr(self, "_stage_lock"):
+        if self.spec.prefetch and not self._prefetching:
             self.start_prefetch()
 
     # -------------------------------------------------------------- apply
@@ -559,6 +565,8 @@ class _Subscription:
     def receive(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> dict[str, Any]:
         """Fetch, validate and apply a version (threads and plain actors)."""
         t0 = time.perf_counter()
+        if manifest.transport == "nixl":
+            return self._receive_nixl(version, manifest, refs, t0)
         try:
             if self.spec.prefetch:
                 swapped = self.swap_if_staged(report=False)
@@ -568,7 +576,7 @@ class _Subscription:
             if needed is None:
                 return {"applied": self.version, "skipped": version}
             fetched = self._fetch(manifest, refs, needed)
-            with self.sync.lock.write():
+            with self._write_lock():
                 pause = self._commit(version, manifest, refs, fetched)
             del fetched
         except Exception as err:
@@ -582,6 +590,9 @@ class _Subscription:
     ) -> dict[str, Any]:
         """Same as :meth:`receive` for async actors: waits without blocking the event loop."""
         t0 = time.perf_counter()
+        self.sync.loop = asyncio.get_running_loop()
+        if manifest.transport == "nixl":
+            return await asyncio.to_thread(self._receive_nixl, version, manifest, refs, t0)
         try:
             needed = self._plan(version, manifest, refs)
             if needed is None:
@@ -601,10 +612,67 @@ class _Subscription:
             version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
         )
 
+    def _receive_nixl(
+        self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], t0: float
+    ) -> dict[str, Any]:
+        """NIXL: receive into the spare buffer set, then swap it in under the write lock."""
+        try:
+            if self.spec.apply != "copy":
+                raise RaySyncError(
+                    f"{self.sub_id}: apply={self.spec.apply!r} needs the object store; this version came "
+                    "over NIXL (push with transport='object_store' or use apply='copy')"
+                )
+            with self._stage_lock:
+                if self.version is not None and version <= self.version:
+                    return {"applied": self.version, "skipped": version}
+                bound = self._bound_for(manifest)
+                if bound is None:
+                    validate(manifest, module_schema(self.module()))
+                    with self._write_lock():
+                        bound = self.bound = BoundModel(self.module(), manifest)
+                ids = _ids(refs)
+                nbytes = receive_into(bound, refs, ids, timeout=self.spec.fetch_timeout)
+                with self._write_lock():
+                    t1 = time.perf_counter()
+                    if self.version is None or version > self.version:
+                        bound.swap()
+                        self.version = version
+                    pause = time.perf_counter() - t1
+        except Exception as err:
+            return self._reply(version, t0, err)
+        return self._reply(version, t0, None, pause, 0, nbytes)
+
+    @contextlib.contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """The actor's write lock, from a worker thread of a threaded or an async actor."""
+        if not self.sync.is_async:
+            with self.sync.lock.write():
+                yield
+            return
+        # Async actors: their user methods hold the asyncio lock; take it on the loop.
+        loop = self.sync.loop
+        if loop is None:  # still in __init__: no method has run on the loop yet
+            yield
+            return
+        entered = threading.Event()
+        release = threading.Event()
+
+        async def hold() -> None:
+            async with self.sync.async_lock.write():
+                entered.set()
+                await asyncio.to_thread(release.wait)
+
+        future = asyncio.run_coroutine_threadsafe(hold(), loop)
+        entered.wait()
+        try:
+            yield
+        finally:
+            release.set()
+            future.result()
+
     # -------------------------------------------------------------- prefetch
     def start_prefetch(self) -> None:
-        self._staged: tuple[int, list[str | None], int] | None = None
-        self._stage_lock = threading.Lock()
+        self._prefetching = True
         thread = threading.Thread(target=self._prefetch_loop, name=f"raysync-prefetch-{self.spec.model_id}")
         thread.daemon = True
         thread.start()
@@ -623,6 +691,8 @@ class _Subscription:
                 continue
             version, manifest, refs = info["version"], info["manifest"], info["refs"]
             known = max(known, version)
+            if manifest.transport != "object_store":
+                continue  # NIXL versions are received straight into the spare set anyway
             try:
                 with self._stage_lock:
                     bound = self._bound_for(manifest)
@@ -639,7 +709,7 @@ class _Subscription:
 
     def swap_if_staged(self, *, report: bool = True) -> dict[str, Any] | None:
         """At a safe point: make a prefetched version current by re-pointing (no copy)."""
-        staged = getattr(self, "_staged", None)
+        staged = self._staged
         if staged is None or (self.version is not None and staged[0] <= self.version):
             return None
         if not self._stage_lock.acquire(blocking=False):

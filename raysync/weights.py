@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import sys
 import warnings
@@ -115,6 +116,9 @@ class Manifest:
         layout_hash: changes exactly when keys, shapes, dtypes or the bucket
             plan change.
         checksums: one CRC32 per bucket when the pusher asked for them.
+        transport: how the bucket bytes travel: ``"object_store"`` (each
+            bucket a list of uint8 arrays in Ray's object store) or ``"nixl"``
+            (each bucket one flat uint8 tensor sent by Ray's NIXL transport).
 
     Example:
         >>> m = plan_layout({"w": torch.zeros(2, 3)})
@@ -126,6 +130,7 @@ class Manifest:
     bucket_nbytes: tuple[int, ...]
     layout_hash: str
     checksums: tuple[int, ...] | None = None
+    transport: str = "object_store"
 
     @property
     def num_buckets(self) -> int:
@@ -151,12 +156,11 @@ class Manifest:
 
     def with_checksums(self, checksums: Sequence[int] | None) -> Manifest:
         """A copy of this manifest carrying per-bucket checksums (or none)."""
-        return Manifest(
-            self.entries,
-            self.bucket_nbytes,
-            self.layout_hash,
-            tuple(checksums) if checksums is not None else None,
-        )
+        return dataclasses.replace(self, checksums=tuple(checksums) if checksums is not None else None)
+
+    def with_transport(self, transport: str) -> Manifest:
+        """A copy of this manifest for another transport (same layout)."""
+        return dataclasses.replace(self, transport=transport)
 
 
 # --------------------------------------------------------------------------- extract
@@ -636,6 +640,20 @@ class BoundModel:
             raise ValueError(f"stage() needs bucket(s) {missing}: the spare buffers do not hold them")
         self._copy_into(self._spare, buckets)
         for b in buckets:
+            self.spare_ids[b] = ids[b]
+
+    def buffers(self, *, spare: bool = False) -> list[torch.Tensor]:
+        """The flat bucket buffers (live, or the spare set, allocated on first use)."""
+        if self.view:
+            raise RuntimeError("apply='view' has no buffers of its own")
+        if spare and not self._spare:
+            self._spare = self._allocate()
+            self.spare_ids = [None] * self.manifest.num_buckets
+        return self._spare if spare else self._flat
+
+    def mark_staged(self, indices: Sequence[int], ids: Sequence[str | None]) -> None:
+        """Record that the spare buffers now hold ``ids`` for these buckets (filled from outside)."""
+        for b in indices:
             self.spare_ids[b] = ids[b]
 
     def swap(self) -> None:

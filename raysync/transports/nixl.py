@@ -1,0 +1,142 @@
+"""The NIXL data path: Ray's tensor transport from trainer buffers into receiver buffers.
+
+Lifecycle of one version (which side runs what):
+
+- **trainer** (:class:`SnapshotPool`, used by ``HubClient.push``): copy the
+  weights into a set of flat uint8 bucket buffers (the one copy a version
+  costs; the trainer may change its model right after), then
+  ``ray.put([bucket], _tensor_transport="nixl")`` per bucket. Ray keeps a
+  reference to each sent tensor until every ``ObjectRef`` to it is gone, so a
+  buffer set is reused only after ``wait_tensor_freed`` says so (double
+  buffering: the hub's ``keep`` versions plus those in flight).
+- **hub**: unchanged; it forwards the refs.
+- **receiver** (:func:`receive_into`, used by ``@synced_model``): both bucket
+  sets of its :class:`~raysync.weights.BoundModel` are registered with NIXL
+  once per layout; each version is received with ``set_target_for_ref``
+  straight into the spare set (receiving is the copy) and then swapped in
+  under the actor's write lock, so readers never see a partial version.
+
+Receivers need no ``enable_tensor_transport``; buffers are CPU tensors here and
+device tensors where the weights live on a GPU.
+
+Example:
+    >>> hub = raysync.connect(transport="nixl")
+    >>> hub.push(model)          # receivers get it over NIXL
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from raysync.errors import SyncTimeoutError
+from raysync.weights import BoundModel, Manifest
+
+__all__ = ["SnapshotPool", "receive_into"]
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotPool:
+    """Trainer side: reusable, NIXL-registered snapshot buffers for one model.
+
+    Args:
+        max_sets: how many versions' buffers may exist at once; with all of
+            them still referenced, :meth:`put` waits for the oldest.
+        timeout: seconds to wait for a buffer set to be freed.
+
+    Example:
+        >>> pool = SnapshotPool(max_sets=4)
+        >>> refs = pool.put(tensors, manifest)
+    """
+
+    def __init__(self, *, max_sets: int = 4, timeout: float = 60.0) -> None:
+        self.max_sets = max_sets
+        self.timeout = timeout
+        self._sets: list[tuple[str, list[torch.Tensor]]] = []  # (layout_hash, buffers), oldest first
+
+    def _free_set(self, manifest: Manifest) -> list[torch.Tensor]:
+        from ray.experimental import register_nixl_memory, wait_tensor_freed
+
+        for i, (layout, buffers) in enumerate(self._sets):
+            if layout == manifest.layout_hash and all(_is_free(b) for b in buffers):
+                self._sets.append(self._sets.pop(i))  # most recently used last
+                return buffers
+        self._sets = [s for s in self._sets if s[0] == manifest.layout_hash]  # old layouts go
+        if len(self._sets) >= self.max_sets:
+            _, oldest = self._sets[0]
+            t0 = time.monotonic()
+            for buffer in oldest:
+                remaining = self.timeout - (time.monotonic() - t0)
+                try:
+                    wait_tensor_freed(buffer, timeout=max(remaining, 0.0))
+                except Exception as err:
+                    raise SyncTimeoutError(
+                        f"all {self.max_sets} NIXL snapshot buffer sets are still referenced after "
+                        f"{self.timeout} s (receivers or the hub hold old versions); lower keep= or "
+                        "raise max_sets"
+                    ) from err
+            self._sets.append(self._sets.pop(0))
+            return oldest
+        buffers = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+        for buffer in buffers:
+            register_nixl_memory(buffer)  # once per buffer: later puts skip registration
+        self._sets.append((manifest.layout_hash, buffers))
+        logger.debug(
+            "new NIXL snapshot set for layout %s (%d in pool)", manifest.layout_hash, len(self._sets)
+        )
+        return buffers
+
+    def put(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[ray.ObjectRef]:
+        """Copy ``tensors`` into a free buffer set and send one NIXL object per bucket."""
+        buffers = self._free_set(manifest)
+        with torch.no_grad():
+            for entry in manifest.entries:
+                if entry.nbytes:
+                    src = tensors[entry.key].detach().contiguous().reshape(-1).view(torch.uint8)
+                    buffers[entry.bucket][entry.offset : entry.offset + entry.nbytes].copy_(src)
+        return [ray.put([buffer], _tensor_transport="nixl") for buffer in buffers]
+
+
+def _is_free(buffer: torch.Tensor) -> bool:
+    from ray.experimental import wait_tensor_freed
+
+    try:
+        wait_tensor_freed(buffer, timeout=0)
+    except Exception:
+        return False
+    return True
+
+
+def receive_into(
+    bound: BoundModel,
+    refs: Sequence[ray.ObjectRef],
+    ids: Sequence[str | None],
+    *,
+    timeout: float,
+) -> int:
+    """Receiver side: fetch the buckets the spare set lacks straight into it; returns bytes received.
+
+    The caller then swaps (``bound.swap()``) under its write lock.
+    """
+    from ray.experimental import register_nixl_memory, set_target_for_ref
+
+    if not getattr(bound, "_nixl_registered", False):
+        for buffer in (*bound.buffers(), *bound.buffers(spare=True)):
+            register_nixl_memory(buffer)
+        bound._nixl_registered = True  # type: ignore[attr-defined]
+    spare = bound.buffers(spare=True)
+    needed = bound.needed(ids, staging=True)
+    for b in needed:
+        set_target_for_ref(refs[b], [spare[b]])
+    received: Any = ray.get([refs[b] for b in needed], timeout=timeout)
+    for b, (tensor,) in zip(needed, received, strict=True):
+        if tensor.data_ptr() != spare[b].data_ptr():  # not received in place: copy it there
+            spare[b].copy_(tensor)
+    bound.mark_staged(needed, ids)
+    return sum(bound.manifest.bucket_nbytes[b] for b in needed)
