@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,9 +38,22 @@ import torch
 from raysync.errors import SyncTimeoutError
 from raysync.weights import BoundModel, Manifest
 
-__all__ = ["SnapshotPool", "receive_into"]
+__all__ = ["UCX_ENV", "SnapshotPool", "receive_into"]
 
 logger = logging.getLogger(__name__)
+
+UCX_ENV = {
+    # Zero-copy GETs over CUDA IPC: NIXL's reads between processes on one GPU went
+    # from 0.5 GB/s to 150 GB/s with it (ANCHORS.md). Harmless on CPU.
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+}
+"""Environment raysync sets (unless already set) before a process first uses NIXL."""
+
+
+def _prepare_ucx() -> None:
+    # UCX reads its configuration when the NIXL agent starts, i.e. on first use in a process.
+    for key, value in UCX_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 class SnapshotPool:
@@ -63,6 +77,7 @@ class SnapshotPool:
     def _free_set(self, manifest: Manifest) -> list[torch.Tensor]:
         from ray.experimental import register_nixl_memory, wait_tensor_freed
 
+        _prepare_ucx()
         for i, (layout, buffers) in enumerate(self._sets):
             if layout == manifest.layout_hash and all(_is_free(b) for b in buffers):
                 self._sets.append(self._sets.pop(i))  # most recently used last
@@ -126,6 +141,7 @@ def receive_into(
     """
     from ray.experimental import register_nixl_memory, set_target_for_ref
 
+    _prepare_ucx()
     if not getattr(bound, "_nixl_registered", False):
         for buffer in (*bound.buffers(), *bound.buffers(spare=True)):
             register_nixl_memory(buffer)
