@@ -94,9 +94,10 @@ def test_client_is_picklable_and_works_from_tasks_and_actors(hub: raysync.HubCli
     clone = pickle.loads(pickle.dumps(hub))
     assert (clone.name, clone.namespace) == (hub.name, DEFAULT_NAMESPACE)
 
+    # Different model ids: a task and an actor are different writers (one writer per model).
     @ray.remote
     def push_from_task(client: raysync.HubClient) -> int:
-        return client.push({"w": torch.ones(2)})
+        return client.push({"w": torch.ones(2)}, "from_task")
 
     @ray.remote
     class Trainer:
@@ -104,12 +105,14 @@ def test_client_is_picklable_and_works_from_tasks_and_actors(hub: raysync.HubCli
             self.client = client
 
         def step(self) -> int:
-            return self.client.push({"w": torch.ones(2) * 2})
+            return self.client.push({"w": torch.ones(2) * 2}, "from_actor")
 
     assert ray.get(push_from_task.remote(hub)) == 1
     trainer = Trainer.remote(hub)
+    assert ray.get(trainer.step.remote()) == 1
     assert ray.get(trainer.step.remote()) == 2
-    assert hub.pull()["w"].tolist() == [2.0, 2.0]
+    assert hub.pull("from_task")["w"].tolist() == [1.0, 1.0]
+    assert hub.pull("from_actor")["w"].tolist() == [2.0, 2.0]
 
 
 def test_concurrent_connects_find_one_hub(hub_name: str) -> None:

@@ -229,8 +229,14 @@ def _torn_reader(hub_name: str, is_async: bool) -> Any:
 def test_readers_never_see_a_torn_model_under_rapid_pushes(
     hub: raysync.HubClient, hub_name: str, is_async: bool
 ) -> None:
+    check_no_torn_reads(hub, hub_name, is_async, batches=40)
+
+
+def check_no_torn_reads(hub: raysync.HubClient, hub_name: str, is_async: bool, *, batches: int) -> None:
+    """Batches of 4 concurrent full-model reads while another thread pushes as fast as it can."""
     reader = _torn_reader(hub_name, is_async).remote()
     ray.get(reader.raysync_version.remote())
+    hub.push(_uniform(0.5), wait=True, timeout=120)  # warm up: a transport's first transfer is slow
     stop = threading.Event()
 
     def pusher() -> None:
@@ -243,7 +249,7 @@ def test_readers_never_see_a_torn_model_under_rapid_pushes(
     thread.start()
     results: list[list[float]] = []
     try:
-        for _ in range(40):  # batches of 4 concurrent reads; the hub's deliveries queue in between
+        for _ in range(batches):  # batches of 4 concurrent reads; the hub's deliveries queue in between
             results += ray.get([reader.scan.remote() for _ in range(4)])
     finally:
         stop.set()
