@@ -375,8 +375,13 @@ class WeightHub:
 
     def _record(self, sub: _Subscriber, reply: dict[str, Any]) -> None:
         applied = reply.get("applied")
-        if applied is not None and (sub.applied is None or applied > sub.applied):
+        newer = applied is not None and (sub.applied is None or applied > sub.applied)
+        if newer:
             sub.applied = applied
+        # A reply that applied something describes that apply (a "skipped" one does not): the
+        # report of a prefetched swap may arrive after the delivery reply for the same version.
+        described = "skipped" not in reply and not reply.get("error")
+        if applied is not None and described and (newer or applied == sub.applied):
             sub.last_apply_time = time.time()
             sub.last_apply_s = reply.get("apply_s")
             sub.last_pause_s = reply.get("pause_s")

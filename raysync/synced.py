@@ -263,9 +263,6 @@ def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
         sync = _ActorSync.of(self)
         if sync is None:
             return fn(self, *args, **kwargs)
-        if sync.prefetching and not sync.lock.held():
-            for sub in sync.prefetching:  # a safe point: take a prefetched version now
-                sub.swap_if_staged()
         with sync.lock.read():
             return fn(self, *args, **kwargs)
 
@@ -352,7 +349,6 @@ class _ActorSync:
         self.async_lock = _AsyncRWLock()
         self.loop: asyncio.AbstractEventLoop | None = None  # an async actor's event loop, once seen
         self.subs: dict[str, _Subscription] = {}
-        self.prefetching: list[_Subscription] = []
 
     @classmethod
     def of(cls, owner: Any) -> _ActorSync | None:
@@ -369,7 +365,6 @@ class _ActorSync:
                     "drop it (async actors already fetch without blocking their event loop)"
                 )
             sync.subs[spec.model_id] = _Subscription(sync, spec)
-        sync.prefetching = [s for s in sync.subs.values() if s.spec.prefetch]
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
         if ctx is None or ctx.get_actor_id() is None:
             logger.warning(
@@ -569,8 +564,8 @@ class _Subscription:
             return self._receive_nixl(version, manifest, refs, t0)
         try:
             if self.spec.prefetch:
-                swapped = self.swap_if_staged(report=False)
-                if swapped is not None and self.version is not None and self.version >= version:
+                swapped = self.swap_if_staged(version)
+                if swapped is not None:
                     return swapped
             needed = self._plan(version, manifest, refs)
             if needed is None:
@@ -704,39 +699,49 @@ class _Subscription:
                     bound.stage(fetched, ids)
                     self._staged = (version, ids, sum(manifest.bucket_nbytes[b] for b in needed))
                     del fetched
+                    if self.spec.mode == "push":
+                        # The write lock is granted between method calls: that is the safe point.
+                        reply = self._swap_staged()
+                        if reply is not None:
+                            self.hub.report.remote(self.sub_id, reply)
             except Exception as err:
                 logger.warning("%s could not prefetch version %d: %s", self.sub_id, version, err)
 
-    def swap_if_staged(self, *, report: bool = True) -> dict[str, Any] | None:
-        """At a safe point: make a prefetched version current by re-pointing (no copy)."""
-        staged = self._staged
-        if staged is None or (self.version is not None and staged[0] <= self.version):
+    def _swap_staged(self) -> dict[str, Any] | None:
+        """Make the staged version current by re-pointing (no copy). Caller holds the stage lock."""
+        staged, bound = self._staged, self.bound
+        if staged is None or bound is None or (self.version is not None and staged[0] <= self.version):
             return None
-        if not self._stage_lock.acquire(blocking=False):
-            return None  # still copying it in: the next safe point will take it
-        try:
-            staged = self._staged
-            bound = self.bound
-            if staged is None or bound is None or (self.version is not None and staged[0] <= self.version):
-                return None
-            with self.sync.lock.write():
-                t0 = time.perf_counter()
-                bound.swap()
-                self.version = staged[0]
-                pause = time.perf_counter() - t0
-            self._staged = None
-        finally:
-            self._stage_lock.release()
-        reply = {
+        with self._write_lock():
+            t0 = time.perf_counter()
+            bound.swap()
+            self.version = staged[0]
+            pause = time.perf_counter() - t0
+        self._staged = None
+        return {
             "applied": self.version,
             "apply_s": pause,
             "pause_s": pause,
             "prefetched": True,
             "bytes_fetched": staged[2],
         }
-        if report:
-            self.hub.report.remote(self.sub_id, reply)
-        return reply
+
+    def swap_if_staged(self, version: int) -> dict[str, Any] | None:
+        """Before fetching ``version`` the slow way: take it from the prefetcher if it has it.
+
+        Returns a reply if this subscriber now holds ``version`` (or newer), else None.
+        """
+        # Inside a user method (raysync_sync) the prefetcher may be waiting for our read to
+        # end: never block on it from there.
+        if not self._stage_lock.acquire(blocking=not self.sync.lock.held()):
+            return None
+        try:
+            reply = self._swap_staged()
+        finally:
+            self._stage_lock.release()
+        if self.version is not None and self.version >= version:
+            return reply or {"applied": self.version, "skipped": version}
+        return None
 
     # -------------------------------------------------------------- pull mode
     def _newer(self, timeout: float | None) -> dict[str, Any] | None:
