@@ -1,0 +1,151 @@
+"""Child processes for tests/test_transports_dist.py: one sender (rank 0) and workers.
+
+Each child joins a gloo process group (over a TCPStore) and an RPC group, builds
+the transports of its role, then runs commands sent by the test process over a
+pipe until told to stop. Results go back pickled (tensors by value), errors as
+``("err", type_name, message)``. Only torch and raysync are imported here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+TIMEOUT = 20.0  # any wait inside a child: a broken test fails, it never hangs
+BUCKET_BYTES = 4096  # small buckets: every version spans several sends
+
+
+def make_weights(seed: int, *, out: int = 4) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of several dtypes, inserted out of key order, with NaN and -0.0."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        "net.2.weight": torch.randn(out, 64, generator=g),
+        "net.0.weight": torch.randn(64, 8, generator=g),
+        "net.0.bias": torch.randn(64, generator=g),
+        "norm.running_mean": torch.randn(64, generator=g).to(torch.float64),
+        "norm.num_batches_tracked": torch.tensor(seed, dtype=torch.int64),
+        "emb.weight": torch.randn(50, 3, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "empty": torch.zeros(0, 3),
+        "net.2.bias": torch.randn(out, generator=g),
+    }
+    weights["net.0.bias"][0] = float("nan")
+    weights["net.0.bias"][1] = -0.0
+    return weights
+
+
+def make_module(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+
+
+class _State:
+    def __init__(self, rank: int, world: int, store: Any) -> None:
+        from raysync.transports.distributed import DistributedTransport
+        from raysync.transports.rpc import RPCTransport
+
+        self.rank = rank
+        self.tx: dict[str, dict[int, Any]] = {"rpc": {}, "dist": {}}
+        if rank == 0:
+            for r in range(1, world):
+                self.tx["rpc"][r] = RPCTransport(
+                    f"rank{r}", worker_rank=r, timeout=TIMEOUT, bucket_bytes=BUCKET_BYTES
+                )
+                self.tx["dist"][r] = DistributedTransport(
+                    store, r, timeout=TIMEOUT, bucket_bytes=BUCKET_BYTES
+                )
+        else:
+            self.tx["rpc"][rank] = RPCTransport(timeout=TIMEOUT)
+            self.tx["dist"][rank] = DistributedTransport(store, timeout=TIMEOUT)
+
+    # ---------------------------------------------------------------- sender commands
+
+    def send(
+        self,
+        kind: str,
+        ranks: list[int],
+        model_id: str | None,
+        seeds: list[int],
+        what: str = "dict",
+        timeout: float | None = None,
+    ) -> dict[int, Any]:
+        """Send each seed's weights to every rank (async), then wait for the newest one's acks."""
+        for seed in seeds:
+            weights = make_weights(seed) if what == "dict" else make_module(seed)
+            for r in ranks:
+                tx = self.tx[kind][r]
+                if model_id is None:
+                    tx.send_weights_async(weights)  # torchrl 0.14 call shape
+                else:
+                    tx.send_weights_async(model_id, weights)
+            if what == "dict":
+                weights["net.0.weight"].add_(1.0)  # the trainer moves on: the sent snapshot must not
+        outcome: dict[int, Any] = {}
+        for r in ranks:
+            t0 = time.monotonic()
+            try:
+                self.tx[kind][r].wait_ack(timeout)
+                outcome[r] = "ok"
+            except Exception as err:
+                outcome[r] = (type(err).__name__, str(err), time.monotonic() - t0)
+        return outcome
+
+    def send_message(self, kind: str, rank: int, message: bytes) -> int:
+        return int(self.tx[kind][rank].send_message(message))
+
+    # ---------------------------------------------------------------- worker commands
+
+    def receive(self, kind: str, timeout: float = TIMEOUT, ack: str | None = "updated") -> Any:
+        tx = self.tx[kind][self.rank]
+        got = tx.receive_weights(timeout=timeout)
+        if got is not None and ack is not None:
+            tx.send_ack(ack)
+        if got is None:
+            return None
+        model_id, tensors = got
+        return model_id, list(tensors), {k: t.clone() for k, t in tensors.items()}
+
+    def poll_message(self, kind: str) -> bytes | None:
+        result: bytes | None = self.tx[kind][self.rank].poll_message()
+        return result
+
+
+def main(rank: int, world: int, store_port: int, rpc_port: int, conn: Connection) -> None:
+    """Entry point of a child: set up, then serve commands until ``stop``."""
+    import torch.distributed as dist
+    from torch.distributed import rpc
+
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, world, rank == 0, timeout=datetime.timedelta(seconds=60)
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{rpc_port}", num_worker_threads=8, rpc_timeout=60
+        )
+        rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+        state = _State(rank, world, store)
+    except Exception:
+        conn.send_bytes(pickle.dumps(("err", "SetupError", traceback.format_exc())))
+        raise
+    conn.send_bytes(pickle.dumps(("ok", "ready")))
+    while True:
+        name, kwargs = pickle.loads(conn.recv_bytes())
+        if name == "stop":
+            break
+        try:
+            method: Callable[..., Any] = getattr(state, name)
+            reply: tuple[Any, ...] = ("ok", method(**kwargs))
+        except Exception as err:
+            reply = ("err", type(err).__name__, f"{err}\n{traceback.format_exc()}")
+        conn.send_bytes(pickle.dumps(reply))
+    rpc.shutdown(graceful=True)
+    dist.destroy_process_group()
+    conn.send_bytes(pickle.dumps(("ok", "stopped")))
