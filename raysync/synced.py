@@ -964,6 +964,8 @@ class RayModuleTransform:
                 placement_group_bundle_index=-1 if bundle_index is None else bundle_index,
             )
         self.model_id = model_id
+        self.hub = hub
+        self.namespace = namespace
         self.actor: Any = ray.remote(host).options(**options).remote(module_factory)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

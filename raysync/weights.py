@@ -656,6 +656,23 @@ class BoundModel:
         for b in indices:
             self.spare_ids[b] = ids[b]
 
+    def adopt(self, flat: Sequence[torch.Tensor], ids: Sequence[str | None] | None = None) -> None:
+        """Make outside buffers (one flat uint8 tensor per bucket) live: re-point, no copy.
+
+        The ``Parameter`` objects stay the same; the caller keeps ``flat``
+        unchanged while the module uses it (e.g. a shared-memory snapshot).
+        """
+        if self.view:
+            raise RuntimeError("adopt() needs apply='copy'")
+        sizes = [int(t.numel()) for t in flat]
+        if sizes != list(self.manifest.bucket_nbytes) or any(t.dtype != torch.uint8 for t in flat):
+            raise ValueError(
+                f"adopt() needs uint8 buffers of {list(self.manifest.bucket_nbytes)} bytes, got {sizes}"
+            )
+        self._point_at(list(flat))
+        self._flat = list(flat)
+        self.ids = list(ids) if ids is not None else [None] * self.manifest.num_buckets
+
     def swap(self) -> None:
         """Make the staged version current: re-point every parameter, no copy."""
         self._point_at(self._spare)
