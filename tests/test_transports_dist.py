@@ -226,9 +226,9 @@ def test_bad_calls_raise_clear_errors() -> None:
         RPCTransport().send_weights({"w": torch.ones(1)})
     with pytest.raises(ValueError, match="no store"):
         DistributedTransport(None, 1).send_weights({"w": torch.ones(1)})
-    with pytest.raises(TypeError, match="model_id must be a str"):
+    with pytest.raises(TypeError, match=r"takes \(weights\) or \(model_id: str, weights\)"):
         RPCTransport("w1", worker_rank=1).send_weights(3, {"w": torch.ones(1)})
-    with pytest.raises(TypeError, match=r"\(weights\) or \(model_id, weights\)"):
+    with pytest.raises(TypeError, match="got 0 argument"):
         RPCTransport("w1", worker_rank=1).send_weights_async()
     with pytest.raises(RuntimeError, match="nothing to acknowledge"):
         RPCTransport().send_ack()

@@ -22,21 +22,16 @@ from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.weights import DEFAULT_BUCKET_BYTES, Manifest, extract_tensors, pack, plan_layout, unpack
 
 __all__ = [
-    "DEFAULT_MODEL_ID",
     "Packed",
     "Transfer",
     "next_tags",
     "pack_version",
     "post_sends",
     "receive_version",
-    "split_send_args",
     "wait_until",
 ]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_ID = "policy"
-"""The model id of ``send_weights(weights)`` (torchrl 0.14's one-argument call shape)."""
 
 _TAG_LOCK = threading.Lock()
 # gloo matches a recv to a send by (peer, tag): every bucket this process sends gets a tag of
@@ -93,20 +88,6 @@ class Transfer:
             raise SyncTimeoutError(f"timed out waiting for {what}")
         if self.error is not None:
             raise RaySyncError(f"{what} failed: {self.error}") from self.error
-
-
-def split_send_args(args: Sequence[Any], method: str) -> tuple[str, Any]:
-    """``(weights)`` or ``(model_id, weights)`` -> ``(model_id, weights)``."""
-    if len(args) == 1:
-        return DEFAULT_MODEL_ID, args[0]
-    if len(args) == 2:
-        model_id, weights = args
-        if not isinstance(model_id, str):
-            raise TypeError(
-                f"{method}(model_id, weights): model_id must be a str, got {type(model_id).__name__}"
-            )
-        return model_id, weights
-    raise TypeError(f"{method}() takes (weights) or (model_id, weights), got {len(args)} arguments")
 
 
 def pack_version(model_id: str, weights: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Packed:

@@ -55,16 +55,16 @@ from typing import Any
 
 import torch
 
-from raysync.errors import ApplyError, SyncTimeoutError
+from raysync.errors import SyncTimeoutError
 from raysync.transports._p2p import (
     Transfer,
     next_tags,
     pack_version,
     post_sends,
     receive_version,
-    split_send_args,
     wait_until,
 )
+from raysync.transports.base import DEFAULT_TIMEOUT, ack_error, split_send_args
 from raysync.weights import DEFAULT_BUCKET_BYTES
 
 __all__ = ["DistributedTransport"]
@@ -114,7 +114,7 @@ class DistributedTransport:
         sync: bool = True,
         *,
         weights_buffer: Any = None,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT,
         channel: str = DEFAULT_CHANNEL,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
@@ -191,7 +191,7 @@ class DistributedTransport:
         """
         import torch.distributed as dist
 
-        model_id, weights = split_send_args(args, "send_weights")
+        model_id, weights = split_send_args(args)
         self._store()
         if self.rank is None:
             raise ValueError("the sender's DistributedTransport needs the worker's rank")
@@ -269,12 +269,7 @@ class DistributedTransport:
         message = bytes(store.get(key)).decode(errors="replace")
         store.delete_key(key)
         self._pending = None
-        if message.startswith("error"):
-            text = message[len("error") :].lstrip(": ") or message
-            raise ApplyError(
-                f"{where} failed to apply {what}: {text}",
-                [{"subscriber": f"rank {self.rank}", "error": text}],
-            )
+        ack_error(message, worker=f"{where} ({what})")
 
     def _drop_late_acks(self) -> None:
         store = self._store()

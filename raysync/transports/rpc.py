@@ -66,9 +66,9 @@ from raysync.transports._p2p import (
     pack_version,
     post_sends,
     receive_version,
-    split_send_args,
     wait_until,
 )
+from raysync.transports.base import DEFAULT_TIMEOUT, ack_error, split_send_args
 from raysync.weights import DEFAULT_BUCKET_BYTES, Manifest
 
 __all__ = ["RPCTransport"]
@@ -184,7 +184,7 @@ class RPCTransport:
         collector_class: Any = None,
         worker_rank: int | None = None,
         *,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT,
         channel: str = DEFAULT_CHANNEL,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
@@ -254,7 +254,7 @@ class RPCTransport:
         """
         from torch.distributed import rpc
 
-        model_id, weights = split_send_args(args, "send_weights")
+        model_id, weights = split_send_args(args)
         if self.worker_name is None:
             raise ValueError(
                 "this RPCTransport has no worker to send to: create the sender's transport "
@@ -345,11 +345,7 @@ class RPCTransport:
                 break
             logger.debug("late ack %r for send #%d ignored", message, seq)  # from a send that timed out
         self._pending = None
-        if message.startswith("error"):
-            text = message[len("error") :].lstrip(": ") or message
-            raise ApplyError(
-                f"{where} failed to apply {what}: {text}", [{"subscriber": self.worker_name, "error": text}]
-            )
+        ack_error(message, worker=f"{where} ({what})")
 
     def check_connection(self) -> bool:
         """Whether the process group and RPC are up (and, on the sender, the worker is known).
