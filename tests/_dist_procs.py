@@ -52,6 +52,10 @@ class _State:
         from raysync.transports.rpc import RPCTransport
 
         self.rank = rank
+        self.world = world
+        self.store = store
+        self.schemes: dict[str, Any] = {}
+        self.models: dict[str, torch.nn.Module] = {}
         self.tx: dict[str, dict[int, Any]] = {"rpc": {}, "dist": {}}
         if rank == 0:
             for r in range(1, world):
@@ -99,6 +103,56 @@ class _State:
 
     def send_message(self, kind: str, rank: int, message: bytes) -> int:
         return int(self.tx[kind][rank].send_message(message))
+
+    # ---------------------------------------------------------------- raysync.schemes on top
+
+    def _endpoint(self, kind: str, rank: int | None) -> dict[str, Any]:
+        # Channel "scheme": apart from the raw transports above, which use the default one.
+        if kind == "dist":
+            return {"store": self.store, "rank": rank, "channel": "scheme"}
+        if rank is None:  # the worker's own end
+            return {"channel": "scheme"}
+        return {"collector_info": f"rank{rank}", "worker_rank": rank, "channel": "scheme"}
+
+    def scheme_init(self, kind: str) -> list[str]:
+        from raysync.schemes import DistributedWeightSyncScheme, RPCWeightSyncScheme
+
+        cls = RPCWeightSyncScheme if kind == "rpc" else DistributedWeightSyncScheme
+        scheme = self.schemes[kind] = cls(timeout=TIMEOUT)
+        if self.rank == 0:
+            endpoints = [self._endpoint(kind, r) for r in range(1, self.world)]
+            scheme.init_on_sender(model_id="policy", endpoints=endpoints, model=make_module(100))
+            return []
+        model = self.models[kind] = make_module(0)
+        self._params = [id(p) for p in model.parameters()]
+        own_rank = self.rank if kind == "dist" else None
+        scheme.init_on_receiver(model_id="policy", endpoint=self._endpoint(kind, own_rank), model=model)
+        return list(model.state_dict())
+
+    def scheme_connect(self, kind: str) -> Any:
+        self.schemes[kind].connect()
+        return self._model_state(kind) if self.rank else "ok"
+
+    def scheme_send(self, kind: str, seed: int, worker_ids: Any = None, bad: bool = False) -> Any:
+        weights: Any = make_module(seed)
+        if bad:
+            weights = torch.nn.Sequential(torch.nn.Linear(8, 15))  # another model's schema
+        try:
+            self.schemes[kind].send(weights, worker_ids)
+        except Exception as err:
+            return type(err).__name__, str(err)
+        return "ok"
+
+    def scheme_receive(self, kind: str, timeout: float = TIMEOUT) -> Any:
+        receiver = self.schemes[kind].get_receiver()
+        applied = self.schemes[kind].receive(timeout)
+        error = receiver.last_error
+        return applied, type(error).__name__ if error else None, self._model_state(kind)
+
+    def _model_state(self, kind: str) -> Any:
+        model = self.models[kind]
+        same_params = [id(p) for p in model.parameters()] == self._params
+        return {k: v.clone() for k, v in model.state_dict().items()}, same_params
 
     # ---------------------------------------------------------------- worker commands
 

@@ -194,6 +194,40 @@ def test_distributed_keeps_control_messages(group: Group) -> None:
     assert group.worker(1).call("poll_message", kind="dist") is None
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_scheme_over_real_processes(group: Group, kind: str) -> None:
+    """RPCWeightSyncScheme / DistributedWeightSyncScheme: connect, worker_ids, a mismatched schema."""
+    for child in group.children:
+        child.submit("scheme_init", kind=kind)
+    keys = {r: group.worker(r).result() for r in WORKERS}
+    assert group.sender.result() == []
+    # connect(): the sender pushes its model, each worker waits for that first version.
+    for child in group.children:
+        child.submit("scheme_connect", kind=kind)
+    assert group.sender.result() == "ok"
+    for r in WORKERS:
+        state, same_params = group.worker(r).result()
+        assert_same_weights(state, make_module(100).state_dict())
+        assert same_params and list(state) == keys[r]
+    # worker_ids: only the first worker (rank 1) gets version 101.
+    group.sender.submit("scheme_send", kind=kind, seed=101, worker_ids=[0])
+    applied, error, (state, _) = group.worker(1).call("scheme_receive", kind=kind)
+    assert group.sender.result() == "ok"
+    assert applied and error is None
+    assert_same_weights(state, make_module(101).state_dict())
+    applied, _, (state, _) = group.worker(2).call("scheme_receive", kind=kind, timeout=0.2)
+    assert not applied
+    assert_same_weights(state, make_module(100).state_dict())
+    # A mismatched schema: refused whole on the worker, ApplyError on the sender, no hang.
+    group.sender.submit("scheme_send", kind=kind, seed=0, worker_ids=0, bad=True)
+    applied, error, (state, same_params) = group.worker(1).call("scheme_receive", kind=kind)
+    name, message = group.sender.result()
+    assert name == "ApplyError" and "mismatch" in message
+    assert not applied and error == "WeightMismatchError"
+    assert_same_weights(state, make_module(101).state_dict())
+    assert same_params and list(state) == keys[1]
+
+
 def test_shutdown_leaves_no_process(group: Group) -> None:
     group.stop()
     for child in group.children:
