@@ -166,8 +166,8 @@ class _State:
         model_id, tensors = got
         return model_id, list(tensors), {k: t.clone() for k, t in tensors.items()}
 
-    def poll_message(self, kind: str) -> bytes | None:
-        result: bytes | None = self.tx[kind][self.rank].poll_message()
+    def next_message(self, kind: str, timeout: float = 0.0) -> bytes | None:
+        result: bytes | None = self.tx[kind][self.rank].next_message(timeout)
         return result
 
 

@@ -184,14 +184,22 @@ def test_receive_without_a_version_returns_none(group: Group, kind: str) -> None
 
 
 def test_distributed_keeps_control_messages(group: Group) -> None:
-    # A message the transport does not understand is kept for the caller, in order, never dropped.
+    # A message that is not a version is kept for the caller, in order, never dropped.
     group.sender.call("send_message", kind="dist", rank=1, message=b"update_weights")
     group.sender.submit("send", kind="dist", ranks=[1], model_id="policy", seeds=[10])
     got = group.worker(1).call("receive", kind="dist")
     assert group.sender.result() == {1: "ok"}
     assert_same_weights(got[2], make_weights(10))
-    assert group.worker(1).call("poll_message", kind="dist") == b"update_weights"
-    assert group.worker(1).call("poll_message", kind="dist") is None
+    assert group.worker(1).call("next_message", kind="dist") == b"update_weights"
+    assert group.worker(1).call("next_message", kind="dist", timeout=0.1) is None
+    # Reading control messages stops before a version: it stays for receive_weights().
+    group.sender.call("send_message", kind="dist", rank=1, message=b"pause")
+    group.sender.submit("send", kind="dist", ranks=[1], model_id="policy", seeds=[14])
+    assert group.worker(1).call("next_message", kind="dist", timeout=5.0) == b"pause"
+    assert group.worker(1).call("next_message", kind="dist", timeout=0.1) is None
+    got = group.worker(1).call("receive", kind="dist")
+    assert group.sender.result() == {1: "ok"}
+    assert_same_weights(got[2], make_weights(14))
 
 
 @pytest.mark.parametrize("kind", KINDS)

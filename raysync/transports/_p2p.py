@@ -28,6 +28,7 @@ __all__ = [
     "pack_version",
     "post_sends",
     "receive_version",
+    "tensors_of",
     "wait_until",
 ]
 
@@ -132,8 +133,8 @@ def receive_version(
     timeout: float,
     group: Any = None,
     what: str = "version",
-) -> dict[str, torch.Tensor]:
-    """Receive every bucket of a version from ``src``; the tensors view fresh private buffers.
+) -> list[torch.Tensor]:
+    """Receive every bucket of a version from ``src`` into fresh buffers allocated from ``manifest``.
 
     Raises:
         SyncTimeoutError: the bytes did not all arrive within ``timeout``.
@@ -148,6 +149,11 @@ def receive_version(
     ]
     # On a timeout the receives stay posted; the transfer's thread keeps their buffers alive.
     Transfer(works, flats).wait(time.monotonic() + timeout, f"the bytes of {what} from rank {src}")
+    return flats
+
+
+def tensors_of(manifest: Manifest, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{key: tensor}`` (sorted) viewing received flat buckets, via :func:`raysync.weights.unpack`."""
     arrays = [
         [flats[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
         for b in range(manifest.num_buckets)

@@ -24,7 +24,7 @@ Lifecycle of one version, and which side runs what:
    sender is never left blocked) and return ``(model_id, {key: tensor})`` in
    canonical key order, backed by private memory. Any other message (for
    instance a reference-style ``b"update_weights"``) is kept, never dropped:
-   read it with :meth:`DistributedTransport.poll_message`.
+   read it with :meth:`DistributedTransport.next_message`.
 3. **worker** ``send_ack("updated")`` or ``send_ack("error: <text>")``: writes
    the ack of that message.
 4. **sender** ``wait_ack(timeout)``: waits for the bytes to be taken and the
@@ -62,10 +62,11 @@ from raysync.transports._p2p import (
     pack_version,
     post_sends,
     receive_version,
+    tensors_of,
     wait_until,
 )
 from raysync.transports.base import DEFAULT_TIMEOUT, ack_error, split_send_args
-from raysync.weights import DEFAULT_BUCKET_BYTES
+from raysync.weights import DEFAULT_BUCKET_BYTES, Manifest
 
 __all__ = ["DistributedTransport"]
 
@@ -106,6 +107,9 @@ class DistributedTransport:
         >>> sender = DistributedTransport(store, 1, timeout=10)  # doctest: +SKIP
         >>> sender.send_weights(model)        # model_id "policy"  # doctest: +SKIP
     """
+
+    keeps_snapshot = True
+    """Received buckets are private to each version: a receiver may adopt them without a copy."""
 
     def __init__(
         self,
@@ -214,7 +218,7 @@ class DistributedTransport:
     def send_message(self, message: bytes) -> int:
         """Sender: put a raw control message in the worker's mailbox; returns its number.
 
-        The worker reads it with :meth:`poll_message` (in order with the versions).
+        The worker reads it with :meth:`next_message` (in order with the versions).
 
         Example:
             >>> transport.send_message(b"pause")  # doctest: +SKIP
@@ -305,7 +309,7 @@ class DistributedTransport:
     def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
         """Worker: the next whole version, or None if none arrives in time.
 
-        Control messages met on the way are kept for :meth:`poll_message`.
+        Control messages met on the way are kept for :meth:`next_message`.
 
         Args:
             timeout: seconds to wait; None waits until a version arrives.
@@ -317,42 +321,91 @@ class DistributedTransport:
         Example:
             >>> model_id, tensors = transport.receive_weights(timeout=5)  # doctest: +SKIP
         """
-        store = self._store()
+        snapshot = self.receive_snapshot(timeout)
+        if snapshot is None:
+            return None
+        model_id, manifest, buckets = snapshot
+        return model_id, tensors_of(manifest, buckets)
+
+    def receive_snapshot(
+        self, timeout: float | None = 1.0
+    ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
+        """Worker: ``(model_id, manifest, buckets)`` of the next version, as received (no copy).
+
+        The flat uint8 buckets belong to this version alone, so a receiver may
+        adopt them as its parameters' storage (``keeps_snapshot``). Control
+        messages met on the way are kept for :meth:`next_message`.
+
+        Example:
+            >>> model_id, manifest, buckets = transport.receive_snapshot(timeout=5)  # doctest: +SKIP
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            message = self._take_next(deadline, keep_weights=False)
+            if message is None:
+                return None
+            number, payload = message
+            manifest: Manifest = payload["manifest"]
+            buckets = receive_version(
+                manifest,
+                payload["src"],
+                payload["tags"],
+                timeout=self.timeout,
+                what=f"message {number} ({payload['model_id']!r})",
+            )
+            self._last = number
+            return payload["model_id"], manifest, buckets
+
+    def _take_next(self, deadline: float | None, *, keep_weights: bool) -> tuple[int, dict[str, Any]] | None:
+        """Take mailbox messages in order until a weights message (returned) or ``deadline``.
+
+        Control messages are kept for :meth:`next_message`. With
+        ``keep_weights`` a weights message is left in the mailbox and None returned.
+        """
+        store = self._store()
         while True:
             number = int(store.add(self._key("in", "read"), 0)) + 1
             key = self._key("in", number)
             if not wait_until(functools.partial(store.check, [key]), deadline):
                 return None
             raw = bytes(store.get(key))
+            ours = raw.startswith(_MAGIC)
+            payload = pickle.loads(raw[len(_MAGIC) :]) if ours else None
+            is_weights = payload is not None and payload.get("kind") == "weights"
+            if is_weights and keep_weights:
+                return None
             store.delete_key(key)
             store.add(self._key("in", "read"), 1)
-            if not raw.startswith(_MAGIC):
-                self._messages.append(raw)
-                logger.debug("kept control message %d: %r", number, raw[:64])
-                continue
-            message = pickle.loads(raw[len(_MAGIC) :])
-            if message.get("kind") != "weights":
-                self._messages.append(raw)
-                continue
-            tensors = receive_version(
-                message["manifest"],
-                message["src"],
-                message["tags"],
-                timeout=self.timeout,
-                what=f"message {number} ({message['model_id']!r})",
-            )
-            self._last = number
-            return message["model_id"], tensors
+            if is_weights:
+                assert payload is not None
+                return number, payload
+            self._messages.append(raw)
+            logger.debug("kept control message %d: %r", number, raw[:64])
 
-    def poll_message(self) -> bytes | None:
-        """Worker: the oldest control message :meth:`receive_weights` kept, or None.
+    def next_message(self, timeout: float | None = 0.0) -> bytes | None:
+        """Worker: the next control message (not a version), or None.
+
+        Messages that :meth:`receive_weights` met on the way come first; then
+        the mailbox is read until ``timeout``, stopping before a version
+        (versions stay for :meth:`receive_weights`, never dropped).
 
         Example:
-            >>> transport.poll_message()  # doctest: +SKIP
+            >>> transport.next_message()  # doctest: +SKIP
             b'pause'
         """
+        if not self._messages:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._take_next(deadline, keep_weights=True)
         return self._messages.popleft() if self._messages else None
+
+    def pending_messages(self) -> list[bytes]:
+        """Worker: the control messages kept so far (not removed).
+
+        Example:
+            >>> transport.pending_messages()  # doctest: +SKIP
+            [b'pause']
+        """
+        return list(self._messages)
 
     def send_ack(self, message: str = "updated") -> None:
         """Worker: acknowledge the version :meth:`receive_weights` last returned.

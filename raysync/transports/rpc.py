@@ -66,6 +66,7 @@ from raysync.transports._p2p import (
     pack_version,
     post_sends,
     receive_version,
+    tensors_of,
     wait_until,
 )
 from raysync.transports.base import DEFAULT_TIMEOUT, ack_error, split_send_args
@@ -83,7 +84,8 @@ class _Delivery:
     """A whole version in a worker's inbox."""
 
     model_id: str
-    tensors: dict[str, torch.Tensor]
+    manifest: Manifest
+    buckets: list[torch.Tensor]
     reply_to: str
     uid: str
     seq: int
@@ -118,7 +120,7 @@ def _inbox(channel: str) -> queue.Queue[_Delivery]:
 def _on_weights(channel: str, message: dict[str, Any]) -> str:
     """Worker, RPC thread: receive the announced version's bytes and queue it whole."""
     manifest: Manifest = message["manifest"]
-    tensors = receive_version(
+    buckets = receive_version(
         manifest,
         message["src"],
         message["tags"],
@@ -126,7 +128,7 @@ def _on_weights(channel: str, message: dict[str, Any]) -> str:
         what=f"version {message['seq']} of {message['model_id']!r}",
     )
     _inbox(channel).put(
-        _Delivery(message["model_id"], tensors, message["reply_to"], message["uid"], message["seq"])
+        _Delivery(message["model_id"], manifest, buckets, message["reply_to"], message["uid"], message["seq"])
     )
     logger.debug("queued %r (%d bytes) on channel %r", message["model_id"], manifest.total_nbytes, channel)
     return "received"
@@ -176,6 +178,9 @@ class RPCTransport:
         >>> sender = RPCTransport("worker1", worker_rank=1, timeout=10)  # doctest: +SKIP
         >>> sender.send_weights(model)          # model_id "policy"      # doctest: +SKIP
     """
+
+    keeps_snapshot = True
+    """Received buckets are private to each version: a receiver may adopt them without a copy."""
 
     def __init__(
         self,
@@ -392,12 +397,29 @@ class RPCTransport:
         Example:
             >>> model_id, tensors = transport.receive_weights(timeout=5)  # doctest: +SKIP
         """
+        snapshot = self.receive_snapshot(timeout)
+        if snapshot is None:
+            return None
+        model_id, manifest, buckets = snapshot
+        return model_id, tensors_of(manifest, buckets)
+
+    def receive_snapshot(
+        self, timeout: float | None = 1.0
+    ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
+        """Worker: ``(model_id, manifest, buckets)`` of the next version, as received (no copy).
+
+        The flat uint8 buckets belong to this version alone, so a receiver may
+        adopt them as its parameters' storage (``keeps_snapshot``).
+
+        Example:
+            >>> model_id, manifest, buckets = transport.receive_snapshot(timeout=5)  # doctest: +SKIP
+        """
         try:
             delivery = _inbox(self.channel).get(timeout=timeout)
         except queue.Empty:
             return None
         self._last = delivery
-        return delivery.model_id, delivery.tensors
+        return delivery.model_id, delivery.manifest, delivery.buckets
 
     def send_ack(self, message: str = "updated") -> None:
         """Worker: acknowledge the version :meth:`receive_weights` last returned.
