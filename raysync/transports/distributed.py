@@ -58,6 +58,7 @@ import torch
 from raysync.errors import SyncTimeoutError
 from raysync.transports._p2p import (
     Transfer,
+    check_group,
     next_tags,
     pack_version,
     post_sends,
@@ -200,6 +201,7 @@ class DistributedTransport:
         if self.rank is None:
             raise ValueError("the sender's DistributedTransport needs the worker's rank")
         packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
+        check_group()
         tags = next_tags(packed.manifest.num_buckets)
         message = {
             "kind": "weights",

@@ -62,6 +62,7 @@ import torch
 from raysync.errors import ApplyError, SyncTimeoutError
 from raysync.transports._p2p import (
     Transfer,
+    check_group,
     next_tags,
     pack_version,
     post_sends,
@@ -266,6 +267,7 @@ class RPCTransport:
                 "with the worker's RPC name, RPCTransport(collector_info='worker1', worker_rank=1)"
             )
         packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
+        check_group()
         self._await_received()
         if self.worker_rank is None:
             self.worker_rank = rpc.get_worker_info(self.worker_name).id
