@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from raysync.errors import InvalidWeightsError
+from raysync.transports.base import TransportBackend
 from raysync.transports.distributed import DistributedTransport
 from raysync.transports.rpc import RPCTransport
 from tests import _dist_procs
@@ -26,6 +27,7 @@ from tests.conftest import assert_same_weights
 KINDS = ["rpc", "dist"]
 WORKERS = [1, 2]
 REPLY_TIMEOUT = 90.0  # a child that does not answer fails the test instead of hanging it
+START_TIMEOUT = 240.0  # importing torch + raysync in 3 fresh processes on a busy 2-core machine
 
 
 def _free_port() -> int:
@@ -49,9 +51,9 @@ class Child:
     def submit(self, name: str, **kwargs: Any) -> None:
         self.conn.send_bytes(pickle.dumps((name, kwargs)))
 
-    def result(self) -> Any:
-        if not self.conn.poll(REPLY_TIMEOUT):
-            raise AssertionError(f"rank {self.rank} did not answer within {REPLY_TIMEOUT} s")
+    def result(self, timeout: float = REPLY_TIMEOUT) -> Any:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"rank {self.rank} did not answer within {timeout} s")
         reply = pickle.loads(self.conn.recv_bytes())
         if reply[0] == "err":
             raise AssertionError(f"rank {self.rank} raised {reply[1]}: {reply[2]}")
@@ -69,7 +71,7 @@ class Group:
         world = 1 + len(WORKERS)
         self.children = [Child(ctx, rank, world, ports) for rank in range(world)]
         for child in self.children:
-            assert child.result() == "ready"
+            assert child.result(START_TIMEOUT) == "ready"
 
     @property
     def sender(self) -> Child:
@@ -261,6 +263,7 @@ def test_pickling_keeps_configuration_and_drops_runtime_state(transport: Any) ->
     assert getattr(copy, "worker_rank", getattr(copy, "rank", None)) == 3
     assert copy._pending is None
     copy.wait_ack()  # nothing in flight: returns at once
+    assert isinstance(copy, TransportBackend)
 
 
 def test_bad_calls_raise_clear_errors() -> None:

@@ -213,7 +213,7 @@ class DistributedTransport:
         number = self._post(message)
         outgoing = post_sends(packed, self.rank, tags)
         if self._pending is not None:
-            self._abandoned.append(self._pending.number)
+            self._abandoned = [*self._abandoned[-999:], self._pending.number]  # bounded if a worker died
         self._pending = _Pending(number, model_id, outgoing)
         logger.debug("sent %r as message %d to rank %d", model_id, number, self.rank)
 

@@ -258,6 +258,7 @@ class RPCTransport:
         Example:
             >>> transport.send_weights_async(model); transport.wait_ack()  # doctest: +SKIP
         """
+        import torch.distributed as dist
         from torch.distributed import rpc
 
         model_id, weights = split_send_args(args)
@@ -271,7 +272,6 @@ class RPCTransport:
         self._await_received()
         if self.worker_rank is None:
             self.worker_rank = rpc.get_worker_info(self.worker_name).id
-        import torch.distributed as dist
 
         seq = next(self._seq)
         tags = next_tags(packed.manifest.num_buckets)
