@@ -209,7 +209,7 @@ class RPCTransport:
         self._uid = uuid.uuid4().hex
         self._seq = itertools.count(1)
         self._pending: _Pending | None = None
-        self._last: _Delivery | None = None
+        self._last: tuple[str, str, int] | None = None  # (reply_to, uid, seq) of the last version taken
         self._acks: queue.Queue[tuple[int, str]] = queue.Queue()
         if self.worker_name is not None:
             with _LOCK:
@@ -420,7 +420,7 @@ class RPCTransport:
             delivery = _inbox(self.channel).get(timeout=timeout)
         except queue.Empty:
             return None
-        self._last = delivery
+        self._last = (delivery.reply_to, delivery.uid, delivery.seq)  # not the buckets: they may be adopted
         return delivery.model_id, delivery.manifest, delivery.buckets
 
     def send_ack(self, message: str = "updated") -> None:
@@ -440,4 +440,5 @@ class RPCTransport:
             raise RuntimeError(
                 "send_ack() before receive_weights() returned a version: nothing to acknowledge"
             )
-        rpc.rpc_sync(last.reply_to, _on_ack, args=(last.uid, last.seq, message), timeout=self.timeout)
+        reply_to, uid, seq = last
+        rpc.rpc_sync(reply_to, _on_ack, args=(uid, seq, message), timeout=self.timeout)
