@@ -115,7 +115,7 @@ def test_receiver_in_thread_applies_whole_keeps_parameters_and_refuses_mismatch(
         before = _state(model)
         bad = _state(net(4))
         bad["0.weight"] = torch.zeros(3, 3)
-        with pytest.raises(raysync.ApplyError, match="shape mismatch 0.weight"):
+        with pytest.raises(raysync.ApplyError, match=r"shape mismatch 0\.weight"):
             scheme_s.send(bad)
         assert_same_weights(_state(model), before)  # nothing half-applied
         with pytest.raises(raysync.ApplyError, match="unknown model_id 'critic'"):
@@ -199,16 +199,19 @@ def test_from_backend_strategy_paths_and_canonical_order() -> None:
     assert td["1", "running_var"].shape == (16,)
 
     class Env:
-        transform = [net(3)]
+        def __init__(self) -> None:
+            self.transform = [net(3)]
 
     class Collector:
-        env = Env()
-        models = {"actor": net(4)}
+        def __init__(self) -> None:
+            self.env = Env()
+            self.models = {"actor": net(4)}
 
-    assert schemes.resolve_model(Collector(), "env.transform[0]") is Env.transform[0]
-    assert schemes.resolve_model(Collector(), "models['actor']") is Collector.models["actor"]
+    collector = Collector()
+    assert schemes.resolve_model(collector, "env.transform[0]") is collector.env.transform[0]
+    assert schemes.resolve_model(collector, "models['actor']") is collector.models["actor"]
     with pytest.raises(raysync.UnknownModelError, match="no attribute 'critic'"):
-        schemes.resolve_model(Collector(), "critic")
+        schemes.resolve_model(collector, "critic")
 
     # Whole or nothing through the strategy too; a sender with a context finds the model by path.
     target = net(5)
@@ -216,8 +219,8 @@ def test_from_backend_strategy_paths_and_canonical_order() -> None:
     with pytest.raises(raysync.WeightMismatchError):
         flat.apply_weights(target, {**_state(net(6)), "extra": torch.ones(1)})
     assert_same_weights(_state(target), before)
-    flat.apply_weights(target, Env.transform[0])
-    assert_same_weights(_state(target), _state(Env.transform[0]))
+    flat.apply_weights(target, collector.env.transform[0])
+    assert_same_weights(_state(target), _state(collector.env.transform[0]))
 
 
 def test_no_weight_sync_scheme_and_remote_weight_update() -> None:
@@ -402,10 +405,12 @@ def test_ray_hub_routing_and_module_transform_scheme(ray_start_regular: dict[str
         )
 
         class Env:
-            transform_list = [transform]
+            def __init__(self) -> None:
+                self.transform_list = [transform]
 
         class Collector:
-            env = Env()
+            def __init__(self) -> None:
+                self.env = Env()
 
         scheme = schemes.RayModuleTransformScheme(timeout=TIMEOUT)
         collector = Collector()  # held weakly by the scheme, as torchrl does
