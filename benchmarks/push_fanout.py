@@ -83,6 +83,12 @@ import torch
 
 import raysync
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scheme_rows as _scheme_rows  # next to this script; shipped to actors by value
+from scheme_rows import measure_mp_rows, measure_scheme_rows, print_scheme_table
+
+ray.cloudpickle.register_pickle_by_value(_scheme_rows)
+
 logger = logging.getLogger("push_fanout")
 
 MIB = 2**20
@@ -656,6 +662,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="do not fill and free the object store once before measuring",
     )
+    p.add_argument(
+        "--schemes",
+        action="store_true",
+        help="also measure torchrl 0.14's RayWeightSyncScheme beside raysync's schemes (scheme_rows.py)",
+    )
+    p.add_argument("--schemes-only", action="store_true", help="only the --schemes rows")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats")
     p.add_argument("--verbose", action="store_true", help="debug logging, Ray worker logs shown")
@@ -693,6 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefault_s = None if args.no_prefault else prefault_object_store(store)
     gauge.settle(at_most=MIB, timeout=30)
     rows: list[dict[str, Any]] = []
+    scheme_rows: list[dict[str, Any]] = []
     t_start = time.time()
     source_start = raysync_fingerprint()
     try:
@@ -702,7 +715,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_bytes = sum(t.numel() * t.element_size() for t in sd.values())
             flat_src = torch.empty(model_bytes, dtype=torch.uint8)
             flat_src.fill_(1)
-            for n in args.actors:
+            for n in args.actors if args.schemes or args.schemes_only else ():
+                logger.info("%d MiB, N=%d: torchrl and raysync schemes", size_mib, n)
+                for row in measure_scheme_rows(
+                    sd, n=n, repeats=args.repeats, warmup=args.warmup, receiver_class=receiver_class
+                ):
+                    row["size_mib"] = size_mib
+                    scheme_rows.append(row)
+                for row in measure_mp_rows(sd, n=n, repeats=args.repeats, warmup=args.warmup):
+                    row["size_mib"] = size_mib
+                    scheme_rows.append(row)
+            for n in args.actors if not args.schemes_only else ():
                 logger.info("%d MiB, N=%d: floor", size_mib, n)
                 floor = measure_snapshot_floor(flat_src, args.repeats)
                 floor.update(
@@ -734,8 +757,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     source_end = raysync_fingerprint()
     print()
-    print_table(rows)
-    print_checks(checks)
+    if rows:
+        print_table(rows)
+        print_checks(checks)
+    if scheme_rows:
+        print_scheme_table(scheme_rows)
     if source_end != source_start:
         print(
             "\nWARNING: raysync's source changed on disk during this run: actors and hubs started "
@@ -765,9 +791,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows, "targets": checks}, indent=2))
+    args.json.write_text(
+        json.dumps({"meta": meta, "rows": rows, "targets": checks, "scheme_rows": scheme_rows}, indent=2)
+    )
     print(f"\nJSON: {args.json}")
-    return 0 if all(r["verified"] for r in rows) else 1
+    return 0 if all(r["verified"] for r in rows + scheme_rows) else 1
 
 
 if __name__ == "__main__":

@@ -278,6 +278,8 @@ class MPTransport:
                 return False
             message = self.pipe.recv()
         except (EOFError, OSError) as err:
+            if self._messages or self._weights or self._acks:
+                return False  # let the caller read what came before the close first
             raise RaySyncError(f"the other end of the pipe closed (its process exited?): {err!r}") from err
         if isinstance(message, tuple) and len(message) == 7 and message[0] == WEIGHTS_TAG:
             self._weights.append(message)
@@ -290,9 +292,10 @@ class MPTransport:
     # ------------------------------------------------------------------ worker
     def _next_weights(self, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
+        queued = len(self._messages)
         while not self._weights:
-            if not self._pull(deadline):
-                return None
+            if len(self._messages) > queued or not self._pull(deadline):
+                return None  # a control message came first: the worker loop sees it now
         return self._weights.popleft()
 
     def _take(self, message: Any) -> tuple[str, Manifest, list[torch.Tensor]]:
@@ -309,7 +312,9 @@ class MPTransport:
     def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
         """Worker: a whole version in private memory, or ``None`` after ``timeout`` seconds.
 
-        Other messages arriving meanwhile are queued (see :meth:`next_message`).
+        Other messages are never dropped: they are queued for :meth:`next_message`, and
+        one arriving before any weights makes this return ``None`` at once, so the
+        worker loop can act on it.
         """
         message = self._next_weights(timeout)
         if message is None:

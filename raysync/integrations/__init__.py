@@ -1,0 +1,3 @@
+"""Bridges to other libraries, each imported only when used (``raysync.integrations.torchrl``)."""
+
+__all__: list[str] = []
