@@ -236,6 +236,13 @@ def test_scheme_over_real_processes(group: Group, kind: str) -> None:
     assert not applied and error == "WeightMismatchError"
     assert_same_weights(state, make_module(101).state_dict())
     assert same_params and list(state) == keys[1]
+    # A model id the worker has no receiver for: refused with a clear error, nothing changes.
+    group.sender.submit("send_raw", kind=kind, rank=2, channel="scheme", model_id="critic", seed=3)
+    applied, error, (state, _) = group.worker(2).call("scheme_receive", kind=kind)
+    name, message = group.sender.result()
+    assert name == "ApplyError" and "critic" in message
+    assert not applied and error == "UnknownModelError"
+    assert_same_weights(state, make_module(100).state_dict())
 
 
 def test_shutdown_leaves_no_process(group: Group) -> None:
