@@ -156,6 +156,9 @@ class _State:
             tx.send_weights(model_id, make_weights(seed))
         except Exception as err:
             return type(err).__name__, str(err)
+        finally:
+            if kind == "rpc":
+                tx.close()
         return "ok"
 
     def scheme_receive(self, kind: str, timeout: float = TIMEOUT) -> Any:

@@ -29,7 +29,8 @@ runs what:
    ack of the newest send; raises :class:`raysync.SyncTimeoutError` past the
    timeout and :class:`raysync.ApplyError` on an error ack. Never hangs.
 
-``send_weights`` is ``send_weights_async`` + ``wait_ack``. A new send waits
+``send_weights`` is ``send_weights_async`` + ``wait_ack``; ``close()`` (sender)
+unregisters the transport's ack box. A new send waits
 (bounded) until the worker holds the previous one, so versions arrive in the
 order they were sent. Transports on one worker share an inbox per
 ``channel``: give each receiving transport in a process its own channel (and
