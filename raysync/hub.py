@@ -39,6 +39,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from raysync import metrics
 from raysync.errors import (
     ApplyError,
     InvalidWeightsError,
@@ -183,6 +184,7 @@ class WeightHub:
         self._subs: dict[str, _Subscriber] = {}
         self._cond: asyncio.Condition | None = None
         self._started = time.time()
+        self._gauges = metrics.HubGauges(name)
         self._restored = self._restore()
 
     # ------------------------------------------------------------------ helpers
@@ -192,6 +194,7 @@ class WeightHub:
         return self._cond
 
     async def _changed(self) -> None:
+        self._gauges.changed(self._models, self._subs)
         cond = self._condition()
         async with cond:
             cond.notify_all()
@@ -322,6 +325,7 @@ class WeightHub:
         version = model.latest
         model.versions[version] = _Version(version, manifest, list(refs), time.time(), pusher)
         model.pushes += 1
+        self._gauges.published(model_id)
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = time.time()
         self._trim(model)
@@ -384,6 +388,7 @@ class WeightHub:
         if applied is not None and described and (newer or applied == sub.applied):
             sub.last_apply_time = time.time()
             sub.last_apply_s = reply.get("apply_s")
+            metrics.record_apply(self._name, sub.model_id, sub.last_apply_s)
             sub.last_pause_s = reply.get("pause_s")
             sub.last_buckets_fetched = reply.get("buckets_fetched")
             sub.last_bytes_fetched = reply.get("bytes_fetched")
@@ -857,6 +862,7 @@ class HubClient:
         if "error" in reply:
             raise reply["error"]
         version = int(reply["version"])
+        metrics.record_push(self.name, model_id, seconds=time.perf_counter() - t0, nbytes=put_bytes)
         logger.debug(
             "pushed %r version %d: %.1f MiB put in %d of %d bucket(s), snapshot %.3f s",
             model_id,
@@ -890,7 +896,7 @@ class HubClient:
             "transport": "nixl",
             "snapshot_s": snapshot_s,
             "bytes_put": 0,  # nothing in the object store: receivers read the trainer's buffers
-            "bytes_snapshot": sum(manifest.bucket_nbytes),
+            "bytes_snapshot": (snapshot_bytes := sum(manifest.bucket_nbytes)),
             "buckets_put": len(refs),
             "buckets": len(refs),
         }
@@ -900,6 +906,9 @@ class HubClient:
         if "error" in reply:
             raise reply["error"]
         version = int(reply["version"])
+        metrics.record_push(
+            self.name, model_id, seconds=time.perf_counter() - t0, nbytes=snapshot_bytes, transport="nixl"
+        )
         logger.debug("pushed %r version %d over NIXL, snapshot %.3f s", model_id, version, snapshot_s)
         if wait:
             self.wait(version, model_id, timeout=timeout)
