@@ -347,6 +347,11 @@ def _load(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
     spec.loader.exec_module(module)
+    from ray import cloudpickle
+
+    # Ray workers cannot import a module loaded from a path: ship its actor classes by value,
+    # as Ray does for classes defined in a script's __main__.
+    cloudpickle.register_pickle_by_value(module)
     return module
 
 
