@@ -18,7 +18,7 @@ metric                               kind      what it measures
 ``raysync_latest_version``           gauge     the newest version of each model. Hub
 ``raysync_subscriber_lag``           gauge     versions a subscriber is behind the newest
                                                (tags ``subscriber``, ``actor``); set to 0
-                                               once it is gone. Hub
+                                               once it is gone (then dropped by Ray). Hub
 ``raysync_subscribers``              gauge     subscribers per ``state`` (``live``,
                                                ``unreachable``, ``failing``: live, but its
                                                last apply failed). Hub
@@ -88,6 +88,17 @@ METRIC_NAMES = (
 SUBSCRIBER_STATES = ("live", "unreachable", "failing")
 
 _GAUGE_INTERVAL_S = 0.5  # the hub refreshes its gauges at most this often
+
+
+def _keepalive_s() -> float:
+    """How often an idle hub sets its gauges again: half Ray's report interval, 0.5 to 5 s."""
+    try:
+        import ray
+
+        interval_s = float(ray._config.metrics_report_interval_ms()) / 1000.0
+    except Exception:
+        interval_s = 10.0
+    return min(5.0, max(0.5, interval_s / 2))
 
 
 @dataclass(frozen=True)
@@ -204,6 +215,8 @@ class HubGauges:
     The hub calls :meth:`published` for each version and :meth:`changed` after
     every change; the refresh itself runs later on the hub's event loop, so a
     burst of deliveries to many subscribers costs one pass, not one per reply.
+    An idle hub sets its gauges again every few seconds: Ray drops gauge series
+    that are not refreshed within two report intervals.
 
     Example:
         >>> gauges = HubGauges("raysync")  # inside the hub actor
@@ -217,6 +230,7 @@ class HubGauges:
         self._source: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None
         self._lagging: dict[tuple[str, str, str], dict[str, str]] = {}  # series set last time
         self._models_seen: set[str] = set()
+        self._keepalive = False
 
     def published(self, model_id: str) -> None:
         """Count one published version of ``model_id``."""
@@ -241,6 +255,16 @@ class HubGauges:
         self._pending = True
         delay = max(0.0, self._last + _GAUGE_INTERVAL_S - time.monotonic())
         loop.call_later(delay, self.refresh)
+        if not self._keepalive:
+            self._keepalive = True
+            loop.call_later(_keepalive_s(), self._keep_alive, loop)
+
+    def _keep_alive(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Ray (2.60) drops a gauge series that was not set again within two report
+        # intervals, so an idle hub sets every gauge again regularly.
+        if not self._pending:
+            self.refresh()
+        loop.call_later(_keepalive_s(), self._keep_alive, loop)
 
     def refresh(self) -> None:
         """Set every gauge from the hub's current state."""
