@@ -185,14 +185,15 @@ def job(head: Head) -> Job:
         return "No available agent" not in result.stdout + result.stderr
 
     wait_for_condition(submitted, timeout=60, interval=1.0, what="job accepted")
-    status = _ray(head, "job", "status", "--address", head.dashboard_url, submission_id)
+    # Without --no-wait, `ray job submit` follows the job until it ends and then prints its
+    # final status; the logs are read again afterwards, as a user would.
     logs = _ray(head, "job", "logs", "--address", head.dashboard_url, submission_id)
     assert logs.returncode == 0, logs.stderr[-3000:]
-    return Job(head, submission_id, status.stdout + status.stderr, logs.stdout)
+    return Job(head, submission_id, done[-1].stdout + done[-1].stderr, logs.stdout)
 
 
 def test_quickstart_job_succeeds_and_every_collector_ends_on_the_last_version(job: Job) -> None:
-    # `ray job status` reports JobStatus.SUCCEEDED as "Job '<id>' succeeded".
+    # The CLI reports JobStatus.SUCCEEDED as "Job '<id>' succeeded" (FAILED: "... failed").
     assert f"Job '{job.submission_id}' succeeded" in job.status, job.status[-2000:] + job.logs[-3000:]
     assert f"trained {STEPS} steps and pushed {STEPS} versions" in job.logs
     rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+-?[\d.]+\s+-?[\d.]+\s*$", job.logs, re.M)
@@ -235,12 +236,9 @@ def test_metrics_reach_the_heads_prometheus_export(job: Job) -> None:
         m = _scrape(job.head.metrics_url)
         seen.clear()
         seen.update({k: v for k, v in m.items() if "_bucket" not in k})
-        pushes = _series(m, "raysync_push_duration_seconds_count", model_id="policy")
-        return (
-            m
-            if pushes == STEPS and _series(m, "raysync_latest_version", model_id="policy") == STEPS
-            else None
-        )
+        published = _series(m, "raysync_pushes_total", model_id="policy")
+        latest = _series(m, "raysync_latest_version", model_id="policy")
+        return m if published == STEPS and latest == STEPS else None
 
     try:
         m = wait_for_condition(
@@ -248,7 +246,11 @@ def test_metrics_reach_the_heads_prometheus_export(job: Job) -> None:
         )
     except AssertionError as err:
         raise AssertionError(f"{err}; raysync series seen: {seen}") from None
-    assert _series(m, "raysync_pushes_total", model_id="policy") == STEPS
+    # Pushes are timed in the trainer (the job's driver): a driver that exits right after its
+    # last push may not get to export that last report interval.
+    timed = _series(m, "raysync_push_duration_seconds_count", model_id="policy", transport="object_store")
+    assert timed is not None and 1 <= timed <= STEPS
+    assert (_series(m, "raysync_push_duration_seconds_sum", model_id="policy") or 0) > 0
     assert (_series(m, "raysync_push_bytes_total", model_id="policy") or 0) > 0
     assert (_series(m, "raysync_apply_duration_seconds_count", model_id="policy") or 0) >= COLLECTORS
     assert (_series(m, "raysync_subscribers", model_id="policy", state="live") or 0) >= 1
