@@ -206,7 +206,14 @@ class WeightHub:
         if self._subs.get(sub.sub_id) is sub:
             del self._subs[sub.sub_id]
         sub.state = "dead"
-        logger.warning("hub %r dropped subscriber %s of %r: %s", self._name, sub.sub_id, sub.model_id, why)
+        logger.warning(
+            "hub %r dropped subscriber %s of %r (at version %s): %s",
+            self._name,
+            sub.sub_id,
+            sub.model_id,
+            sub.applied,
+            why,
+        )
 
     # ------------------------------------------------------------------ persistence
     def _kv_key(self, model_id: str) -> bytes:
@@ -255,7 +262,12 @@ class WeightHub:
             return None
         if takeover:
             logger.warning(
-                "hub %r: %s took over model %r from %s", self._name, _who(pusher), model_id, _who(current)
+                "hub %r: %s took over model %r (at version %d) from %s",
+                self._name,
+                _who(pusher),
+                model_id,
+                model.latest,
+                _who(current),
             )
         elif await asyncio.to_thread(_writer_alive, current):
             return StaleWriterError(
@@ -265,11 +277,12 @@ class WeightHub:
             )
         else:
             logger.info(
-                "hub %r: writer %s of %r is gone; %s takes over",
+                "hub %r: writer %s of %r is gone; %s takes over at version %d",
                 self._name,
                 _who(current),
                 model_id,
                 _who(pusher),
+                model.latest,
             )
         model.writer = _lease(pusher)
         return None
@@ -418,7 +431,14 @@ class WeightHub:
         self._subs[sub_id] = sub
         model = self._models.get(model_id)
         newest = model.newest if model else None
-        logger.info("hub %r: subscriber %s registered for %r", self._name, sub_id, model_id)
+        logger.info(
+            "hub %r: subscriber %s registered for %r at version %s (newest %s)",
+            self._name,
+            sub_id,
+            model_id,
+            sub.applied,
+            newest.version if newest else None,
+        )
         await self._changed()
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return None
