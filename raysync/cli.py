@@ -285,7 +285,9 @@ def _mib(nbytes: Any) -> str:
         return "-"
     if nbytes >= 2**30:
         return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / MIB:.2f} MiB"
+    if nbytes >= MIB:
+        return f"{nbytes / MIB:.2f} MiB"
+    return f"{nbytes / 1024:.1f} KiB"
 
 
 def _age(seconds: Any) -> str:
