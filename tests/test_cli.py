@@ -198,3 +198,10 @@ def test_bench_runs_the_script_with_progress_table_and_plot(
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert cli.main(["bench", "--script", str(tmp_path / "missing.py")]) == 1
     assert "benchmark script not found" in capsys.readouterr().err
+
+
+def test_installed_as_the_raysync_console_script() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "raysync"]
+    assert script.load() is cli.main
