@@ -46,8 +46,9 @@ from typing import Any
 
 __all__ = [
     "DURATION_BOUNDARIES",
-    "METRIC_NAMES",
     "HubGauges",
+    "METRIC_NAMES",
+    "SUBSCRIBER_STATES",
     "record_apply",
     "record_push",
 ]
