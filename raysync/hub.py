@@ -39,6 +39,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from raysync import metrics
 from raysync.errors import (
     ApplyError,
     InvalidWeightsError,
@@ -183,6 +184,7 @@ class WeightHub:
         self._subs: dict[str, _Subscriber] = {}
         self._cond: asyncio.Condition | None = None
         self._started = time.time()
+        self._gauges = metrics.HubGauges(name)
         self._restored = self._restore()
 
     # ------------------------------------------------------------------ helpers
@@ -192,6 +194,7 @@ class WeightHub:
         return self._cond
 
     async def _changed(self) -> None:
+        self._gauges.changed(self._models, self._subs)
         cond = self._condition()
         async with cond:
             cond.notify_all()
@@ -203,7 +206,14 @@ class WeightHub:
         if self._subs.get(sub.sub_id) is sub:
             del self._subs[sub.sub_id]
         sub.state = "dead"
-        logger.warning("hub %r dropped subscriber %s of %r: %s", self._name, sub.sub_id, sub.model_id, why)
+        logger.warning(
+            "hub %r dropped subscriber %s of %r (at version %s): %s",
+            self._name,
+            sub.sub_id,
+            sub.model_id,
+            sub.applied,
+            why,
+        )
 
     # ------------------------------------------------------------------ persistence
     def _kv_key(self, model_id: str) -> bytes:
@@ -252,7 +262,12 @@ class WeightHub:
             return None
         if takeover:
             logger.warning(
-                "hub %r: %s took over model %r from %s", self._name, _who(pusher), model_id, _who(current)
+                "hub %r: %s took over model %r (at version %d) from %s",
+                self._name,
+                _who(pusher),
+                model_id,
+                model.latest,
+                _who(current),
             )
         elif await asyncio.to_thread(_writer_alive, current):
             return StaleWriterError(
@@ -262,11 +277,12 @@ class WeightHub:
             )
         else:
             logger.info(
-                "hub %r: writer %s of %r is gone; %s takes over",
+                "hub %r: writer %s of %r is gone; %s takes over at version %d",
                 self._name,
                 _who(current),
                 model_id,
                 _who(pusher),
+                model.latest,
             )
         model.writer = _lease(pusher)
         return None
@@ -322,6 +338,7 @@ class WeightHub:
         version = model.latest
         model.versions[version] = _Version(version, manifest, list(refs), time.time(), pusher)
         model.pushes += 1
+        self._gauges.published(model_id)
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = time.time()
         self._trim(model)
@@ -384,6 +401,7 @@ class WeightHub:
         if applied is not None and described and (newer or applied == sub.applied):
             sub.last_apply_time = time.time()
             sub.last_apply_s = reply.get("apply_s")
+            metrics.record_apply(self._name, sub.model_id, sub.last_apply_s)
             sub.last_pause_s = reply.get("pause_s")
             sub.last_buckets_fetched = reply.get("buckets_fetched")
             sub.last_bytes_fetched = reply.get("bytes_fetched")
@@ -413,7 +431,14 @@ class WeightHub:
         self._subs[sub_id] = sub
         model = self._models.get(model_id)
         newest = model.newest if model else None
-        logger.info("hub %r: subscriber %s registered for %r", self._name, sub_id, model_id)
+        logger.info(
+            "hub %r: subscriber %s registered for %r at version %s (newest %s)",
+            self._name,
+            sub_id,
+            model_id,
+            sub.applied,
+            newest.version if newest else None,
+        )
         await self._changed()
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return None
@@ -857,6 +882,7 @@ class HubClient:
         if "error" in reply:
             raise reply["error"]
         version = int(reply["version"])
+        metrics.record_push(self.name, model_id, seconds=time.perf_counter() - t0, nbytes=put_bytes)
         logger.debug(
             "pushed %r version %d: %.1f MiB put in %d of %d bucket(s), snapshot %.3f s",
             model_id,
@@ -890,7 +916,7 @@ class HubClient:
             "transport": "nixl",
             "snapshot_s": snapshot_s,
             "bytes_put": 0,  # nothing in the object store: receivers read the trainer's buffers
-            "bytes_snapshot": sum(manifest.bucket_nbytes),
+            "bytes_snapshot": (snapshot_bytes := sum(manifest.bucket_nbytes)),
             "buckets_put": len(refs),
             "buckets": len(refs),
         }
@@ -900,6 +926,9 @@ class HubClient:
         if "error" in reply:
             raise reply["error"]
         version = int(reply["version"])
+        metrics.record_push(
+            self.name, model_id, seconds=time.perf_counter() - t0, nbytes=snapshot_bytes, transport="nixl"
+        )
         logger.debug("pushed %r version %d over NIXL, snapshot %.3f s", model_id, version, snapshot_s)
         if wait:
             self.wait(version, model_id, timeout=timeout)

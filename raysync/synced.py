@@ -368,9 +368,10 @@ class _ActorSync:
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
         if ctx is None or ctx.get_actor_id() is None:
             logger.warning(
-                "%s was created outside a Ray actor: it will not follow the hub "
-                "(create it with %s.remote(...) under @ray.remote)",
+                "%s was created outside a Ray actor: it will not follow the hub for %s at any "
+                "version (create it with %s.remote(...) under @ray.remote)",
                 type(owner).__name__,
+                sorted(sync.subs),
                 type(owner).__name__,
             )
             return
@@ -410,7 +411,13 @@ class _ActorSync:
                     )
                     sub.register(ctx)
                 except Exception as err:
-                    logger.warning("%s could not register again: %s", sub.sub_id, err)
+                    logger.warning(
+                        "%s could not register again for %r (at version %s): %s",
+                        sub.sub_id,
+                        sub.spec.model_id,
+                        sub.version,
+                        err,
+                    )
 
     def subscription(self, model_id: str | None) -> _Subscription:
         if model_id is None:
@@ -679,7 +686,9 @@ class _Subscription:
             try:
                 info = ray.get(self.hub.wait_newer.remote(self.spec.model_id, known, 30.0), timeout=90)
             except Exception as err:  # hub restarting or unreachable: try again shortly
-                logger.debug("%s prefetch: %s", self.sub_id, err)
+                logger.debug(
+                    "%s prefetch of %r after version %d: %s", self.sub_id, self.spec.model_id, known, err
+                )
                 time.sleep(1.0)
                 continue
             if not info or "error" in info:
@@ -705,7 +714,9 @@ class _Subscription:
                         if reply is not None:
                             self.hub.report.remote(self.sub_id, reply)
             except Exception as err:
-                logger.warning("%s could not prefetch version %d: %s", self.sub_id, version, err)
+                logger.warning(
+                    "%s could not prefetch %r version %d: %s", self.sub_id, self.spec.model_id, version, err
+                )
 
     def _swap_staged(self) -> dict[str, Any] | None:
         """Make the staged version current by re-pointing (no copy). Caller holds the stage lock."""
