@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         for i, _ in enumerate(args.subs_per_node, start=1):
-            cluster.add_node(num_cpus=1, object_store_memory=store, resources={f"node{i}": 100})
+            cluster.add_node(num_cpus=1, object_store_memory=store, resources={f"node{i}": 100}, wait=False)
         ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
         cluster.wait_for_nodes()
         nodes = node_table()

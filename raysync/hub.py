@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -129,7 +130,7 @@ class _Subscriber:
     def mode(self) -> str:
         return str(self.info.get("mode", "push"))
 
-    @property
+    @functools.cached_property
     def group(self) -> str | None:
         """Subscriptions of one actor that asked for batched notifications share one delivery loop."""
         if not self.info.get("batch") or not self.info.get("actor_id"):
@@ -535,7 +536,15 @@ class WeightHub:
         info: dict[str, Any],
         schema: dict[str, tuple[tuple[int, ...], str]] | None,
     ) -> dict[str, Any] | None:
-        """Add (or re-add, after a restart) a subscriber; return the newest version to start from."""
+        """Add (or re-add, after a restart) a subscriber; return the newest version to start from.
+
+        ``info["batch"] = True`` (with ``info["actor_id"]``) puts the subscription in its
+        actor's batch: every subscription of one actor to one model is then notified by a
+        single ``_raysync_notify_batch(model_id, version, manifest, refs, sub_ids)`` call
+        that answers one reply per ``sub_id`` (what an actor holding many subscriptions,
+        such as a per-node relay, implements). Without it each subscription gets its own
+        ``_raysync_notify(model_id, version, manifest, refs)`` call.
+        """
         sub = _Subscriber(sub_id, model_id, handle, dict(info), schema, applied=info.get("applied"))
         if schema is not None:
             sub.schema_key = tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in schema.items()))

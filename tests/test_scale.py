@@ -52,10 +52,12 @@ def _register(hub: raysync.HubClient, actor: Any, count: int, *, batch: bool, ta
 
 
 def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -> None:
-    single, batched = (LightSubscribers.options(max_concurrency=2000).remote() for _ in range(2))  # type: ignore[attr-defined]
+    """300 subscriptions notified one by one, 600 + 100 batched per actor; then one actor dies."""
+    single, batched, doomed = (LightSubscribers.options(max_concurrency=2000).remote() for _ in range(3))  # type: ignore[attr-defined]
     try:
         _register(hub, single, 300, batch=False, tag="one")
-        batched_ids = _register(hub, batched, 700, batch=True, tag="many")
+        batched_ids = _register(hub, batched, 600, batch=True, tag="many")
+        _register(hub, doomed, 100, batch=True, tag="doomed")
         model = small_policy()
         for _ in range(2):
             v = hub.push(model, wait=True, timeout=120)
@@ -64,25 +66,19 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
         assert {s["applied"] for s in subs} == {v}
         single_calls, batch_calls = ray.get(single.calls.remote())[0], ray.get(batched.calls.remote())[1]
         assert single_calls == 2 * 300  # one notification per subscription and version
-        # Batched: each version reached all 700 subscriptions in one call (or a few, never one each).
-        assert sorted(set(s for ver, ids in batch_calls if ver == v for s in ids)) == sorted(batched_ids)
+        # Batched: each version reached all 600 subscriptions in one call (or a few, never one each).
+        assert sorted(s for ver, ids in batch_calls if ver == v for s in ids) == sorted(batched_ids)
         assert len(batch_calls) <= 4
+
+        ray.kill(doomed)
+        v = hub.push(model, wait=True, timeout=60)  # returns: a dead actor's subscriptions are dropped
+        subs = hub.status()["subscribers"]
+        assert len(subs) == 900
+        assert not any(s["subscriber"].startswith("doomed") for s in subs)
+        assert {s["applied"] for s in subs} == {v}
     finally:
-        ray.kill(single)
-        ray.kill(batched)
-
-
-def test_batched_subscriptions_of_a_dead_actor_are_dropped(hub: raysync.HubClient) -> None:
-    alive, doomed = (LightSubscribers.remote() for _ in range(2))  # type: ignore[attr-defined]
-    _register(hub, alive, 20, batch=True, tag="alive")
-    _register(hub, doomed, 20, batch=True, tag="doomed")
-    model = small_policy()
-    hub.push(model, wait=True, timeout=60)
-    ray.kill(doomed)
-    v = hub.push(model, wait=True, timeout=60)  # returns: the dead actor's subscriptions are not waited for
-    subs = hub.status()["subscribers"]
-    assert len(subs) == 20 and all(s["subscriber"].startswith("alive") and s["applied"] == v for s in subs)
-    ray.kill(alive)
+        for actor in (single, batched, doomed):
+            ray.kill(actor)
 
 
 def test_each_node_receives_a_version_once_whatever_its_subscribers(tmp_path: Path) -> None:
