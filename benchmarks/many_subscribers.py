@@ -17,6 +17,9 @@ small model ``--pushes`` times and reports, medians over the pushes:
     subscribers recorded as holding the version.
 ``push_ms``
     the ``hub.push`` call alone (snapshot + publish round trip).
+``notify_ms``
+    from ``hub.push`` returning until ``hub.wait(v)`` returned: the
+    notification fan-out itself (``latency_ms`` = ``push_ms`` + ``notify_ms``).
 ``hub_cpu_ms``
     CPU time (user + system) the hub process spent per push, from
     ``psutil.Process(hub_pid).cpu_times()`` around the push and wait.
@@ -134,7 +137,7 @@ def measure(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         reg_s = time.perf_counter() - t
         rss_reg = proc.memory_info().rss
         hub.wait(hub.push(model), timeout=args.timeout)  # warm-up: first delivery to every subscriber
-        lat, push_ms, cpu = [], [], []
+        lat, push_ms, notify_ms, cpu = [], [], [], []
         for _ in range(args.pushes):
             c0 = proc.cpu_times()
             t0 = time.perf_counter()
@@ -145,6 +148,7 @@ def measure(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
             c1 = proc.cpu_times()
             lat.append((t2 - t0) * 1e3)
             push_ms.append((t1 - t0) * 1e3)
+            notify_ms.append((t2 - t1) * 1e3)
             cpu.append((c1.user + c1.system - c0.user - c0.system) * 1e3)
         t = time.perf_counter()
         status = hub.status()
@@ -159,6 +163,8 @@ def measure(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "latency_ms": statistics.median(lat),
             "latency_ms_all": lat,
             "push_ms": statistics.median(push_ms),
+            "notify_ms": statistics.median(notify_ms),
+            "notify_ms_all": notify_ms,
             "hub_cpu_ms": statistics.median(cpu),
             "hub_cpu_ms_all": cpu,
             "hub_rss_MiB": proc.memory_info().rss / 2**20,
@@ -180,6 +186,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ("mode", "s"),
         ("latency_ms", ".1f"),
         ("push_ms", ".1f"),
+        ("notify_ms", ".1f"),
         ("hub_cpu_ms", ".1f"),
         ("hub_rss_MiB", ".0f"),
         ("reg_s", ".2f"),
