@@ -52,11 +52,11 @@ def _register(hub: raysync.HubClient, actor: Any, count: int, *, batch: bool, ta
 
 
 def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -> None:
-    """300 subscriptions notified one by one, 600 + 100 batched per actor; then one actor dies."""
+    """100 subscriptions notified one by one, 800 + 100 batched per actor; then one actor dies."""
     single, batched, doomed = (LightSubscribers.options(max_concurrency=2000).remote() for _ in range(3))  # type: ignore[attr-defined]
     try:
-        _register(hub, single, 300, batch=False, tag="one")
-        batched_ids = _register(hub, batched, 600, batch=True, tag="many")
+        _register(hub, single, 100, batch=False, tag="one")
+        batched_ids = _register(hub, batched, 800, batch=True, tag="many")
         _register(hub, doomed, 100, batch=True, tag="doomed")
         model = small_policy()
         for _ in range(2):
@@ -65,8 +65,8 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
         assert len(subs) == 1000
         assert {s["applied"] for s in subs} == {v}
         single_calls, batch_calls = ray.get(single.calls.remote())[0], ray.get(batched.calls.remote())[1]
-        assert single_calls == 2 * 300  # one notification per subscription and version
-        # Batched: each version reached all 600 subscriptions in one call (or a few, never one each).
+        assert single_calls == 2 * 100  # one notification per subscription and version
+        # Batched: each version reached all 800 subscriptions in one call (or a few, never one each).
         assert sorted(s for ver, ids in batch_calls if ver == v for s in ids) == sorted(batched_ids)
         assert len(batch_calls) <= 4
 
@@ -82,10 +82,10 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
 
 
 def test_each_node_receives_a_version_once_whatever_its_subscribers(tmp_path: Path) -> None:
-    """Three raylets (own object stores), 2 and 3 subscribers on the workers, in a separate process."""
+    """Three raylets (own object stores), 2 subscribers on each worker, in a separate process."""
     out = tmp_path / "multinode.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    argv = [sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--subs-per-node", "2", "3"]
+    argv = [sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--subs-per-node", "2", "2"]
     argv += ["--head-subs", "0", "--size-mib", "8", "--store-mib", "100", "--pushes", "2", "--json", str(out)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
@@ -94,6 +94,6 @@ def test_each_node_receives_a_version_once_whatever_its_subscribers(tmp_path: Pa
     for row in result["versions"]:
         for tag, node in row["nodes"].items():
             # One copy of the version per node: the trainer's put on the head, one pull per worker,
-            # whether 2 or 3 subscribers read it there (N-fold would be 2.0 or 3.0).
+            # however many subscribers read it there (N-fold would be 2.0).
             assert 0.95 <= node["x_version"] <= 1.2, (row["version"], tag, node)
     assert done.returncode == 0, done.stdout[-3000:]
