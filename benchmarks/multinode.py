@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     store = args.store_mib * MIB
     phases: dict[str, float] = {}
     t_phase = time.perf_counter()
+    # Cluster() records its address in /tmp/ray/ray_current_cluster, where any plain
+    # ray.init() on this machine (another job, another test session) would find and
+    # join it. This script connects by explicit address: keep the cluster private.
+    ray._private.utils.write_ray_address = lambda *_args, **_kwargs: None
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
