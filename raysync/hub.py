@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -124,10 +125,45 @@ class _Subscriber:
     last_error: str | None = None
     state: str = "live"
     task: asyncio.Task[None] | None = None
+    schema_key: tuple[Any, ...] | None = None  # equal schemas are validated once per publish
 
     @property
     def mode(self) -> str:
         return str(self.info.get("mode", "push"))
+
+    @functools.cached_property
+    def group(self) -> str | None:
+        """Subscriptions of one actor that asked for batched notifications share one delivery loop."""
+        if not self.info.get("batch") or not self.info.get("actor_id"):
+            return None
+        return f"{self.model_id}/{self.info['actor_id']}"
+
+    def settled(self, version: int) -> bool:
+        """Holds ``version`` (or newer), or failed to apply it: a ``wait`` for it no longer waits."""
+        return (self.applied is not None and self.applied >= version) or self.failed >= version
+
+
+@dataclass(eq=False)
+class _Group:
+    """Batched subscriptions of one actor to one model: one notification call carries them all."""
+
+    members: dict[str, _Subscriber] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One ``wait`` call: the subscribers it still waits for, and the event set when none is left."""
+
+    version: int
+    pending: set[str]
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _cancel(task: asyncio.Task[None] | None) -> None:
+    """Stop a delivery loop, unless it is the one running this code (it returns by itself)."""
+    if task is not None and task is not asyncio.current_task():
+        task.cancel()
 
 
 def _kv() -> Any:
@@ -182,7 +218,11 @@ class WeightHub:
         self._keep = max(1, int(keep))
         self._models: dict[str, _Model] = {}
         self._subs: dict[str, _Subscriber] = {}
-        self._cond: asyncio.Condition | None = None
+        # Indexes so that no event costs a scan over every subscriber of the hub:
+        self._by_model: dict[str, dict[str, _Subscriber]] = {}
+        self._groups: dict[str, _Group] = {}
+        self._waiters: dict[str, set[_Waiter]] = {}
+        self._cond: asyncio.Condition | None = None  # wakes long polls (wait_newer) on publish
         self._started = time.time()
         self._gauges = metrics.HubGauges(name)
         self._restored = self._restore()
@@ -200,11 +240,51 @@ class WeightHub:
             cond.notify_all()
 
     def _model_subs(self, model_id: str) -> list[_Subscriber]:
-        return [s for s in self._subs.values() if s.model_id == model_id and s.state != "dead"]
+        return [s for s in self._by_model.get(model_id, {}).values() if s.state != "dead"]
 
-    def _drop(self, sub: _Subscriber, why: str) -> None:
+    def _add(self, sub: _Subscriber) -> None:
+        old = self._subs.get(sub.sub_id)
+        if old is not None:
+            self._remove(old)
+        self._subs[sub.sub_id] = sub
+        self._by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
+        if sub.group is not None:
+            self._groups.setdefault(sub.group, _Group()).members[sub.sub_id] = sub
+        for waiter in self._waiters.get(sub.model_id, ()):
+            if not sub.settled(waiter.version):
+                waiter.pending.add(sub.sub_id)
+
+    def _remove(self, sub: _Subscriber) -> None:
+        """Forget a subscriber: indexes, its delivery loop, and the waits that waited for it."""
         if self._subs.get(sub.sub_id) is sub:
             del self._subs[sub.sub_id]
+        members = self._by_model.get(sub.model_id)
+        if members is not None and members.get(sub.sub_id) is sub:
+            del members[sub.sub_id]
+            if not members:
+                del self._by_model[sub.model_id]
+        group = self._groups.get(sub.group) if sub.group is not None else None
+        if group is not None and group.members.get(sub.sub_id) is sub:
+            del group.members[sub.sub_id]
+            if not group.members:
+                _cancel(group.task)
+                del self._groups[sub.group]  # type: ignore[arg-type]
+        _cancel(sub.task)
+        for waiter in self._waiters.get(sub.model_id, ()):
+            waiter.pending.discard(sub.sub_id)
+            if not waiter.pending:
+                waiter.event.set()
+
+    def _settle(self, sub: _Subscriber) -> None:
+        """Tell the waits on ``sub``'s model that it holds (or failed) what they wait for."""
+        for waiter in self._waiters.get(sub.model_id, ()):
+            if sub.sub_id in waiter.pending and sub.settled(waiter.version):
+                waiter.pending.discard(sub.sub_id)
+                if not waiter.pending:
+                    waiter.event.set()
+
+    def _drop(self, sub: _Subscriber, why: str) -> None:
+        self._remove(sub)
         sub.state = "dead"
         logger.warning(
             "hub %r dropped subscriber %s of %r (at version %s): %s",
@@ -319,9 +399,12 @@ class WeightHub:
         takeover: bool = False,
     ) -> dict[str, Any]:
         """Stamp and keep a version; start delivering it. Returns ``{"version": v}`` or ``{"error": e}``."""
+        checked: set[tuple[Any, ...]] = set()
         for sub in self._model_subs(model_id):
-            if sub.schema is None:
+            if sub.schema is None or sub.schema_key in checked:
                 continue
+            if sub.schema_key is not None:
+                checked.add(sub.schema_key)
             try:
                 validate(manifest, sub.schema)
             except WeightMismatchError as err:
@@ -356,8 +439,58 @@ class WeightHub:
                 self._kick(sub)
 
     def _kick(self, sub: _Subscriber) -> None:
-        if sub.task is None or sub.task.done():
+        key = sub.group
+        if key is not None:
+            group = self._groups.get(key)
+            if group is not None and (group.task is None or group.task.done()):
+                group.task = asyncio.get_running_loop().create_task(self._deliver_group(sub.model_id, group))
+        elif sub.task is None or sub.task.done():
             sub.task = asyncio.get_running_loop().create_task(self._deliver(sub))
+
+    async def _deliver_group(self, model_id: str, group: _Group) -> None:
+        """Batched delivery: one call carries every member that lacks the newest version.
+
+        Each member is in at most one call at a time and gets the newest version,
+        exactly as with :meth:`_deliver`; the actor answers with one reply per member.
+        """
+        while True:
+            model = self._models.get(model_id)
+            newest = model.newest if model else None
+            if newest is None:
+                return
+            due = [
+                s
+                for s in group.members.values()
+                if s.state != "dead" and s.mode == "push" and newest.version > max(s.applied or 0, s.sent)
+            ]
+            if not due:
+                return
+            for sub in due:
+                sub.sent = newest.version
+            try:
+                replies = await due[0].handle._raysync_notify_batch.remote(
+                    model_id, newest.version, newest.manifest, newest.refs, [s.sub_id for s in due]
+                )
+                if len(replies) != len(due):
+                    raise ApplyError(f"batched notify: {len(replies)} replies for {len(due)} subscribers")
+            except ActorDiedError as err:
+                for sub in list(group.members.values()):
+                    self._drop(sub, f"actor died ({type(err).__name__})")
+                return
+            except (ActorUnavailableError, RayActorError) as err:
+                for sub in due:
+                    sub.state = "unreachable"
+                    sub.sent = 0
+                    sub.last_error = f"{type(err).__name__}: {str(err)[:300]}"
+                return
+            except Exception as err:
+                for sub in due:
+                    sub.last_error = f"{type(err).__name__}: {str(err)[:500]}"
+                    sub.failed = max(sub.failed, newest.version)
+                    self._settle(sub)
+                return
+            for sub, reply in zip(due, replies, strict=True):
+                self._record(sub, reply)
 
     async def _deliver(self, sub: _Subscriber) -> None:
         """Send the newest version to one subscriber until it holds it (one call in flight)."""
@@ -373,22 +506,19 @@ class WeightHub:
                 )
             except ActorDiedError as err:
                 self._drop(sub, f"actor died ({type(err).__name__})")
-                await self._changed()
                 return
             except (ActorUnavailableError, RayActorError) as err:
                 # Restarting or unreachable: it re-registers when it is back.
                 sub.state = "unreachable"
                 sub.sent = 0
                 sub.last_error = f"{type(err).__name__}: {str(err)[:300]}"
-                await self._changed()
                 return
             except Exception as err:  # the notify itself failed: record, do not loop
                 sub.last_error = f"{type(err).__name__}: {str(err)[:500]}"
                 sub.failed = max(sub.failed, newest.version)
-                await self._changed()
+                self._settle(sub)
                 return
             self._record(sub, reply)
-            await self._changed()
 
     def _record(self, sub: _Subscriber, reply: dict[str, Any]) -> None:
         applied = reply.get("applied")
@@ -413,6 +543,8 @@ class WeightHub:
             sub.last_error = None
         if sub.state == "unreachable":
             sub.state = "live"
+        self._settle(sub)
+        self._gauges.changed(self._models, self._subs)  # rate-limited: lag and states stay current
 
     # ------------------------------------------------------------------ subscribers
     async def register(
@@ -423,12 +555,19 @@ class WeightHub:
         info: dict[str, Any],
         schema: dict[str, tuple[tuple[int, ...], str]] | None,
     ) -> dict[str, Any] | None:
-        """Add (or re-add, after a restart) a subscriber; return the newest version to start from."""
-        old = self._subs.get(sub_id)
-        if old is not None and old.task is not None:
-            old.task.cancel()
+        """Add (or re-add, after a restart) a subscriber; return the newest version to start from.
+
+        ``info["batch"] = True`` (with ``info["actor_id"]``) puts the subscription in its
+        actor's batch: every subscription of one actor to one model is then notified by a
+        single ``_raysync_notify_batch(model_id, version, manifest, refs, sub_ids)`` call
+        that answers one reply per ``sub_id`` (what an actor holding many subscriptions,
+        such as a per-node relay, implements). Without it each subscription gets its own
+        ``_raysync_notify(model_id, version, manifest, refs)`` call.
+        """
         sub = _Subscriber(sub_id, model_id, handle, dict(info), schema, applied=info.get("applied"))
-        self._subs[sub_id] = sub
+        if schema is not None:
+            sub.schema_key = tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in schema.items()))
+        self._add(sub)  # replaces (and stops delivering to) an older registration of the same id
         model = self._models.get(model_id)
         newest = model.newest if model else None
         logger.info(
@@ -439,17 +578,16 @@ class WeightHub:
             sub.applied,
             newest.version if newest else None,
         )
-        await self._changed()
+        self._gauges.changed(self._models, self._subs)
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return None
         sub.sent = newest.version  # the subscriber applies it itself, from __init__
         return {"version": newest.version, "manifest": newest.manifest, "refs": newest.refs}
 
     async def unregister(self, sub_id: str) -> None:
-        sub = self._subs.pop(sub_id, None)
-        if sub is not None and sub.task is not None:
-            sub.task.cancel()
-        await self._changed()
+        sub = self._subs.get(sub_id)
+        if sub is not None:
+            self._remove(sub)
 
     async def report(self, sub_id: str, reply: dict[str, Any]) -> None:
         """A subscriber applied (or failed to apply) a version on its own (start-up, pull mode)."""
@@ -459,7 +597,6 @@ class WeightHub:
         self._record(sub, reply)
         if sub.mode == "push":
             self._kick(sub)  # a version may have been pushed while it was busy
-        await self._changed()
 
     # ------------------------------------------------------------------ queries
     async def latest(self, model_id: str) -> int | None:
@@ -508,7 +645,6 @@ class WeightHub:
     async def wait(self, model_id: str, version: int, timeout: float | None) -> dict[str, Any]:
         """Wait until every live subscriber of ``model_id`` applied ``version`` (or failed it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        cond = self._condition()
         while True:
             laggards, failures = self._pending(model_id, version)
             if not laggards:
@@ -518,12 +654,25 @@ class WeightHub:
                 await self._reap(laggards)
                 laggards, failures = self._pending(model_id, version)
                 return {"laggards": laggards, "failures": failures}
-            step = _REAP_INTERVAL_S if remaining is None else min(remaining, _REAP_INTERVAL_S)
+            # Each record, drop or registration updates this waiter in O(1); it wakes once,
+            # when no laggard is left, instead of re-scanning every subscriber per event.
+            waiter = _Waiter(version, {r["subscriber"] for r in laggards})
+            waiters = self._waiters.setdefault(model_id, set())
+            waiters.add(waiter)
             try:
-                async with cond:
-                    await asyncio.wait_for(cond.wait(), step)
-            except asyncio.TimeoutError:
-                await self._reap(laggards)
+                while not waiter.event.is_set():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    step = _REAP_INTERVAL_S if remaining is None else min(remaining, _REAP_INTERVAL_S)
+                    try:
+                        await asyncio.wait_for(waiter.event.wait(), step)
+                    except asyncio.TimeoutError:
+                        await self._reap([{"subscriber": s} for s in waiter.pending])
+            finally:
+                waiters.discard(waiter)
+                if not waiters:
+                    self._waiters.pop(model_id, None)
 
     def _pending(self, model_id: str, version: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         laggards: list[dict[str, Any]] = []
@@ -552,8 +701,25 @@ class WeightHub:
             except (asyncio.TimeoutError, Exception):
                 pass  # busy or restarting: alive as far as we know
 
-        subs = [self._subs[r["subscriber"]] for r in rows if r["subscriber"] in self._subs]
-        await asyncio.gather(*(check(s) for s in subs))
+        # A subscriber whose notification is in flight needs no ping: a dead actor fails that
+        # call. Subscriptions of one actor share one ping.
+        actors: dict[str, list[_Subscriber]] = {}
+        for r in rows:
+            sub = self._subs.get(r["subscriber"])
+            if sub is None or (sub.task is not None and not sub.task.done()):
+                continue
+            group = self._groups.get(sub.group) if sub.group is not None else None
+            if group is not None and group.task is not None and not group.task.done():
+                continue
+            actors.setdefault(str(sub.info.get("actor_id") or sub.sub_id), []).append(sub)
+
+        async def check_actor(subs: list[_Subscriber]) -> None:
+            await check(subs[0])
+            if subs[0].state == "dead":
+                for sub in subs[1:]:
+                    self._drop(sub, "actor died")
+
+        await asyncio.gather(*(check_actor(subs) for subs in actors.values()))
 
     async def status(self) -> dict[str, Any]:
         now = time.time()
