@@ -219,7 +219,7 @@ def run_soak(
             if v != fill:  # the weights say `fill`; the stamp must agree
                 push_failures.append(f"push {fill} was stamped version {v}")
                 fill = v
-        except Exception as err:  # noqa: BLE001 - counted and reported
+        except Exception as err:
             push_failures.append(f"{type(err).__name__}: {err}"[:300])
             fill -= 1
         now = time.monotonic()
@@ -302,10 +302,14 @@ def print_soak(r: dict[str, Any]) -> None:
         f"soak: {r['seconds']} s of pushes ({r['size_mib']} MiB model), {r['kills']} kills, "
         f"settled in {r['settle_s']} s"
     )
-    print(f"  versions pushed: {r['versions_pushed']} (last {r['last_version']}), "
-          f"numbers skipped: {len(r['version_numbers_skipped'])}")
-    print(f"  {'subscriber':<14} {'seen':>5} {'procs':>5} {'kills':>5} {'polls':>6} {'max_lag':>7} "
-          f"{'regress':>7} {'torn':>4} {'final':>6}")
+    print(
+        f"  versions pushed: {r['versions_pushed']} (last {r['last_version']}), "
+        f"numbers skipped: {len(r['version_numbers_skipped'])}"
+    )
+    print(
+        f"  {'subscriber':<14} {'seen':>5} {'procs':>5} {'kills':>5} {'polls':>6} {'max_lag':>7} "
+        f"{'regress':>7} {'torn':>4} {'final':>6}"
+    )
     for s in r["subscribers"]:
         print(
             f"  {s['name']:<14} {s['versions_seen']:>5} {s['processes']:>5} {s['kills']:>5} "
