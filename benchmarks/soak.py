@@ -356,8 +356,13 @@ def run_resources(
     keep: int = 2,
     tensors: int = 4,
     timeout: float = 120.0,
+    every: int = 1,
 ) -> dict[str, Any]:
-    """``pushes`` pushes with ``keep``: object-store bytes and subscriber memory after each."""
+    """``pushes`` pushes with ``keep``: object-store bytes after each, subscriber memory too.
+
+    Every ``every`` pushes (and after the last) it also waits for Ray's batched
+    frees to land and reads the settled usage and each subscriber's memory.
+    """
     hub_name = f"soak-res-{uuid.uuid4().hex[:8]}"
     hub = raysync.connect(hub_name, keep=keep)
     gauge = StoreGauge()
@@ -376,8 +381,10 @@ def run_resources(
             p.data.fill_(float(fill))
         hub.push(model, wait=True, timeout=timeout, bucket_bytes=size // tensors)
         store.append(gauge.used() - baseline)
-        # Ray frees released objects in batches: the kept versions plus one retiring
-        # (and, for view subscribers, the version each still maps) once they landed.
+        if fill % every and fill != pushes:
+            continue
+        # Ray frees released objects in batches (about once a second): once they
+        # landed, the kept versions and at most one retiring.
         settled.append(gauge.settle(baseline + (keep + 1) * size) - baseline)
         memory.append(ray.get([a.memory.remote() for a in actors]))
     elapsed = time.monotonic() - t0
@@ -408,6 +415,7 @@ def run_resources(
         "keep": keep,
         "seconds": round(elapsed, 1),
         "store_max_mib": max(store) / MiB,
+        "store_mib": [round(s / MiB, 1) for s in store],
         "store_settled_max_mib": max(settled) / MiB,
         "store_settled_mib": [round(s / MiB, 1) for s in settled],
         "store_end_mib": end / MiB,
@@ -421,7 +429,8 @@ def print_resources(r: dict[str, Any]) -> None:
     size = r["size_mib"]
     print(f"resources: {r['pushes']} pushes of {size:.0f} MiB, keep={r['keep']}, {r['seconds']} s")
     print(
-        f"  object store: max {r['store_max_mib']:.0f} MiB right after a push, max "
+        f"  object store: max {r['store_max_mib']:.0f} MiB ({r['store_max_mib'] / size:.2f} versions) "
+        "right after a push, max "
         f"{r['store_settled_max_mib']:.0f} MiB once frees landed ({r['store_settled_max_mib'] / size:.2f} "
         f"versions), {r['store_end_mib']:.0f} MiB at the end ({r['store_end_mib'] / size:.2f} versions), "
         f"{r['store_after_release_mib']:.0f} MiB after the hub was gone"
@@ -441,7 +450,7 @@ def print_resources(r: dict[str, Any]) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=300.0, help="how long to push (soak)")
-    p.add_argument("--subscribers", type=int, default=4)
+    p.add_argument("--subscribers", type=int, default=None, help="soak 4, resources 2 (copy, view)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="subscriber kinds, cycled")
     p.add_argument("--size-mib", type=float, default=None, help="model size (soak 8, resources 256)")
     p.add_argument("--tensors", type=int, default=4, help="tensors (and buckets) per version")
@@ -464,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result = run_resources(
                 size_mib=args.size_mib or 256.0,
                 pushes=args.pushes,
-                subscribers=min(args.subscribers, 2) if args.subscribers == 4 else args.subscribers,
+                subscribers=args.subscribers or 2,
                 tensors=args.tensors,
             )
             print_resources(result)
@@ -472,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         else:
             result = run_soak(
                 seconds=args.seconds,
-                subscribers=args.subscribers,
+                subscribers=args.subscribers or 4,
                 kinds=args.kinds,
                 size_mib=args.size_mib or 8.0,
                 tensors=args.tensors,
