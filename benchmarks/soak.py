@@ -12,8 +12,9 @@ by itself. A poller asks every subscriber, through one of its (read-locked)
 methods, which version it holds and what its weights contain. At the end the
 killer stops, and every subscriber must reach the last version pushed.
 
-Printed: versions pushed, versions seen applied per subscriber (by the
-poller), restarts, failures (pushes that raised; applies that failed),
+Printed: versions pushed, versions applied per subscriber (summed over its
+processes; each process samples the version it holds every millisecond in a
+thread), versions seen by the poller, restarts, failures (pushes that raised; applies that failed),
 maximum lag (newest pushed minus held, at a poll), regressions (a version
 going backwards inside one process), torn reads, and whether anything was
 lost (a subscriber that did not end on the last version with exactly its
@@ -41,6 +42,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -81,13 +83,29 @@ def subscriber_class(hub_name: str, kind: str, size_mib: float, tensors: int) ->
     class Subscriber:
         def __init__(self) -> None:
             self.policy = Filled(size_mib, tensors)
+            self.applied: set[int] = set()
+            threading.Thread(target=self._watch, daemon=True).start()
+
+        def _watch(self) -> None:
+            """Note every version this process holds (sampled every millisecond)."""
+            while True:
+                v = self.raysync_version()  # type: ignore[attr-defined]
+                if v is not None:
+                    self.applied.add(v)
+                time.sleep(0.001)
 
         def check(self) -> dict[str, Any]:
-            """The version held and every value its tensors hold (one, if whole)."""
+            """The version held, every value its tensors hold (one, if whole), versions applied."""
             values: set[float] = set()
             for p in self.policy.parameters():
-                values.update(torch.unique(p.detach()).tolist())
-            return {"version": self.raysync_version(), "values": sorted(values), "pid": os.getpid()}  # type: ignore[attr-defined]
+                lo, hi = torch.aminmax(p.detach())
+                values.update((float(lo), float(hi)))
+            return {
+                "version": self.raysync_version(),  # type: ignore[attr-defined]
+                "values": sorted(values),
+                "pid": os.getpid(),
+                "applied": len(self.applied),
+            }
 
         def memory(self) -> dict[str, int]:
             import psutil  # shipped inside ray (ray/thirdparty_files), importable once ray is
@@ -150,6 +168,7 @@ def run_soak(
             "name": name,
             "kind": kind,
             "pids": set(),
+            "applied": {},
             "seen": set(),
             "last": {},
             "regressions": 0,
@@ -173,6 +192,8 @@ def run_soak(
 
     def collect(timeout: float) -> None:
         ready, _ = ray.wait(list(outstanding), num_returns=len(outstanding), timeout=timeout)
+        if not ready:
+            ready, _ = ray.wait(list(outstanding), num_returns=1, timeout=0)
         for ref in ready:
             i, newest = outstanding.pop(ref)
             s = stats[i]
@@ -185,6 +206,7 @@ def run_soak(
             s["polls"] += 1
             version, pid = report["version"], report["pid"]
             s["pids"].add(pid)
+            s["applied"][pid] = max(s["applied"].get(pid, 0), report["applied"])
             if version is not None:
                 s["seen"].add(version)
                 if version < s["last"].get(pid, 0):
@@ -250,6 +272,8 @@ def run_soak(
     finals = ray.get([a.check.remote() for a in actors], timeout=settle_timeout)
     for s, report in zip(stats, finals, strict=True):
         s["final"] = report["version"]
+        s["pids"].add(report["pid"])
+        s["applied"][report["pid"]] = max(s["applied"].get(report["pid"], 0), report["applied"])
         if torn(report):
             s["torn"] += 1
         if report["version"] != final:
@@ -274,6 +298,7 @@ def run_soak(
         "subscribers": [
             {
                 "name": s["name"],
+                "versions_applied": sum(s["applied"].values()),
                 "versions_seen": len(s["seen"]),
                 "processes": len(s["pids"]),
                 "kills": s["kills"],
@@ -307,12 +332,13 @@ def print_soak(r: dict[str, Any]) -> None:
         f"numbers skipped: {len(r['version_numbers_skipped'])}"
     )
     print(
-        f"  {'subscriber':<14} {'seen':>5} {'procs':>5} {'kills':>5} {'polls':>6} {'max_lag':>7} "
-        f"{'regress':>7} {'torn':>4} {'final':>6}"
+        f"  {'subscriber':<14} {'applied':>7} {'seen':>5} {'procs':>5} {'kills':>5} {'polls':>6} "
+        f"{'max_lag':>7} {'regress':>7} {'torn':>4} {'final':>6}"
     )
     for s in r["subscribers"]:
         print(
-            f"  {s['name']:<14} {s['versions_seen']:>5} {s['processes']:>5} {s['kills']:>5} "
+            f"  {s['name']:<14} {s['versions_applied']:>7} {s['versions_seen']:>5} {s['processes']:>5} "
+            f"{s['kills']:>5} "
             f"{s['polls']:>6} {s['max_lag']:>7} {s['regressions']:>7} {s['torn']:>4} {s['final']!s:>6}"
         )
     print(f"  push failures: {len(r['push_failures'])} {r['push_failures'][:3]}")
