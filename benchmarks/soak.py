@@ -269,7 +269,10 @@ def run_soak(
         settle_s = time.monotonic() - t0
     collect(timeout=5.0)
     note_errors()
-    finals = ray.get([a.check.remote() for a in actors], timeout=settle_timeout)
+    # A subscriber killed just after it applied the last version looks done to the hub
+    # until it registers again: ask each until it answers from a process holding `final`.
+    settle_deadline = time.monotonic() + settle_timeout
+    finals = [_final_report(a, final, settle_deadline) for a in actors]
     for s, report in zip(stats, finals, strict=True):
         s["final"] = report["version"]
         s["pids"].add(report["pid"])
@@ -320,6 +323,23 @@ def run_soak(
         and not skipped
         and sum(s["torn"] + s["regressions"] for s in stats) == 0,
     }
+
+
+def _final_report(actor: Any, final: int | None, deadline: float) -> dict[str, Any]:
+    """The subscriber's report once it holds ``final`` (or the last answer at ``deadline``)."""
+    while True:
+        try:
+            report: dict[str, Any] = ray.get(
+                actor.check.remote(), timeout=max(1.0, deadline - time.monotonic())
+            )
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        if report["version"] == final or time.monotonic() >= deadline:
+            return report
+        time.sleep(0.1)
 
 
 def print_soak(r: dict[str, Any]) -> None:

@@ -233,7 +233,7 @@ def test_trainer_killed_mid_push_never_leaves_a_partial_version(
     # while subscribers fetch a version it owns): whatever anyone holds is whole.
     trainer = Trainer.remote(hub_name)  # the dead trainer's lease is free: no takeover
     trainer.push_forever.remote(2)
-    wait_for_condition(lambda: (hub.latest() or 0) >= 8, what="trainer pushing")
+    wait_for_condition(lambda: (hub.latest() or 0) >= 5, what="trainer pushing")
     ray.kill(trainer)
     last = hub.latest()
     assert last is not None
@@ -471,9 +471,9 @@ def test_corrupted_bucket_is_refused_by_verifying_subscribers(hub: raysync.HubCl
 
 
 def test_memory_stays_bounded_over_50_pushes_with_keep_2(ray_start_regular: Any) -> None:
-    size_mib = 16
+    size_mib = 8
     r = soak.run_resources(
-        size_mib=size_mib, pushes=50, subscribers=2, kinds=("copy", "view"), keep=2, every=10
+        size_mib=size_mib, pushes=50, subscribers=2, kinds=("copy", "view"), keep=2, every=25
     )
     assert r["not_whole_or_behind"] == 0
     # Object store: never more than a few versions, whatever the number of pushes (Ray
@@ -485,7 +485,7 @@ def test_memory_stays_bounded_over_50_pushes_with_keep_2(ray_start_regular: Any)
     assert r["store_after_release_mib"] <= size_mib / 8
     for s in r["subscribers"]:
         # Private memory (RSS minus shared pages) is flat: a leak of one version per push
-        # would add 49 x 16 MiB; allow one version of noise. (RSS also counts the pages of
+        # would add 49 x 8 MiB; allow one version of noise. (RSS also counts the pages of
         # the node's shared object store a subscriber has read, which Ray bounds.)
         assert s["private_last_mib"] - s["private_first_mib"] <= size_mib, s
 
@@ -497,7 +497,7 @@ def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any, tmp_path: Pa
     r = soak.main(
         [
             "--seconds",
-            "10",
+            "8",
             "--kill-every",
             "1.5",
             "--size-mib",
