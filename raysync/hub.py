@@ -644,6 +644,15 @@ class WeightHub:
 
     async def wait(self, model_id: str, version: int, timeout: float | None) -> dict[str, Any]:
         """Wait until every live subscriber of ``model_id`` applied ``version`` (or failed it)."""
+        model = self._models.get(model_id)
+        if model is None or version > model.latest:
+            return {
+                "error": UnknownModelError(
+                    f"version {version} of model {model_id!r} was never pushed on hub {self._name!r} "
+                    f"(newest: {model.latest if model and model.latest else None}; models here: "
+                    f"{sorted(self._models)}); wait for a version push() returned"
+                )
+            }
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             laggards, failures = self._pending(model_id, version)
@@ -1121,6 +1130,8 @@ class HubClient:
         Raises:
             SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards.
             ApplyError: some subscriber failed to apply it (it keeps its previous version).
+            UnknownModelError: ``version`` of ``model_id`` was never pushed (a wait for it
+                could only run out).
 
         Example:
             >>> hub.wait(hub.push(model), timeout=30)
@@ -1128,6 +1139,8 @@ class HubClient:
         _check_model_id(model_id)
         _check_timeout(timeout)
         reply = self._call("wait", model_id, int(version), timeout)
+        if "error" in reply:
+            raise reply["error"]
         if reply["laggards"]:
             rows = reply["laggards"]
             names = ", ".join(
