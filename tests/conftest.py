@@ -36,6 +36,7 @@ def ray_start_regular() -> Iterator[dict[str, Any]]:
     if ray.is_initialized():
         ray.shutdown()
     info = ray.init(
+        address="local",  # always a cluster of our own, never one another process started
         num_cpus=4,
         object_store_memory=OBJECT_STORE_BYTES,
         include_dashboard=False,
