@@ -1,0 +1,175 @@
+"""Shared plumbing of the torch.distributed transports (:mod:`.rpc`, :mod:`.distributed`).
+
+Bytes travel as one flat uint8 tensor per bucket, laid out exactly as
+:func:`raysync.weights.plan_layout` says (so a receiver allocates each bucket
+from the manifest and rebuilds tensors with :func:`raysync.weights.unpack`).
+Every wait has a deadline (see :class:`Transfer`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.weights import DEFAULT_BUCKET_BYTES, Manifest, extract_tensors, pack, plan_layout, unpack
+
+__all__ = [
+    "Packed",
+    "Transfer",
+    "next_tags",
+    "pack_version",
+    "post_sends",
+    "receive_version",
+    "tensors_of",
+    "wait_until",
+]
+
+logger = logging.getLogger(__name__)
+
+_TAG_LOCK = threading.Lock()
+# gloo matches a recv to a send by (peer, tag): every bucket this process sends gets a tag of
+# its own, so versions (and models) in flight at once never take each other's bytes.
+_TAGS = itertools.count(1)
+_TAG_SPACE = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One version ready to send: its manifest and one flat uint8 tensor per bucket."""
+
+    model_id: str
+    manifest: Manifest
+    buckets: list[torch.Tensor]
+
+
+class Transfer:
+    """Gloo works in flight, finished by a helper thread; keeps their buffers alive until done.
+
+    Gloo's point-to-point works only complete inside ``wait()`` (``is_completed``
+    stays False until then), and a ``wait(timeout)`` that expires leaves the
+    work unusable. So one daemon thread per transfer waits for its works, and
+    callers wait on an event with their own deadline.
+    """
+
+    def __init__(self, works: Sequence[Any], buffers: Sequence[torch.Tensor]) -> None:
+        self.works = list(works)
+        self.buffers = list(buffers)
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+        if self.works:
+            threading.Thread(target=self._run, name="raysync-p2p", daemon=True).start()
+        else:
+            self._event.set()
+
+    def _run(self) -> None:
+        try:
+            for work in self.works:
+                work.wait()
+        except BaseException as err:
+            self.error = err
+        finally:
+            self._event.set()
+
+    def done(self) -> bool:
+        """Whether every work finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, deadline: float | None, what: str) -> None:
+        """Wait until done; raise the transfer's error, or :class:`SyncTimeoutError` past ``deadline``."""
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not self._event.wait(remaining):
+            raise SyncTimeoutError(f"timed out waiting for {what}")
+        if self.error is not None:
+            raise RaySyncError(f"{what} failed: {self.error}") from self.error
+
+
+def pack_version(model_id: str, weights: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Packed:
+    """Snapshot ``weights`` into flat bucket tensors (the one copy a send costs).
+
+    The caller may change its model as soon as this returns.
+    """
+    tensors = extract_tensors(weights)
+    manifest = plan_layout(tensors, bucket_bytes=bucket_bytes)
+    flats = [torch.zeros(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+    with torch.no_grad():
+        for b, arrays in enumerate(pack(tensors, manifest)):
+            for entry, arr in zip(manifest.bucket_entries(b), arrays, strict=True):
+                if entry.nbytes:
+                    flats[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+    return Packed(model_id, manifest, flats)
+
+
+def next_tags(count: int) -> list[int]:
+    """``count`` tags no other send of this process uses."""
+    with _TAG_LOCK:
+        return [next(_TAGS) % _TAG_SPACE or 1 for _ in range(count)]
+
+
+def post_sends(packed: Packed, dst: int, tags: Sequence[int], *, group: Any = None) -> Transfer:
+    """``isend`` every non-empty bucket to ``dst``; returns at once."""
+    import torch.distributed as dist
+
+    works = [
+        dist.isend(flat, dst, group=group, tag=tag)
+        for flat, tag in zip(packed.buckets, tags, strict=True)
+        if flat.numel()
+    ]
+    return Transfer(works, packed.buckets)
+
+
+def receive_version(
+    manifest: Manifest,
+    src: int,
+    tags: Sequence[int],
+    *,
+    timeout: float,
+    group: Any = None,
+    what: str = "version",
+) -> list[torch.Tensor]:
+    """Receive every bucket of a version from ``src`` into fresh buffers allocated from ``manifest``.
+
+    Raises:
+        SyncTimeoutError: the bytes did not all arrive within ``timeout``.
+    """
+    import torch.distributed as dist
+
+    flats = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+    works = [
+        dist.irecv(flat, src, group=group, tag=tag)
+        for flat, tag in zip(flats, tags, strict=True)
+        if flat.numel()
+    ]
+    # On a timeout the receives stay posted; the transfer's thread keeps their buffers alive.
+    Transfer(works, flats).wait(time.monotonic() + timeout, f"the bytes of {what} from rank {src}")
+    return flats
+
+
+def tensors_of(manifest: Manifest, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{key: tensor}`` (sorted) viewing received flat buckets, via :func:`raysync.weights.unpack`."""
+    arrays = [
+        [flats[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
+        for b in range(manifest.num_buckets)
+    ]
+    return unpack(manifest, arrays)
+
+
+def wait_until(predicate: Callable[[], bool], deadline: float | None) -> bool:
+    """Poll ``predicate`` (1 ms growing to 20 ms) until true or past ``deadline``; no deadline: forever."""
+    interval = 0.001
+    while True:
+        if predicate():
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        pause = interval if deadline is None else min(interval, max(deadline - time.monotonic(), 0.0))
+        time.sleep(pause)
+        interval = min(interval * 2, 0.02)
+
