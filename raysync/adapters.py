@@ -65,6 +65,7 @@ __all__ = [
     "DistributedAdapter",
     "PipeAdapter",
     "for_placement_group",
+    "placement_group_of",
     "placement_of",
     "start",
 ]
@@ -781,8 +782,15 @@ def start(
     )
 
 
-def _placement_group_of(target: Any) -> Any:
-    """A placement group, from itself, an actor handle living in one, or the caller's own."""
+def placement_group_of(target: Any = None) -> Any:
+    """A placement group: ``target`` itself, the one an actor handle runs in, or the caller's own.
+
+    Raises:
+        ValueError: the actor (or the caller, for ``None``) runs in no placement group.
+
+    Example:
+        >>> pg = raysync.adapters.placement_group_of(engine_actor)  # doctest: +SKIP
+    """
     from ray.util.placement_group import PlacementGroup, get_current_placement_group
 
     if target is None:
@@ -802,6 +810,28 @@ def _placement_group_of(target: Any) -> Any:
     if not pg_id or set(pg_id) == {0xFF}:
         raise ValueError(f"actor {actor_id.hex()} does not run in a placement group")
     return PlacementGroup(PlacementGroupID(pg_id))
+
+
+def _choose_bundles(group: Any, bundles: Sequence[int] | None, per: str) -> list[int]:
+    """The bundle indices to put adapters in: the chosen ones, or the first on each node."""
+    count = len(group.bundle_specs)
+    chosen = list(range(count)) if bundles is None else [int(b) for b in bundles]
+    bad = [b for b in chosen if not 0 <= b < count]
+    if bad:
+        raise ValueError(f"bundle indices {bad} out of range: the placement group has {count} bundle(s)")
+    if per == "node":
+        from ray.util.placement_group import placement_group_table
+
+        nodes = placement_group_table(group).get("bundles_to_node_id", {})
+        seen: set[Any] = set()
+        picked = []
+        for b in chosen:
+            node = nodes.get(b)
+            if node not in seen:
+                seen.add(node)
+                picked.append(b)
+        chosen = picked
+    return chosen
 
 
 def for_placement_group(
@@ -841,28 +871,14 @@ def for_placement_group(
         ...     pg, "distributed", fn=worker_loop, model_factory=make_policy, hub="h"
         ... )  # doctest: +SKIP
     """
+    if kind not in _CLASSES:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if per not in ("bundle", "node"):
         raise ValueError(f"per must be 'bundle' or 'node', got {per!r}")
-    group = _placement_group_of(pg)
+    group = placement_group_of(pg)
     if ready_timeout is not None:
         ray.get(group.ready(), timeout=ready_timeout)
-    count = len(group.bundle_specs)
-    chosen = list(range(count)) if bundles is None else [int(b) for b in bundles]
-    bad = [b for b in chosen if not 0 <= b < count]
-    if bad:
-        raise ValueError(f"bundle indices {bad} out of range: the placement group has {count} bundle(s)")
-    if per == "node":
-        from ray.util.placement_group import placement_group_table
-
-        nodes = placement_group_table(group).get("bundles_to_node_id", {})
-        seen: set[Any] = set()
-        picked = []
-        for b in chosen:
-            node = nodes.get(b)
-            if node not in seen:
-                seen.add(node)
-                picked.append(b)
-        chosen = picked
+    chosen = _choose_bundles(group, bundles, per)
     handles = [
         start(
             kind,
