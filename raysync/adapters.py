@@ -452,10 +452,10 @@ class _Adapter:
             if r.state == "live" and not r.process.is_alive():
                 self._drop(r, f"receiver process exited (exit code {r.process.exitcode})")
 
-    def _drop(self, r: _Receiver, why: str) -> None:
+    def _drop(self, r: _Receiver, why: str, *, level: int = logging.WARNING) -> None:
         r.state = "dead"
         r.error = why
-        logger.warning("%s dropped receiver %s: %s", self.name, r.name, why)
+        logger.log(level, "%s dropped receiver %s: %s", self.name, r.name, why)
         if r.process.is_alive():
             r.process.terminate()
         r.process.join(timeout=1.0)
@@ -513,7 +513,7 @@ class _Adapter:
                 pass
         for r in self._receivers:
             if r.state == "live":
-                self._drop(r, "adapter shut down")
+                self._drop(r, "adapter shut down", level=logging.INFO)
 
 
 class PipeAdapter(_Adapter):
