@@ -15,6 +15,9 @@ one subscriber), fetches each version's buckets from the object store once
   processes (same ``fn(receiver, *args)``); signals go through the group's
   TCPStore (:class:`raysync.transports.distributed.DistributedTransport`
   mailboxes), bytes as ONE ``broadcast`` per bucket per version.
+- :class:`RPCAdapter` is rank 0 of a ``torch.distributed.rpc`` group with K
+  RPC worker processes: signals by RPC, bytes by torch.distributed send/recv
+  (:class:`raysync.transports.rpc.RPCTransport`).
 
 Each receiver applies versions whole and in order; the adapter replies to the
 hub only once every receiver acked (or failed, or timed out). The reply names
@@ -64,6 +67,7 @@ __all__ = [
     "KINDS",
     "DistributedAdapter",
     "PipeAdapter",
+    "RPCAdapter",
     "for_placement_group",
     "placement_group_of",
     "placement_of",
@@ -72,8 +76,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["pipe", "distributed"]
-KINDS: tuple[str, ...] = ("pipe", "distributed")
+Kind = Literal["pipe", "distributed", "rpc"]
+KINDS: tuple[str, ...] = ("pipe", "distributed", "rpc")
 """The adapter kinds :func:`start` and :func:`for_placement_group` build."""
 
 _HEARTBEAT_S = 2.0
@@ -197,6 +201,50 @@ def _dist_worker(
     scheme = DistributedWeightSyncScheme(timeout=timeout)
     scheme.init_on_receiver(model_id=model_id, endpoint=transport, model=model_factory())
     _run_user_fn(scheme.get_receiver(), fn, args, name)
+
+
+def _rpc_worker(
+    host: str,
+    port: int,
+    rpc_port: int,
+    rank: int,
+    world: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    model_factory: Callable[[], Any],
+    model_id: str,
+    timeout: float,
+    channel: str,
+    parent: int,
+    name: str,
+) -> None:
+    """Entry point of an RPCAdapter worker process (rank ``rank`` of the gloo and RPC groups)."""
+    from raysync.schemes import RPCWeightSyncScheme
+    from raysync.transports.rpc import RPCTransport
+
+    _watch_parent(parent)
+    _join_rpc(host, port, rpc_port, rank, world, timeout)
+    scheme = RPCWeightSyncScheme(timeout=timeout)
+    transport = RPCTransport(timeout=timeout, channel=channel)
+    scheme.init_on_receiver(model_id=model_id, endpoint=transport, model=model_factory())
+    _run_user_fn(scheme.get_receiver(), fn, args, name)
+
+
+def _join_rpc(host: str, port: int, rpc_port: int, rank: int, world: int, timeout: float) -> None:
+    """Join the default gloo group (bytes) and the RPC group (signals) of an RPCAdapter."""
+    import torch.distributed as dist
+    from torch.distributed import rpc
+
+    store = dist.TCPStore(
+        host, port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
+    )
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://{host}:{rpc_port}", num_worker_threads=8, rpc_timeout=timeout
+    )
+    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world, rpc_backend_options=options)
 
 
 def _join_group(store: Any, channel: str, generation: int, rank: int, world: int, timeout: float) -> None:
@@ -722,7 +770,98 @@ class DistributedAdapter(_Adapter):
             self._check(r, version, None)
 
 
-_CLASSES: dict[str, type[_Adapter]] = {"pipe": PipeAdapter, "distributed": DistributedAdapter}
+class RPCAdapter(_Adapter):
+    """Rank 0 of a ``torch.distributed.rpc`` group with K RPC worker processes.
+
+    Each worker runs ``fn(receiver, *args)`` like :class:`PipeAdapter`'s. Per
+    version the adapter signals every worker by RPC (the manifest) and sends
+    the bytes with torch.distributed ``isend`` (gloo), through
+    :class:`raysync.transports.rpc.RPCTransport`; the worker's RPC thread
+    receives them whole, its loop applies them and acks by RPC. A worker that
+    dies is reported and dropped (nothing more is sent to it).
+
+    Args: as :class:`PipeAdapter`.
+
+    Example:
+        >>> adapter = raysync.adapters.start("rpc", worker_loop, model_factory=make_policy)
+    """
+
+    kind = "rpc"
+
+    def _start_receivers(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
+    ) -> None:
+        from raysync.transports.rpc import RPCTransport
+
+        host = "127.0.0.1"
+        port, rpc_port = _free_port(), _free_port()
+        world = count + 1
+        channel = f"adapter-{os.getpid()}"
+        for i in range(count):
+            name = f"{self.name}/rank{i + 1}"
+            process = self._mp.Process(
+                target=_rpc_worker,
+                args=(
+                    host,
+                    port,
+                    rpc_port,
+                    i + 1,
+                    world,
+                    fn,
+                    args,
+                    model_factory,
+                    self.model_id,
+                    self.timeout,
+                    channel,
+                    os.getpid(),
+                    name,
+                ),
+                name=name,
+                daemon=True,
+            )
+            process.start()
+            transport = RPCTransport(f"rank{i + 1}", worker_rank=i + 1, timeout=self.timeout, channel=channel)
+            self._receivers.append(_Receiver(i, name, process, transport))
+        _join_rpc(host, port, rpc_port, 0, world, self.timeout)
+
+    def _fan_out(
+        self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
+    ) -> None:
+        tensors = unpack(manifest, buckets)
+        started: list[_Receiver] = []
+        for r in live:
+            try:
+                r.transport.send_weights_async(model_id, tensors)
+                started.append(r)
+            except Exception as err:
+                self._check(r, version, err if isinstance(err, RaySyncError) else RaySyncError(str(err)))
+        deadline = time.monotonic() + self.timeout
+        for r in started:
+            try:
+                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01))
+            except RaySyncError as err:
+                if not r.process.is_alive() or "failed to receive" in str(err):
+                    r.process.join(timeout=1.0)
+                    self._drop(r, f"RPC worker unreachable (exit code {r.process.exitcode}): {err}"[:500])
+                else:
+                    self._check(r, version, err)
+                continue
+            self._check(r, version, None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+_CLASSES: dict[str, type[_Adapter]] = {
+    "pipe": PipeAdapter,
+    "distributed": DistributedAdapter,
+    "rpc": RPCAdapter,
+}
 
 
 def start(
@@ -740,11 +879,13 @@ def start(
     bundle_index: int | None = None,
     num_cpus: float = 0.5,
     name: str | None = None,
+    start_method: str = "fork",
 ) -> Any:
     """Create one adapter actor (optionally in a bundle of a placement group); return its handle.
 
     Args:
-        kind: ``"pipe"`` (:class:`PipeAdapter`) or ``"distributed"`` (:class:`DistributedAdapter`).
+        kind: ``"pipe"`` (:class:`PipeAdapter`), ``"distributed"``
+            (:class:`DistributedAdapter`) or ``"rpc"`` (:class:`RPCAdapter`).
         fn: each worker's loop, ``fn(receiver, *args)``.
         args: more arguments for ``fn``.
         model_factory: builds each worker's model.
@@ -754,6 +895,8 @@ def start(
         placement_group, bundle_index: where to place the actor.
         num_cpus: the actor's CPUs (its workers are its own processes, not Ray's).
         name: for logs and ``hub.status()``.
+        start_method: how the adapter starts its workers (``"fork"``: at once,
+            no imports; ``"spawn"``: fresh interpreters, slower).
 
     Example:
         >>> a = raysync.adapters.start("pipe", worker_loop, model_factory=make_policy, hub="h")
@@ -779,6 +922,7 @@ def start(
         namespace=namespace,
         timeout=timeout,
         name=name,
+        start_method=start_method,
     )
 
 
@@ -850,15 +994,16 @@ def for_placement_group(
     timeout: float = DEFAULT_TIMEOUT,
     num_cpus: float = 0.5,
     ready_timeout: float | None = 120.0,
+    start_method: str = "fork",
 ) -> list[Any]:
     """One adapter per bundle (or per node) of a placement group; returns their handles.
 
     Args:
         pg: a ``PlacementGroup``, an actor handle (its placement group is
             used), or ``None`` (the caller's own placement group).
-        kind: ``"pipe"`` or ``"distributed"``.
+        kind: ``"pipe"``, ``"distributed"`` or ``"rpc"``.
         fn, args, model_factory, num_receivers, model_id, hub, namespace,
-            timeout, num_cpus: as :func:`start`, for every adapter.
+            timeout, num_cpus, start_method: as :func:`start`, for every adapter.
         bundles: which bundle indices (default: all).
         per: ``"bundle"`` (one adapter per bundle) or ``"node"`` (one per node,
             in the first chosen bundle on it).
@@ -894,6 +1039,7 @@ def for_placement_group(
             bundle_index=b,
             num_cpus=num_cpus,
             name=f"{kind}-bundle-{b}",
+            start_method=start_method,
         )
         for b in chosen
     ]

@@ -1,7 +1,7 @@
-"""Adapters in the bundles of a placement group: one pipe adapter and one distributed adapter.
+"""Adapters in the bundles of one placement group: a pipe, a distributed and an RPC adapter.
 
-Both adapters (2 receiver processes each) are created once for the module and
-shared by its tests, in order; the last test kills an adapter.
+The three adapters (2 receiver processes each) are created once for the
+module and shared by its tests, in order; the last test kills an adapter.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ def setup(
     name = f"adapters-{os.getpid()}"
     hub = raysync.connect(name)
     out = str(tmp_path_factory.mktemp("receivers"))
-    pg = ray.util.placement_group([{"CPU": 0.5}, {"CPU": 0.5}])
+    pg = ray.util.placement_group([{"CPU": 0.5}] * 3)
     common = {"args": (out, "r"), "model_factory": make_policy, "hub": name, "timeout": TIMEOUT}
     pipe = adapters.for_placement_group(pg, "pipe", fn=record, bundles=[0], **common)[0]
     dist = adapters.for_placement_group(pg, "distributed", fn=record, bundles=[1], **common)[0]
-    yield {"hub": hub, "pg": pg, "out": out, "pipe": pipe, "dist": dist}
-    for handle in (pipe, dist):
+    rpc = adapters.for_placement_group(pg, "rpc", fn=record, bundles=[2], **common)[0]
+    handles = (pipe, dist, rpc)
+    yield {"hub": hub, "pg": pg, "out": out, "pipe": pipe, "dist": dist, "rpc": rpc, "handles": handles}
+    for handle in handles:
         ray.kill(handle)
     remove_placement_group(pg)
     ray.kill(hub.actor)
@@ -66,7 +68,7 @@ def _rows(hub: raysync.HubClient) -> dict[str, dict[str, Any]]:
 def test_each_adapter_runs_in_its_bundle(setup: dict[str, Any]) -> None:
     pg = setup["pg"]
     nodes = placement_group_table(pg)["bundles_to_node_id"]
-    for handle, bundle in ((setup["pipe"], 0), (setup["dist"], 1)):
+    for bundle, handle in enumerate(setup["handles"]):
         where = ray.get(handle.placement.remote())  # read inside the actor
         assert where["placement_group_id"] == pg.id.hex()
         assert where["bundle_index"] == bundle
@@ -74,15 +76,15 @@ def test_each_adapter_runs_in_its_bundle(setup: dict[str, Any]) -> None:
         # ... and an actor handle leads back to its placement group.
         assert adapters.placement_group_of(handle).id == pg.id
     rows = _rows(setup["hub"])
-    assert set(rows) == {"PipeAdapter", "DistributedAdapter"}  # one subscriber per adapter
-    assert rows["PipeAdapter"]["placement"]["bundle_index"] == 0
-    assert adapters._choose_bundles(pg, None, "node") == [0]  # both bundles on this one node
-    assert adapters._choose_bundles(pg, None, "bundle") == [0, 1]
+    assert set(rows) == {"PipeAdapter", "DistributedAdapter", "RPCAdapter"}  # one subscriber each
+    assert [rows[c]["placement"]["bundle_index"] for c in ("PipeAdapter", "DistributedAdapter")] == [0, 1]
+    assert adapters._choose_bundles(pg, None, "node") == [0]  # every bundle is on this one node
+    assert adapters._choose_bundles(pg, [2, 1], "bundle") == [2, 1]
 
 
 def test_every_receiver_bit_equal_and_bytes_fetched_once_per_adapter(setup: dict[str, Any]) -> None:
     hub, out = setup["hub"], setup["out"]
-    handles = (setup["pipe"], setup["dist"])
+    handles = setup["handles"]
     for count in (1, 2, 3):
         model = small_policy(count)
         before = ray.get([h.stats.remote() for h in handles])
@@ -113,7 +115,7 @@ def test_refused_version_is_reported_and_previous_weights_stay(setup: dict[str, 
         assert all(r["applied"] == good and r["error"] for r in row["receivers"])
     model = small_policy(4)
     version = hub.push(model, wait=True, timeout=TIMEOUT)
-    for handle in (setup["pipe"], setup["dist"]):
+    for handle in setup["handles"]:
         for row in ray.get(handle.receivers.remote()):
             assert row["applied"] == version and row["error"] is None
             assert_same_weights(_state(out, row["pid"], 4), model.state_dict())
@@ -121,7 +123,7 @@ def test_refused_version_is_reported_and_previous_weights_stay(setup: dict[str, 
 
 def test_dead_receiver_is_reported_and_dropped_without_blocking(setup: dict[str, Any]) -> None:
     hub, out = setup["hub"], setup["out"]
-    handles = (setup["pipe"], setup["dist"])
+    handles = setup["handles"]
     killed = []
     for handle in handles:
         victim = ray.get(handle.receivers.remote())[0]
@@ -148,10 +150,11 @@ def test_dead_adapter_is_dropped_and_the_other_keeps_going(setup: dict[str, Any]
     ray.kill(setup["pipe"])
     model = small_policy(7)
     version = hub.push(model, wait=True, timeout=TIMEOUT)  # does not wait for the dead one
-    wait_for_condition(lambda: set(_rows(hub)) == {"DistributedAdapter"}, timeout=TIMEOUT)
-    live = [r for r in ray.get(setup["dist"].receivers.remote()) if r["state"] == "live"]
-    assert live and all(r["applied"] == version for r in live)
-    assert_same_weights(_state(out, live[0]["pid"], 7), model.state_dict())
+    wait_for_condition(lambda: set(_rows(hub)) == {"DistributedAdapter", "RPCAdapter"}, timeout=TIMEOUT)
+    for handle in (setup["dist"], setup["rpc"]):
+        live = [r for r in ray.get(handle.receivers.remote()) if r["state"] == "live"]
+        assert live and all(r["applied"] == version for r in live)
+        assert_same_weights(_state(out, live[0]["pid"], 7), model.state_dict())
     # The killed adapter's worker processes exit on their own.
     wait_for_condition(lambda: all(_gone(pid) for pid in workers), timeout=TIMEOUT, what="orphans")
 
