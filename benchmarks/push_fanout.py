@@ -85,7 +85,7 @@ import raysync
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scheme_rows as _scheme_rows  # next to this script; shipped to actors by value
-from scheme_rows import measure_scheme_rows, print_scheme_table
+from scheme_rows import measure_mp_rows, measure_scheme_rows, print_scheme_table
 
 ray.cloudpickle.register_pickle_by_value(_scheme_rows)
 
@@ -720,6 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for row in measure_scheme_rows(
                     sd, n=n, repeats=args.repeats, warmup=args.warmup, receiver_class=receiver_class
                 ):
+                    row["size_mib"] = size_mib
+                    scheme_rows.append(row)
+                for row in measure_mp_rows(sd, n=n, repeats=args.repeats, warmup=args.warmup):
                     row["size_mib"] = size_mib
                     scheme_rows.append(row)
             for n in args.actors if not args.schemes_only else ():

@@ -11,10 +11,12 @@ raysync schemes.RayWeightSyncScheme
 raysync hub, apply=copy / apply=view
     ``hub.push(sd, wait=True)`` to ``@synced_model`` actors (what
     ``RayWeightSyncScheme(hub=...)`` does).
-torchrl MultiProcessWeightSyncScheme (CPU)
-    not measured here: on CPU it shares the trainer's tensors with the worker
-    processes (the workers alias the trainer's memory, no snapshot), so it is
-    not like-for-like with a scheme that hands workers a version of their own.
+torchrl MultiProcessWeightSyncScheme (CPU), N spawned processes
+    ``scheme.send(weights)``: on CPU the weights go through a multiprocessing
+    queue as shared-memory tensors: the workers alias the trainer's memory (no
+    snapshot), so this row is NOT like-for-like with raysync's, which hand each
+    version over as a snapshot (``MultiProcessWeightSyncScheme``: workers copy
+    it once; ``SharedMemWeightSyncScheme``: workers point into it).
 
 Every row is the median of ``repeats`` timed sends after ``warmup`` untimed ones,
 and every actor's marker value is checked after the last send.
@@ -23,6 +25,7 @@ and every actor's marker value is checked after the last send.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import statistics
 import time
 import uuid
@@ -110,6 +113,7 @@ def measure_torchrl_ray(sd: dict[str, torch.Tensor], n: int, repeats: int, warmu
     receiver_scheme = RayWeightSyncScheme.__new__(RayWeightSyncScheme)
     receiver_scheme.__setstate__(scheme.__getstate__())  # same rendezvous id, no runtime state
     try:
+        ray.get([a.marker.remote() for a in actors])  # actors up (gloo's rendezvous waits only 60 s)
         t0 = time.perf_counter()
         joins = [a.setup.remote(receiver_scheme, i) for i, a in enumerate(actors)]
         scheme.init_on_sender(model_id="policy", remote_collectors=actors, model=src)
@@ -208,9 +212,143 @@ def measure_scheme_rows(
         rows.append(measure_torchrl_ray(sd, n, repeats, warmup))
     except ImportError as err:
         logger.warning("torchrl not installed (%s): its row is skipped", err)
+    except Exception:
+        logger.exception("torchrl RayWeightSyncScheme failed; its row is skipped")
     rows.append(measure_raysync_scheme(sd, n, repeats, warmup))
     for apply in ("copy", "view"):
         rows.append(measure_raysync_hub(sd, n, repeats, warmup, apply, receiver_class))
+    base = rows[0]["send_s"] if rows and rows[0]["path"].startswith("torchrl") else None
+    for row in rows:
+        row["n"] = n
+        row["speedup_vs_torchrl"] = None if base is None else base / row["send_s"]
+    return rows
+
+
+def _torchrl_mp_worker(scheme: Any, worker_idx: int, shapes: dict[str, int], stop: Any) -> None:
+    model = _Blob(shapes=shapes)
+    scheme.init_on_receiver(model_id="policy", worker_idx=worker_idx, model=model)
+    scheme.connect(worker_idx=worker_idx)  # starts torchrl's background receiver thread
+    stop.wait()
+
+
+def _raysync_mp_worker(scheme: Any, pipe: Any, shapes: dict[str, int]) -> None:
+    model = _Blob(shapes=shapes)
+    scheme.init_on_receiver(model_id="policy", pipe=pipe, model=model)
+    receiver = scheme.get_receiver()
+    while True:
+        receiver.receive(timeout=0.05)
+        command = receiver.transport.next_message(0.0)
+        if command == "close":
+            return
+        if command == "marker":
+            receiver.transport.send_message(float(next(iter(model.parameters()))[0]))
+
+
+def measure_torchrl_mp(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup: int) -> dict[str, Any]:
+    """torchrl 0.14.1 MultiProcessWeightSyncScheme to N spawned processes (aliases trainer memory)."""
+    from tensordict import TensorDict
+    from torchrl.weight_update import MultiProcessWeightSyncScheme
+
+    ctx = multiprocessing.get_context("spawn")
+    shapes = {k: v.numel() for k, v in sd.items()}
+    src = _Blob({k: v.clone() for k, v in sd.items()})
+    scheme = MultiProcessWeightSyncScheme()
+    scheme.init_on_sender(model_id="policy", model=src, devices=[torch.device("cpu")] * n, ctx=ctx)
+    stop = ctx.Event()
+    procs = [
+        ctx.Process(target=_torchrl_mp_worker, args=(scheme, i, shapes, stop), daemon=True) for i in range(n)
+    ]
+    try:
+        t0 = time.perf_counter()
+        for proc in procs:
+            proc.start()
+        scheme.connect()
+        weights = TensorDict.from_module(src)
+        scheme.send(weights)  # first acked send: every worker is up
+        connect_s = time.perf_counter() - t0
+
+        def mark(value: float) -> None:
+            with torch.no_grad():
+                next(iter(src.parameters()))[0] = value
+
+        times, _ = _timed(lambda: scheme.send(weights), mark, repeats, warmup)
+        return {
+            "path": "torchrl MultiProcessWeightSyncScheme (aliases)",
+            "send_s": statistics.median(times),
+            "connect_s": connect_s,
+            "verified": None,
+        }
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        scheme.shutdown()
+
+
+def measure_raysync_mp(
+    sd: dict[str, torch.Tensor], n: int, repeats: int, warmup: int, shared: bool
+) -> dict[str, Any]:
+    """raysync's MultiProcess (copy out of one snapshot) or SharedMem (point into it) scheme, N processes."""
+    ctx = multiprocessing.get_context("spawn")
+    shapes = {k: v.numel() for k, v in sd.items()}
+    cls = schemes.SharedMemWeightSyncScheme if shared else schemes.MultiProcessWeightSyncScheme
+    scheme = cls(timeout=600)
+    pipes = [ctx.Pipe() for _ in range(n)]
+    procs = [
+        ctx.Process(target=_raysync_mp_worker, args=(scheme, child, shapes), daemon=True)
+        for _, child in pipes
+    ]
+    try:
+        t0 = time.perf_counter()
+        for proc in procs:
+            proc.start()
+        scheme.init_on_sender(model_id="policy", pipes=[p for p, _ in pipes])
+        scheme.connect(weights=sd)
+        connect_s = time.perf_counter() - t0
+        first = next(iter(sd))
+
+        def mark(value: float) -> None:
+            sd[first][0] = value
+
+        times, markers = _timed(lambda: scheme.send(sd), mark, repeats, warmup)
+        got = []
+        for _, transport in sorted(scheme.get_sender().transports.items()):
+            transport.send_message("marker")
+            got.append(transport.next_message(timeout=60))
+        return {
+            "path": f"raysync {cls.__name__}",
+            "send_s": statistics.median(times),
+            "connect_s": connect_s,
+            "verified": all(g == markers[-1] for g in got),
+        }
+    finally:
+        for parent, _ in pipes:
+            try:
+                parent.send("close")
+            except OSError:
+                pass
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        scheme.shutdown()
+
+
+def measure_mp_rows(
+    sd: dict[str, torch.Tensor], *, n: int, repeats: int, warmup: int
+) -> list[dict[str, Any]]:
+    """torchrl's and raysync's process schemes, N spawned workers, with ratios to torchrl's."""
+    rows = []
+    try:
+        rows.append(measure_torchrl_mp(sd, n, repeats, warmup))
+    except ImportError as err:
+        logger.warning("torchrl not installed (%s): its row is skipped", err)
+    except Exception:
+        logger.exception("torchrl MultiProcessWeightSyncScheme failed; its row is skipped")
+    for shared in (False, True):
+        rows.append(measure_raysync_mp(sd, n, repeats, warmup, shared))
     base = rows[0]["send_s"] if rows and rows[0]["path"].startswith("torchrl") else None
     for row in rows:
         row["n"] = n
@@ -229,6 +367,8 @@ def print_scheme_table(rows: list[dict[str, Any]]) -> None:
             f"{r['connect_s']:>9.2f}  {r['verified']}"
         )
     print(
-        "torchrl MultiProcessWeightSyncScheme: not measured. On CPU it aliases the trainer's "
-        "memory (workers read the trainer's tensors, no snapshot), so it is not like-for-like."
+        "torchrl MultiProcessWeightSyncScheme on CPU aliases the trainer's memory (workers read "
+        "the trainer's tensors, no snapshot): its row is not like-for-like with raysync's process "
+        "schemes, whose workers get a snapshot of each version. x torchrl in the process rows is "
+        "relative to that row; in the Ray rows, to torchrl's RayWeightSyncScheme."
     )

@@ -237,6 +237,18 @@ class _Target:
             return
         self.apply({k: v.clone() for k, v in _unpack(manifest, buckets).items()})
 
+    def copy_from(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
+        """Copy a version straight out of flat buckets (e.g. a shared snapshot): one copy per bucket."""
+        validate(manifest, self.schema())
+        if not self.is_module:
+            self.apply(tensors_from_buckets(manifest, flat))
+            return
+        buckets = [
+            [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
+            for b in range(manifest.num_buckets)
+        ]
+        self._binding(manifest).apply(buckets)
+
     def adopt(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
         validate(manifest, self.schema())
         if not self.is_module:
@@ -299,6 +311,7 @@ class WeightSender:
         self._context_ref: Any = None
         self._source_model: Any = None
         self._pending: list[tuple[int, Any]] | None = None
+        self._errors: list[tuple[int, BaseException]] = []
 
     @property
     def model_id(self) -> str:
@@ -370,7 +383,7 @@ class WeightSender:
             raise RuntimeError(f"no workers registered for model {self._model_id!r}")
         payload = self._scheme._payload(self, tensors)
         started: list[tuple[int, Any]] = []
-        self._errors: list[tuple[int, BaseException]] = []
+        self._errors = []
         for idx, transport in chosen:
             try:
                 transport.send_weights_async(self._model_id, payload)
@@ -384,7 +397,7 @@ class WeightSender:
         if self._pending is None:
             raise RuntimeError("no send_async() is pending")
         pending, self._pending = self._pending, None
-        errors = list(getattr(self, "_errors", []))
+        errors, self._errors = self._errors, []
         limit = timeout if timeout is not None else self._scheme.timeout
         for idx, transport in pending:
             try:
@@ -534,12 +547,15 @@ class WeightReceiver:
         """
         if self._transport is None:
             return False
-        if getattr(self._transport, "keeps_snapshot", False):
+        if hasattr(self._transport, "receive_snapshot"):
+            # Whole versions in flat buckets: point into them (kept) or copy out of them once.
             snapshot = self._transport.receive_snapshot(timeout=timeout)
             if snapshot is None:
                 return False
             model_id, manifest, flat = snapshot
-            return self._finish(lambda: self._route(model_id)._get_target().adopt(manifest, flat))
+            if getattr(self._transport, "keeps_snapshot", False):
+                return self._finish(lambda: self._route(model_id)._get_target().adopt(manifest, flat))
+            return self._finish(lambda: self._route(model_id)._get_target().copy_from(manifest, flat))
         result = self._transport.receive_weights(timeout=timeout)
         if result is None:
             return False

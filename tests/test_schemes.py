@@ -120,10 +120,17 @@ def test_receiver_in_thread_applies_whole_keeps_parameters_and_refuses_mismatch(
         assert_same_weights(_state(model), before)  # nothing half-applied
         with pytest.raises(raysync.ApplyError, match="unknown model_id 'critic'"):
             MPTransport(parent, timeout=20).send_weights("critic", _state(net(5)))
+        scheme_s.get_sender().update_weights(net(6))  # the reference's legacy name: all workers
+        assert_same_weights(_state(model), _state(net(6)))
     finally:
         stop.set()
         thread.join(5)
-        scheme_w.shutdown()
+    scheme_w.get_receiver().apply_weights(net(7))  # applied locally, same registration
+    assert_same_weights(_state(model), _state(net(7)))
+    assert [id(p) for p in model.parameters()] == params
+    scheme_w.shutdown()
+    with pytest.raises(RuntimeError, match="init_on_receiver"):
+        scheme_w.get_receiver()
 
 
 def test_shared_mem_worker_points_into_snapshot_not_trainer_memory() -> None:
