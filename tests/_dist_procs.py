@@ -143,6 +143,24 @@ class _State:
             return type(err).__name__, str(err)
         return "ok"
 
+    def send_raw(self, kind: str, rank: int, channel: str, model_id: str, seed: int) -> Any:
+        """Send with a bare transport on ``channel`` (e.g. a model the worker's scheme does not know)."""
+        from raysync.transports.distributed import DistributedTransport
+        from raysync.transports.rpc import RPCTransport
+
+        if kind == "rpc":
+            tx: Any = RPCTransport(f"rank{rank}", worker_rank=rank, timeout=TIMEOUT, channel=channel)
+        else:
+            tx = DistributedTransport(self.store, rank, timeout=TIMEOUT, channel=channel)
+        try:
+            tx.send_weights(model_id, make_weights(seed))
+        except Exception as err:
+            return type(err).__name__, str(err)
+        finally:
+            if kind == "rpc":
+                tx.close()
+        return "ok"
+
     def scheme_receive(self, kind: str, timeout: float = TIMEOUT) -> Any:
         receiver = self.schemes[kind].get_receiver()
         applied = self.schemes[kind].receive(timeout)

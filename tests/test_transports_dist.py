@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from raysync.errors import InvalidWeightsError
+from raysync.transports.base import TransportBackend
 from raysync.transports.distributed import DistributedTransport
 from raysync.transports.rpc import RPCTransport
 from tests import _dist_procs
@@ -26,6 +27,7 @@ from tests.conftest import assert_same_weights
 KINDS = ["rpc", "dist"]
 WORKERS = [1, 2]
 REPLY_TIMEOUT = 90.0  # a child that does not answer fails the test instead of hanging it
+START_TIMEOUT = 240.0  # importing torch + raysync in 3 fresh processes on a busy 2-core machine
 
 
 def _free_port() -> int:
@@ -49,9 +51,9 @@ class Child:
     def submit(self, name: str, **kwargs: Any) -> None:
         self.conn.send_bytes(pickle.dumps((name, kwargs)))
 
-    def result(self) -> Any:
-        if not self.conn.poll(REPLY_TIMEOUT):
-            raise AssertionError(f"rank {self.rank} did not answer within {REPLY_TIMEOUT} s")
+    def result(self, timeout: float = REPLY_TIMEOUT) -> Any:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"rank {self.rank} did not answer within {timeout} s")
         reply = pickle.loads(self.conn.recv_bytes())
         if reply[0] == "err":
             raise AssertionError(f"rank {self.rank} raised {reply[1]}: {reply[2]}")
@@ -69,7 +71,7 @@ class Group:
         world = 1 + len(WORKERS)
         self.children = [Child(ctx, rank, world, ports) for rank in range(world)]
         for child in self.children:
-            assert child.result() == "ready"
+            assert child.result(START_TIMEOUT) == "ready"
 
     @property
     def sender(self) -> Child:
@@ -234,6 +236,13 @@ def test_scheme_over_real_processes(group: Group, kind: str) -> None:
     assert not applied and error == "WeightMismatchError"
     assert_same_weights(state, make_module(101).state_dict())
     assert same_params and list(state) == keys[1]
+    # A model id the worker has no receiver for: refused with a clear error, nothing changes.
+    group.sender.submit("send_raw", kind=kind, rank=2, channel="scheme", model_id="critic", seed=3)
+    applied, error, (state, _) = group.worker(2).call("scheme_receive", kind=kind)
+    name, message = group.sender.result()
+    assert name == "ApplyError" and "critic" in message
+    assert not applied and error == "UnknownModelError"
+    assert_same_weights(state, make_module(100).state_dict())
 
 
 def test_shutdown_leaves_no_process(group: Group) -> None:
@@ -261,6 +270,7 @@ def test_pickling_keeps_configuration_and_drops_runtime_state(transport: Any) ->
     assert getattr(copy, "worker_rank", getattr(copy, "rank", None)) == 3
     assert copy._pending is None
     copy.wait_ack()  # nothing in flight: returns at once
+    assert isinstance(copy, TransportBackend)
 
 
 def test_bad_calls_raise_clear_errors() -> None:
@@ -276,5 +286,7 @@ def test_bad_calls_raise_clear_errors() -> None:
         RPCTransport().send_ack()
     with pytest.raises(ValueError, match="timeout must be positive"):
         DistributedTransport(None, 1, timeout=0)
+    with pytest.raises(RuntimeError, match="not initialised"):  # no process group in this process
+        RPCTransport("w1", worker_rank=1).send_weights({"w": torch.ones(1)})
     with pytest.raises(InvalidWeightsError):
         RPCTransport("w1", worker_rank=1).send_weights("policy", {})

@@ -24,6 +24,7 @@ from raysync.weights import DEFAULT_BUCKET_BYTES, Manifest, extract_tensors, pac
 __all__ = [
     "Packed",
     "Transfer",
+    "check_group",
     "next_tags",
     "pack_version",
     "post_sends",
@@ -113,10 +114,28 @@ def next_tags(count: int) -> list[int]:
         return [next(_TAGS) % _TAG_SPACE or 1 for _ in range(count)]
 
 
+def check_group(group: Any = None) -> None:
+    """Raise unless the process group is up and moves CPU tensors (gloo)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call init_process_group('gloo', ...) in every "
+            "process before sending or receiving weights"
+        )
+    backend = str(dist.get_backend(group))
+    if backend != "gloo":
+        raise ValueError(
+            f"the process group's backend is {backend!r}; these transports move CPU buckets and "
+            "need a gloo group (init_process_group('gloo', ...))"
+        )
+
+
 def post_sends(packed: Packed, dst: int, tags: Sequence[int], *, group: Any = None) -> Transfer:
     """``isend`` every non-empty bucket to ``dst``; returns at once."""
     import torch.distributed as dist
 
+    check_group(group)
     works = [
         dist.isend(flat, dst, group=group, tag=tag)
         for flat, tag in zip(packed.buckets, tags, strict=True)
@@ -141,6 +160,7 @@ def receive_version(
     """
     import torch.distributed as dist
 
+    check_group(group)
     flats = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
     works = [
         dist.irecv(flat, src, group=group, tag=tag)

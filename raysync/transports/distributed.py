@@ -58,6 +58,7 @@ import torch
 from raysync.errors import SyncTimeoutError
 from raysync.transports._p2p import (
     Transfer,
+    check_group,
     next_tags,
     pack_version,
     post_sends,
@@ -200,6 +201,7 @@ class DistributedTransport:
         if self.rank is None:
             raise ValueError("the sender's DistributedTransport needs the worker's rank")
         packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
+        check_group()
         tags = next_tags(packed.manifest.num_buckets)
         message = {
             "kind": "weights",
@@ -211,7 +213,7 @@ class DistributedTransport:
         number = self._post(message)
         outgoing = post_sends(packed, self.rank, tags)
         if self._pending is not None:
-            self._abandoned.append(self._pending.number)
+            self._abandoned = [*self._abandoned[-999:], self._pending.number]  # bounded if a worker died
         self._pending = _Pending(number, model_id, outgoing)
         logger.debug("sent %r as message %d to rank %d", model_id, number, self.rank)
 

@@ -29,7 +29,8 @@ runs what:
    ack of the newest send; raises :class:`raysync.SyncTimeoutError` past the
    timeout and :class:`raysync.ApplyError` on an error ack. Never hangs.
 
-``send_weights`` is ``send_weights_async`` + ``wait_ack``. A new send waits
+``send_weights`` is ``send_weights_async`` + ``wait_ack``; ``close()`` (sender)
+unregisters the transport's ack box. A new send waits
 (bounded) until the worker holds the previous one, so versions arrive in the
 order they were sent. Transports on one worker share an inbox per
 ``channel``: give each receiving transport in a process its own channel (and
@@ -62,6 +63,7 @@ import torch
 from raysync.errors import ApplyError, SyncTimeoutError
 from raysync.transports._p2p import (
     Transfer,
+    check_group,
     next_tags,
     pack_version,
     post_sends,
@@ -208,7 +210,7 @@ class RPCTransport:
         self._uid = uuid.uuid4().hex
         self._seq = itertools.count(1)
         self._pending: _Pending | None = None
-        self._last: _Delivery | None = None
+        self._last: tuple[str, str, int] | None = None  # (reply_to, uid, seq) of the last version taken
         self._acks: queue.Queue[tuple[int, str]] = queue.Queue()
         if self.worker_name is not None:
             with _LOCK:
@@ -257,6 +259,7 @@ class RPCTransport:
         Example:
             >>> transport.send_weights_async(model); transport.wait_ack()  # doctest: +SKIP
         """
+        import torch.distributed as dist
         from torch.distributed import rpc
 
         model_id, weights = split_send_args(args)
@@ -266,10 +269,10 @@ class RPCTransport:
                 "with the worker's RPC name, RPCTransport(collector_info='worker1', worker_rank=1)"
             )
         packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
+        check_group()
         self._await_received()
         if self.worker_rank is None:
             self.worker_rank = rpc.get_worker_info(self.worker_name).id
-        import torch.distributed as dist
 
         seq = next(self._seq)
         tags = next_tags(packed.manifest.num_buckets)
@@ -418,7 +421,7 @@ class RPCTransport:
             delivery = _inbox(self.channel).get(timeout=timeout)
         except queue.Empty:
             return None
-        self._last = delivery
+        self._last = (delivery.reply_to, delivery.uid, delivery.seq)  # not the buckets: they may be adopted
         return delivery.model_id, delivery.manifest, delivery.buckets
 
     def send_ack(self, message: str = "updated") -> None:
@@ -438,4 +441,5 @@ class RPCTransport:
             raise RuntimeError(
                 "send_ack() before receive_weights() returned a version: nothing to acknowledge"
             )
-        rpc.rpc_sync(last.reply_to, _on_ack, args=(last.uid, last.seq, message), timeout=self.timeout)
+        reply_to, uid, seq = last
+        rpc.rpc_sync(reply_to, _on_ack, args=(uid, seq, message), timeout=self.timeout)

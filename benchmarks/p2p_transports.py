@@ -1,0 +1,116 @@
+"""RPCTransport and DistributedTransport on one node: time to deliver a version to N ranks.
+
+One sender (rank 0) and ``--workers`` worker processes join a gloo group over
+localhost (plus an RPC group). For each transport and model size (an fp32
+state dict of 16 equal tensors), the sender times ``--repeats`` versions (after
+one untimed warm-up) from ``send_weights_async`` to every worker until the last
+``wait_ack`` returned; each worker loops ``receive_weights`` + ``send_ack``.
+Medians are printed with the effective rate (model bytes x N / time); every
+sample goes to ``benchmarks/results/p2p_transports.json``.
+
+Usage:
+    python benchmarks/p2p_transports.py --mib 16 64 --workers 2 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import pathlib
+import socket
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model(mib: int) -> dict[str, torch.Tensor]:
+    n = mib * 2**20 // 4 // 16
+    return {f"layer{i:02d}.weight": torch.randn(n) for i in range(16)}
+
+
+def _child(rank: int, world: int, ports: tuple[int, int], args: Any, conn: Connection) -> None:
+    import torch.distributed as dist
+    from torch.distributed import rpc
+
+    from raysync.transports.distributed import DistributedTransport
+    from raysync.transports.rpc import RPCTransport
+
+    store = dist.TCPStore("127.0.0.1", ports[0], world, rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{ports[1]}", rpc_timeout=120)
+    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    count = args.repeats + 1
+    rows = []
+    for kind in ("rpc", "dist"):
+        for mib in args.mib:
+            if rank == 0:
+                txs: list[Any] = [
+                    RPCTransport(f"rank{r}", worker_rank=r, timeout=120)
+                    if kind == "rpc"
+                    else DistributedTransport(store, r, timeout=120)
+                    for r in range(1, world)
+                ]
+                weights = _model(mib)
+                times = []
+                for _ in range(count):
+                    t0 = time.perf_counter()
+                    for tx in txs:
+                        tx.send_weights_async("policy", weights)
+                    for tx in txs:
+                        tx.wait_ack()
+                    times.append(time.perf_counter() - t0)
+                rows.append({"transport": kind, "mib": mib, "workers": world - 1, "samples_s": times[1:]})
+            else:
+                rx: Any = RPCTransport() if kind == "rpc" else DistributedTransport(store, rank)
+                for _ in range(count):
+                    got = rx.receive_weights(timeout=120)
+                    assert got is not None
+                    rx.send_ack()
+            dist.barrier()
+    rpc.shutdown()
+    dist.destroy_process_group()
+    if rank == 0:
+        conn.send(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    world = args.workers + 1
+    ports = (_free_port(), _free_port())
+    parent, child = ctx.Pipe()
+    procs = [ctx.Process(target=_child, args=(r, world, ports, args, child)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = parent.recv()
+    for p in procs:
+        p.join()
+    print(f"torch {torch.__version__}, gloo over localhost")
+    print("| transport | MiB | N | ms per version (median) | GiB/s (bytes x N) |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        median = statistics.median(row["samples_s"])
+        rate = row["mib"] * row["workers"] / 1024 / median
+        print(f"| {row['transport']} | {row['mib']} | {row['workers']} | {median * 1e3:.1f} | {rate:.2f} |")
+    out = pathlib.Path(__file__).parent / "results" / "p2p_transports.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
