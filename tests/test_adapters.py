@@ -34,10 +34,12 @@ def setup(
     out = str(tmp_path_factory.mktemp("receivers"))
     pg = ray.util.placement_group([{"CPU": 0.5}] * 3)
     common = {"args": (out, "r"), "model_factory": make_policy, "hub": name, "timeout": TIMEOUT}
-    pipe = adapters.for_placement_group(pg, "pipe", fn=record, bundles=[0], **common)[0]
-    dist = adapters.for_placement_group(pg, "distributed", fn=record, bundles=[1], **common)[0]
-    rpc = adapters.for_placement_group(pg, "rpc", fn=record, bundles=[2], **common)[0]
-    handles = (pipe, dist, rpc)
+    # Started together (ready_timeout=None returns at once), then awaited together.
+    pipe, dist, rpc = handles = tuple(
+        adapters.for_placement_group(pg, kind, fn=record, bundles=[b], ready_timeout=None, **common)[0]
+        for b, kind in enumerate(("pipe", "distributed", "rpc"))
+    )
+    ray.get([h._raysync_ping.remote() for h in handles], timeout=2 * TIMEOUT)
     yield {"hub": hub, "pg": pg, "out": out, "pipe": pipe, "dist": dist, "rpc": rpc, "handles": handles}
     for handle in handles:
         ray.kill(handle)
