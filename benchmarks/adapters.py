@@ -150,7 +150,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    ray.init(include_dashboard=False, logging_level="warning", log_to_driver=False)
+    ray.init(
+        address="local",  # a cluster of its own, never one found on this machine
+        num_cpus=4,
+        object_store_memory=max(2**30, 4 * max(args.sizes_mib) * MIB),
+        include_dashboard=False,
+        logging_level="warning",
+        log_to_driver=False,
+    )
     rows = [measure(k, s, args.receivers, args) for s in args.sizes_mib for k in args.kinds]
     print(f"{'kind':>12} {'MiB':>5} {'N':>3} {'subs':>4} {'applied_s':>9} {'fetched_MiB/v':>13}")
     for r in rows:
