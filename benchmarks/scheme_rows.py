@@ -96,6 +96,30 @@ def _timed(send: Any, mark: Any, repeats: int, warmup: int) -> tuple[list[float]
     return times, markers
 
 
+HANG_S = 120.0
+
+
+def _bounded(fn: Any, what: str) -> None:
+    """Run ``fn`` in a thread; raise TimeoutError if it has not returned after HANG_S."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as err:  # reported in the caller's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {HANG_S} s (it has no timeout of its own)")
+    if errors:
+        raise errors[0]
+
+
 def _kill(actors: list[Any]) -> None:
     for actor in actors:
         ray.kill(actor)
@@ -221,6 +245,7 @@ def measure_scheme_rows(
     for row in rows:
         row["n"] = n
         row["speedup_vs_torchrl"] = None if base is None else base / row["send_s"]
+        logger.info("row: %s", row)
     return rows
 
 
@@ -264,14 +289,20 @@ def measure_torchrl_mp(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup
             proc.start()
         scheme.connect()
         weights = TensorDict.from_module(src)
-        scheme.send(weights)  # first acked send: every worker is up
+        # torchrl's waits have no timeout: run them in a thread and give up after HANG_S.
+        _bounded(lambda: scheme.send(weights), "torchrl MultiProcessWeightSyncScheme first send")
         connect_s = time.perf_counter() - t0
 
         def mark(value: float) -> None:
             with torch.no_grad():
                 next(iter(src.parameters()))[0] = value
 
-        times, _ = _timed(lambda: scheme.send(weights), mark, repeats, warmup)
+        times, _ = _timed(
+            lambda: _bounded(lambda: scheme.send(weights), "torchrl MultiProcessWeightSyncScheme send"),
+            mark,
+            repeats,
+            warmup,
+        )
         return {
             "path": "torchrl MultiProcessWeightSyncScheme (aliases)",
             "send_s": statistics.median(times),
@@ -281,7 +312,7 @@ def measure_torchrl_mp(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup
     finally:
         stop.set()
         for proc in procs:
-            proc.join(30)
+            proc.join(5)
             if proc.is_alive():
                 proc.kill()
         scheme.shutdown()
@@ -330,7 +361,7 @@ def measure_raysync_mp(
             except OSError:
                 pass
         for proc in procs:
-            proc.join(30)
+            proc.join(5)
             if proc.is_alive():
                 proc.kill()
         scheme.shutdown()
@@ -353,6 +384,7 @@ def measure_mp_rows(
     for row in rows:
         row["n"] = n
         row["speedup_vs_torchrl"] = None if base is None else base / row["send_s"]
+        logger.info("row: %s", row)
     return rows
 
 

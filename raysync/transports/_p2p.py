@@ -99,12 +99,16 @@ def pack_version(model_id: str, weights: Any, *, bucket_bytes: int = DEFAULT_BUC
     """
     tensors = extract_tensors(weights)
     manifest = plan_layout(tensors, bucket_bytes=bucket_bytes)
-    flats = [torch.zeros(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+    flats = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
     with torch.no_grad():
         for b, arrays in enumerate(pack(tensors, manifest)):
+            end = 0
             for entry, arr in zip(manifest.bucket_entries(b), arrays, strict=True):
+                flats[b][end : entry.offset].zero_()  # alignment padding: zeros, not stale memory
                 if entry.nbytes:
                     flats[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+                end = max(end, entry.offset + entry.nbytes)
+            flats[b][end:].zero_()
     return Packed(model_id, manifest, flats)
 
 
