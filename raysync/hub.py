@@ -126,6 +126,7 @@ class _Subscriber:
     state: str = "live"
     task: asyncio.Task[None] | None = None
     schema_key: tuple[Any, ...] | None = None  # equal schemas are validated once per publish
+    receivers: list[dict[str, Any]] | None = None  # an adapter's receivers (raysync.adapters)
 
     @property
     def mode(self) -> str:
@@ -527,7 +528,10 @@ class WeightHub:
             sub.applied = applied
         # A reply that applied something describes that apply (a "skipped" one does not): the
         # report of a prefetched swap may arrive after the delivery reply for the same version.
-        described = "skipped" not in reply and not reply.get("error")
+        # (An adapter that dropped a dead receiver but applied the version describes it too.)
+        described = "skipped" not in reply and not reply.get("failed") and (
+            "receivers" in reply or not reply.get("error")
+        )
         if applied is not None and described and (newer or applied == sub.applied):
             sub.last_apply_time = time.time()
             sub.last_apply_s = reply.get("apply_s")
@@ -541,6 +545,8 @@ class WeightHub:
             sub.failed = max(sub.failed, int(reply.get("failed") or 0))
         elif applied is not None:
             sub.last_error = None
+        if reply.get("receivers") is not None:
+            sub.receivers = list(reply["receivers"])
         if sub.state == "unreachable":
             sub.state = "live"
         self._settle(sub)
@@ -770,6 +776,8 @@ class WeightHub:
                     "last_prefetched": sub.last_prefetched,
                     "last_error": sub.last_error,
                     "state": sub.state,
+                    "receivers": sub.receivers,
+                    "placement": sub.info.get("placement"),
                 }
             )
         return {
