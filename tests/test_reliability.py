@@ -497,7 +497,7 @@ def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any, tmp_path: Pa
     r = soak.main(
         [
             "--seconds",
-            "8",
+            "5",
             "--kill-every",
             "1.5",
             "--seed",

@@ -22,6 +22,7 @@ from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.weights import DEFAULT_BUCKET_BYTES, Manifest, extract_tensors, pack, plan_layout, unpack
 
 __all__ = [
+    "P2PTransport",
     "Packed",
     "Transfer",
     "check_group",
@@ -197,3 +198,64 @@ def wait_until(predicate: Callable[[], bool], deadline: float | None) -> bool:
         time.sleep(pause)
         interval = min(interval * 2, 0.02)
 
+
+
+class P2PTransport:
+    """What the torch.distributed transports share: the blocking send and the worker's receive.
+
+    Subclasses provide ``send_weights_async``, ``wait_ack`` and ``receive_snapshot``.
+    """
+
+    def send_weights_async(self, *args: Any) -> None:
+        raise NotImplementedError
+
+    def wait_ack(self, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def receive_snapshot(
+        self, timeout: float | None = 1.0
+    ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
+        raise NotImplementedError
+
+    def send_weights(self, *args: Any) -> None:
+        """Sender: send a version and wait for the worker's ack.
+
+        Call as ``send_weights(weights)`` (model id ``"policy"``) or
+        ``send_weights(model_id, weights)``.
+
+        Raises:
+            SyncTimeoutError: no ack within ``timeout``.
+            ApplyError: the worker acked an error.
+
+        Example:
+            >>> transport.send_weights("policy", model)  # doctest: +SKIP
+        """
+        self.send_weights_async(*args)
+        self.wait_ack()
+
+    def setup_connection_and_weights_on_sender(self) -> None:
+        """No-op (torchrl call shape): the connection is the process group (and RPC or the store)."""
+
+    def setup_connection_and_weights_on_receiver(self, *, worker_idx: int | None = None, **_: Any) -> None:
+        """No-op (torchrl call shape): versions arrive through :meth:`receive_weights`."""
+
+    def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """Worker: the next whole version, oldest first, or None if none arrives in time.
+
+        Control messages met on the way are kept (see the subclass).
+
+        Args:
+            timeout: seconds to wait; None waits until a version arrives.
+
+        Returns:
+            ``(model_id, {dotted_key: tensor})`` in canonical key order; the
+            tensors are this process's own memory (safe to keep).
+
+        Example:
+            >>> model_id, tensors = transport.receive_weights(timeout=5)  # doctest: +SKIP
+        """
+        snapshot = self.receive_snapshot(timeout)
+        if snapshot is None:
+            return None
+        model_id, manifest, buckets = snapshot
+        return model_id, tensors_of(manifest, buckets)

@@ -57,13 +57,13 @@ import torch
 
 from raysync.errors import SyncTimeoutError
 from raysync.transports._p2p import (
+    P2PTransport,
     Transfer,
     check_group,
     next_tags,
     pack_version,
     post_sends,
     receive_version,
-    tensors_of,
     wait_until,
 )
 from raysync.transports.base import DEFAULT_TIMEOUT, ack_error, split_send_args
@@ -84,7 +84,7 @@ class _Pending:
     outgoing: Transfer
 
 
-class DistributedTransport:
+class DistributedTransport(P2PTransport):
     """Weights to one worker rank: a TCPStore mailbox to signal, send/recv for the bytes.
 
     Create one per worker on the sender and one on the worker itself, with the
@@ -172,21 +172,6 @@ class DistributedTransport:
 
     # ------------------------------------------------------------------ sender side
 
-    def send_weights(self, *args: Any) -> None:
-        """Sender: send a version and wait for the worker's ack.
-
-        Call as ``send_weights(weights)`` (model id ``"policy"``) or
-        ``send_weights(model_id, weights)``.
-
-        Raises:
-            SyncTimeoutError: no ack within ``timeout``.
-            ApplyError: the worker acked an error.
-
-        Example:
-            >>> transport.send_weights("policy", model)  # doctest: +SKIP
-        """
-        self.send_weights_async(*args)
-        self.wait_ack()
 
     def send_weights_async(self, *args: Any) -> None:
         """Sender: snapshot, post the manifest and start the sends; returns at once.
@@ -300,34 +285,10 @@ class DistributedTransport:
             return False
         return True
 
-    def setup_connection_and_weights_on_sender(self) -> None:
-        """No-op (torchrl call shape): the connection is the store and the process group."""
 
-    def setup_connection_and_weights_on_receiver(self, *, worker_idx: int | None = None, **_: Any) -> None:
-        """No-op (torchrl call shape): versions arrive through :meth:`receive_weights`."""
 
     # ------------------------------------------------------------------ worker side
 
-    def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """Worker: the next whole version, or None if none arrives in time.
-
-        Control messages met on the way are kept for :meth:`next_message`.
-
-        Args:
-            timeout: seconds to wait; None waits until a version arrives.
-
-        Returns:
-            ``(model_id, {dotted_key: tensor})`` in canonical key order; the
-            tensors are this process's own memory (safe to keep).
-
-        Example:
-            >>> model_id, tensors = transport.receive_weights(timeout=5)  # doctest: +SKIP
-        """
-        snapshot = self.receive_snapshot(timeout)
-        if snapshot is None:
-            return None
-        model_id, manifest, buckets = snapshot
-        return model_id, tensors_of(manifest, buckets)
 
     def receive_snapshot(
         self, timeout: float | None = 1.0

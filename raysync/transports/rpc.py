@@ -62,13 +62,13 @@ import torch
 
 from raysync.errors import ApplyError, SyncTimeoutError
 from raysync.transports._p2p import (
+    P2PTransport,
     Transfer,
     check_group,
     next_tags,
     pack_version,
     post_sends,
     receive_version,
-    tensors_of,
     wait_until,
 )
 from raysync.transports.base import DEFAULT_TIMEOUT, ack_error, split_send_args
@@ -156,7 +156,7 @@ def _name_of(info: Any) -> str | None:
     return name
 
 
-class RPCTransport:
+class RPCTransport(P2PTransport):
     """Weights to one worker: RPC to signal, torch.distributed send/recv for the bytes.
 
     Create it on the sender with the worker's RPC name (``collector_info``)
@@ -235,21 +235,6 @@ class RPCTransport:
 
     # ------------------------------------------------------------------ sender side
 
-    def send_weights(self, *args: Any) -> None:
-        """Sender: send a version and wait for the worker's ack.
-
-        Call as ``send_weights(weights)`` (model id ``"policy"``) or
-        ``send_weights(model_id, weights)``.
-
-        Raises:
-            SyncTimeoutError: no ack within ``timeout``.
-            ApplyError: the worker acked an error.
-
-        Example:
-            >>> transport.send_weights("policy", model)  # doctest: +SKIP
-        """
-        self.send_weights_async(*args)
-        self.wait_ack()
 
     def send_weights_async(self, *args: Any) -> None:
         """Sender: snapshot and start sending a version; returns once the transfer is started.
@@ -374,11 +359,7 @@ class RPCTransport:
                 return False
         return True
 
-    def setup_connection_and_weights_on_sender(self) -> None:
-        """No-op (torchrl call shape): the connection is the process group and RPC."""
 
-    def setup_connection_and_weights_on_receiver(self, *, worker_idx: int | None = None, **_: Any) -> None:
-        """No-op (torchrl call shape): versions arrive through :meth:`receive_weights`."""
 
     def close(self) -> None:
         """Sender: stop accepting acks for this transport (late acks are then logged and dropped)."""
@@ -387,24 +368,6 @@ class RPCTransport:
 
     # ------------------------------------------------------------------ worker side
 
-    def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """Worker: the next whole version, oldest first, or None if none arrives in time.
-
-        Args:
-            timeout: seconds to wait; None waits until one arrives.
-
-        Returns:
-            ``(model_id, {dotted_key: tensor})`` in canonical key order; the
-            tensors are this process's own memory (safe to keep).
-
-        Example:
-            >>> model_id, tensors = transport.receive_weights(timeout=5)  # doctest: +SKIP
-        """
-        snapshot = self.receive_snapshot(timeout)
-        if snapshot is None:
-            return None
-        model_id, manifest, buckets = snapshot
-        return model_id, tensors_of(manifest, buckets)
 
     def receive_snapshot(
         self, timeout: float | None = 1.0
