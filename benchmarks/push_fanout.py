@@ -86,7 +86,13 @@ import raysync
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adapters as _adapter_rows  # next to this script (benchmarks/adapters.py); shipped by value
 import scheme_rows as _scheme_rows  # next to this script; shipped to actors by value
-from scheme_rows import measure_mp_rows, measure_scheme_rows, print_scheme_table
+from scheme_rows import (
+    measure_mp_rows,
+    measure_scheme_rows,
+    print_scheme_checks,
+    print_scheme_table,
+    scheme_checks,
+)
 
 ray.cloudpickle.register_pickle_by_value(_scheme_rows)
 ray.cloudpickle.register_pickle_by_value(_adapter_rows)
@@ -726,8 +732,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             flat_src.fill_(1)
             for n in args.actors if args.schemes or args.schemes_only else ():
                 logger.info("%d MiB, N=%d: torchrl and raysync schemes", size_mib, n)
+                floor = measure_snapshot_floor(flat_src, args.repeats)
+                floor.update(
+                    measure_receiver_floor(model_bytes, n, args.repeats, args.floor_source, args.timeout)
+                )
                 for row in measure_scheme_rows(
-                    sd, n=n, repeats=args.repeats, warmup=args.warmup, receiver_class=receiver_class
+                    sd,
+                    n=n,
+                    repeats=args.repeats,
+                    warmup=args.warmup,
+                    receiver_class=receiver_class,
+                    floor_s=floor["snapshot_copy_s"] + floor["recv_copy_wall_s"],
                 ):
                     row["size_mib"] = size_mib
                     scheme_rows.append(row)
@@ -776,6 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_checks(checks)
     if scheme_rows:
         print_scheme_table(scheme_rows)
+        print_scheme_checks(scheme_checks(scheme_rows))
     if adapter_rows:
         print("\nAdapters (push with wait=True until every receiver applied, median):")
         print(f"{'kind':>12} {'MiB':>5} {'N':>3} {'subs':>4} {'applied_s':>9} {'fetched_MiB/v':>13}")
@@ -820,6 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rows": rows,
                 "targets": checks,
                 "scheme_rows": scheme_rows,
+                "scheme_targets": scheme_checks(scheme_rows),
                 "adapter_rows": adapter_rows,
             },
             indent=2,

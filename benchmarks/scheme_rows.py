@@ -227,10 +227,24 @@ def measure_raysync_hub(
         ray.kill(hub.actor)
 
 
+FLOOR_PATH = "copy floor (snapshot + N copy_, no Ray)"
+TARGETS = {"copy": 3.0, "view": 5.0}  # ANCHORS.md: x torchrl RayWeightSyncScheme at N = 8
+
+
 def measure_scheme_rows(
-    sd: dict[str, torch.Tensor], *, n: int, repeats: int, warmup: int, receiver_class: Any
+    sd: dict[str, torch.Tensor],
+    *,
+    n: int,
+    repeats: int,
+    warmup: int,
+    receiver_class: Any,
+    floor_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """All rows for one model size and N (torchrl first, then raysync), with ratios to torchrl."""
+    """All rows for one model size and N (torchrl first, then raysync), with ratios to torchrl.
+
+    ``floor_s`` (one snapshot copy plus N simultaneous private copies, measured
+    by the caller in the same run) adds a row: no copy path can beat it here.
+    """
     rows = []
     try:
         rows.append(measure_torchrl_ray(sd, n, repeats, warmup))
@@ -241,6 +255,8 @@ def measure_scheme_rows(
     rows.append(measure_raysync_scheme(sd, n, repeats, warmup))
     for apply in ("copy", "view"):
         rows.append(measure_raysync_hub(sd, n, repeats, warmup, apply, receiver_class))
+    if floor_s is not None:
+        rows.append({"path": FLOOR_PATH, "send_s": floor_s, "connect_s": None, "verified": None})
     base = rows[0]["send_s"] if rows and rows[0]["path"].startswith("torchrl") else None
     for row in rows:
         row["n"] = n
@@ -396,7 +412,7 @@ def print_scheme_table(rows: list[dict[str, Any]]) -> None:
         speed = "-" if r["speedup_vs_torchrl"] is None else f"{r['speedup_vs_torchrl']:.1f}x"
         print(
             f"{r['size_mib']:>5} {r['n']:>3}  {r['path']:<40} {r['send_s']:>8.3f} {speed:>9} "
-            f"{r['connect_s']:>9.2f}  {r['verified']}"
+            f"{'-' if r['connect_s'] is None else format(r['connect_s'], '.2f'):>9}  {r['verified']}"
         )
     print(
         "torchrl MultiProcessWeightSyncScheme on CPU aliases the trainer's memory (workers read "
@@ -404,3 +420,61 @@ def print_scheme_table(rows: list[dict[str, Any]]) -> None:
         "schemes, whose workers get a snapshot of each version. x torchrl in the process rows is "
         "relative to that row; in the Ray rows, to torchrl's RayWeightSyncScheme."
     )
+
+
+def scheme_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The copy (3x) and view (5x) targets against torchrl's RayWeightSyncScheme, per size and N.
+
+    Each check names the raysync rows it covers, the best of them, the bound
+    (torchrl's time over the target factor) and, for copy, the copy floor's
+    own speedup: when the floor is above the bound no copy path can meet it
+    on this machine.
+    """
+    checks = []
+    for key in sorted({(r["size_mib"], r["n"]) for r in rows}):
+        group = [r for r in rows if (r["size_mib"], r["n"]) == key]
+        base = next((r for r in group if r["path"].startswith("torchrl Ray")), None)
+        if base is None:
+            continue
+        floor = next((r for r in group if r["path"] == FLOOR_PATH), None)
+        for apply, factor in TARGETS.items():
+            paths = [r for r in group if r["path"].startswith("raysync") and r["path"].endswith(f"={apply}")]
+            if apply == "copy":  # the direct scheme copies into the actors' own tensors too
+                paths += [r for r in group if r["path"] == "raysync schemes.RayWeightSyncScheme"]
+            if not paths:
+                continue
+            best = min(paths, key=lambda r: r["send_s"])
+            bound = base["send_s"] / factor
+            checks.append(
+                {
+                    "size_mib": key[0],
+                    "n": key[1],
+                    "apply": apply,
+                    "target_x": factor,
+                    "bound_s": bound,
+                    "best_path": best["path"],
+                    "best_s": best["send_s"],
+                    "best_x": base["send_s"] / best["send_s"],
+                    "met": best["send_s"] <= bound,
+                    "floor_s": None if floor is None or apply != "copy" else floor["send_s"],
+                    "floor_x": None if floor is None or apply != "copy" else base["send_s"] / floor["send_s"],
+                }
+            )
+    return checks
+
+
+def print_scheme_checks(checks: list[dict[str, Any]]) -> None:
+    """One line per target; for copy, what the copy floor itself reaches."""
+    if not checks:
+        return
+    print("\nTargets (ANCHORS.md): x torchrl RayWeightSyncScheme, 3x with apply=copy, 5x with apply=view:")
+    for c in checks:
+        floor = ""
+        if c["floor_s"] is not None:
+            reach = "reachable" if c["floor_s"] <= c["bound_s"] else "NOT reachable by any copy here"
+            floor = f"; copy floor {c['floor_s']:.3f} s = {c['floor_x']:.1f}x ({reach})"
+        print(
+            f"  {'met ' if c['met'] else 'MISS'}  {c['size_mib']:>4} MiB N={c['n']} {c['apply']:<4} "
+            f"{c['best_x']:.1f}x (>= {c['target_x']:.0f}x: <= {c['bound_s']:.3f} s; best {c['best_path']} "
+            f"{c['best_s']:.3f} s){floor}"
+        )

@@ -41,6 +41,7 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from raysync import metrics
+from raysync._store_pages import populate_store_mapping
 from raysync.errors import (
     ApplyError,
     InvalidWeightsError,
@@ -1066,6 +1067,7 @@ class HubClient:
             raise reply["error"]
         version = int(reply["version"])
         metrics.record_push(self.name, model_id, seconds=time.perf_counter() - t0, nbytes=put_bytes)
+        populate_store_mapping(write=True)  # once per process: later puts take no page faults
         logger.debug(
             "pushed %r version %d: %.1f MiB put in %d of %d bucket(s), snapshot %.3f s",
             model_id,

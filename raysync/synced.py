@@ -40,6 +40,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError
 
+from raysync._store_pages import populate_store_mapping
 from raysync.errors import RaySyncError
 from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, get_hub_actor
 from raysync.transports.nixl import receive_into
@@ -500,6 +501,7 @@ class _Subscription:
 
     def _fetch(self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int]) -> dict[int, Any]:
         arrays = ray.get([refs[b] for b in needed], timeout=self.spec.fetch_timeout)
+        populate_store_mapping(write=False)  # once per process: later reads take no page faults
         fetched = dict(zip(needed, arrays, strict=True))
         if self.spec.verify:
             verify_checksums(manifest, fetched)

@@ -34,6 +34,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync._store_pages import populate_store_mapping
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
 from raysync.transports.base import DEFAULT_TIMEOUT, split_send_args
 from raysync.weights import Manifest, extract_tensors, pack, plan_layout
@@ -66,7 +67,9 @@ def put_version(weights: Any) -> RayVersion:
     """
     tensors = extract_tensors(weights)
     manifest = plan_layout(tensors)
-    return RayVersion(manifest, [ray.put(bucket) for bucket in pack(tensors, manifest)])
+    version = RayVersion(manifest, [ray.put(bucket) for bucket in pack(tensors, manifest)])
+    populate_store_mapping(write=True)  # once per process: later puts take no page faults
+    return version
 
 
 def apply_in_actor(
@@ -81,6 +84,7 @@ def apply_in_actor(
     receiver = receiver_for(model_id, instance, path)
     refs = wrapped[0]
     buckets = ray.get(refs)
+    populate_store_mapping(write=False)  # once per process: later reads take no page faults
     receiver.apply_packed(model_id, manifest, buckets, ids=[r.hex() for r in refs])
     return "updated"
 
