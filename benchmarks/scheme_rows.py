@@ -407,11 +407,11 @@ def measure_mp_rows(
 def print_scheme_table(rows: list[dict[str, Any]]) -> None:
     """The torchrl-vs-raysync table."""
     print("\nSchemes (send to all applied, median), torchrl 0.14 vs raysync, same run:")
-    print(f"{'MiB':>5} {'N':>3}  {'path':<40} {'send s':>8} {'x torchrl':>9} {'connect s':>9}  ok")
+    print(f"{'MiB':>5} {'N':>3}  {'path':<46} {'send s':>8} {'x torchrl':>9} {'connect s':>9}  ok")
     for r in rows:
         speed = "-" if r["speedup_vs_torchrl"] is None else f"{r['speedup_vs_torchrl']:.1f}x"
         print(
-            f"{r['size_mib']:>5} {r['n']:>3}  {r['path']:<40} {r['send_s']:>8.3f} {speed:>9} "
+            f"{r['size_mib']:>5} {r['n']:>3}  {r['path']:<46} {r['send_s']:>8.3f} {speed:>9} "
             f"{'-' if r['connect_s'] is None else format(r['connect_s'], '.2f'):>9}  {r['verified']}"
         )
     print(

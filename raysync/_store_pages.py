@@ -10,11 +10,11 @@ their first reads.
 
 What: once per process, after the store is mapped, one
 ``madvise(MADV_POPULATE_WRITE)`` (pusher) or ``MADV_POPULATE_READ`` (readers)
-over the store's mapping, capped at :data:`DEFAULT_CAP_BYTES` (environment
-variable ``RAYSYNC_PREFAULT_STORE_MIB``; ``0`` turns it off). Populating for
-write makes that much of the store resident, as Ray's own
-``preallocate_plasma_memory`` does; for read it only fills page tables
-(~2 MiB per GiB). Linux 5.14+; elsewhere it does nothing.
+over the store's mapping (a store in ``/dev/shm`` only), capped at
+:data:`DEFAULT_CAP_BYTES` (environment variable ``RAYSYNC_PREFAULT_STORE_MIB``;
+``0`` turns it off). That makes up to that much of the node's store resident,
+as Ray's own ``preallocate_plasma_memory`` does, and costs each process
+~2 MiB of page tables per GiB. Linux 5.14+; elsewhere it does nothing.
 
 Example:
     >>> from raysync._store_pages import populate_store_mapping
@@ -59,7 +59,9 @@ def store_mappings() -> list[tuple[int, int]]:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 parts = line.split(maxsplit=5)
-                if len(parts) < 6 or "/plasma" not in parts[5] or "s" not in parts[1]:
+                # Only a store in shared memory: a store Ray put on disk (a small /dev/shm)
+                # would turn a populate for write into gigabytes of writeback.
+                if len(parts) < 6 or not parts[5].startswith("/dev/shm/plasma") or "s" not in parts[1]:
                     continue
                 lo, hi = (int(v, 16) for v in parts[0].split("-"))
                 found.append((lo, hi - lo))
