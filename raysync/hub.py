@@ -1067,7 +1067,7 @@ class HubClient:
             raise reply["error"]
         version = int(reply["version"])
         metrics.record_push(self.name, model_id, seconds=time.perf_counter() - t0, nbytes=put_bytes)
-        populate_store_mapping(write=True)  # once per process: later puts take no page faults
+        populate_store_mapping(True, put_bytes)  # once per process: later puts take no page faults
         logger.debug(
             "pushed %r version %d: %.1f MiB put in %d of %d bucket(s), snapshot %.3f s",
             model_id,

@@ -501,7 +501,8 @@ class _Subscription:
 
     def _fetch(self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int]) -> dict[int, Any]:
         arrays = ray.get([refs[b] for b in needed], timeout=self.spec.fetch_timeout)
-        populate_store_mapping(write=False)  # once per process: later reads take no page faults
+        # once per process: later reads take no page faults
+        populate_store_mapping(False, sum(manifest.bucket_nbytes[b] for b in needed))
         fetched = dict(zip(needed, arrays, strict=True))
         if self.spec.verify:
             verify_checksums(manifest, fetched)

@@ -68,7 +68,7 @@ def put_version(weights: Any) -> RayVersion:
     tensors = extract_tensors(weights)
     manifest = plan_layout(tensors)
     version = RayVersion(manifest, [ray.put(bucket) for bucket in pack(tensors, manifest)])
-    populate_store_mapping(write=True)  # once per process: later puts take no page faults
+    populate_store_mapping(True, manifest.total_nbytes)  # once per process: later puts take no faults
     return version
 
 
@@ -84,7 +84,7 @@ def apply_in_actor(
     receiver = receiver_for(model_id, instance, path)
     refs = wrapped[0]
     buckets = ray.get(refs)
-    populate_store_mapping(write=False)  # once per process: later reads take no page faults
+    populate_store_mapping(False, manifest.total_nbytes)  # once per process: later reads take no faults
     receiver.apply_packed(model_id, manifest, buckets, ids=[r.hex() for r in refs])
     return "updated"
 
