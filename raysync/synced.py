@@ -501,6 +501,10 @@ class _Subscription:
 
     def _fetch(self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int]) -> dict[int, Any]:
         arrays = ray.get([refs[b] for b in needed], timeout=self.spec.fetch_timeout)
+        return self._fetched(manifest, needed, arrays)
+
+    def _fetched(self, manifest: Manifest, needed: list[int], arrays: list[Any]) -> dict[int, Any]:
+        """The fetched buckets by index, checked (``verify=True``); what every fetch path ends with."""
         # once per process: later reads take no page faults
         populate_store_mapping(False, sum(manifest.bucket_nbytes[b] for b in needed))
         fetched = dict(zip(needed, arrays, strict=True))
@@ -605,9 +609,7 @@ class _Subscription:
             arrays = await asyncio.wait_for(
                 asyncio.gather(*[refs[b] for b in needed]), self.spec.fetch_timeout
             )
-            fetched = dict(zip(needed, arrays, strict=True))
-            if self.spec.verify:
-                verify_checksums(manifest, fetched)
+            fetched = self._fetched(manifest, needed, arrays)
             async with self.sync.async_lock.write():
                 pause = self._commit(version, manifest, refs, fetched)
             del fetched, arrays
