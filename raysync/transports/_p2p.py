@@ -201,10 +201,39 @@ def wait_until(predicate: Callable[[], bool], deadline: float | None) -> bool:
 
 
 class P2PTransport:
-    """What the torch.distributed transports share: the blocking send and the worker's receive.
+    """What the torch.distributed transports share: configuration, pickling, the blocking send and
+    the worker's receive.
 
-    Subclasses provide ``send_weights_async``, ``wait_ack`` and ``receive_snapshot``.
+    Subclasses provide ``_init_runtime``, ``send_weights_async``, ``wait_ack`` and
+    ``receive_snapshot``, and name in ``_config`` the attributes pickling keeps and in
+    ``_handles`` the live handles it drops (``None`` after unpickling).
     """
+
+    _config: tuple[str, ...] = ("timeout", "channel", "bucket_bytes")
+    _handles: tuple[str, ...] = ()
+    timeout: float
+    channel: str
+    bucket_bytes: int
+
+    def _configure(self, timeout: float, channel: str, bucket_bytes: int) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.timeout = float(timeout)
+        self.channel = channel
+        self.bucket_bytes = bucket_bytes
+
+    def _init_runtime(self) -> None:
+        raise NotImplementedError
+
+    # Pickling keeps the configuration and drops runtime state (connections, pending sends).
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: self.__dict__[k] for k in self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for handle in self._handles:
+            setattr(self, handle, None)
+        self._init_runtime()
 
     def send_weights_async(self, *args: Any) -> None:
         raise NotImplementedError

@@ -111,6 +111,8 @@ class DistributedTransport(P2PTransport):
 
     keeps_snapshot = True
     """Received buckets are private to each version: a receiver may adopt them without a copy."""
+    _config = ("rank", "sync", *P2PTransport._config)
+    _handles = ("store",)  # pickling drops the store connection
 
     def __init__(
         self,
@@ -123,14 +125,10 @@ class DistributedTransport(P2PTransport):
         channel: str = DEFAULT_CHANNEL,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        self._configure(timeout, channel, bucket_bytes)
         self.store = store
         self.rank = rank
         self.sync = sync
-        self.timeout = float(timeout)
-        self.channel = channel
-        self.bucket_bytes = bucket_bytes
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -139,15 +137,6 @@ class DistributedTransport(P2PTransport):
         self._messages: collections.deque[bytes] = collections.deque()
         self._last: int | None = None
 
-    # Pickling keeps the configuration and drops runtime state (the store connection included).
-    def __getstate__(self) -> dict[str, Any]:
-        keep = ("rank", "sync", "timeout", "channel", "bucket_bytes")
-        return {k: self.__dict__[k] for k in keep}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.store = None
-        self._init_runtime()
 
     def __repr__(self) -> str:
         return f"DistributedTransport(rank={self.rank}, channel={self.channel!r}, timeout={self.timeout})"

@@ -183,6 +183,8 @@ class RPCTransport(P2PTransport):
 
     keeps_snapshot = True
     """Received buckets are private to each version: a receiver may adopt them without a copy."""
+    _config = ("worker_name", "worker_rank", *P2PTransport._config)
+    _handles = ("collector_rref", "collector_class")  # pickling drops pending sends and handles
 
     def __init__(
         self,
@@ -195,15 +197,11 @@ class RPCTransport(P2PTransport):
         channel: str = DEFAULT_CHANNEL,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        self._configure(timeout, channel, bucket_bytes)
         self.worker_name = _name_of(collector_info)
         self.collector_rref = collector_rref
         self.collector_class = collector_class
         self.worker_rank = worker_rank
-        self.timeout = float(timeout)
-        self.channel = channel
-        self.bucket_bytes = bucket_bytes
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -215,17 +213,6 @@ class RPCTransport(P2PTransport):
         if self.worker_name is not None:
             with _LOCK:
                 _ACK_BOXES[self._uid] = self._acks
-
-    # Pickling keeps the configuration and drops runtime state (pending sends, inbox position).
-    def __getstate__(self) -> dict[str, Any]:
-        keep = ("worker_name", "worker_rank", "timeout", "channel", "bucket_bytes")
-        return {k: self.__dict__[k] for k in keep}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.collector_rref = None
-        self.collector_class = None
-        self._init_runtime()
 
     def __repr__(self) -> str:
         return (
