@@ -783,6 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r["block_vs_n1"] = ratio(r["trainer_block_s"], base["trainer_block_s"])
     rows.sort(key=lambda r: (r["size_mib"], r["apply"], r["n"]))
     checks = check_targets(rows)
+    scheme_target_rows = scheme_checks(scheme_rows)
 
     source_end = raysync_fingerprint()
     print()
@@ -791,7 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_checks(checks)
     if scheme_rows:
         print_scheme_table(scheme_rows)
-        print_scheme_checks(scheme_checks(scheme_rows))
+        print_scheme_checks(scheme_target_rows)
     if adapter_rows:
         print("\nAdapters (push with wait=True until every receiver applied, median):")
         print(f"{'kind':>12} {'MiB':>5} {'N':>3} {'subs':>4} {'applied_s':>9} {'fetched_MiB/v':>13}")
@@ -836,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rows": rows,
                 "targets": checks,
                 "scheme_rows": scheme_rows,
-                "scheme_targets": scheme_checks(scheme_rows),
+                "scheme_targets": scheme_target_rows,
                 "adapter_rows": adapter_rows,
             },
             indent=2,

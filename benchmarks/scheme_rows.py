@@ -96,6 +96,18 @@ def _timed(send: Any, mark: Any, repeats: int, warmup: int) -> tuple[list[float]
     return times, markers
 
 
+def _timed_sends(
+    scheme: Any, sd: dict[str, torch.Tensor], repeats: int, warmup: int
+) -> tuple[list[float], list[float]]:
+    """:func:`_timed` for a raysync scheme: ``scheme.send(sd)`` with a marker in ``sd``'s first tensor."""
+    first = next(iter(sd))
+
+    def mark(value: float) -> None:
+        sd[first][0] = value
+
+    return _timed(lambda: scheme.send(sd), mark, repeats, warmup)
+
+
 HANG_S = 120.0
 
 
@@ -174,12 +186,7 @@ def measure_raysync_scheme(sd: dict[str, torch.Tensor], n: int, repeats: int, wa
         scheme.init_on_sender(model_id="policy", remote_collectors=actors)
         scheme.connect(weights=sd)
         connect_s = time.perf_counter() - t0
-        first = next(iter(sd))
-
-        def mark(value: float) -> None:
-            sd[first][0] = value
-
-        times, markers = _timed(lambda: scheme.send(sd), mark, repeats, warmup)
+        times, markers = _timed_sends(scheme, sd, repeats, warmup)
         got = ray.get([a.marker.remote() for a in actors])
         return {
             "path": "raysync schemes.RayWeightSyncScheme",
@@ -209,12 +216,7 @@ def measure_raysync_hub(
         t0 = time.perf_counter()
         scheme.connect(weights=sd)
         connect_s = time.perf_counter() - t0
-        first = next(iter(sd))
-
-        def mark(value: float) -> None:
-            sd[first][0] = value
-
-        times, markers = _timed(lambda: scheme.send(sd), mark, repeats, warmup)
+        times, markers = _timed_sends(scheme, sd, repeats, warmup)
         got = ray.get([a.probe.remote() for a in actors])
         return {
             "path": f"raysync hub, apply={apply}",
@@ -354,12 +356,7 @@ def measure_raysync_mp(
         scheme.init_on_sender(model_id="policy", pipes=[p for p, _ in pipes])
         scheme.connect(weights=sd)
         connect_s = time.perf_counter() - t0
-        first = next(iter(sd))
-
-        def mark(value: float) -> None:
-            sd[first][0] = value
-
-        times, markers = _timed(lambda: scheme.send(sd), mark, repeats, warmup)
+        times, markers = _timed_sends(scheme, sd, repeats, warmup)
         got = []
         for _, transport in sorted(scheme.get_sender().transports.items()):
             transport.send_message("marker")
