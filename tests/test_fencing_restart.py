@@ -72,7 +72,15 @@ def test_hub_restart_resumes_sync_without_a_manual_step(hub: raysync.HubClient, 
     # The client retries through the restart; version numbers continue, never repeat.
     v4 = hub.push(small_policy(10))
     assert v4 == 4
-    assert ray.get(hub.actor.configure.remote(2))["pid"] != old_pid
+
+    def hub_pid() -> int | None:
+        try:
+            pid: int = ray.get(hub.actor.configure.remote(2))["pid"]
+            return pid
+        except ray.exceptions.ActorUnavailableError:
+            return None  # Ray may report the restart to this handle once more: ask again
+
+    assert wait_for_condition(hub_pid, timeout=30, what="the restarted hub answering") != old_pid
     status = hub.status()
     assert status["restored_models"] == ["policy"]
     # Subscribers notice (heartbeat), register again with the version they hold...
