@@ -210,6 +210,17 @@ class Trainer:
         return self.at_publish.is_set()
 
 
+def _dead(actor: Any) -> bool:
+    """Whether Ray reports ``actor`` dead (a killed actor answers nothing more)."""
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False
+    return False
+
+
 def _pushed(hub: raysync.HubClient, value: int) -> bool:
     """Push ``value``; False while a writer that was just killed still holds the lease."""
     try:
@@ -243,6 +254,8 @@ def test_trainer_killed_mid_push_never_leaves_a_partial_version(
     trainer.push_forever.remote(2)
     wait_for_condition(lambda: (hub.latest() or 0) >= 5, what="trainer pushing")
     ray.kill(trainer)
+    # ray.kill returns before the process is gone: a push may still land until it is.
+    wait_for_condition(lambda: _dead(trainer), what="the killed trainer gone")
     last = hub.latest()
     assert last is not None
     for s in subs:
