@@ -440,6 +440,7 @@ def run_resources(
     for a in actors:
         ray.kill(a)
     ray.kill(hub.actor)
+    del hub  # the trainer's client holds its newest version (to offer a restarted hub) until it goes
     released = gauge.settle(baseline + size // 8) - baseline
     per_sub = []
     for i, kind in enumerate(kinds_used):

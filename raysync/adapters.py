@@ -58,6 +58,7 @@ from typing import Any, Literal
 import ray
 import torch
 
+from raysync._checks import check_timeout
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
 from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, get_hub_actor
 from raysync.transports.base import DEFAULT_TIMEOUT
@@ -370,8 +371,7 @@ class _Adapter:
             raise TypeError(f"model_factory must be callable, got {type(model_factory).__name__}")
         if not isinstance(num_receivers, int) or num_receivers < 1:
             raise ValueError(f"num_receivers must be an integer >= 1, got {num_receivers!r}")
-        if timeout is None or timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        check_timeout(timeout, allow_none=False, positive=True)
         self.model_id = model_id
         self.timeout = float(timeout)
         self.name = name or f"{self.kind}-adapter-{os.getpid()}"

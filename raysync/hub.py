@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import fnmatch
 import functools
 import json
@@ -38,9 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayActorError, RayTaskError
 
 from raysync import metrics
+from raysync._checks import check_timeout
 from raysync._store_pages import populate_store_mapping
 from raysync.errors import (
     ApplyError,
@@ -79,7 +81,11 @@ DEFAULT_NAMESPACE = "raysync"
 """raysync's own Ray namespace: every driver, job and the CLI find the same hub there."""
 
 _KV_NAMESPACE = "raysync"
+DEFAULT_KEEP = 2
+"""Versions per model a new hub keeps unless a client asks for more."""
 _REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
+_SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking in
+_STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
 _CLIENT_RETRY_S = 60.0  # how long a client keeps retrying while the hub restarts
 _PING_TIMEOUT_S = 0.5
 
@@ -128,6 +134,7 @@ class _Subscriber:
     task: asyncio.Task[None] | None = None
     schema_key: tuple[Any, ...] | None = None  # equal schemas are validated once per publish
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers (raysync.adapters)
+    last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
 
     @property
     def mode(self) -> str:
@@ -144,6 +151,11 @@ class _Subscriber:
         """Holds ``version`` (or newer), or failed to apply it: a ``wait`` for it no longer waits."""
         return (self.applied is not None and self.applied >= version) or self.failed >= version
 
+    def record(self) -> dict[str, Any]:
+        """What the hub persists of a subscription, so that a restarted hub knows whom to wait for."""
+        keys = ("actor_id", "class_name", "node_id", "pid", "mode", "apply")
+        return {"model_id": self.model_id, "info": {k: self.info.get(k) for k in keys}}
+
 
 @dataclass(eq=False)
 class _Group:
@@ -159,6 +171,7 @@ class _Waiter:
 
     version: int
     pending: set[str]
+    include_pull: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -176,29 +189,81 @@ def _kv() -> Any:
         put = staticmethod(internal_kv._internal_kv_put)
         get = staticmethod(internal_kv._internal_kv_get)
         list = staticmethod(internal_kv._internal_kv_list)
+        delete = staticmethod(internal_kv._internal_kv_del)
 
     return _KV
 
 
+class _Membership:
+    """Which subscriptions exist, kept in the GCS: a restarted hub knows whom a wait waits for.
+
+    Written when a subscription is first seen and when it is dropped (not on
+    every apply), in order, by one background thread, so the hub's event loop
+    never waits on the GCS for it.
+    """
+
+    def __init__(self, hub_name: str) -> None:
+        self._prefix = f"{hub_name}/sub/"
+        self._stored: set[str] = set()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raysync-membership")
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        records = {}
+        for key in _kv().list(self._prefix.encode(), namespace=_KV_NAMESPACE):
+            raw = _kv().get(key, namespace=_KV_NAMESPACE)
+            if raw is not None:
+                records[key.decode()[len(self._prefix) :]] = json.loads(raw)
+        self._stored = set(records)
+        return records
+
+    def add(self, sub: _Subscriber) -> None:
+        if sub.sub_id in self._stored:
+            return
+        self._stored.add(sub.sub_id)
+        key, value = (self._prefix + sub.sub_id).encode(), json.dumps(sub.record()).encode()
+        self._pool.submit(_kv().put, key, value, namespace=_KV_NAMESPACE)
+
+    def remove(self, sub_id: str) -> None:
+        if sub_id in self._stored:
+            self._stored.discard(sub_id)
+            self._pool.submit(_kv().delete, (self._prefix + sub_id).encode(), namespace=_KV_NAMESPACE)
+
+
 def _lease(pusher: dict[str, Any]) -> dict[str, Any]:
-    keys = ("writer_id", "actor_id", "job_id", "pid", "host")
+    keys = ("writer_id", "kind", "actor_id", "job_id", "pid", "host")
     return {k: pusher.get(k) for k in keys} | {"since": time.time()}
 
 
 def _who(writer: dict[str, Any]) -> str:
-    kind = (
-        f"actor {writer['actor_id']}" if writer.get("actor_id") else f"driver of job {writer.get('job_id')}"
-    )
-    return f"{kind} (pid {writer.get('pid')} on {writer.get('host')})"
+    kind = writer.get("kind") or ("actor" if writer.get("actor_id") else "driver")
+    where = f"pid {writer.get('pid')} on {writer.get('host')}"
+    if kind == "actor":
+        return f"actor {writer['actor_id']} ({where})"
+    if kind == "tasks":
+        return f"tasks of job {writer.get('job_id')} (last push from {where})"
+    return f"driver of job {writer.get('job_id')} ({where})"
+
+
+def _actor_alive(actor_id: str) -> bool:
+    """Whether an actor is not DEAD, asked of the GCS (restarting counts as alive; unsure too).
+
+    ``ray.util.state`` would need the dashboard, which clusters may run without.
+    """
+    from ray._private import state
+
+    try:
+        return bool(state.actors(actor_id=actor_id).get("State") != "DEAD")
+    except Exception:
+        return True
 
 
 def _writer_alive(writer: dict[str, Any]) -> bool:
     """Whether the process holding a lease still runs (asked of the GCS; unsure means alive)."""
     from ray._private import state
 
+    if writer.get("actor_id"):
+        return _actor_alive(writer["actor_id"])
     try:
-        if writer.get("actor_id"):
-            return bool(state.actors(actor_id=writer["actor_id"]).get("State") != "DEAD")
         for job in state.jobs():
             if job.get("JobID") == writer.get("job_id"):
                 return not job.get("IsDead", False)
@@ -227,6 +292,8 @@ class WeightHub:
         self._cond: asyncio.Condition | None = None  # wakes long polls (wait_newer) on publish
         self._started = time.time()
         self._gauges = metrics.HubGauges(name)
+        self._membership = _Membership(name)
+        self._sweeper: asyncio.Task[None] | None = None
         self._restored = self._restore()
 
     # ------------------------------------------------------------------ helpers
@@ -253,7 +320,7 @@ class WeightHub:
         if sub.group is not None:
             self._groups.setdefault(sub.group, _Group()).members[sub.sub_id] = sub
         for waiter in self._waiters.get(sub.model_id, ()):
-            if not sub.settled(waiter.version):
+            if (waiter.include_pull or sub.mode == "push") and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
 
     def _remove(self, sub: _Subscriber) -> None:
@@ -287,6 +354,7 @@ class WeightHub:
 
     def _drop(self, sub: _Subscriber, why: str) -> None:
         self._remove(sub)
+        self._membership.remove(sub.sub_id)
         sub.state = "dead"
         logger.warning(
             "hub %r dropped subscriber %s of %r (at version %s): %s",
@@ -323,16 +391,32 @@ class WeightHub:
                 model_id = key[len(prefix) :].decode()
                 self._models[model_id] = _Model(latest=int(record["latest"]), writer=record.get("writer"))
                 restored.append(model_id)
+            config = _kv().get(self._config_key(), namespace=_KV_NAMESPACE)
+            if config is not None:
+                self._keep = max(self._keep, int(json.loads(config)["keep"]))
+            members = self._membership.load()
         except Exception as err:  # a fresh cluster, or no GCS access: start empty
             logger.warning("hub %r could not restore its state: %s", self._name, err)
+            members = {}
+        for sub_id, record in members.items():
+            # Known, not yet heard from: a wait counts it until it registers again (its heartbeat
+            # finds this hub within seconds) or Ray reports its actor dead.
+            sub = _Subscriber(sub_id, record["model_id"], None, dict(record["info"]), None, state="restoring")
+            self._subs[sub_id] = sub
+            self._by_model.setdefault(sub.model_id, {})[sub_id] = sub
         if restored:
             logger.warning(
-                "hub %r restarted: continuing %s from their last version numbers; versions kept "
-                "before the restart are gone until the next push",
+                "hub %r restarted: continuing %s from their last version numbers, waiting for %d "
+                "subscriber(s) to check in again; versions kept before the restart are gone until their "
+                "writer offers them again or pushes",
                 self._name,
                 {m: self._models[m].latest for m in restored},
+                len(members),
             )
         return restored
+
+    def _config_key(self) -> bytes:
+        return f"{self._name}/config".encode()
 
     async def _fence(self, model_id: str, model: _Model, pusher: dict[str, Any], takeover: bool) -> Any:
         """One writer per model: None if ``pusher`` may publish, else the error to raise."""
@@ -371,20 +455,50 @@ class WeightHub:
 
     async def heartbeat(self, sub_id: str) -> bool:
         """A subscriber checks in; False tells it to register again (the hub restarted or dropped it)."""
+        self._start_sweeper()
         sub = self._subs.get(sub_id)
-        if sub is None:
+        if sub is None or sub.handle is None:  # unknown, or known from before a restart only
             return False
+        sub.last_seen = time.monotonic()
         if sub.state == "unreachable":
             sub.state = "live"
         return True
 
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Drop subscribers whose actor died while nobody waited for them (failed ones too)."""
+        while True:
+            await asyncio.sleep(_SWEEP_S)
+            stale = time.monotonic() - _STALE_S
+            rows = [{"subscriber": s.sub_id} for s in self._subs.values() if s.last_seen < stale]
+            if rows:
+                await self._reap(rows)
+
     # ------------------------------------------------------------------ admin
-    async def configure(self, keep: int) -> dict[str, Any]:
-        if keep != self._keep:
-            logger.info("hub %r now keeps %d versions per model (was %d)", self._name, keep, self._keep)
-            self._keep = max(1, int(keep))
-            for model in self._models.values():
-                self._trim(model)
+    async def configure(self, keep: int | None = None) -> dict[str, Any]:
+        """Raise how many versions per model the hub keeps; never lower it under another client.
+
+        Clients that pass no ``keep`` leave it alone; one that asks for fewer than
+        another client did gets the larger number (a warning says so), so an
+        evaluation job's ``connect()`` never drops versions a trainer keeps.
+        """
+        if keep is not None and keep != self._keep:
+            if keep < self._keep:
+                logger.warning(
+                    "hub %r: a client asked for keep=%d; it keeps %d versions per model, as another "
+                    "client asked (a hub never lowers keep under a client that relies on it)",
+                    self._name,
+                    keep,
+                    self._keep,
+                )
+            else:
+                logger.info("hub %r now keeps %d versions per model (was %d)", self._name, keep, self._keep)
+                self._keep = int(keep)
+                record = json.dumps({"keep": self._keep}).encode()
+                await asyncio.to_thread(_kv().put, self._config_key(), record, namespace=_KV_NAMESPACE)
         return {"name": self._name, "keep": self._keep, "pid": os.getpid()}
 
     def _trim(self, model: _Model) -> None:
@@ -401,20 +515,9 @@ class WeightHub:
         takeover: bool = False,
     ) -> dict[str, Any]:
         """Stamp and keep a version; start delivering it. Returns ``{"version": v}`` or ``{"error": e}``."""
-        checked: set[tuple[Any, ...]] = set()
-        for sub in self._model_subs(model_id):
-            if sub.schema is None or sub.schema_key in checked:
-                continue
-            if sub.schema_key is not None:
-                checked.add(sub.schema_key)
-            try:
-                validate(manifest, sub.schema)
-            except WeightMismatchError as err:
-                err.args = (
-                    f"{err.args[0]} (against subscriber {sub.sub_id} of model {model_id!r}; "
-                    "no version was published and every subscriber keeps its weights)",
-                )
-                return {"error": err}
+        refused = await self._mismatch(model_id, manifest)
+        if refused is not None:
+            return {"error": refused}
         model = self._models.setdefault(model_id, _Model())
         refused = await self._fence(model_id, model, pusher, takeover)
         if refused is not None:
@@ -435,12 +538,44 @@ class WeightHub:
         logger.debug("hub %r: %r version %d published", self._name, model_id, version)
         return {"version": version}
 
+    async def _mismatch(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
+        """The error for a version that does not fit a live subscriber's model (each schema checked once).
+
+        Subscribers whose actor died are dropped here instead: a dead subscriber
+        never blocks a push.
+        """
+        by_schema: dict[Any, list[_Subscriber]] = {}
+        for sub in self._model_subs(model_id):
+            if sub.schema is not None:
+                by_schema.setdefault(sub.schema_key or sub.sub_id, []).append(sub)
+        for subs in by_schema.values():
+            try:
+                validate(manifest, subs[0].schema)  # type: ignore[arg-type]
+                continue
+            except WeightMismatchError as err:
+                error = err
+            alive = await asyncio.gather(*(self._alive(sub) for sub in subs))
+            for sub, ok in zip(subs, alive, strict=True):
+                if not ok:
+                    self._drop(sub, "actor died")
+            live = [sub for sub, ok in zip(subs, alive, strict=True) if ok]
+            if live:
+                who = f"{live[0].sub_id} ({live[0].info.get('class_name')})"
+                error.args = (
+                    f"{error.args[0]} (against subscriber {who} of model {model_id!r}; no version was "
+                    "published and every subscriber keeps its weights)",
+                )
+                return error
+        return None
+
     def _kick_model(self, model_id: str) -> None:
         for sub in self._model_subs(model_id):
             if sub.mode == "push":
                 self._kick(sub)
 
     def _kick(self, sub: _Subscriber) -> None:
+        if sub.handle is None:  # known from before a restart: it gets the newest when it registers
+            return
         key = sub.group
         if key is not None:
             group = self._groups.get(key)
@@ -523,6 +658,10 @@ class WeightHub:
             self._record(sub, reply)
 
     def _record(self, sub: _Subscriber, reply: dict[str, Any]) -> None:
+        sub.last_seen = time.monotonic()
+        lost = reply.get("lost")
+        if lost is not None:
+            self._forget_version(sub.model_id, int(lost), f"subscriber {sub.sub_id} could not fetch it")
         applied = reply.get("applied")
         newer = applied is not None and (sub.applied is None or applied > sub.applied)
         if newer:
@@ -530,7 +669,7 @@ class WeightHub:
         # A reply that applied something describes that apply (a "skipped" one does not): the
         # report of a prefetched swap may arrive after the delivery reply for the same version.
         # (An adapter that dropped a dead receiver but applied the version describes it too.)
-        described = "skipped" not in reply and not reply.get("failed") and (
+        described = not ("skipped" in reply or "deferred" in reply or reply.get("failed")) and (
             "receivers" in reply or not reply.get("error")
         )
         if applied is not None and described and (newer or applied == sub.applied):
@@ -571,10 +710,12 @@ class WeightHub:
         such as a per-node relay, implements). Without it each subscription gets its own
         ``_raysync_notify(model_id, version, manifest, refs)`` call.
         """
+        self._start_sweeper()
         sub = _Subscriber(sub_id, model_id, handle, dict(info), schema, applied=info.get("applied"))
         if schema is not None:
             sub.schema_key = tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in schema.items()))
         self._add(sub)  # replaces (and stops delivering to) an older registration of the same id
+        self._membership.add(sub)
         model = self._models.get(model_id)
         newest = model.newest if model else None
         logger.info(
@@ -595,11 +736,64 @@ class WeightHub:
         sub = self._subs.get(sub_id)
         if sub is not None:
             self._remove(sub)
+        self._membership.remove(sub_id)
+
+    def _forget_version(self, model_id: str, version: int, why: str) -> None:
+        """Stop offering a version whose bytes are gone (its pusher died)."""
+        model = self._models.get(model_id)
+        if model is not None and model.versions.pop(version, None) is not None:
+            logger.warning(
+                "hub %r: version %d of %r is lost (%s; the process that pushed it died); the next push "
+                "brings subscribers forward",
+                self._name,
+                version,
+                model_id,
+                why,
+            )
+
+    async def lost(self, model_id: str, version: int) -> None:
+        """A client found a kept version's bytes gone: stop offering it."""
+        self._forget_version(model_id, version, "a client could not fetch it")
+
+    async def restore(
+        self,
+        model_id: str,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        pusher: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The writer offers its newest version again after a hub restart lost it.
+
+        Accepted only for the model's newest version number, when the hub keeps
+        nothing of it, and from the lease holder. Returns ``{"restored": bool}``.
+        """
+        model = self._models.get(model_id)
+        if model is None or version != model.latest or version in model.versions:
+            return {"restored": False}
+        if await self._fence(model_id, model, pusher, False) is not None:
+            return {"restored": False}
+        model.versions[version] = _Version(version, manifest, list(refs), time.time(), pusher)
+        logger.info("hub %r: %r version %d offered again by its writer", self._name, model_id, version)
+        self._kick_model(model_id)
+        await self._changed()
+        return {"restored": True}
 
     async def report(self, sub_id: str, reply: dict[str, Any]) -> None:
-        """A subscriber applied (or failed to apply) a version on its own (start-up, pull mode)."""
+        """A subscriber applied (or failed to apply) a version on its own (start-up, pull mode).
+
+        ``{"reset": True}``: it holds no version any more (user code re-pointed its
+        parameters); in push mode it gets the newest again.
+        """
         sub = self._subs.get(sub_id)
         if sub is None:
+            return
+        if reply.get("reset"):
+            sub.applied, sub.sent, sub.failed = None, 0, 0
+            sub.last_error = reply.get("error")
+            sub.last_seen = time.monotonic()
+            if sub.mode == "push":
+                self._kick(sub)
             return
         self._record(sub, reply)
         if sub.mode == "push":
@@ -649,8 +843,21 @@ class WeightHub:
             return None
         return await self.get(model_id)
 
-    async def wait(self, model_id: str, version: int, timeout: float | None) -> dict[str, Any]:
-        """Wait until every live subscriber of ``model_id`` applied ``version`` (or failed it)."""
+    async def wait(
+        self,
+        model_id: str,
+        version: int,
+        timeout: float | None,
+        include_pull: bool = False,
+        report_missing: bool = False,
+    ) -> dict[str, Any]:
+        """Wait until every live subscriber of ``model_id`` applied ``version`` (or failed it).
+
+        Push subscribers only, unless ``include_pull``: a pull subscriber moves when it
+        asks. With ``report_missing``, answer at once (``{"missing": True}``) if some
+        subscriber lacks the version and the hub keeps nothing that new (a restart lost
+        it): the caller, its writer, can offer it again (:meth:`restore`).
+        """
         model = self._models.get(model_id)
         if model is None or version > model.latest:
             return {
@@ -662,17 +869,23 @@ class WeightHub:
             }
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            laggards, failures = self._pending(model_id, version)
+            laggards, failures = self._pending(model_id, version, include_pull)
+            if laggards and report_missing and not any(v >= version for v in model.versions):
+                return {"laggards": laggards, "failures": failures, "missing": True}
             if not laggards:
-                return {"laggards": [], "failures": failures}
+                if failures:  # a dead subscriber's failure is no failure of this version
+                    await self._reap(failures)
+                    laggards, failures = self._pending(model_id, version, include_pull)
+                if not laggards:
+                    return {"laggards": [], "failures": failures}
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                await self._reap(laggards)
-                laggards, failures = self._pending(model_id, version)
+                await self._reap(laggards + failures)
+                laggards, failures = self._pending(model_id, version, include_pull)
                 return {"laggards": laggards, "failures": failures}
             # Each record, drop or registration updates this waiter in O(1); it wakes once,
             # when no laggard is left, instead of re-scanning every subscriber per event.
-            waiter = _Waiter(version, {r["subscriber"] for r in laggards})
+            waiter = _Waiter(version, {r["subscriber"] for r in laggards}, include_pull)
             waiters = self._waiters.setdefault(model_id, set())
             waiters.add(waiter)
             try:
@@ -690,10 +903,14 @@ class WeightHub:
                 if not waiters:
                     self._waiters.pop(model_id, None)
 
-    def _pending(self, model_id: str, version: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def _pending(
+        self, model_id: str, version: int, include_pull: bool = True
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         laggards: list[dict[str, Any]] = []
         failures: list[dict[str, Any]] = []
         for sub in self._model_subs(model_id):
+            if not (include_pull or sub.mode == "push"):
+                continue
             if sub.applied is not None and sub.applied >= version:
                 continue
             row = {
@@ -706,17 +923,21 @@ class WeightHub:
             (failures if sub.failed >= version else laggards).append(row)
         return laggards, failures
 
+    async def _alive(self, sub: _Subscriber) -> bool:
+        """Whether a subscriber's actor may still run (a dead actor answers a ping at once)."""
+        if sub.handle is None:  # known from before a restart: ask the GCS
+            return await asyncio.to_thread(_actor_alive, str(sub.info.get("actor_id")))
+        try:
+            await asyncio.wait_for(sub.handle._raysync_ping.remote(), _PING_TIMEOUT_S)
+        except ActorDiedError:
+            return False
+        except (asyncio.TimeoutError, Exception):
+            return True  # busy or restarting: alive as far as we know
+        sub.last_seen = time.monotonic()
+        return True
+
     async def _reap(self, rows: list[dict[str, Any]]) -> None:
-        """Drop laggards whose actor is dead (a dead actor answers a ping at once)."""
-
-        async def check(sub: _Subscriber) -> None:
-            try:
-                await asyncio.wait_for(sub.handle._raysync_ping.remote(), _PING_TIMEOUT_S)
-            except ActorDiedError:
-                self._drop(sub, "actor died")
-            except (asyncio.TimeoutError, Exception):
-                pass  # busy or restarting: alive as far as we know
-
+        """Drop the subscribers of ``rows`` whose actor is dead."""
         # A subscriber whose notification is in flight needs no ping: a dead actor fails that
         # call. Subscriptions of one actor share one ping.
         actors: dict[str, list[_Subscriber]] = {}
@@ -730,9 +951,8 @@ class WeightHub:
             actors.setdefault(str(sub.info.get("actor_id") or sub.sub_id), []).append(sub)
 
         async def check_actor(subs: list[_Subscriber]) -> None:
-            await check(subs[0])
-            if subs[0].state == "dead":
-                for sub in subs[1:]:
+            if not await self._alive(subs[0]):
+                for sub in subs:
                     self._drop(sub, "actor died")
 
         await asyncio.gather(*(check_actor(subs) for subs in actors.values()))
@@ -794,7 +1014,69 @@ class WeightHub:
 # ---------------------------------------------------------------------- client side
 
 
-def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep: int = 2) -> Any:
+_RESTARTING = (ActorDiedError, ActorUnavailableError)
+
+
+def call_hub(
+    handle: Callable[[bool], Any],
+    method: str,
+    *args: Any,
+    timeout: float | None = None,
+    retry_s: float = _CLIENT_RETRY_S,
+) -> Any:
+    """Call a hub method; while the hub restarts (or was re-created), find it again and retry.
+
+    The one retry loop every caller of the hub uses (clients, subscribers, adapters).
+
+    Args:
+        handle: returns the hub's actor handle; ``handle(True)`` looks it up afresh.
+        method: the hub method.
+        args: its arguments.
+        timeout: seconds for the whole call, retries included (``GetTimeoutError`` after).
+        retry_s: how long to keep retrying while the hub is unavailable.
+
+    Example:
+        >>> call_hub(lambda fresh: get_hub_actor("raysync"), "latest", "policy")  # doctest: +SKIP
+    """
+    now = time.monotonic()
+    give_up = now + retry_s if timeout is None else now + min(retry_s, timeout)
+    deadline = None if timeout is None else now + timeout
+    delay, fresh = 0.05, False
+    while True:
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return ray.get(getattr(handle(fresh), method).remote(*args), timeout=left)
+        except _RESTARTING as err:
+            if time.monotonic() >= give_up:
+                raise
+            logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
+            fresh = True
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def call_hub_async(
+    handle: Callable[[bool], Any], method: str, *args: Any, timeout: float | None = None
+) -> Any:
+    """:func:`call_hub` for event loops (``asyncio.TimeoutError`` after ``timeout``)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    give_up = loop.time() + (_CLIENT_RETRY_S if timeout is None else min(_CLIENT_RETRY_S, timeout))
+    delay, fresh = 0.05, False
+    while True:
+        try:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            return await asyncio.wait_for(getattr(handle(fresh), method).remote(*args), left)
+        except _RESTARTING as err:
+            if loop.time() >= give_up:
+                raise
+            logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
+            fresh = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep: int | None = None) -> Any:
     """Get or create the named, detached hub actor (safe when many processes race).
 
     Example:
@@ -809,14 +1091,14 @@ def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep
         get_if_exists=True,
         max_restarts=-1,
         max_concurrency=10_000,
-    ).remote(name=name, keep=keep)
+    ).remote(name=name, keep=DEFAULT_KEEP if keep is None else keep)
 
 
 def connect(
     name: str = DEFAULT_HUB,
     *,
     namespace: str | None = None,
-    keep: int = 2,
+    keep: int | None = None,
     takeover: bool = False,
     transport: str = "object_store",
 ) -> HubClient:
@@ -826,7 +1108,11 @@ def connect(
         name: the hub's actor name; one hub serves many models.
         namespace: Ray namespace of the hub; ``None`` is raysync's own
             (``"raysync"``), so every driver, job and the CLI share it.
-        keep: how many versions per model the hub keeps (older ones are released).
+        keep: how many versions per model the hub keeps at least (older ones are
+            released). ``None`` leaves the hub's setting alone (2 for a new hub);
+            a hub never lowers ``keep`` because one client asked for fewer than
+            another (an evaluation job's ``connect()`` cannot drop versions a
+            trainer keeps).
         takeover: push even to models another live trainer writes; that
             trainer's later pushes are then refused (``StaleWriterError``).
             Without it, a second writer gets ``StaleWriterError``. A writer
@@ -845,8 +1131,8 @@ def connect(
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"hub name must be a non-empty string, got {name!r}")
-    if not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an integer >= 1 (versions kept per model), got {keep!r}")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ValueError(f"keep must be None or an integer >= 1 (versions kept per model), got {keep!r}")
     client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
     handle = get_hub_actor(name, namespace, keep=keep)
     ray.get(handle.configure.remote(keep))
@@ -884,6 +1170,9 @@ class HubClient:
         self._handle: Any = None
         self._layouts: dict[tuple[Any, ...], Manifest] = {}
         self._separate: dict[str, frozenset[str]] = {}
+        # The newest version this client pushed of each model (object store only): delta/keys
+        # pushes start from it, and it is offered again to a hub that lost it in a restart.
+        self._last: dict[str, _Version] = {}
         self.last_push: dict[str, Any] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -902,18 +1191,13 @@ class HubClient:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call the hub; while it restarts (or after it died), find it again and retry."""
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.05
-        while True:
-            try:
-                return ray.get(getattr(self.actor, method).remote(*args))
-            except (ActorDiedError, ActorUnavailableError) as err:
-                if time.monotonic() >= deadline:
-                    raise
-                logger.warning("hub %r unavailable (%s); retrying %s", self.name, type(err).__name__, method)
+
+        def handle(fresh: bool) -> Any:
+            if fresh:
                 self._handle = None  # a restarted or re-created hub is found by name
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+            return self.actor
+
+        return call_hub(handle, method, *args, retry_s=self.retry_s)
 
     # ------------------------------------------------------------------ push
     def push(
@@ -931,6 +1215,7 @@ class HubClient:
         checksum: bool = False,
         check_finite: bool = False,
         transport: str | None = None,
+        include_pull: bool = False,
     ) -> int:
         """Snapshot ``weights`` into the object store once and publish them as a new version.
 
@@ -957,6 +1242,9 @@ class HubClient:
             check_finite: refuse weights with NaN or Inf (names the tensors).
             transport: ``"object_store"`` or ``"nixl"``; default: the client's.
                 NIXL sends full versions (no ``keys``, ``delta`` or ``checksum``).
+            include_pull: let ``wait`` and ``max_lag`` wait for pull-mode
+                subscribers too (by default only push subscribers hold the
+                trainer back: a pull subscriber moves only when it asks).
 
         Returns:
             The version number the hub stamped (1, 2, ... per model).
@@ -984,11 +1272,13 @@ class HubClient:
         if transport == "nixl" and (keys is not None or delta or checksum):
             raise ValueError("transport='nixl' sends whole versions: drop keys=, delta= and checksum=")
         if max_lag is not None:
-            if not isinstance(max_lag, int) or max_lag < 1:
+            if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
                 raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
             target = (self.latest(model_id) or 0) + 1 - max_lag
             if target >= 1:
-                self.wait(target, model_id, timeout=timeout)
+                # A subscriber that failed an old version is not behind in a way waiting can fix
+                # (this push brings it forward): only laggards hold the trainer back.
+                self._wait(target, model_id, timeout, include_pull=include_pull, raise_failures=False)
         t0 = time.perf_counter()
         tensors = extract_tensors(weights)
         if dtype is not None:
@@ -1005,16 +1295,21 @@ class HubClient:
                 )
         selected = _select_keys(tensors, keys) if keys is not None else None
         prev = self._previous(model_id) if (delta or selected is not None) else None
+        prev_buckets: list[Any] | None = None
+        if prev is not None:
+            prev_buckets = self._fetch_previous(model_id, prev, partial=selected is not None)
+            if prev_buckets is None:
+                prev = None  # its bytes are gone: a delta push sends everything
         if selected is not None:
             if prev is None:
                 raise InvalidWeightsError(
                     f"push(keys=...) needs a previous full version of {model_id!r} to fill in the other "
                     "keys: push the whole model once first"
                 )
-            if prev["manifest"].schema() != schema_of(tensors):
+            if prev.manifest.schema() != schema_of(tensors):
                 raise InvalidWeightsError(
                     f"push(keys=...) needs the rest of the model to keep the structure of version "
-                    f"{prev['version']} of {model_id!r}; it changed, so push the whole model"
+                    f"{prev.version} of {model_id!r}; it changed, so push the whole model"
                 )
             self._separate[model_id] = frozenset(selected)
         manifest = self._layout(tensors, bucket_bytes, self._separate.get(model_id, frozenset()))
@@ -1028,26 +1323,26 @@ class HubClient:
                 "object_store_memory, or push less (dtype=torch.bfloat16, keys=...)"
             )
         if transport == "nixl":
-            return self._push_nixl(model_id, tensors, manifest, t0, wait=wait, timeout=timeout)
-        prev_buckets: list[Any] | None = None
-        if prev is not None:
-            prev_buckets = ray.get(list(prev["refs"]))
-            if selected is not None:  # the other keys keep the previous version's bytes
-                old = unpack(prev["manifest"], prev_buckets)
-                tensors = {k: (t if k in selected else old[k]) for k, t in tensors.items()}
+            return self._push_nixl(
+                model_id, tensors, manifest, t0, wait=wait, timeout=timeout, include_pull=include_pull
+            )
+        if prev is not None and prev_buckets is not None and selected is not None:
+            # the other keys keep the previous version's bytes
+            old = unpack(prev.manifest, prev_buckets)
+            tensors = {k: (t if k in selected else old[k]) for k, t in tensors.items()}
         buckets = pack(tensors, manifest)
         if checksum:
             manifest = manifest.with_checksums(bucket_checksums(buckets))
         refs: list[ray.ObjectRef] = []
         put_bytes = puts = 0
-        same_layout = prev is not None and prev["manifest"].layout_hash == manifest.layout_hash
+        same_layout = prev is not None and prev.manifest.layout_hash == manifest.layout_hash
         for b, bucket in enumerate(buckets):
             if (
                 same_layout
                 and prev_buckets is not None
                 and _unchanged(b, manifest, selected, delta, bucket, prev_buckets)
             ):
-                refs.append(prev["refs"][b])  # type: ignore[index]
+                refs.append(prev.refs[b])  # type: ignore[union-attr]
                 continue
             refs.append(ray.put(bucket))
             put_bytes += manifest.bucket_nbytes[b]
@@ -1066,6 +1361,7 @@ class HubClient:
         if "error" in reply:
             raise reply["error"]
         version = int(reply["version"])
+        self._last[model_id] = _Version(version, manifest, refs, time.time(), pusher)
         metrics.record_push(self.name, model_id, seconds=time.perf_counter() - t0, nbytes=put_bytes)
         populate_store_mapping(True, put_bytes)  # once per process: later puts take no page faults
         logger.debug(
@@ -1078,7 +1374,7 @@ class HubClient:
             snapshot_s,
         )
         if wait:
-            self.wait(version, model_id, timeout=timeout)
+            self.wait(version, model_id, timeout=timeout, include_pull=include_pull)
         return version
 
     def _push_nixl(
@@ -1090,6 +1386,7 @@ class HubClient:
         *,
         wait: bool,
         timeout: float | None,
+        include_pull: bool,
     ) -> int:
         from raysync.transports.nixl import SnapshotPool
 
@@ -1116,12 +1413,41 @@ class HubClient:
         )
         logger.debug("pushed %r version %d over NIXL, snapshot %.3f s", model_id, version, snapshot_s)
         if wait:
-            self.wait(version, model_id, timeout=timeout)
+            self.wait(version, model_id, timeout=timeout, include_pull=include_pull)
         return version
 
-    def _previous(self, model_id: str) -> dict[str, Any] | None:
+    def _previous(self, model_id: str) -> _Version | None:
+        """The model's newest version: this client's own if it pushed it, else the hub's."""
+        latest = self.latest(model_id)
+        mine = self._last.get(model_id)
+        if mine is not None and mine.version == latest:
+            return mine
         info: dict[str, Any] | None = self._call("get", model_id)
-        return None if info is None or "error" in info else info
+        if info is None or "error" in info:
+            return None
+        return _Version(info["version"], info["manifest"], info["refs"], 0.0, {})
+
+    def _fetch_previous(self, model_id: str, prev: _Version, *, partial: bool) -> list[Any] | None:
+        """The previous version's buckets (zero-copy); None for a delta push if they are gone."""
+        try:
+            return list(ray.get(list(prev.refs)))
+        except (ObjectLostError, RayTaskError) as err:
+            if isinstance(err, RayTaskError) and not isinstance(err.cause, ObjectLostError):
+                raise
+            self._call("lost", model_id, prev.version)
+            if self._last.get(model_id) is prev:
+                del self._last[model_id]
+            if partial:
+                raise InvalidWeightsError(
+                    f"push(keys=...) fills the other keys from version {prev.version} of {model_id!r}, "
+                    "whose bytes are gone (the process that pushed it died): push the whole model once"
+                ) from None
+            logger.info(
+                "version %d of %r is gone (its pusher died): this delta push sends every bucket",
+                prev.version,
+                model_id,
+            )
+            return None
 
     def _layout(self, tensors: dict[str, Any], bucket_bytes: int, separate: frozenset[str]) -> Manifest:
         key = (bucket_bytes, separate, tuple((k, *v) for k, v in schema_of(tensors).items()))
@@ -1132,10 +1458,28 @@ class HubClient:
         return manifest
 
     # ------------------------------------------------------------------ wait / query
-    def wait(self, version: int, model_id: str = "policy", *, timeout: float | None = None) -> None:
-        """Block until every subscriber of ``model_id`` applied ``version`` (or a newer one).
+    def wait(
+        self,
+        version: int,
+        model_id: str = "policy",
+        *,
+        timeout: float | None = None,
+        include_pull: bool = False,
+    ) -> None:
+        """Block until every push subscriber of ``model_id`` applied ``version`` (or a newer one).
 
-        Subscribers whose actor died are dropped, not waited for.
+        Subscribers whose actor died are dropped, not waited for. Pull-mode
+        subscribers change version only when they call ``raysync_sync()``, so
+        they are waited for only with ``include_pull=True``. After a hub restart
+        the subscribers it knew are waited for until they check in again, and
+        if the restart lost the version, this client offers it again (when it
+        pushed it).
+
+        Args:
+            version: a version ``push()`` returned.
+            model_id: the model.
+            timeout: seconds (``None``: no limit).
+            include_pull: also wait for pull-mode subscribers.
 
         Raises:
             SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards.
@@ -1145,16 +1489,33 @@ class HubClient:
 
         Example:
             >>> hub.wait(hub.push(model), timeout=30)
+            >>> hub.wait(v, timeout=30, include_pull=True)   # evaluators that pull too
         """
+        self._wait(version, model_id, timeout, include_pull=include_pull, raise_failures=True)
+
+    def _wait(
+        self, version: int, model_id: str, timeout: float | None, *, include_pull: bool, raise_failures: bool
+    ) -> None:
         _check_model_id(model_id)
         _check_timeout(timeout)
-        reply = self._call("wait", model_id, int(version), timeout)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        mine = self._last.get(model_id)
+        offer = mine is not None and mine.version >= version
+        reply = self._call("wait", model_id, version, timeout, include_pull, offer)
+        if reply.get("missing") and mine is not None:
+            # The hub restarted and lost the version: offer ours again, then wait as usual.
+            self._call("restore", model_id, mine.version, mine.manifest, mine.refs, _writer_identity())
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            reply = self._call("wait", model_id, version, left, include_pull, False)
         if "error" in reply:
             raise reply["error"]
         if reply["laggards"]:
             rows = reply["laggards"]
             names = ", ".join(
                 f"{r['subscriber']} ({r['actor']}, applied {r['applied']}"
+                + (f", {r['state']}" if r["state"] != "live" else "")
                 + (f", error: {r['error']}" if r["error"] else "")
                 + ")"
                 for r in rows[:10]
@@ -1164,7 +1525,7 @@ class HubClient:
                 f"within {timeout} s: {names}",
                 laggards=rows,
             )
-        if reply["failures"]:
+        if reply["failures"] and raise_failures:
             rows = reply["failures"]
             names = "; ".join(f"{r['subscriber']} ({r['actor']}): {r['error']}" for r in rows[:10])
             raise ApplyError(
@@ -1262,12 +1623,20 @@ def _check_transport(transport: Any) -> None:
 
 
 def _writer_identity() -> dict[str, Any]:
-    """Who is pushing: an actor, or a driver / task worker process (clients in it share a lease)."""
+    """Who is pushing: an actor, or a job (its driver and its tasks share one lease).
+
+    Task workers are pooled and outlive their tasks, so a lease held by one would
+    outlive the task and name an idle process; a job's tasks and driver are one writer.
+    """
     ctx = ray.get_runtime_context()
     actor_id = ctx.get_actor_id()
     job_id = ctx.get_job_id()
+    # get_task_id() would log a warning on every push from a driver: ask the worker's mode.
+    is_task = getattr(getattr(ctx, "worker", None), "mode", None) == ray._private.worker.WORKER_MODE
+    kind = "actor" if actor_id else ("tasks" if is_task else "driver")
     return {
-        "writer_id": actor_id or f"{job_id}/{ctx.get_worker_id()}",
+        "writer_id": actor_id or f"job:{job_id}",
+        "kind": kind,
         "actor_id": actor_id,
         "job_id": job_id,
         "pid": os.getpid(),
@@ -1306,5 +1675,4 @@ def _check_model_id(model_id: Any) -> None:
 
 
 def _check_timeout(timeout: Any) -> None:
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    check_timeout(timeout)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 import torch
 
+from raysync._checks import check_timeout
 from raysync.errors import (
     ApplyError,
     RaySyncError,
@@ -653,8 +654,7 @@ class WeightSyncScheme:
 
     def __init__(self, strategy: ExtractAs = "tensordict", *, timeout: float = DEFAULT_TIMEOUT) -> None:
         _strategy(strategy)  # validates the name
-        if timeout is None or timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        check_timeout(timeout, allow_none=False, positive=True)
         self.strategy = strategy
         self.timeout = float(timeout)
         self._sender: WeightSender | None = None

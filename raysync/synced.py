@@ -25,24 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import inspect
 import logging
 import os
+import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import ray
 import torch
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, GetTimeoutError, ObjectLostError
 
+from raysync._checks import check_timeout
+from raysync._locks import AsyncRWLock, RWLock
 from raysync._store_pages import populate_store_mapping
-from raysync.errors import RaySyncError
-from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, get_hub_actor
+from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, call_hub, call_hub_async, get_hub_actor
 from raysync.transports.nixl import receive_into
 from raysync.weights import BoundModel, Manifest, module_schema, validate, verify_checksums
 
@@ -134,8 +136,7 @@ def synced_model(
         raise ValueError(f"mode must be 'push' or 'pull', got {mode!r}")
     if apply not in ("copy", "view"):
         raise ValueError(f"apply must be 'copy' or 'view', got {apply!r}")
-    if fetch_timeout <= 0:
-        raise ValueError(f"fetch_timeout must be positive seconds, got {fetch_timeout!r}")
+    check_timeout(fetch_timeout, "fetch_timeout", allow_none=False, positive=True)
     if prefetch and apply != "copy":
         raise ValueError("prefetch=True needs apply='copy' (with apply='view' there is nothing to copy)")
     spec = SyncSpec(
@@ -196,7 +197,7 @@ def _prepare(cls: type, *, own: Any, init: Any) -> None:
     is_async = _is_async_class(cls)
     cls.__raysync_async__ = is_async  # type: ignore[attr-defined]
     cls._raysync_notify = _raysync_notify_async if is_async else _raysync_notify  # type: ignore[attr-defined]
-    cls.raysync_sync = _raysync_sync_async if is_async else _raysync_sync  # type: ignore[attr-defined]
+    cls.raysync_sync = _raysync_sync_async_actor if is_async else _raysync_sync  # type: ignore[attr-defined]
     for name, fn in _user_methods(own):
         setattr(cls, name, _guarded(fn, is_async))
     if init is not None:
@@ -250,6 +251,7 @@ def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
             sync = _ActorSync.of(self)
             if sync is None:
                 return await fn(self, *args, **kwargs)
+            sync.loop = asyncio.get_running_loop()
             async with sync.async_lock.read():
                 return await fn(self, *args, **kwargs)
 
@@ -275,11 +277,18 @@ def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
 
 
 def _raysync_version(self: Any, model_id: str | None = None) -> int | None:
-    """The version of ``model_id`` this actor holds (``None`` before the first)."""
+    """The version of ``model_id`` this actor holds (``None`` before the first).
+
+    ``None`` also after user code re-pointed the module's parameters (for example
+    ``load_state_dict(..., assign=True)``, ``.double()``): the module then holds
+    no version of the hub's, and in push mode the newest one is applied again.
+    """
     sync = _ActorSync.of(self)
     if sync is None:
         return None
-    return sync.subscription(model_id).version
+    sub = sync.subscription(model_id)
+    sub.check_binding()
+    return sub.version
 
 
 def _ids(refs: list[ray.ObjectRef]) -> list[str | None]:
@@ -296,7 +305,7 @@ def _raysync_notify(
 ) -> dict[str, Any]:
     sync = _ActorSync.of(self)
     assert sync is not None, "notified before registration"
-    return sync.subscription(model_id).receive(version, manifest, refs)
+    return sync.subscription(model_id).receive(version, manifest, refs, defer=True)
 
 
 async def _raysync_notify_async(
@@ -312,12 +321,23 @@ def _raysync_sync(self: Any, timeout: float | None = None, model_id: str | None 
 
     A cheap check (one small call to the hub) when already current.
 
+    Args:
+        timeout: seconds for the whole sync (asking the hub and fetching);
+            ``None``: the subscription's ``fetch_timeout`` for the fetch.
+        model_id: sync only this model (default: every model the actor syncs).
+
     Returns:
         True if a newer version was applied.
 
     Raises:
+        SyncTimeoutError: ``timeout`` passed first (the previous version stays).
         RaySyncError: the newest version could not be applied (the previous one stays).
+
+    Example:
+        >>> def rollout(self):
+        ...     self.raysync_sync(timeout=10)    # the newest version for this episode
     """
+    check_timeout(timeout)
     sync = _ActorSync.of(self)
     if sync is None:
         return False
@@ -325,14 +345,43 @@ def _raysync_sync(self: Any, timeout: float | None = None, model_id: str | None 
     return any([sub.sync_newest(timeout) for sub in subs])
 
 
-async def _raysync_sync_async(self: Any, timeout: float | None = None, model_id: str | None = None) -> bool:
-    """Async form of ``raysync_sync`` for async actors: ``await self.raysync_sync()``."""
+async def _raysync_sync_coroutine(self: Any, timeout: float | None, model_id: str | None) -> bool:
+    check_timeout(timeout)
     sync = _ActorSync.of(self)
     if sync is None:
         return False
     subs = [sync.subscription(model_id)] if model_id else list(sync.subs.values())
     results = [await sub.sync_newest_async(timeout) for sub in subs]
     return any(results)
+
+
+def _raysync_sync_async_actor(self: Any, timeout: float | None = None, model_id: str | None = None) -> Any:
+    """``raysync_sync`` on an async actor: ``await self.raysync_sync()`` in an async method.
+
+    Called from a plain (non-async) method, or remotely, it syncs right away and
+    returns the bool: the fetch blocks the event loop like any plain method does,
+    and if async methods are suspended mid-call the apply waits for them to
+    return (it cannot change weights under them), so it returns False then.
+    """
+    if _called_from_coroutine(sys._getframe(1)):
+        return _raysync_sync_coroutine(self, timeout, model_id)
+    check_timeout(timeout)
+    sync = _ActorSync.of(self)
+    if sync is None:
+        return False
+    subs = [sync.subscription(model_id)] if model_id else list(sync.subs.values())
+    return any([sub.sync_newest_on_loop(timeout) for sub in subs])
+
+
+def _called_from_coroutine(frame: Any) -> bool:
+    """Whether the nearest caller outside Ray is an ``async def`` (user code that will await).
+
+    Ray wraps actor methods (tracing's ``_resume_span``, its sync-to-async wrapper);
+    a remote call has no user frame at all, only Ray's and asyncio's.
+    """
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("ray."):
+        frame = frame.f_back
+    return frame is not None and bool(frame.f_code.co_flags & inspect.CO_COROUTINE)
 
 
 # ---------------------------------------------------------------------- per-actor state
@@ -346,8 +395,8 @@ class _ActorSync:
     def __init__(self, owner: Any, is_async: bool) -> None:
         self.owner = owner
         self.is_async = is_async
-        self.lock = _RWLock()
-        self.async_lock = _AsyncRWLock()
+        self.lock = RWLock()
+        self.async_lock = AsyncRWLock()
         self.loop: asyncio.AbstractEventLoop | None = None  # an async actor's event loop, once seen
         self.subs: dict[str, _Subscription] = {}
 
@@ -431,6 +480,10 @@ class _ActorSync:
             ) from None
 
 
+_Fetched = tuple[int, Manifest, list[ray.ObjectRef], dict[int, Any], list[int], float]
+"""A fetched version waiting for its apply: version, manifest, refs, buckets, their indices, start time."""
+
+
 class _Subscription:
     """One (actor, model_id): the version held, the binding of the module to a layout."""
 
@@ -445,6 +498,14 @@ class _Subscription:
         self._stage_lock = threading.Lock()
         self._staged: tuple[int, list[str | None], int] | None = None
         self._prefetching = False
+        # Held while the binding or the version changes, and while they are checked: an
+        # apply and a check from another thread (heartbeat, raysync_version) never interleave.
+        self._binding_lock = threading.Lock()
+        self._deferred: asyncio.Task[None] | None = None  # an apply waiting for async methods to return
+        # Threaded actors: a delivered version whose apply waits for running methods (see receive).
+        self._defer_lock = threading.Lock()
+        self._pending: _Fetched | None = None
+        self._applier: threading.Thread | None = None
 
     # -------------------------------------------------------------- registration
     def module(self) -> torch.nn.Module:
@@ -460,7 +521,6 @@ class _Subscription:
         module = self.module()
         actor_id = ctx.get_actor_id()
         self.sub_id = f"{actor_id}:{self.spec.model_id}"
-        self.hub = get_hub_actor(self.spec.hub, self.spec.namespace)
         info = {
             "actor_id": actor_id,
             "class_name": type(self.sync.owner).__name__,
@@ -471,16 +531,22 @@ class _Subscription:
             "attr": self.spec.attr,
             "applied": self.version,
         }
-        newest = ray.get(
-            self.hub.register.remote(
-                self.spec.model_id, self.sub_id, ctx.current_actor, info, module_schema(module)
-            )
+        # While the hub restarts, wait for it: a subscriber restarted meanwhile must not fail __init__.
+        newest = call_hub(
+            self._hub_handle, "register", self.spec.model_id, self.sub_id, ctx.current_actor, info,
+            module_schema(module),
         )
         if newest is not None:
             reply = self.receive(newest["version"], newest["manifest"], newest["refs"])
             self.hub.report.remote(self.sub_id, reply)
         if self.spec.prefetch and not self._prefetching:
             self.start_prefetch()
+
+    def _hub_handle(self, fresh: bool) -> Any:
+        """The hub's handle; looked up by name again after a restart (or a re-creation)."""
+        if fresh or self.hub is None:
+            self.hub = get_hub_actor(self.spec.hub, self.spec.namespace)
+        return self.hub
 
     # -------------------------------------------------------------- apply
     def _bound_for(self, manifest: Manifest) -> BoundModel | None:
@@ -489,8 +555,40 @@ class _Subscription:
             return None
         return bound
 
+    def check_binding(self) -> bool:
+        """Whether the module still holds the version last applied; forget it if not.
+
+        User code can re-point parameters (``load_state_dict(sd, assign=True)``,
+        ``module.double()``, ``module.to(...)``, replacing a submodule); applies
+        would then go into buffers the module no longer uses. When that happened,
+        the subscription holds no version (``raysync_version()`` is ``None``), the
+        next apply binds the module afresh, and in push mode the hub is asked to
+        deliver the newest version again.
+        """
+        with self._binding_lock:
+            bound = self.bound
+            module = getattr(self.sync.owner, self.spec.attr, None)
+            if bound is None or (bound.module is module and bound.intact()):
+                return True
+            held, self.bound, self.version = self.version, None, None
+            self._staged = None
+        logger.warning(
+            "%s: the parameters of self.%s were re-pointed by user code (load_state_dict(assign=True), "
+            ".to(), .double(), a replaced submodule, ...): it no longer holds version %s of %r; %s",
+            self.sub_id,
+            self.spec.attr,
+            held,
+            self.spec.model_id,
+            "the newest is applied again" if self.spec.mode == "push" else "raysync_sync() applies it",
+        )
+        if self.hub is not None and held is not None:
+            why = f"parameters re-pointed by user code: version {held} no longer held"
+            self.hub.report.remote(self.sub_id, {"applied": None, "reset": True, "error": why})
+        return False
+
     def _plan(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> list[int] | None:
         """Validate before fetching; the buckets to fetch, or None if the version is not newer."""
+        self.check_binding()
         if self.version is not None and version <= self.version:
             return None
         bound = self._bound_for(manifest)
@@ -499,8 +597,11 @@ class _Subscription:
             return list(range(manifest.num_buckets))
         return bound.needed(_ids(refs))
 
-    def _fetch(self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int]) -> dict[int, Any]:
-        arrays = ray.get([refs[b] for b in needed], timeout=self.spec.fetch_timeout)
+    def _fetch(
+        self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int], timeout: float | None = None
+    ) -> dict[int, Any]:
+        timeout = self.spec.fetch_timeout if timeout is None else timeout
+        arrays = ray.get([refs[b] for b in needed], timeout=timeout)
         return self._fetched(manifest, needed, arrays)
 
     def _fetched(self, manifest: Manifest, needed: list[int], arrays: list[Any]) -> dict[int, Any]:
@@ -517,18 +618,21 @@ class _Subscription:
     ) -> float:
         """Apply fetched buckets; return the pause (seconds readers waited). Caller holds the write lock."""
         t0 = time.perf_counter()
-        if self.version is not None and version <= self.version:
-            return 0.0  # a newer one got in first
-        bound = self._bound_for(manifest)
-        if bound is None:
-            bound = BoundModel(self.module(), manifest, view=self.spec.apply == "view")
-            self.bound = bound
-        ids = _ids(refs)
-        missing = [b for b in bound.needed(ids) if b not in fetched]
-        if missing:
-            raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
-        bound.apply(fetched, ids)
-        self.version = version
+        with self._binding_lock:
+            if self.version is not None and version <= self.version:
+                return 0.0  # a newer one got in first
+            bound = self._bound_for(manifest)
+            if bound is not None and not bound.intact():  # re-pointed since the fetch was planned
+                bound, self.bound, self.version = None, None, None
+            if bound is None:
+                bound = BoundModel(self.module(), manifest, view=self.spec.apply == "view")
+                self.bound = bound
+            ids = _ids(refs)
+            missing = [b for b in bound.needed(ids) if b not in fetched]
+            if missing:
+                raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
+            bound.apply(fetched, ids)
+            self.version = version
         return time.perf_counter() - t0
 
     def _reply(
@@ -565,14 +669,33 @@ class _Subscription:
             self.version,
             error,
         )
-        return {
+        reply: dict[str, Any] = {
             "applied": self.version,
             "failed": version,
             "error": f"{type(error).__name__}: {str(error)[:1000]}",
         }
+        if isinstance(error, TimeoutError):
+            reply["timed_out"] = True
+        if isinstance(error, ObjectLostError):
+            reply["lost"] = version  # its bytes are gone (the pusher died): the hub stops offering it
+        return reply
 
-    def receive(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> dict[str, Any]:
-        """Fetch, validate and apply a version (threads and plain actors)."""
+    def receive(
+        self,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        *,
+        fetch_timeout: float | None = None,
+        defer: bool = False,
+    ) -> dict[str, Any]:
+        """Fetch, validate and apply a version (threads and plain actors).
+
+        With ``defer`` (the hub's delivery), a threaded actor whose methods do not
+        end within the lock's priority window gets the apply done by a raysync
+        thread once they end (reported to the hub then), so the delivery call does
+        not hold one of the actor's concurrency slots meanwhile.
+        """
         t0 = time.perf_counter()
         if manifest.transport == "nixl":
             return self._receive_nixl(version, manifest, refs, t0)
@@ -584,9 +707,19 @@ class _Subscription:
             needed = self._plan(version, manifest, refs)
             if needed is None:
                 return {"applied": self.version, "skipped": version}
-            fetched = self._fetch(manifest, refs, needed)
-            with self._write_lock():
-                pause = self._commit(version, manifest, refs, fetched)
+            fetched = self._fetch(manifest, refs, needed, fetch_timeout)
+            lock = self.sync.lock
+            if defer and not self.sync.is_async and not lock.held():
+                if not lock.try_write():
+                    self._defer((version, manifest, refs, fetched, needed, t0))
+                    return {"applied": self.version, "deferred": version}
+                try:
+                    pause = self._commit(version, manifest, refs, fetched)
+                finally:
+                    lock.release_write()
+            else:
+                with self._write_lock():
+                    pause = self._commit(version, manifest, refs, fetched)
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
@@ -594,8 +727,41 @@ class _Subscription:
             version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
         )
 
+    def _defer(self, item: _Fetched) -> None:
+        """Hand an apply to the applier thread (the newest deferred version wins)."""
+        with self._defer_lock:
+            if self._pending is None or item[0] > self._pending[0]:
+                self._pending = item
+            if self._applier is None:
+                self._applier = threading.Thread(
+                    target=self._apply_deferred, name=f"raysync-apply-{self.spec.model_id}", daemon=True
+                )
+                self._applier.start()
+
+    def _apply_deferred(self) -> None:
+        while True:
+            with self._defer_lock:
+                item, self._pending = self._pending, None
+                if item is None:
+                    self._applier = None
+                    return
+            version, manifest, refs, fetched, needed, t0 = item
+            try:
+                with self.sync.lock.write():
+                    pause = self._commit(version, manifest, refs, fetched)
+                reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+            except Exception as err:
+                reply = self._reply(version, t0, err)
+            del item, fetched
+            self.hub.report.remote(self.sub_id, reply)
+
     async def receive_async(
-        self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]
+        self,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        *,
+        fetch_timeout: float | None = None,
     ) -> dict[str, Any]:
         """Same as :meth:`receive` for async actors: waits without blocking the event loop."""
         t0 = time.perf_counter()
@@ -607,7 +773,8 @@ class _Subscription:
             if needed is None:
                 return {"applied": self.version, "skipped": version}
             arrays = await asyncio.wait_for(
-                asyncio.gather(*[refs[b] for b in needed]), self.spec.fetch_timeout
+                asyncio.gather(*[refs[b] for b in needed]),
+                self.spec.fetch_timeout if fetch_timeout is None else fetch_timeout,
             )
             fetched = self._fetched(manifest, needed, arrays)
             async with self.sync.async_lock.write():
@@ -629,20 +796,21 @@ class _Subscription:
                     f"{self.sub_id}: apply={self.spec.apply!r} needs the object store; this version came "
                     "over NIXL (push with transport='object_store' or use apply='copy')"
                 )
+            self.check_binding()
             with self._stage_lock:
                 if self.version is not None and version <= self.version:
                     return {"applied": self.version, "skipped": version}
                 bound = self._bound_for(manifest)
                 if bound is None:
                     validate(manifest, module_schema(self.module()))
-                    with self._write_lock():
+                    with self._write_lock(), self._binding_lock:
                         bound = self.bound = BoundModel(self.module(), manifest)
                 ids = _ids(refs)
                 nbytes = receive_into(bound, refs, ids, timeout=self.spec.fetch_timeout)
-                with self._write_lock():
+                with self._write_lock(), self._binding_lock:
                     t1 = time.perf_counter()
-                    if self.version is None or version > self.version:
-                        bound.swap()
+                    if self.bound is bound and (self.version is None or version > self.version):
+                        bound.swap()  # re-points every parameter: whole whatever they pointed at
                         self.version = version
                     pause = time.perf_counter() - t1
         except Exception as err:
@@ -728,7 +896,10 @@ class _Subscription:
         staged, bound = self._staged, self.bound
         if staged is None or bound is None or (self.version is not None and staged[0] <= self.version):
             return None
-        with self._write_lock():
+        with self._write_lock(), self._binding_lock:
+            if self.bound is not bound or not bound.intact():
+                self._staged = None  # re-pointed by user code: the normal path binds afresh
+                return None
             t0 = time.perf_counter()
             bound.swap()
             self.version = staged[0]
@@ -761,163 +932,128 @@ class _Subscription:
 
     # -------------------------------------------------------------- pull mode
     def _newer(self, timeout: float | None) -> dict[str, Any] | None:
-        info: dict[str, Any] | None = ray.get(
-            self.hub.get.remote(self.spec.model_id, None, self.version or 0), timeout=timeout
-        )
+        try:
+            info: dict[str, Any] | None = call_hub(
+                self._hub_handle, "get", self.spec.model_id, None, self.version or 0, timeout=timeout
+            )
+        except GetTimeoutError:
+            raise SyncTimeoutError(
+                f"{self.sub_id}: raysync_sync(timeout={timeout}) ran out asking the hub for the newest "
+                f"version of {self.spec.model_id!r}; it keeps version {self.version}"
+            ) from None
         if info is not None and "error" in info:
             return None  # nothing pushed yet
         return info
 
+    def _synced(self, version: int, reply: dict[str, Any]) -> bool:
+        """Report a raysync_sync apply to the hub; raise if it failed; whether it applied a newer one."""
+        self.hub.report.remote(self.sub_id, reply)
+        if reply.get("error"):
+            error = SyncTimeoutError if reply.get("timed_out") else RaySyncError
+            raise error(f"raysync_sync could not apply version {version}: {reply['error']}")
+        return "skipped" not in reply
+
     def sync_newest(self, timeout: float | None) -> bool:
         if self.hub is None:
             return False
+        deadline = _deadline(timeout)
         info = self._newer(timeout)
         if info is None:
             return False
-        reply = self.receive(info["version"], info["manifest"], info["refs"])
-        self.hub.report.remote(self.sub_id, reply)
-        if reply.get("error"):
-            raise RaySyncError(f"raysync_sync could not apply version {info['version']}: {reply['error']}")
-        return "skipped" not in reply
+        reply = self.receive(info["version"], info["manifest"], info["refs"], fetch_timeout=_left(deadline))
+        return self._synced(info["version"], reply)
 
     async def sync_newest_async(self, timeout: float | None) -> bool:
         if self.hub is None:
             return False
-        info = await asyncio.wait_for(
-            self.hub.get.remote(self.spec.model_id, None, self.version or 0), timeout
-        )
+        deadline = _deadline(timeout)
+        try:
+            info = await call_hub_async(
+                self._hub_handle, "get", self.spec.model_id, None, self.version or 0, timeout=timeout
+            )
+        except asyncio.TimeoutError:
+            raise SyncTimeoutError(
+                f"{self.sub_id}: raysync_sync(timeout={timeout}) ran out asking the hub for the newest "
+                f"version of {self.spec.model_id!r}; it keeps version {self.version}"
+            ) from None
         if info is None or "error" in info:
             return False
-        reply = await self.receive_async(info["version"], info["manifest"], info["refs"])
-        self.hub.report.remote(self.sub_id, reply)
-        if reply.get("error"):
-            raise RaySyncError(f"raysync_sync could not apply version {info['version']}: {reply['error']}")
-        return "skipped" not in reply
+        reply = await self.receive_async(
+            info["version"], info["manifest"], info["refs"], fetch_timeout=_left(deadline)
+        )
+        return self._synced(info["version"], reply)
 
-
-# ---------------------------------------------------------------------- locks
-
-
-class _RWLock:
-    """Readers (user methods) share; a writer (an apply) excludes them. Writers go first.
-
-    A thread that holds read and asks to write (``raysync_sync`` called from a
-    user method) steps out of its read while it writes, so it cannot deadlock
-    with itself or with another thread doing the same.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting = 0
-        self._local = threading.local()
-
-    def _depth(self) -> int:
-        return int(getattr(self._local, "depth", 0))
-
-    def held(self) -> bool:
-        """Whether this thread is inside a guarded method already."""
-        return self._depth() > 0
-
-    @contextlib.contextmanager
-    def read(self) -> Iterator[None]:
-        depth = self._depth()
-        if depth == 0:
-            with self._cond:
-                while self._writer or self._waiting:
-                    self._cond.wait()
-                self._readers += 1
-        self._local.depth = depth + 1
+    def sync_newest_on_loop(self, timeout: float | None) -> bool:
+        """``raysync_sync`` from a plain method of an async actor (on its event loop, or a thread)."""
         try:
-            yield
-        finally:
-            self._local.depth = depth
-            if depth == 0:
-                with self._cond:
-                    self._readers -= 1
-                    self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def write(self) -> Iterator[None]:
-        own = self._depth() > 0
-        with self._cond:
-            if own:
-                self._readers -= 1
-            self._waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting -= 1
-            self._writer = True
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a thread of the actor: the apply takes the write lock through the loop
+            return self.sync_newest(timeout)
+        if self.hub is None:
+            return False
+        self.sync.loop = loop
+        deadline = _deadline(timeout)
+        info = self._newer(timeout)
+        if info is None:
+            return False
+        version, manifest, refs = info["version"], info["manifest"], info["refs"]
+        t0 = time.perf_counter()
         try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-                if own:
-                    while self._writer or self._waiting:
-                        self._cond.wait()
-                    self._readers += 1
-
-
-_async_depth: contextvars.ContextVar[int] = contextvars.ContextVar("raysync_async_depth", default=0)
-
-
-class _AsyncRWLock:
-    """The asyncio twin of :class:`_RWLock` for async actors (one event loop)."""
-
-    def __init__(self) -> None:
-        self._readers = 0
-        self._writer = False
-        self._waiting = 0
-        self._cond: asyncio.Condition | None = None
-
-    def _condition(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        return self._cond
-
-    @contextlib.asynccontextmanager
-    async def read(self) -> AsyncIterator[None]:
-        depth = _async_depth.get()
-        cond = self._condition()
-        if depth == 0:
-            async with cond:
-                await cond.wait_for(lambda: not (self._writer or self._waiting))
-                self._readers += 1
-        token = _async_depth.set(depth + 1)
-        try:
-            yield
-        finally:
-            _async_depth.reset(token)
-            if depth == 0:
-                async with cond:
-                    self._readers -= 1
-                    cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def write(self) -> AsyncIterator[None]:
-        own = _async_depth.get() > 0
-        cond = self._condition()
-        async with cond:
-            if own:
-                self._readers -= 1
-            self._waiting += 1
+            if manifest.transport != "object_store":
+                raise RaySyncError(
+                    "a NIXL version cannot be applied from a plain method of an async actor: call "
+                    "`await self.raysync_sync()` from an async method"
+                )
+            needed = self._plan(version, manifest, refs)
+            if needed is None:
+                return self._synced(version, {"applied": self.version, "skipped": version})
+            fetched = self._fetch(manifest, refs, needed, _left(deadline))
+            lock = self.sync.async_lock
+            if not lock.try_write():
+                # Async methods are suspended mid-call: the apply waits for them on the loop.
+                self._deferred = loop.create_task(
+                    self._commit_when_free(version, manifest, refs, fetched, needed, t0)
+                )
+                return False
             try:
-                await cond.wait_for(lambda: not (self._writer or self._readers))
+                pause = self._commit(version, manifest, refs, fetched)
             finally:
-                self._waiting -= 1
-            self._writer = True
+                lock.release_write()
+            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        except RaySyncError:
+            raise
+        except Exception as err:
+            reply = self._reply(version, t0, err)
+        return self._synced(version, reply)
+
+    async def _commit_when_free(
+        self,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        fetched: dict[int, Any],
+        needed: list[int],
+        t0: float,
+    ) -> None:
         try:
-            yield
-        finally:
-            async with cond:
-                self._writer = False
-                cond.notify_all()
-                if own:
-                    await cond.wait_for(lambda: not (self._writer or self._waiting))
-                    self._readers += 1
+            async with self.sync.async_lock.write():
+                pause = self._commit(version, manifest, refs, fetched)
+            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        except Exception as err:
+            reply = self._reply(version, t0, err)
+        self.hub.report.remote(self.sub_id, reply)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _nbytes(manifest: Manifest, buckets: list[int]) -> int:
+    return sum(manifest.bucket_nbytes[b] for b in buckets)
 
 
 # ---------------------------------------------------------------------- RayModuleTransform

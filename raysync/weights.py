@@ -556,8 +556,11 @@ class BoundModel:
         self.manifest = manifest
         self.view = view
         self._slots = {e.key: _slot(module, e.key) for e in manifest.entries}
+        self._tree = _module_edges(module)
+        self.device = _device_of(module, self._slots, view=view)
         self._held: Any = None  # view mode: the buffers the parameters point into
         self._flat: list[torch.Tensor] = []
+        self._expected: list[tuple[dict[str, Any], str, int]] = []
         self.ids: list[str | None] = [None] * manifest.num_buckets  # what the live buffers hold
         self._spare: list[torch.Tensor] = []
         self.spare_ids: list[str | None] = [None] * manifest.num_buckets
@@ -566,7 +569,9 @@ class BoundModel:
             with torch.no_grad():
                 for entry, target in self._views(self._flat):
                     owner, name, _ = self._slots[entry.key]
-                    target.copy_(getattr(owner, name).detach().to("cpu"))
+                    current = getattr(owner, name).detach()
+                    if current.device.type != "meta":  # a weightless module: the first apply fills it
+                        target.copy_(current)
             self._point_at(self._flat)
 
     @property
@@ -575,7 +580,31 @@ class BoundModel:
         return self.manifest.layout_hash
 
     def _allocate(self) -> list[torch.Tensor]:
-        return [torch.empty(n, dtype=torch.uint8) for n in self.manifest.bucket_nbytes]
+        return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in self.manifest.bucket_nbytes]
+
+    def intact(self) -> bool:
+        """Whether every parameter and buffer still is the tensor this binding set.
+
+        False once user code re-pointed one (``load_state_dict(..., assign=True)``,
+        ``module.to(...)``, ``.double()``, a replaced submodule): applies would then
+        go where the module no longer looks. Costs one pointer compare per tensor.
+        """
+        with torch._C.DisableTorchFunctionSubclass():
+            for slots, name, ptr in self._expected:
+                t = slots.get(name)
+                if t is None or t.data_ptr() != ptr:
+                    return False
+        return all(children.get(name) is child for children, name, child in self._tree)
+
+    def _expect(self) -> None:
+        """Remember what each parameter and buffer points at now (see :meth:`intact`)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self._expected = []
+            for owner, name, is_param in self._slots.values():
+                slots = owner._parameters if is_param else owner._buffers
+                t = slots[name]
+                assert t is not None
+                self._expected.append((slots, name, t.data_ptr()))
 
     def _views(self, flat: list[torch.Tensor]) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
         for entry in self.manifest.entries:
@@ -589,6 +618,7 @@ class BoundModel:
                 owner._parameters[name].data = target  # type: ignore[union-attr]
             else:
                 owner._buffers[name] = target
+        self._expect()
 
     def needed(self, ids: Sequence[str | None], *, staging: bool = False) -> list[int]:
         """Indices of the buckets whose bytes differ from those held (live or spare set)."""
@@ -623,6 +653,7 @@ class BoundModel:
                     owner._buffers[name] = t
             self._held = all_buckets
             self.ids = ids
+            self._expect()
             return
         self._copy_into(self._flat, by_index)
         for b in by_index:
@@ -697,6 +728,36 @@ class BoundModel:
 def module_schema(module: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{key: (shape, dtype)}`` of a module's state dict (parameters and persistent buffers)."""
     return schema_of(module.state_dict(keep_vars=True))
+
+
+def _module_edges(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, torch.nn.Module]]:
+    """``(parent._modules, name, child)`` for every submodule: a replaced one shows as a changed edge."""
+    edges = []
+    for parent in module.modules():
+        for name, child in parent._modules.items():
+            if child is not None:
+                edges.append((parent._modules, name, child))
+    return edges
+
+
+def _device_of(
+    module: torch.nn.Module, slots: Mapping[str, tuple[torch.nn.Module, str, bool]], *, view: bool
+) -> torch.device:
+    """The one device a bound module's weights live on (a meta module is filled on the CPU)."""
+    devices = {getattr(owner, name).device for owner, name, _ in slots.values()}
+    devices.discard(torch.device("meta"))
+    if len(devices) > 1:
+        raise InvalidWeightsError(
+            f"{type(module).__name__} has weights on several devices ({sorted(map(str, devices))}): "
+            "a synced module lives on one device; move it there first (module.to(device))"
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    if view and device.type != "cpu":
+        raise InvalidWeightsError(
+            f"apply='view' shares the object store's CPU memory, but {type(module).__name__} is on "
+            f"{device}: use apply='copy' for modules on an accelerator"
+        )
+    return device
 
 
 def _slot(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, bool]:

@@ -64,17 +64,17 @@ def test_max_lag_blocks_the_trainer_until_the_slow_subscriber_catches_up(
     slow = make_follower(hub_name, mode="pull").remote()
     ray.get(slow.version.remote())
     model = LoRAPolicy(1)
-    assert hub.push(model, max_lag=2, timeout=5) == 1
-    assert hub.push(model, max_lag=2, timeout=5) == 2  # slow is 2 behind: allowed
+    assert hub.push(model, max_lag=2, timeout=5) == 1  # (without include_pull, pull mode never holds back)
+    assert hub.push(model, max_lag=2, timeout=5, include_pull=True) == 2  # slow is 2 behind: allowed
     with pytest.raises(raysync.SyncTimeoutError, match=r"version 1.*Follower") as info:
-        hub.push(model, max_lag=2, timeout=1.0)  # a 3rd would put it 3 behind
+        hub.push(model, max_lag=2, timeout=1.0, include_pull=True)  # a 3rd would put it 3 behind
     assert info.value.laggards[0]["applied"] is None
     assert hub.latest() == 2  # the refused push published nothing
 
     released: dict[str, float] = {}
 
     def trainer() -> None:
-        hub.push(model, max_lag=2, timeout=60)
+        hub.push(model, max_lag=2, timeout=60, include_pull=True)
         released["at"] = time.monotonic()
 
     thread = threading.Thread(target=trainer)

@@ -125,7 +125,7 @@ def test_wait_names_the_laggard_and_applies_stay_in_order(hub: raysync.HubClient
     ray.get([lazy.raysync_version.remote(), eager.raysync_version.remote()])
     v1 = hub.push(small_policy(1))
     with pytest.raises(raysync.SyncTimeoutError, match=r"1 subscriber\(s\).*version 1.*Collector") as info:
-        hub.wait(v1, timeout=1.0)
+        hub.wait(v1, timeout=1.0, include_pull=True)
     assert info.value.laggards[0]["applied"] is None
     assert isinstance(info.value, TimeoutError)
     # Pull mode: stays on its version until it asks.

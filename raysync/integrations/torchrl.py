@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme as _TorchRLScheme
 
+from raysync._checks import check_timeout
 from raysync.errors import SyncTimeoutError
 from raysync.schemes import _target_for, resolve_model
 from raysync.transports.base import DEFAULT_TIMEOUT
@@ -72,8 +73,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         apply_locally: bool = True,
     ) -> None:
         super().__init__(strategy=strategy)
-        if timeout is None or timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        check_timeout(timeout, allow_none=False, positive=True)
         self.hub = hub
         self.namespace = namespace
         self.timeout = float(timeout)

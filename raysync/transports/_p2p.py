@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from raysync._checks import check_timeout
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.weights import DEFAULT_BUCKET_BYTES, Manifest, extract_tensors, pack, plan_layout, unpack
 
@@ -216,8 +217,7 @@ class P2PTransport:
     bucket_bytes: int
 
     def _configure(self, timeout: float, channel: str, bucket_bytes: int) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        check_timeout(timeout, allow_none=False, positive=True)
         self.timeout = float(timeout)
         self.channel = channel
         self.bucket_bytes = bucket_bytes

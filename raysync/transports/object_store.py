@@ -34,6 +34,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync._checks import check_timeout
 from raysync._store_pages import populate_store_mapping
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
 from raysync.transports.base import DEFAULT_TIMEOUT, split_send_args
@@ -118,8 +119,7 @@ class RayTransport:
                 f"tensor_transport={tensor_transport!r} is not supported by the schemes layer; use "
                 "'object_store', or raysync.connect(transport='nixl') and @synced_model receivers"
             )
-        if timeout is None or timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        check_timeout(timeout, allow_none=False, positive=True)
         self._actor = remote_collector
         self.timeout = float(timeout)
         self.model_path = model_path

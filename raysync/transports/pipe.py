@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from raysync._checks import check_timeout
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.transports.base import DEFAULT_TIMEOUT, ack_error, split_send_args
 from raysync.weights import Manifest, extract_tensors, pack, plan_layout
@@ -171,8 +172,7 @@ class MPTransport:
     keeps_snapshot = False  # the worker copies out; SharedMemTransport's workers keep pointing in
 
     def __init__(self, pipe_connection: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
-        if timeout is None or timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        check_timeout(timeout, allow_none=False, positive=True)
         self.pipe = pipe_connection
         self.timeout = float(timeout)
         self._reader = next(_reader_ids)
