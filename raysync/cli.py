@@ -28,6 +28,7 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -106,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         "--namespace", default=DEFAULT_NAMESPACE, help=f"hub's Ray namespace (default: {DEFAULT_NAMESPACE})"
     )
     status.add_argument("--json", action="store_true", help="print hub.status() as JSON")
-    status.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the hub's answer")
+    status.add_argument(
+        "--timeout", type=_seconds, default=30.0, help="seconds to wait for the hub's answer (default: 30)"
+    )
     bench = sub.add_parser(
         "bench",
         help="run the push fan-out benchmark and plot it",
@@ -126,6 +129,17 @@ def _parser() -> argparse.ArgumentParser:
         "of the checkout raysync runs from)",
     )
     return parser
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``'s type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
 
 
 # ---------------------------------------------------------------------- status

@@ -85,6 +85,17 @@ def test_status_without_a_cluster_says_so(
     assert "no Ray cluster at '10.9.9.9:6379'" in err and "ray start --head" in err
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "soon"])
+def test_case10_status_rejects_a_timeout_that_is_not_a_positive_number(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["status", "--timeout", timeout])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout" in err and repr(timeout) in err and "seconds" in err
+
+
 def test_status_table_shows_last_errors_and_unhealthy_states() -> None:
     status = {
         "hub": "h",
