@@ -28,9 +28,13 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import shutil
+import socket
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 1 when the cluster or hub cannot be found (the message
         names them) or the benchmark failed its checks, 2 for bad usage.
+        ``status`` gives up after ``--timeout`` seconds, connecting included;
+        if it is then still connecting, the process exits with code 1 at once
+        (:func:`os._exit`) instead of returning: Ray cannot stop a connection
+        attempt half-way, and its exit hook would wait on it.
 
     Example:
         >>> from raysync.cli import main
@@ -82,8 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(args)
         return _bench(args, extra)
     except CliError as err:
-        print(f"raysync {args.command}: error: {err}", file=sys.stderr)
+        print(_error_line(args.command, err), file=sys.stderr)
         return 1
+
+
+def _error_line(command: str, err: object) -> str:
+    return f"raysync {command}: error: {err}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +118,12 @@ def _parser() -> argparse.ArgumentParser:
         "--namespace", default=DEFAULT_NAMESPACE, help=f"hub's Ray namespace (default: {DEFAULT_NAMESPACE})"
     )
     status.add_argument("--json", action="store_true", help="print hub.status() as JSON")
-    status.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the hub's answer")
+    status.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds for the whole command: connecting to the cluster and the hub's answer (default: 30)",
+    )
     bench = sub.add_parser(
         "bench",
         help="run the push fan-out benchmark and plot it",
@@ -128,24 +145,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float:
+    """``--timeout``'s type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
+
+
 # ---------------------------------------------------------------------- status
 
 
 def _status(args: argparse.Namespace) -> int:
     import ray
 
-    started = _connect(args.address)
+    deadline = time.monotonic() + args.timeout
+    started = _connect(args.address, timeout=args.timeout, deadline=deadline, command=args.command)
     try:
         try:
             handle = ray.get_actor(args.name, namespace=args.namespace)
         except ValueError:
             raise CliError(_no_hub_message(args.name, args.namespace)) from None
         try:
-            status: dict[str, Any] = cast(dict, ray.get(handle.status.remote(), timeout=args.timeout))
+            left = max(deadline - time.monotonic(), 0.0)
+            status: dict[str, Any] = cast(dict, ray.get(handle.status.remote(), timeout=left))
         except Exception as err:
             raise CliError(
                 f"hub {args.name!r} in namespace {args.namespace!r} did not answer within "
-                f"{args.timeout} s: {type(err).__name__}: {err}"
+                f"--timeout {args.timeout:g} s: {type(err).__name__}: {err}"
             ) from err
     finally:
         if started:
@@ -157,22 +187,137 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(address: str | None) -> bool:
-    """Connect this process to a cluster unless it already is; True if we connected it."""
+def _connect(address: str | None, *, timeout: float, deadline: float, command: str) -> bool:
+    """Connect this process to a cluster unless it already is; True if we connected it.
+
+    ``ray.init`` to an address where no GCS answers retries for many minutes and
+    prints a warning per attempt. So a TCP probe first turns a closed port away
+    at once; the process's standard error is held back while connecting (see
+    :class:`_HeldStderr`); and a watchdog thread ends the process at
+    ``deadline`` (a :func:`time.monotonic` time) with one message and exit code
+    1 if the probe or ``ray.init`` is still going then.
+
+    Raises:
+        CliError: nothing accepts connections at the address, or ``ray.init`` failed.
+    """
     import ray
 
     if ray.is_initialized():
         return False
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    endpoint = _endpoint(target)
+    where = f"{endpoint[0]}:{endpoint[1]}" if endpoint is not None else "there"
+    within = f"within --timeout {timeout:g} s (a slow cluster may need more)"
+    stage = ["probe" if endpoint is not None else "init"]  # how far connecting got
+    settled = threading.Lock()  # taken by whichever comes first: the connection or the watchdog
+    held = _HeldStderr()
+
+    def give_up() -> None:
+        if not settled.acquire(blocking=False):
+            return  # connected (or failed) in time
+        held.close()
+        if stage[0] == "probe":
+            why = f"no TCP connection to {where} {within}"
+        elif endpoint is not None:
+            why = f"{where} accepts connections, but no Ray GCS answered {within}"
+        else:
+            why = f"no Ray GCS answered {within}"
+        print(_error_line(command, _unreachable(target, why)), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # ray.init cannot be interrupted, and Ray's atexit shutdown would wait on it
+
+    watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), give_up)
+    watchdog.daemon = True
     try:
-        ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+        with held:
+            watchdog.start()
+            try:
+                if endpoint is not None:
+                    with socket.create_connection(endpoint, timeout=max(deadline - time.monotonic(), 0.01)):
+                        pass
+                    stage[0] = "init"
+                ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+            finally:
+                settled.acquire()  # blocks for good if the watchdog is already ending the process
+                watchdog.cancel()
     except Exception as err:
-        raise CliError(
-            f"no Ray cluster at {target!r} ({type(err).__name__}: {str(err).strip()[:300]}). "
-            "Start one with `ray start --head`, or pass --address HOST:PORT (clusters started with "
-            "`ray start` use token authentication: set RAY_AUTH_MODE=token)"
-        ) from None
+        if stage[0] == "probe" and isinstance(err, TimeoutError):  # a hair before the watchdog
+            why = f"no TCP connection to {where} {within}"
+        elif stage[0] == "probe" and isinstance(err, OSError):
+            why = f"cannot open a TCP connection to {where} ({err.strerror or type(err).__name__})"
+        else:
+            why = f"{type(err).__name__}: {str(err).strip()[:300]}"
+        raise CliError(_unreachable(target, why)) from None
+    finally:
+        if held.text and ray.is_initialized():
+            sys.stderr.write(held.text)  # a connection that worked: Ray's own warnings stay visible
+        elif held.text:
+            logger.debug("while connecting to %r, Ray wrote:\n%s", target, held.text)
     return True
+
+
+def _endpoint(target: str) -> tuple[str, int] | None:
+    """``(host, port)`` of an address such as ``10.0.0.5:6379``, ``[::1]:6379`` or ``ray://h:10001``.
+
+    None for anything else (``auto``, ``local``, a host without a port): ``ray.init`` resolves
+    and checks those itself.
+    """
+    rest = target.split("://", 1)[-1].rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (host, int(port)) if host and 0 < int(port) < 65536 else None
+
+
+def _unreachable(target: str, why: str) -> str:
+    """The one-line message for a cluster this command could not connect to."""
+    return (
+        f"no Ray cluster at {target!r}: {why}. Check that a cluster is running there (`ray status "
+        f"--address {target}`; start one with `ray start --head`), that --address or RAY_ADDRESS "
+        "names its GCS as HOST:PORT (port 6379 by default), and, for a cluster started with "
+        "`ray start` on Ray 2.60, that RAY_AUTH_MODE=token is set"
+    )
+
+
+class _HeldStderr:
+    """Sends file descriptor 2 to a temporary file while open; ``text`` is what landed there.
+
+    Ray's core (C++) logs a warning to the process's standard error for every failed GCS
+    attempt; redirecting ``sys.stderr`` would not catch those.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._file: Any = None
+        self._saved: int | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> _HeldStderr:
+        sys.stderr.flush()
+        try:
+            self._saved = os.dup(2)
+        except OSError:  # no standard error to hold back
+            return self
+        self._file = tempfile.TemporaryFile()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give file descriptor 2 back and read what was held (once; later calls do nothing)."""
+        with self._lock:
+            if self._saved is None:
+                return
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            self._saved = None
+            self._file.seek(0)
+            self.text = self._file.read().decode(errors="replace")
+            self._file.close()
 
 
 def _no_hub_message(name: str, namespace: str) -> str:

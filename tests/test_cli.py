@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import socket
+import subprocess
+import sys
 import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +78,127 @@ def test_status_names_the_missing_hub_and_namespace(
     assert "no raysync hub named 'no-such-hub' in namespace 'elsewhere'" in err
 
 
+@pytest.fixture
+def not_ray() -> Iterator[str]:
+    """The address of a TCP server that accepts connections and never answers: no Ray GCS."""
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))  # every interface: Ray dials this machine's IP, not 127.0.0.1
+    server.listen(16)
+    server.settimeout(0.2)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed again when the block ends
+
+
+def _raysync(*args: str, limit: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the raysync command as a user would; return its result and how long it took."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "raysync", *args], capture_output=True, text=True, timeout=limit + 60
+    )
+    return done, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def allowed_s() -> Callable[[float], float]:
+    """How long ``raysync status --timeout T`` may take: T + 5 s.
+
+    Starting Python and importing raysync (torch, Ray) is not the command's to bound; where that
+    alone takes over 3 s (a loaded 2-core machine), the surplus is allowed on top.
+    """
+    done, startup = _raysync("--help", limit=60)
+    assert done.returncode == 0, done.stderr
+    return lambda timeout: timeout + 5 + max(0.0, startup - 3)
+
+
 def test_status_without_a_cluster_says_so(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    not_ray: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def no_cluster(**_: Any) -> None:
         raise ConnectionError("Could not find any running Ray instance.")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", no_cluster)
-    assert cli.main(["status", "--address", "10.9.9.9:6379"]) == 1
+    assert cli.main(["status", "--address", not_ray]) == 1
     err = capsys.readouterr().err
-    assert "no Ray cluster at '10.9.9.9:6379'" in err and "ray start --head" in err
+    assert f"no Ray cluster at {not_ray!r}" in err and "ray start --head" in err
+    assert "Could not find any running Ray instance" in err
+
+
+def test_case10_status_unreachable_address_honours_timeout(allowed_s: Callable[[float], float]) -> None:
+    """A closed port: exit 1 at once with one message naming the address and what to check."""
+    address = f"127.0.0.1:{_closed_port()}"
+    done, elapsed = _raysync("status", "--address", address, "--timeout", "5", limit=5)
+    assert done.returncode == 1, done.stderr
+    assert elapsed < allowed_s(5), f"took {elapsed:.1f} s"
+    (message,) = done.stderr.strip().splitlines()
+    assert f"no Ray cluster at {address!r}" in message and "cannot open a TCP connection" in message
+    for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
+        assert hint in message
+    assert done.stdout == ""
+
+
+def test_case10_status_address_that_is_not_ray_honours_timeout(
+    not_ray: str, allowed_s: Callable[[float], float]
+) -> None:
+    """A port that accepts TCP but is no GCS: ray.init would retry for minutes; --timeout ends it."""
+    done, elapsed = _raysync("status", "--address", not_ray, "--timeout", "3", limit=3)
+    assert done.returncode == 1, done.stderr
+    assert elapsed < allowed_s(3), f"took {elapsed:.1f} s"
+    (message,) = done.stderr.strip().splitlines()  # none of Ray's per-attempt GCS warnings
+    assert (
+        f"no Ray cluster at {not_ray!r}" in message
+        and "accepts connections, but no Ray GCS answered within --timeout 3 s" in message
+    )
+    for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
+        assert hint in message
+    assert done.stdout == ""
+
+
+def test_case10_status_address_that_does_not_answer_honours_timeout(
+    allowed_s: Callable[[float], float],
+) -> None:
+    """A non-routable address: SYNs go unanswered (or, behind some proxies, TCP opens and no GCS answers)."""
+    address = "10.255.255.1:6379"
+    done, elapsed = _raysync("status", "--address", address, "--timeout", "3", limit=3)
+    assert done.returncode == 1, done.stderr
+    assert elapsed < allowed_s(3), f"took {elapsed:.1f} s"
+    (message,) = done.stderr.strip().splitlines()
+    assert f"no Ray cluster at {address!r}" in message
+    for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
+        assert hint in message
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "soon"])
+def test_case10_status_rejects_a_timeout_that_is_not_a_positive_number(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["status", "--timeout", timeout])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout" in err and repr(timeout) in err and "seconds" in err
 
 
 def test_status_table_shows_last_errors_and_unhealthy_states() -> None:
