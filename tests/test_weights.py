@@ -180,3 +180,128 @@ def test_pack_is_zero_copy() -> None:
     manifest = plan_layout({"t": t})
     (arr,) = pack({"t": t}, manifest)[0]
     assert isinstance(arr, np.ndarray) and arr.ctypes.data == t.data_ptr()
+
+
+# ---------------------------------------------------------------------- issue 14 case 4: view-mode writes
+
+
+def _shared_view(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Make ``model``'s weights read-only views of private read-only buffers (as the object store's).
+
+    Returns the values they must keep (the views keep the buffers alive).
+    """
+    src = {k: v.clone() for k, v in extract_tensors(model).items()}
+    with torch.no_grad():
+        for t in src.values():
+            if t.is_floating_point():
+                t.add_(torch.randn_like(t))  # other values than the model's own
+    manifest = plan_layout(src)
+    buckets = [[a.copy() for a in bucket] for bucket in pack(src, manifest)]
+    for bucket in buckets:
+        for a in bucket:
+            a.setflags(write=False)
+    BoundModel(model, manifest, view=True).apply(buckets)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # as if a backward pass had run
+    return src
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+
+_CASE4_WRITES = {
+    # what optimizers with foreach=True run: a list of parameters as args[0]
+    "foreach_add_list": lambda m: torch._foreach_add_(list(m.parameters()), 1.0),
+    "foreach_add_tuple": lambda m: torch._foreach_add_(tuple(m.parameters()), 1.0),
+    "foreach_mul_": lambda m: torch._foreach_mul_(list(m.parameters()), 0.5),
+    "foreach_zero_": lambda m: torch._foreach_zero_(list(m.parameters())),
+    "foreach_copy_": lambda m: torch._foreach_copy_(
+        list(m.parameters()), [torch.zeros_like(p) for p in m.parameters()]
+    ),
+    "foreach_lerp_": lambda m: torch._foreach_lerp_(
+        list(m.parameters()), [torch.zeros_like(p) for p in m.parameters()], 0.5
+    ),
+    # ATen ops called directly: an OpOverloadPacket and OpOverloads
+    "aten_add_packet": lambda m: torch.ops.aten.add_(m[0].weight, 1),
+    "aten_add_Tensor": lambda m: torch.ops.aten.add_.Tensor(m[0].weight, torch.ones(8, 4)),
+    "aten_fill_Scalar": lambda m: torch.ops.aten.fill_.Scalar(m[0].weight, 0),
+    "aten_fill_packet": lambda m: torch.ops.aten.fill_(m[0].weight, 0),
+    "aten_copy_default": lambda m: torch.ops.aten.copy_.default(m[0].bias, torch.zeros(8)),
+    "aten_index_put_": lambda m: torch.ops.aten.index_put_.default(
+        m[0].bias, [torch.tensor([0])], torch.tensor([9.0])
+    ),
+    # optimizers
+    "adam_foreach": lambda m: torch.optim.Adam(m.parameters(), foreach=True).step(),
+    "adam_fused": lambda m: torch.optim.Adam(m.parameters(), fused=True).step(),
+    "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), fused=True).step(),
+    "sgd_foreach": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=True).step(),
+    "sgd_fused": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, fused=True).step(),
+    # batch norm's running statistics through the functional form
+    "batch_norm_functional_train": lambda m: torch.nn.functional.batch_norm(
+        torch.randn(4, 8), m[1].running_mean, m[1].running_var, training=True
+    ),
+    "batch_norm_builtin_train": lambda m: torch.batch_norm(
+        torch.randn(4, 8), None, None, m[1].running_mean, m[1].running_var, True, 0.1, 1e-5, False
+    ),
+    # already refused before the fix: keep it so
+    "add_": lambda m: m[0].weight.add_(1),
+    "iadd": lambda m: m[0].weight.__iadd__(1),
+    "batch_norm_module_train": lambda m: m.train()(torch.randn(4, 4)),
+    "adam_default": lambda m: torch.optim.Adam(m.parameters()).step(),
+    "out_tuple": lambda m: torch.max(torch.randn(8, 3), 1, out=(m[0].bias, torch.empty(8, dtype=torch.long))),
+    "out_list": lambda m: torch.unbind_copy(torch.zeros(2, 8), out=[m[0].bias, torch.empty(8)]),
+}
+
+
+@pytest.mark.parametrize("write", sorted(_CASE4_WRITES))
+def test_case4_view_guard_refuses_every_write(write: str) -> None:
+    """Case 4: in-place writes through lists, ATen ops, foreach/fused optimizers are refused."""
+    model = _net().eval()
+    values = _shared_view(model)
+    with pytest.raises(raysync.ReadOnlyWeightsError, match="apply='copy'"):
+        _CASE4_WRITES[write](model)
+    assert_same_weights(extract_tensors(model), values)
+
+
+@pytest.mark.parametrize("how", ["numpy", "np_asarray", "numpy_of_view"])
+def test_case4_view_guard_numpy_gives_a_read_only_array(how: str) -> None:
+    """Case 4: ``.numpy()`` of a read-only weight is a non-writeable array: numpy raises ValueError."""
+    model = _net().eval()
+    values = _shared_view(model)
+    w = model[0].weight
+    array = {
+        "numpy": lambda: w.detach().numpy(),
+        "np_asarray": lambda: np.asarray(w.detach()),
+        "numpy_of_view": lambda: w.detach()[1:].numpy(),
+    }[how]()
+    assert not array.flags.writeable
+    assert np.array_equal(array[-1], values["0.weight"][-1].numpy())  # reading works
+    with pytest.raises(ValueError, match="read-only"):
+        array[:] = 0
+    assert_same_weights(extract_tensors(model), values)
+
+
+def test_case4_view_guard_lets_reads_and_out_of_place_ops_through() -> None:
+    """Case 4: what only reads stays allowed (``int()``, ``~``, indexing, sort, out-of-place foreach)."""
+    model = torch.nn.Linear(4, 3)
+    model.register_buffer("mask", torch.tensor([True, False]))
+    model.register_buffer("step", torch.tensor(7))
+    values = _shared_view(model)
+    assert int(model.step) == 7 and [10, 11, 12, 13, 14, 15, 16, 17][model.step] == 17
+    assert (~model.mask).tolist() == [False, True]
+    assert len(list(model.weight)) == 3  # iteration
+    assert torch.equal(torch.sort(model.bias).values, values["bias"].sort().values)
+    added = torch._foreach_add(list(model.parameters()), 1.0)  # new tensors: writable
+    added[0].zero_()
+    assert type(added[0]) is torch.Tensor
+    plain = torch.empty(3)
+    torch.add(model.bias, 1, out=plain)  # out= into an ordinary tensor
+    grads = [p.grad for p in model.parameters()]
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # writes gradients, not weights
+    assert all(g is not None for g in grads)
+    with torch.no_grad():
+        out = model(torch.ones(2, 4))
+    assert type(out) is torch.Tensor and out.shape == (2, 3)
+    assert isinstance(model.weight.detach()[0], ReadOnlyTensor)  # views stay read-only
+    assert_same_weights(extract_tensors(model), values)
