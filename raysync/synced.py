@@ -44,7 +44,7 @@ from raysync._store_pages import populate_store_mapping
 from raysync.errors import RaySyncError
 from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, get_hub_actor
 from raysync.transports.nixl import receive_into
-from raysync.weights import BoundModel, Manifest, module_schema, validate, verify_checksums
+from raysync.weights import BoundModel, Manifest, module_schema, require_checksums, validate, verify_checksums
 
 __all__ = ["RayModuleTransform", "synced_model"]
 
@@ -629,6 +629,8 @@ class _Subscription:
                     f"{self.sub_id}: apply={self.spec.apply!r} needs the object store; this version came "
                     "over NIXL (push with transport='object_store' or use apply='copy')"
                 )
+            if self.spec.verify:
+                require_checksums(manifest)  # NIXL versions carry none: refused, not taken unchecked
             with self._stage_lock:
                 if self.version is not None and version <= self.version:
                     return {"applied": self.version, "skipped": version}

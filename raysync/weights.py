@@ -61,6 +61,7 @@ __all__ = [
     "extract_tensors",
     "pack",
     "plan_layout",
+    "require_checksums",
     "same_bytes",
     "schema_of",
     "to_tensordict",
@@ -384,6 +385,35 @@ def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]
     return tuple(out)
 
 
+def require_checksums(manifest: Manifest) -> None:
+    """Raise :class:`ChecksumError` unless the version carries checksums to verify.
+
+    A subscriber that asked to verify (``verify=True``) must not take a
+    version it cannot check: the pusher left the checksums out
+    (``checksum=False``), or the version came over NIXL, which has none.
+
+    Example:
+        >>> require_checksums(plan_layout({"w": torch.ones(2)}))
+        Traceback (most recent call last):
+        ...
+        raysync.errors.ChecksumError: this version (layout ...) carries no checksums, ...
+    """
+    if manifest.checksums is not None:
+        return
+    if manifest.transport == "nixl":
+        raise ChecksumError(
+            f"this version (layout {manifest.layout_hash}) came over NIXL, which carries no checksums "
+            "(hub.push(..., transport='nixl') refuses checksum=), so a verify=True subscriber refuses it: "
+            "push with hub.push(..., transport='object_store', checksum=True), or subscribe without "
+            "verify=True"
+        )
+    raise ChecksumError(
+        f"this version (layout {manifest.layout_hash}) carries no checksums, so a verify=True "
+        "subscriber cannot check its bytes and refuses it: push with hub.push(..., checksum=True), "
+        "or subscribe without verify=True"
+    )
+
+
 def verify_checksums(
     manifest: Manifest,
     buckets: Mapping[int, Sequence[np.ndarray]] | Sequence[Sequence[np.ndarray]],
@@ -391,9 +421,21 @@ def verify_checksums(
     """Raise :class:`ChecksumError` if a bucket's bytes differ from the manifest's CRC.
 
     ``buckets`` is every bucket in order, or ``{index: arrays}`` for some of them.
+    A version pushed without checksums is refused too (see
+    :func:`require_checksums`): verifying it would check nothing.
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> m = plan_layout(t)
+        >>> buckets = pack(t, m)
+        >>> verify_checksums(m.with_checksums(bucket_checksums(buckets)), buckets)
+        >>> verify_checksums(m, buckets)
+        Traceback (most recent call last):
+        ...
+        raysync.errors.ChecksumError: this version (layout ...) carries no checksums, ...
     """
-    if manifest.checksums is None:
-        return
+    require_checksums(manifest)
+    assert manifest.checksums is not None
     by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
     order = sorted(by_index)
     got = bucket_checksums([by_index[b] for b in order])

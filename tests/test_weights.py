@@ -169,6 +169,17 @@ def test_checksums_catch_a_flipped_byte() -> None:
         verify_checksums(manifest, corrupt)
 
 
+def test_case6_verify_refuses_a_manifest_without_checksums() -> None:
+    """Case 6: verifying a version pushed without checksums refuses it and names the fix."""
+    tensors = {"w": torch.randn(10)}
+    manifest = plan_layout(tensors)
+    buckets = pack(tensors, manifest)
+    with pytest.raises(raysync.ChecksumError, match=r"carries no checksums.*push\(\.\.\., checksum=True\)"):
+        verify_checksums(manifest, buckets)
+    with pytest.raises(raysync.ChecksumError, match="came over NIXL"):
+        verify_checksums(manifest.with_transport("nixl"), buckets)
+
+
 def test_to_tensordict_nests_dotted_keys() -> None:
     td = to_tensordict({"a.b": torch.ones(1), "a.c": torch.zeros(2), "d": torch.ones(3)})
     assert td["a", "c"].shape == (2,)
