@@ -177,10 +177,14 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
             ``TensorDict``, or a nested or dotted state dict.
 
     Returns:
-        The tensors, detached, in canonical (sorted) key order. No copy.
+        The tensors, detached, in canonical (sorted) key order. No copy,
+        except that conjugate and negative views (``x.conj()``,
+        ``x.conj().imag``) are resolved to their values.
 
     Raises:
-        InvalidWeightsError: the weights are empty or hold a non-tensor leaf.
+        InvalidWeightsError: the weights are empty, hold a non-tensor leaf, or
+            a tensor whose bytes alone are not its value: sparse, nested,
+            meta or quantized (the message names the key and the fix).
 
     Example:
         >>> list(extract_tensors({"a": {"b": torch.ones(1)}, "c.d": torch.zeros(2)}))
@@ -205,7 +209,33 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
             "no tensors to push: the weights are empty (a module without parameters or "
             "buffers, or an empty dict)"
         )
-    return {key: flat[key].detach() for key in sorted(flat)}
+    return {key: _packable(key, flat[key].detach()) for key in sorted(flat)}
+
+
+def _packable(key: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as plain strided memory whose bytes are its value, or a clear refusal."""
+    if t.layout != torch.strided or t.is_nested:
+        raise InvalidWeightsError(
+            f"weight {key!r} is a {'nested' if t.is_nested else 'sparse'} tensor ({t.layout}): raysync "
+            "moves dense tensors only; push t.to_dense() (or t.to_padded_tensor(0.0) for a nested one), "
+            "or keep a dense copy in the module"
+        )
+    if t.is_meta:
+        raise InvalidWeightsError(
+            f"weight {key!r} is on the meta device and holds no data: materialise the model first "
+            "(e.g. module.to_empty(device='cpu'), then initialise or load its weights), then push"
+        )
+    if t.is_quantized:
+        raise InvalidWeightsError(
+            f"weight {key!r} is quantized ({t.dtype}): its scale and zero point would be lost; push "
+            "t.dequantize(), or push t.int_repr() with its scale and zero point as tensors of their own "
+            "(t.q_scale(), t.q_zero_point(); per channel: t.q_per_channel_scales(), "
+            "t.q_per_channel_zero_points())"
+        )
+    if t.is_conj() or t.is_neg():
+        # A lazy view: its memory holds the un-conjugated / un-negated values.
+        t = t.resolve_conj().resolve_neg()
+    return t
 
 
 def _is_tensordict(value: Any) -> bool:
@@ -359,6 +389,8 @@ def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[n
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # the bytes of a lazy view are not its values
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -316,3 +318,55 @@ def test_case4_view_guard_lets_reads_and_out_of_place_ops_through() -> None:
     assert type(out) is torch.Tensor and out.shape == (2, 3)
     assert isinstance(model.weight.detach()[0], ReadOnlyTensor)  # views stay read-only
     assert_same_weights(extract_tensors(model), values)
+
+
+# ---------------------------------------------------------------------- issue 14 case 13: tensor kinds
+
+
+def _case13_refused() -> dict[str, tuple[object, str, str]]:
+    """name -> (weights, the key the error names, a piece of the fix it gives)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # beta/deprecated-API notices from torch
+        return {
+            "sparse_coo": ({"w": torch.randn(3, 3).to_sparse(), "b": torch.ones(1)}, "'w'", "to_dense()"),
+            "sparse_csr": ({"w": torch.randn(3, 3).to_sparse_csr()}, "'w'", "to_dense()"),
+            "nested": (
+                {"w": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])},
+                "'w'",
+                "to_padded_tensor",
+            ),
+            "meta_dict": ({"w": torch.empty(3, device="meta")}, "'w'", "to_empty(device="),
+            "meta_module": (torch.nn.Linear(4, 2, device="meta"), "'bias'", "to_empty(device="),
+            "quantized": (
+                {"q": torch.quantize_per_tensor(torch.randn(4), 0.1, 2, torch.qint8)},
+                "'q'",
+                "int_repr()",
+            ),
+        }
+
+
+@pytest.mark.parametrize("kind", sorted(_case13_refused()))
+def test_case13_unsupported_tensor_kinds_are_refused_naming_key_and_fix(kind: str) -> None:
+    """Case 13b: sparse, nested, meta and quantized tensors get InvalidWeightsError, not a torch error."""
+    weights, key, fix = _case13_refused()[kind]
+    with pytest.raises(raysync.InvalidWeightsError) as info:
+        extract_tensors(weights)
+    assert key in str(info.value) and fix in str(info.value), str(info.value)
+
+
+def test_case13_conjugate_and_negative_views_travel_as_their_values() -> None:
+    """Case 13b: ``x.conj()``, ``x.conj().imag`` and ``torch._neg_view`` arrive bit-exact as values."""
+    torch.manual_seed(3)
+    z = torch.randn(5, dtype=torch.complex64)
+    r = torch.randn(4, 3)
+    weights = {"conj": z.conj(), "neg_imag": z.conj().imag, "neg": torch._neg_view(r), "plain": r}
+    assert weights["conj"].is_conj() and weights["neg_imag"].is_neg() and weights["neg"].is_neg()
+    expected = {k: v.clone().resolve_conj().resolve_neg() for k, v in weights.items()}
+    assert torch.equal(expected["neg"], -r) and torch.equal(expected["conj"].imag, -z.imag)
+    tensors = extract_tensors(weights)
+    manifest = plan_layout(tensors)
+    back = unpack(manifest, pack(tensors, manifest))
+    assert_same_weights(back, expected)
+    # pack() alone resolves them too (it is public)
+    raw = dict(weights)
+    assert_same_weights(unpack(manifest, pack(raw, manifest)), expected)
