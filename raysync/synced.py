@@ -527,7 +527,7 @@ class _Subscription:
         missing = [b for b in bound.needed(ids) if b not in fetched]
         if missing:
             raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
-        bound.apply(fetched, ids)
+        bound.apply(fetched, ids, extra_state=manifest.extra_state)
         self.version = version
         return time.perf_counter() - t0
 
@@ -640,7 +640,9 @@ class _Subscription:
                     with self._write_lock():
                         bound = self.bound = BoundModel(self.module(), manifest)
                 ids = _ids(refs)
-                nbytes = receive_into(bound, refs, ids, timeout=self.spec.fetch_timeout)
+                nbytes = receive_into(
+                    bound, refs, ids, timeout=self.spec.fetch_timeout, extra_state=manifest.extra_state
+                )
                 with self._write_lock():
                     t1 = time.perf_counter()
                     if self.version is None or version > self.version:
@@ -712,7 +714,7 @@ class _Subscription:
                     ids = _ids(refs)
                     needed = bound.needed(ids, staging=True)
                     fetched = self._fetch(manifest, refs, needed)
-                    bound.stage(fetched, ids)
+                    bound.stage(fetched, ids, extra_state=manifest.extra_state)
                     self._staged = (version, ids, sum(manifest.bucket_nbytes[b] for b in needed))
                     del fetched
                     if self.spec.mode == "push":

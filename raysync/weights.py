@@ -25,10 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import functools
 import hashlib
+import logging
+import pickle
 import sys
 import warnings
 import zlib
@@ -50,14 +53,18 @@ from raysync.errors import (
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "EXTRA_STATE_MAX_BYTES",
     "BoundModel",
     "Manifest",
     "ReadOnlyTensor",
     "TensorEntry",
     "bucket_checksums",
     "cast_floating",
+    "extract_extra_state",
     "extract_tensors",
     "pack",
     "plan_layout",
@@ -72,6 +79,11 @@ __all__ = [
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 """Default bucket size: big enough that a version is a handful of copies."""
+
+EXTRA_STATE_MAX_BYTES = 2**20
+"""The most pickled extra state (``get_extra_state()``) one version may carry."""
+
+_EXTRA = "_extra_state"  # where state_dict() puts a module's get_extra_state() (torch's suffix)
 
 # Ray's serializer aligns out-of-band buffers like this (see ray/includes/serialization.pxi).
 _MAJOR_ALIGN = 64
@@ -122,6 +134,10 @@ class Manifest:
         transport: how the bucket bytes travel: ``"object_store"`` (each
             bucket a list of uint8 arrays in Ray's object store) or ``"nixl"``
             (each bucket one flat uint8 tensor sent by Ray's NIXL transport).
+        extra_state: ``(key, pickled object)`` per submodule with extra state
+            (``get_extra_state()``; the key is its ``state_dict()`` key, such
+            as ``"norm._extra_state"``), sorted by key. Not part of
+            ``layout_hash``: it may change from version to version.
 
     Example:
         >>> m = plan_layout({"w": torch.zeros(2, 3)})
@@ -134,6 +150,7 @@ class Manifest:
     layout_hash: str
     checksums: tuple[int, ...] | None = None
     transport: str = "object_store"
+    extra_state: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def num_buckets(self) -> int:
@@ -165,12 +182,55 @@ class Manifest:
         """A copy of this manifest for another transport (same layout)."""
         return dataclasses.replace(self, transport=transport)
 
+    def with_extra_state(self, states: Mapping[str, Any]) -> Manifest:
+        """A copy of this manifest carrying modules' extra state (see :func:`extract_extra_state`).
+
+        Each object is pickled here, so a version carries the state as it was
+        at push time.
+
+        Raises:
+            InvalidWeightsError: an object cannot be pickled, or all of them
+                take more than :data:`EXTRA_STATE_MAX_BYTES`.
+
+        Example:
+            >>> m = plan_layout({"w": torch.zeros(2)}).with_extra_state({"_extra_state": {"steps": 3}})
+            >>> m.extra_states()
+            {'_extra_state': {'steps': 3}}
+        """
+        if not states and not self.extra_state:
+            return self
+        pickled = []
+        for key in sorted(states):
+            try:
+                pickled.append((key, pickle.dumps(states[key], protocol=pickle.HIGHEST_PROTOCOL)))
+            except Exception as err:
+                raise InvalidWeightsError(
+                    f"the extra state of {key!r} (get_extra_state()) cannot be pickled: {err}; return "
+                    "plain Python objects and tensors from get_extra_state()"
+                ) from err
+        total = sum(len(b) for _, b in pickled)
+        if total > EXTRA_STATE_MAX_BYTES:
+            raise InvalidWeightsError(
+                f"the extra state of this version (get_extra_state() of {[k for k, _ in pickled][:5]}) "
+                f"takes {total} bytes pickled, more than {EXTRA_STATE_MAX_BYTES}: it travels with every "
+                "notification; register large state as buffers instead"
+            )
+        return dataclasses.replace(self, extra_state=tuple(pickled))
+
+    def extra_states(self) -> dict[str, Any]:
+        """The extra state objects this version carries, ``{state_dict key: object}`` (unpickled)."""
+        return {key: pickle.loads(data) for key, data in self.extra_state}
+
 
 # --------------------------------------------------------------------------- extract
 
 
 def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     """Flatten weights into ``{dotted_key: tensor}``, sorted by key.
+
+    A module's extra state (``get_extra_state()``, the ``"..._extra_state"``
+    entries of its state dict; also such entries of a state dict) is left
+    out: :func:`extract_extra_state` returns it.
 
     Args:
         weights: an ``nn.Module`` (its parameters and persistent buffers), a
@@ -192,13 +252,12 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     """
     flat: dict[str, torch.Tensor] = {}
     if isinstance(weights, torch.nn.Module):
-        for key, value in weights.state_dict(keep_vars=False).items():
-            flat[key] = value
+        flat = _module_tensors(weights, keep_vars=False)
     elif _is_tensordict(weights):
         for key, value in weights.flatten_keys(".").items():
             flat[str(key)] = value
     elif isinstance(weights, Mapping):
-        _flatten_mapping(weights, "", flat)
+        _flatten_mapping(weights, "", flat, {})
     else:
         raise InvalidWeightsError(
             f"cannot take weights from a {type(weights).__name__}: pass an nn.Module, "
@@ -238,18 +297,81 @@ def _packable(key: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def extract_extra_state(weights: WeightsLike) -> dict[str, Any]:
+    """The extra state of a module's submodules, ``{state_dict key: get_extra_state()}``, sorted.
+
+    For a module: every submodule whose class defines ``get_extra_state``.
+    For a state dict: its ``"..._extra_state"`` entries. A ``TensorDict``
+    has none. :meth:`Manifest.with_extra_state` packs the result into a
+    version; receivers hand each object to the submodule's
+    ``set_extra_state`` as part of applying that version.
+
+    Example:
+        >>> class Counter(torch.nn.Linear):
+        ...     def get_extra_state(self):
+        ...         return {"calls": 3}
+        ...     def set_extra_state(self, state):
+        ...         self.calls = state["calls"]
+        >>> extract_extra_state(torch.nn.Sequential(Counter(2, 2)))
+        {'0._extra_state': {'calls': 3}}
+    """
+    if isinstance(weights, torch.nn.Module):
+        owners = _extra_state_owners(weights)
+        return {key: owners[key].get_extra_state() for key in sorted(owners)}
+    if isinstance(weights, Mapping) and not _is_tensordict(weights):
+        extras: dict[str, Any] = {}
+        _flatten_mapping(weights, "", {}, extras)
+        return {key: extras[key] for key in sorted(extras)}
+    return {}
+
+
+def _is_extra_key(key: str) -> bool:
+    return key.rpartition(".")[2] == _EXTRA
+
+
+def _extra_state_owners(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{"<prefix>._extra_state": submodule}`` for the submodules ``state_dict()`` asks for extra state."""
+    base = torch.nn.Module.get_extra_state
+    return {
+        f"{name}.{_EXTRA}" if name else _EXTRA: sub
+        for name, sub in module.named_modules(remove_duplicate=False)
+        if getattr(type(sub), "get_extra_state", base) is not base  # as state_dict() decides
+    }
+
+
+def _module_tensors(module: torch.nn.Module, *, keep_vars: bool) -> dict[str, torch.Tensor]:
+    """A module's state dict without its extra state entries."""
+    state = module.state_dict(keep_vars=keep_vars)
+    extra = _extra_state_owners(module) if any(_is_extra_key(k) for k in state) else {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key in extra:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise InvalidWeightsError(
+                f"{type(module).__name__}.state_dict()[{key!r}] is a {type(value).__name__}, not a "
+                "tensor: only parameters, buffers and get_extra_state() can be pushed"
+            )
+        out[key] = value
+    return out
+
+
 def _is_tensordict(value: Any) -> bool:
     # Only an imported tensordict can have made a TensorDict: no need to import it to check.
     module = sys.modules.get("tensordict")
     return module is not None and isinstance(value, module.TensorDictBase)
 
 
-def _flatten_mapping(mapping: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
+def _flatten_mapping(
+    mapping: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], extras: dict[str, Any]
+) -> None:
     for key, value in mapping.items():
         if not isinstance(key, str):
             raise InvalidWeightsError(f"weight keys must be strings, got {key!r} ({type(key).__name__})")
         name = f"{prefix}{key}"
-        if isinstance(value, torch.Tensor):
+        if _is_extra_key(key):  # a module's get_extra_state(), as state_dict() stores it
+            extras[name] = value
+        elif isinstance(value, torch.Tensor):
             if name in out:
                 raise InvalidWeightsError(f"key {name!r} appears twice (nested and dotted)")
             out[name] = value
@@ -257,7 +379,7 @@ def _flatten_mapping(mapping: Mapping[Any, Any], prefix: str, out: dict[str, tor
             for sub, tensor in value.flatten_keys(".").items():
                 out[f"{name}.{sub}"] = tensor
         elif isinstance(value, Mapping):
-            _flatten_mapping(value, name + ".", out)
+            _flatten_mapping(value, name + ".", out, extras)
         else:
             raise InvalidWeightsError(
                 f"weight {name!r} is a {type(value).__name__}, not a tensor: "
@@ -615,6 +737,14 @@ class BoundModel:
     A second set of buffers (``stage`` then ``swap``) lets a version be copied
     in while the module is in use, and be made current by re-pointing.
 
+    Extra state (``get_extra_state``/``set_extra_state``) is not in the
+    buckets: pass a version's ``Manifest.extra_state`` to :meth:`apply`,
+    :meth:`stage`, :meth:`mark_staged` or :meth:`adopt`, and each submodule's
+    ``set_extra_state`` gets its object in the same step that makes the
+    tensors current (before them: if one raises, those already set get their
+    previous state back and the tensors do not change). A version without
+    extra state leaves the module's own as it is.
+
     Example:
         >>> model = torch.nn.Linear(4, 2)
         >>> src = torch.nn.Linear(4, 2)
@@ -637,6 +767,7 @@ class BoundModel:
         self.ids: list[str | None] = [None] * manifest.num_buckets  # what the live buffers hold
         self._spare: list[torch.Tensor] = []
         self.spare_ids: list[str | None] = [None] * manifest.num_buckets
+        self._spare_extra: list[tuple[str, torch.nn.Module, Any]] = []  # the staged version's extra state
         if not view:
             self._flat = self._allocate()
             with torch.no_grad():
@@ -677,19 +808,33 @@ class BoundModel:
         self,
         buckets: Mapping[int, Sequence[np.ndarray]] | Sequence[Sequence[np.ndarray]],
         ids: Sequence[str | None] | None = None,
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
     ) -> None:
         """Make the module hold the bytes of ``buckets`` (same layout as the binding).
 
         ``buckets`` maps bucket index to its arrays (or is a list of all of
         them); buckets left out must be ones the module already holds. Call
         :func:`validate` and :func:`verify_checksums` first; after them
-        nothing here can fail part-way.
+        nothing here can fail part-way, but for a ``set_extra_state`` that
+        raises (then nothing changes).
+
+        Args:
+            buckets: the version's buckets (or those the module lacks).
+            ids: an identity per bucket (see :meth:`needed`).
+            extra_state: the version's ``Manifest.extra_state``.
+
+        Raises:
+            WeightMismatchError: ``extra_state`` names a submodule the module
+                lacks, or one without ``set_extra_state``.
         """
         by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
         ids = list(ids) if ids is not None else [None] * self.manifest.num_buckets
+        extras = _extra_targets(self.module, extra_state)  # unpickled and checked before any change
         if self.view:
             all_buckets = [by_index[b] for b in range(self.manifest.num_buckets)]
             tensors = unpack(self.manifest, all_buckets, read_only=True)
+            _set_extra_state(extras)
             for key, t in tensors.items():
                 owner, name, is_param = self._slots[key]
                 if is_param:
@@ -700,14 +845,26 @@ class BoundModel:
             self._held = all_buckets
             self.ids = ids
             return
+        _set_extra_state(extras)
         self._copy_into(self._flat, by_index)
         for b in by_index:
             self.ids[b] = ids[b]
 
-    def stage(self, buckets: Mapping[int, Sequence[np.ndarray]], ids: Sequence[str | None]) -> None:
-        """Copy a version into the spare buffers (the module keeps using the live ones)."""
+    def stage(
+        self,
+        buckets: Mapping[int, Sequence[np.ndarray]],
+        ids: Sequence[str | None],
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        """Copy a version into the spare buffers (the module keeps using the live ones).
+
+        ``extra_state`` (the version's ``Manifest.extra_state``) is unpickled
+        here and set by :meth:`swap`.
+        """
         if self.view:
             raise RuntimeError("staging needs apply='copy'")
+        extras = _extra_targets(self.module, extra_state)
         if not self._spare:
             self._spare = self._allocate()
             self.spare_ids = [None] * self.manifest.num_buckets
@@ -717,6 +874,7 @@ class BoundModel:
         self._copy_into(self._spare, buckets)
         for b in buckets:
             self.spare_ids[b] = ids[b]
+        self._spare_extra = extras
 
     def buffers(self, *, spare: bool = False) -> list[torch.Tensor]:
         """The flat bucket buffers (live, or the spare set, allocated on first use)."""
@@ -727,16 +885,34 @@ class BoundModel:
             self.spare_ids = [None] * self.manifest.num_buckets
         return self._spare if spare else self._flat
 
-    def mark_staged(self, indices: Sequence[int], ids: Sequence[str | None]) -> None:
-        """Record that the spare buffers now hold ``ids`` for these buckets (filled from outside)."""
+    def mark_staged(
+        self,
+        indices: Sequence[int],
+        ids: Sequence[str | None],
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        """Record that the spare buffers now hold ``ids`` for these buckets (filled from outside).
+
+        ``extra_state`` is the staged version's ``Manifest.extra_state``, set by :meth:`swap`.
+        """
+        extras = _extra_targets(self.module, extra_state)
         for b in indices:
             self.spare_ids[b] = ids[b]
+        self._spare_extra = extras
 
-    def adopt(self, flat: Sequence[torch.Tensor], ids: Sequence[str | None] | None = None) -> None:
+    def adopt(
+        self,
+        flat: Sequence[torch.Tensor],
+        ids: Sequence[str | None] | None = None,
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
         """Make outside buffers (one flat uint8 tensor per bucket) live: re-point, no copy.
 
         The ``Parameter`` objects stay the same; the caller keeps ``flat``
         unchanged while the module uses it (e.g. a shared-memory snapshot).
+        ``extra_state`` is the version's ``Manifest.extra_state``.
         """
         if self.view:
             raise RuntimeError("adopt() needs apply='copy'")
@@ -745,12 +921,15 @@ class BoundModel:
             raise ValueError(
                 f"adopt() needs uint8 buffers of {list(self.manifest.bucket_nbytes)} bytes, got {sizes}"
             )
+        _set_extra_state(_extra_targets(self.module, extra_state))
         self._point_at(list(flat))
         self._flat = list(flat)
         self.ids = list(ids) if ids is not None else [None] * self.manifest.num_buckets
 
     def swap(self) -> None:
-        """Make the staged version current: re-point every parameter, no copy."""
+        """Make the staged version current: set its extra state, re-point every parameter, no copy."""
+        _set_extra_state(self._spare_extra)
+        self._spare_extra = []
         self._point_at(self._spare)
         self._flat, self._spare = self._spare, self._flat
         self.ids, self.spare_ids = self.spare_ids, self.ids
@@ -770,9 +949,74 @@ class BoundModel:
                             flat[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
 
 
+def _extra_targets(
+    module: torch.nn.Module, extra_state: Sequence[tuple[str, bytes]]
+) -> list[tuple[str, torch.nn.Module, Any]]:
+    """``(key, submodule, object)`` for a version's extra state; raises before anything changes."""
+    if not extra_state:
+        return []
+    base = torch.nn.Module.set_extra_state
+    targets: list[tuple[str, torch.nn.Module, bytes]] = []
+    unexpected: list[str] = []
+    for key, data in extra_state:
+        prefix = key[: -len(_EXTRA)].rstrip(".")
+        try:
+            sub = module.get_submodule(prefix) if prefix else module
+        except AttributeError:
+            unexpected.append(key)
+            continue
+        if getattr(type(sub), "set_extra_state", base) is base:
+            unexpected.append(key)
+            continue
+        targets.append((key, sub, data))
+    if unexpected:
+        raise WeightMismatchError(
+            f"weights do not match the model: the version carries extra state for {_short(unexpected)}, "
+            f"which {type(module).__name__} has no submodule with set_extra_state() for",
+            unexpected=unexpected,
+        )
+    out = []
+    for key, sub, data in targets:
+        try:
+            out.append((key, sub, pickle.loads(data)))
+        except Exception as err:
+            raise InvalidWeightsError(
+                f"the extra state of {key!r} cannot be unpickled here ({type(err).__name__}: {err}): "
+                "the classes it holds must be importable in every receiver"
+            ) from err
+    return out
+
+
+def _set_extra_state(targets: Sequence[tuple[str, torch.nn.Module, Any]]) -> None:
+    """Hand each submodule its object; if one raises, put the earlier ones back, then re-raise."""
+    base = torch.nn.Module.get_extra_state
+    done: list[tuple[torch.nn.Module, Any]] = []
+    try:
+        for _key, sub, state in targets:
+            has_state = getattr(type(sub), "get_extra_state", base) is not base
+            before = copy.deepcopy(sub.get_extra_state()) if has_state else None
+            sub.set_extra_state(state)
+            if has_state:
+                done.append((sub, before))
+    except Exception:
+        for sub, before in reversed(done):
+            try:
+                sub.set_extra_state(before)
+            except Exception as err:  # keep the first error; this one only gets logged
+                logger.warning("could not restore the extra state of %s: %s", type(sub).__name__, err)
+        raise
+
+
 def module_schema(module: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{key: (shape, dtype)}`` of a module's state dict (parameters and persistent buffers)."""
-    return schema_of(module.state_dict(keep_vars=True))
+    """``{key: (shape, dtype)}`` of a module's state dict (parameters and persistent buffers).
+
+    Extra state (``"..._extra_state"`` entries) is not part of it.
+
+    Example:
+        >>> module_schema(torch.nn.Linear(2, 1))
+        {'weight': ((1, 2), 'float32'), 'bias': ((1,), 'float32')}
+    """
+    return schema_of(_module_tensors(module, keep_vars=True))
 
 
 def _slot(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, bool]:

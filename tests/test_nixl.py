@@ -82,3 +82,8 @@ def test_case6_verifying_subscribers_refuse_nixl_versions(nixl_hub: raysync.HubC
         nixl_hub.wait(v, timeout=30)
     assert ray.get(careful.raysync_version.remote()) is None
     assert_same_weights(ray.get(trusting.weights.remote()), src.state_dict())
+
+
+def test_case13_extra_state_travels_over_nixl(nixl_hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 13a: a NIXL version carries the module's extra state too; the swap sets it."""
+    test_synced.check_extra_state_travels(nixl_hub, [test_synced._counted_subscriber(hub_name)])

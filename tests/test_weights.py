@@ -14,9 +14,12 @@ from raysync.weights import (
     BoundModel,
     ReadOnlyTensor,
     bucket_checksums,
+    extract_extra_state,
     extract_tensors,
+    module_schema,
     pack,
     plan_layout,
+    schema_of,
     to_tensordict,
     unpack,
     validate,
@@ -370,3 +373,108 @@ def test_case13_conjugate_and_negative_views_travel_as_their_values() -> None:
     # pack() alone resolves them too (it is public)
     raw = dict(weights)
     assert_same_weights(unpack(manifest, pack(raw, manifest)), expected)
+
+
+class _Tracker(torch.nn.Module):
+    """A submodule with extra state (a dict) next to a buffer."""
+
+    def __init__(self, fail_on: object = None) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(3))
+        self.counter: dict[str, object] = {"steps": 0}
+        self.fail_on = fail_on
+
+    def get_extra_state(self) -> dict[str, object]:
+        return dict(self.counter)
+
+    def set_extra_state(self, state: dict[str, object]) -> None:
+        if state.get("steps") == self.fail_on:
+            raise RuntimeError(f"refusing steps={self.fail_on}")
+        self.counter = dict(state)
+
+
+def _tracked(steps: int = 0, *, fail_on: object = None) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), _Tracker(fail_on), _Tracker(fail_on))
+    with torch.no_grad():
+        model[0].weight.fill_(float(steps))
+    model[1].counter = {"steps": steps, "who": "first"}
+    model[2].counter = {"steps": steps, "who": "second"}
+    return model
+
+
+def test_case13_extra_state_is_kept_apart_from_the_tensors() -> None:
+    """Case 13a: ``_extra_state`` entries are not tensors to push, but extra state that travels."""
+    model = _tracked(5)
+    tensors = extract_tensors(model)
+    assert list(tensors) == ["0.bias", "0.weight", "1.scale", "2.scale"]
+    assert extract_extra_state(model) == {
+        "1._extra_state": {"steps": 5, "who": "first"},
+        "2._extra_state": {"steps": 5, "who": "second"},
+    }
+    assert module_schema(model) == schema_of(tensors)
+    # The same from the module's state dict (nested or dotted).
+    state = model.state_dict()
+    assert list(extract_tensors(state)) == list(tensors)
+    assert extract_extra_state(state) == extract_extra_state(model)
+    assert extract_extra_state({"w": torch.ones(1)}) == {}
+    # Extra state is not structure: the layout hash ignores it.
+    manifest = plan_layout(tensors)
+    with_state = manifest.with_extra_state(extract_extra_state(model))
+    assert with_state.layout_hash == manifest.layout_hash
+    assert with_state.extra_states() == extract_extra_state(model)
+    with pytest.raises(raysync.InvalidWeightsError, match="cannot be pickled"):
+        manifest.with_extra_state({"1._extra_state": lambda: 0})
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
+def test_case13_bound_model_applies_extra_state_with_the_version(view: bool) -> None:
+    """Case 13a: applying a version sets its extra state too, in copy and view mode."""
+    dst = _tracked(0)
+    for steps in (1, 2):
+        src = _tracked(steps)
+        tensors = extract_tensors(src)
+        manifest = plan_layout(tensors).with_extra_state(extract_extra_state(src))
+        bound = BoundModel(dst, manifest, view=view)
+        bound.apply(pack(tensors, manifest), extra_state=manifest.extra_state)
+        assert_same_weights(extract_tensors(dst), tensors)
+        assert extract_extra_state(dst) == extract_extra_state(src)
+
+
+def test_case13_extra_state_through_stage_swap_and_adopt() -> None:
+    """Case 13a: the staged version's extra state is set by swap(); adopt() sets it too."""
+    dst = _tracked(0)
+    src = _tracked(3)
+    tensors = extract_tensors(src)
+    manifest = plan_layout(tensors).with_extra_state(extract_extra_state(src))
+    bound = BoundModel(dst, manifest)
+    buckets = dict(enumerate(pack(tensors, manifest)))
+    bound.stage(buckets, ["v3"] * manifest.num_buckets, extra_state=manifest.extra_state)
+    assert extract_extra_state(dst)["1._extra_state"]["steps"] == 0  # staged, not yet current
+    bound.swap()
+    assert extract_extra_state(dst) == extract_extra_state(src)
+    assert_same_weights(extract_tensors(dst), tensors)
+    src4 = _tracked(4)
+    flat = [buf.clone() for buf in BoundModel(src4, manifest).buffers()]  # src4's bytes, laid out
+    bound.adopt(flat, extra_state=manifest.with_extra_state(extract_extra_state(src4)).extra_state)
+    assert extract_extra_state(dst) == extract_extra_state(src4)
+    assert_same_weights(extract_tensors(dst), extract_tensors(src4))
+
+
+def test_case13_failed_set_extra_state_changes_nothing() -> None:
+    """Case 13a: if a set_extra_state raises, the others are put back and the tensors stay."""
+    dst = _tracked(0, fail_on=7)
+    before_tensors = {k: v.clone() for k, v in extract_tensors(dst).items()}
+    before_state = extract_extra_state(dst)
+    src = _tracked(7)
+    src[1].counter = {"steps": 6, "who": "first"}  # the first one accepts, the second refuses
+    tensors = extract_tensors(src)
+    manifest = plan_layout(tensors).with_extra_state(extract_extra_state(src))
+    with pytest.raises(RuntimeError, match="refusing steps=7"):
+        BoundModel(dst, manifest).apply(pack(tensors, manifest), extra_state=manifest.extra_state)
+    assert extract_extra_state(dst) == before_state
+    assert_same_weights(extract_tensors(dst), before_tensors)
+    # Extra state for a module the receiver lacks is a mismatch, found before anything changes.
+    odd = manifest.with_extra_state({"9._extra_state": {"steps": 1}})
+    with pytest.raises(raysync.WeightMismatchError, match=r"'9\._extra_state'"):
+        BoundModel(dst, manifest).apply(pack(tensors, manifest), extra_state=odd.extra_state)
+    assert extract_extra_state(dst) == before_state
