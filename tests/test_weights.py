@@ -174,6 +174,33 @@ def test_checksums_catch_a_flipped_byte() -> None:
         verify_checksums(manifest, corrupt)
 
 
+_CASE4_VIEWS = {
+    "T": lambda w: w.T,
+    "reshape": lambda w: w.reshape(-1),
+    "einsum_transpose": lambda w: torch.einsum("ij->ji", w),
+    "broadcast_to": lambda w: torch.broadcast_to(w[:1], (4, 3)),
+    "chunk": lambda w: torch.chunk(w, 2)[0],
+    "unbind": lambda w: w.unbind(0)[1],
+    "getitem": lambda w: w[1:, ::2],
+    "aten_alias": lambda w: torch.ops.aten.alias(w),
+    "detach_data": lambda w: w.detach().data,
+    "contiguous": lambda w: w.contiguous(),
+}
+
+
+@pytest.mark.parametrize("view", sorted(_CASE4_VIEWS))
+def test_case4_view_guard_views_of_weights_stay_read_only(view: str) -> None:
+    """Case 4: skipping the alias check for ops that return new memory still wraps every view."""
+    model = torch.nn.Linear(3, 4)
+    _shared_view(model)
+    out = _CASE4_VIEWS[view](model.weight)
+    assert isinstance(out, ReadOnlyTensor)
+    with pytest.raises(raysync.ReadOnlyWeightsError):
+        out.add_(1)
+    fresh = model.weight.detach() @ torch.ones(3)  # new memory: an ordinary tensor
+    assert type(fresh) is torch.Tensor
+
+
 def test_case6_verify_refuses_a_manifest_without_checksums() -> None:
     """Case 6: verifying a version pushed without checksums refuses it and names the fix."""
     tensors = {"w": torch.randn(10)}
