@@ -340,6 +340,8 @@ def test_case4_view_guard_lets_reads_and_out_of_place_ops_through() -> None:
     assert type(added[0]) is torch.Tensor
     plain = torch.empty(3)
     torch.add(model.bias, 1, out=plain)  # out= into an ordinary tensor
+    torch._foreach_add_([plain], [model.bias])  # read-only tensors in a list that is only read
+    plain[:] = model.bias  # ... or as the value of an assignment
     grads = [p.grad for p in model.parameters()]
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)  # writes gradients, not weights
     assert all(g is not None for g in grads)
