@@ -114,6 +114,9 @@ class UnknownModelError(RaySyncError, KeyError):
 class ChecksumError(RaySyncError, ValueError):
     """A received bucket's bytes do not match the checksum taken at push time.
 
+    Also raised to a ``verify=True`` subscriber for a version that carries no
+    checksums (pushed with ``checksum=False``, or over NIXL): it is refused.
+
     Example:
         >>> hub.push(model, checksum=True)  # doctest: +SKIP
     """

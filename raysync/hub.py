@@ -58,6 +58,7 @@ from raysync.weights import (
     Manifest,
     bucket_checksums,
     cast_floating,
+    extract_extra_state,
     extract_tensors,
     pack,
     plan_layout,
@@ -1313,6 +1314,7 @@ class HubClient:
                 )
             self._separate[model_id] = frozenset(selected)
         manifest = self._layout(tensors, bucket_bytes, self._separate.get(model_id, frozenset()))
+        manifest = manifest.with_extra_state(extract_extra_state(weights))  # get_extra_state(), pickled
         if transport == "nixl":
             manifest = manifest.with_transport("nixl")
         capacity = _store_capacity() if transport == "object_store" else None
@@ -1548,7 +1550,10 @@ class HubClient:
     def pull(self, model_id: str = "policy", version: int | None = None) -> TensorDict:
         """The weights of a kept version (newest by default), as a nested TensorDict.
 
-        The tensors are private copies: change them freely.
+        The tensors are private copies: change them freely. Modules' extra
+        state (``get_extra_state()``) is not in the TensorDict; it travels in
+        the version's manifest and subscribers' modules get it
+        (``raysync.weights.Manifest.extra_states()``).
 
         Raises:
             UnknownModelError: nothing pushed for ``model_id``, or ``version`` not kept.

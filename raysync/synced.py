@@ -46,7 +46,7 @@ from raysync._store_pages import populate_store_mapping
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.hub import DEFAULT_HUB, DEFAULT_NAMESPACE, call_hub, call_hub_async, get_hub_actor
 from raysync.transports.nixl import receive_into
-from raysync.weights import BoundModel, Manifest, module_schema, validate, verify_checksums
+from raysync.weights import BoundModel, Manifest, module_schema, require_checksums, validate, verify_checksums
 
 __all__ = ["RayModuleTransform", "synced_model"]
 
@@ -631,7 +631,7 @@ class _Subscription:
             missing = [b for b in bound.needed(ids) if b not in fetched]
             if missing:
                 raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
-            bound.apply(fetched, ids)
+            bound.apply(fetched, ids, extra_state=manifest.extra_state)
             self.version = version
         return time.perf_counter() - t0
 
@@ -797,6 +797,8 @@ class _Subscription:
                     "over NIXL (push with transport='object_store' or use apply='copy')"
                 )
             self.check_binding()
+            if self.spec.verify:
+                require_checksums(manifest)  # NIXL versions carry none: refused, not taken unchecked
             with self._stage_lock:
                 if self.version is not None and version <= self.version:
                     return {"applied": self.version, "skipped": version}
@@ -806,7 +808,9 @@ class _Subscription:
                     with self._write_lock(), self._binding_lock:
                         bound = self.bound = BoundModel(self.module(), manifest)
                 ids = _ids(refs)
-                nbytes = receive_into(bound, refs, ids, timeout=self.spec.fetch_timeout)
+                nbytes = receive_into(
+                    bound, refs, ids, timeout=self.spec.fetch_timeout, extra_state=manifest.extra_state
+                )
                 with self._write_lock(), self._binding_lock:
                     t1 = time.perf_counter()
                     if self.bound is bound and (self.version is None or version > self.version):
@@ -878,7 +882,7 @@ class _Subscription:
                     ids = _ids(refs)
                     needed = bound.needed(ids, staging=True)
                     fetched = self._fetch(manifest, refs, needed)
-                    bound.stage(fetched, ids)
+                    bound.stage(fetched, ids, extra_state=manifest.extra_state)
                     self._staged = (version, ids, sum(manifest.bucket_nbytes[b] for b in needed))
                     del fetched
                     if self.spec.mode == "push":

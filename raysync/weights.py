@@ -25,15 +25,20 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
+import functools
 import hashlib
+import logging
+import pickle
 import sys
 import warnings
 import zlib
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import BuiltinFunctionType, MethodDescriptorType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,17 +53,22 @@ from raysync.errors import (
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "EXTRA_STATE_MAX_BYTES",
     "BoundModel",
     "Manifest",
     "ReadOnlyTensor",
     "TensorEntry",
     "bucket_checksums",
     "cast_floating",
+    "extract_extra_state",
     "extract_tensors",
     "pack",
     "plan_layout",
+    "require_checksums",
     "same_bytes",
     "schema_of",
     "to_tensordict",
@@ -69,6 +79,11 @@ __all__ = [
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 """Default bucket size: big enough that a version is a handful of copies."""
+
+EXTRA_STATE_MAX_BYTES = 2**20
+"""The most pickled extra state (``get_extra_state()``) one version may carry."""
+
+_EXTRA = "_extra_state"  # where state_dict() puts a module's get_extra_state() (torch's suffix)
 
 # Ray's serializer aligns out-of-band buffers like this (see ray/includes/serialization.pxi).
 _MAJOR_ALIGN = 64
@@ -119,6 +134,10 @@ class Manifest:
         transport: how the bucket bytes travel: ``"object_store"`` (each
             bucket a list of uint8 arrays in Ray's object store) or ``"nixl"``
             (each bucket one flat uint8 tensor sent by Ray's NIXL transport).
+        extra_state: ``(key, pickled object)`` per submodule with extra state
+            (``get_extra_state()``; the key is its ``state_dict()`` key, such
+            as ``"norm._extra_state"``), sorted by key. Not part of
+            ``layout_hash``: it may change from version to version.
 
     Example:
         >>> m = plan_layout({"w": torch.zeros(2, 3)})
@@ -131,6 +150,7 @@ class Manifest:
     layout_hash: str
     checksums: tuple[int, ...] | None = None
     transport: str = "object_store"
+    extra_state: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def num_buckets(self) -> int:
@@ -162,6 +182,45 @@ class Manifest:
         """A copy of this manifest for another transport (same layout)."""
         return dataclasses.replace(self, transport=transport)
 
+    def with_extra_state(self, states: Mapping[str, Any]) -> Manifest:
+        """A copy of this manifest carrying modules' extra state (see :func:`extract_extra_state`).
+
+        Each object is pickled here, so a version carries the state as it was
+        at push time.
+
+        Raises:
+            InvalidWeightsError: an object cannot be pickled, or all of them
+                take more than :data:`EXTRA_STATE_MAX_BYTES`.
+
+        Example:
+            >>> m = plan_layout({"w": torch.zeros(2)}).with_extra_state({"_extra_state": {"steps": 3}})
+            >>> m.extra_states()
+            {'_extra_state': {'steps': 3}}
+        """
+        if not states and not self.extra_state:
+            return self
+        pickled = []
+        for key in sorted(states):
+            try:
+                pickled.append((key, pickle.dumps(states[key], protocol=pickle.HIGHEST_PROTOCOL)))
+            except Exception as err:
+                raise InvalidWeightsError(
+                    f"the extra state of {key!r} (get_extra_state()) cannot be pickled: {err}; return "
+                    "plain Python objects and tensors from get_extra_state()"
+                ) from err
+        total = sum(len(b) for _, b in pickled)
+        if total > EXTRA_STATE_MAX_BYTES:
+            raise InvalidWeightsError(
+                f"the extra state of this version (get_extra_state() of {[k for k, _ in pickled][:5]}) "
+                f"takes {total} bytes pickled, more than {EXTRA_STATE_MAX_BYTES}: it travels with every "
+                "notification; register large state as buffers instead"
+            )
+        return dataclasses.replace(self, extra_state=tuple(pickled))
+
+    def extra_states(self) -> dict[str, Any]:
+        """The extra state objects this version carries, ``{state_dict key: object}`` (unpickled)."""
+        return {key: pickle.loads(data) for key, data in self.extra_state}
+
 
 # --------------------------------------------------------------------------- extract
 
@@ -169,15 +228,23 @@ class Manifest:
 def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     """Flatten weights into ``{dotted_key: tensor}``, sorted by key.
 
+    A module's extra state (``get_extra_state()``, the ``"..._extra_state"``
+    entries of its state dict; also such entries of a state dict) is left
+    out: :func:`extract_extra_state` returns it.
+
     Args:
         weights: an ``nn.Module`` (its parameters and persistent buffers), a
             ``TensorDict``, or a nested or dotted state dict.
 
     Returns:
-        The tensors, detached, in canonical (sorted) key order. No copy.
+        The tensors, detached, in canonical (sorted) key order. No copy,
+        except that conjugate and negative views (``x.conj()``,
+        ``x.conj().imag``) are resolved to their values.
 
     Raises:
-        InvalidWeightsError: the weights are empty or hold a non-tensor leaf.
+        InvalidWeightsError: the weights are empty, hold a non-tensor leaf, or
+            a tensor whose bytes alone are not its value: sparse, nested,
+            meta or quantized (the message names the key and the fix).
 
     Example:
         >>> list(extract_tensors({"a": {"b": torch.ones(1)}, "c.d": torch.zeros(2)}))
@@ -185,13 +252,12 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     """
     flat: dict[str, torch.Tensor] = {}
     if isinstance(weights, torch.nn.Module):
-        for key, value in weights.state_dict(keep_vars=False).items():
-            flat[key] = value
+        flat = _module_tensors(weights, keep_vars=False)
     elif _is_tensordict(weights):
         for key, value in weights.flatten_keys(".").items():
             flat[str(key)] = value
     elif isinstance(weights, Mapping):
-        _flatten_mapping(weights, "", flat)
+        _flatten_mapping(weights, "", flat, {})
     else:
         raise InvalidWeightsError(
             f"cannot take weights from a {type(weights).__name__}: pass an nn.Module, "
@@ -202,7 +268,92 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
             "no tensors to push: the weights are empty (a module without parameters or "
             "buffers, or an empty dict)"
         )
-    return {key: flat[key].detach() for key in sorted(flat)}
+    return {key: _packable(key, flat[key].detach()) for key in sorted(flat)}
+
+
+def _packable(key: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as plain strided memory whose bytes are its value, or a clear refusal."""
+    if t.layout != torch.strided or t.is_nested:
+        raise InvalidWeightsError(
+            f"weight {key!r} is a {'nested' if t.is_nested else 'sparse'} tensor ({t.layout}): raysync "
+            "moves dense tensors only; push t.to_dense() (or t.to_padded_tensor(0.0) for a nested one), "
+            "or keep a dense copy in the module"
+        )
+    if t.is_meta:
+        raise InvalidWeightsError(
+            f"weight {key!r} is on the meta device and holds no data: materialise the model first "
+            "(e.g. module.to_empty(device='cpu'), then initialise or load its weights), then push"
+        )
+    if t.is_quantized:
+        raise InvalidWeightsError(
+            f"weight {key!r} is quantized ({t.dtype}): its scale and zero point would be lost; push "
+            "t.dequantize(), or push t.int_repr() with its scale and zero point as tensors of their own "
+            "(t.q_scale(), t.q_zero_point(); per channel: t.q_per_channel_scales(), "
+            "t.q_per_channel_zero_points())"
+        )
+    if t.is_conj() or t.is_neg():
+        # A lazy view: its memory holds the un-conjugated / un-negated values.
+        t = t.resolve_conj().resolve_neg()
+    return t
+
+
+def extract_extra_state(weights: WeightsLike) -> dict[str, Any]:
+    """The extra state of a module's submodules, ``{state_dict key: get_extra_state()}``, sorted.
+
+    For a module: every submodule whose class defines ``get_extra_state``.
+    For a state dict: its ``"..._extra_state"`` entries. A ``TensorDict``
+    has none. :meth:`Manifest.with_extra_state` packs the result into a
+    version; receivers hand each object to the submodule's
+    ``set_extra_state`` as part of applying that version.
+
+    Example:
+        >>> class Counter(torch.nn.Linear):
+        ...     def get_extra_state(self):
+        ...         return {"calls": 3}
+        ...     def set_extra_state(self, state):
+        ...         self.calls = state["calls"]
+        >>> extract_extra_state(torch.nn.Sequential(Counter(2, 2)))
+        {'0._extra_state': {'calls': 3}}
+    """
+    if isinstance(weights, torch.nn.Module):
+        owners = _extra_state_owners(weights)
+        return {key: owners[key].get_extra_state() for key in sorted(owners)}
+    if isinstance(weights, Mapping) and not _is_tensordict(weights):
+        extras: dict[str, Any] = {}
+        _flatten_mapping(weights, "", {}, extras)
+        return {key: extras[key] for key in sorted(extras)}
+    return {}
+
+
+def _is_extra_key(key: str) -> bool:
+    return key.rpartition(".")[2] == _EXTRA
+
+
+def _extra_state_owners(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{"<prefix>._extra_state": submodule}`` for the submodules ``state_dict()`` asks for extra state."""
+    base = torch.nn.Module.get_extra_state
+    return {
+        f"{name}.{_EXTRA}" if name else _EXTRA: sub
+        for name, sub in module.named_modules(remove_duplicate=False)
+        if getattr(type(sub), "get_extra_state", base) is not base  # as state_dict() decides
+    }
+
+
+def _module_tensors(module: torch.nn.Module, *, keep_vars: bool) -> dict[str, torch.Tensor]:
+    """A module's state dict without its extra state entries."""
+    state = module.state_dict(keep_vars=keep_vars)
+    extra = _extra_state_owners(module) if any(_is_extra_key(k) for k in state) else {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key in extra:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise InvalidWeightsError(
+                f"{type(module).__name__}.state_dict()[{key!r}] is a {type(value).__name__}, not a "
+                "tensor: only parameters, buffers and get_extra_state() can be pushed"
+            )
+        out[key] = value
+    return out
 
 
 def _is_tensordict(value: Any) -> bool:
@@ -211,12 +362,16 @@ def _is_tensordict(value: Any) -> bool:
     return module is not None and isinstance(value, module.TensorDictBase)
 
 
-def _flatten_mapping(mapping: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
+def _flatten_mapping(
+    mapping: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor], extras: dict[str, Any]
+) -> None:
     for key, value in mapping.items():
         if not isinstance(key, str):
             raise InvalidWeightsError(f"weight keys must be strings, got {key!r} ({type(key).__name__})")
         name = f"{prefix}{key}"
-        if isinstance(value, torch.Tensor):
+        if _is_extra_key(key):  # a module's get_extra_state(), as state_dict() stores it
+            extras[name] = value
+        elif isinstance(value, torch.Tensor):
             if name in out:
                 raise InvalidWeightsError(f"key {name!r} appears twice (nested and dotted)")
             out[name] = value
@@ -224,7 +379,7 @@ def _flatten_mapping(mapping: Mapping[Any, Any], prefix: str, out: dict[str, tor
             for sub, tensor in value.flatten_keys(".").items():
                 out[f"{name}.{sub}"] = tensor
         elif isinstance(value, Mapping):
-            _flatten_mapping(value, name + ".", out)
+            _flatten_mapping(value, name + ".", out, extras)
         else:
             raise InvalidWeightsError(
                 f"weight {name!r} is a {type(value).__name__}, not a tensor: "
@@ -356,6 +511,8 @@ def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[n
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # the bytes of a lazy view are not its values
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
@@ -382,6 +539,35 @@ def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]
     return tuple(out)
 
 
+def require_checksums(manifest: Manifest) -> None:
+    """Raise :class:`ChecksumError` unless the version carries checksums to verify.
+
+    A subscriber that asked to verify (``verify=True``) must not take a
+    version it cannot check: the pusher left the checksums out
+    (``checksum=False``), or the version came over NIXL, which has none.
+
+    Example:
+        >>> require_checksums(plan_layout({"w": torch.ones(2)}))
+        Traceback (most recent call last):
+        ...
+        raysync.errors.ChecksumError: this version (layout ...) carries no checksums, ...
+    """
+    if manifest.checksums is not None:
+        return
+    if manifest.transport == "nixl":
+        raise ChecksumError(
+            f"this version (layout {manifest.layout_hash}) came over NIXL, which carries no checksums "
+            "(hub.push(..., transport='nixl') refuses checksum=), so a verify=True subscriber refuses it: "
+            "push with hub.push(..., transport='object_store', checksum=True), or subscribe without "
+            "verify=True"
+        )
+    raise ChecksumError(
+        f"this version (layout {manifest.layout_hash}) carries no checksums, so a verify=True "
+        "subscriber cannot check its bytes and refuses it: push with hub.push(..., checksum=True), "
+        "or subscribe without verify=True"
+    )
+
+
 def verify_checksums(
     manifest: Manifest,
     buckets: Mapping[int, Sequence[np.ndarray]] | Sequence[Sequence[np.ndarray]],
@@ -389,9 +575,21 @@ def verify_checksums(
     """Raise :class:`ChecksumError` if a bucket's bytes differ from the manifest's CRC.
 
     ``buckets`` is every bucket in order, or ``{index: arrays}`` for some of them.
+    A version pushed without checksums is refused too (see
+    :func:`require_checksums`): verifying it would check nothing.
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> m = plan_layout(t)
+        >>> buckets = pack(t, m)
+        >>> verify_checksums(m.with_checksums(bucket_checksums(buckets)), buckets)
+        >>> verify_checksums(m, buckets)
+        Traceback (most recent call last):
+        ...
+        raysync.errors.ChecksumError: this version (layout ...) carries no checksums, ...
     """
-    if manifest.checksums is None:
-        return
+    require_checksums(manifest)
+    assert manifest.checksums is not None
     by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
     order = sorted(by_index)
     got = bucket_checksums([by_index[b] for b in order])
@@ -539,6 +737,14 @@ class BoundModel:
     A second set of buffers (``stage`` then ``swap``) lets a version be copied
     in while the module is in use, and be made current by re-pointing.
 
+    Extra state (``get_extra_state``/``set_extra_state``) is not in the
+    buckets: pass a version's ``Manifest.extra_state`` to :meth:`apply`,
+    :meth:`stage`, :meth:`mark_staged` or :meth:`adopt`, and each submodule's
+    ``set_extra_state`` gets its object in the same step that makes the
+    tensors current (before them: if one raises, those already set get their
+    previous state back and the tensors do not change). A version without
+    extra state leaves the module's own as it is.
+
     Example:
         >>> model = torch.nn.Linear(4, 2)
         >>> src = torch.nn.Linear(4, 2)
@@ -564,6 +770,7 @@ class BoundModel:
         self.ids: list[str | None] = [None] * manifest.num_buckets  # what the live buffers hold
         self._spare: list[torch.Tensor] = []
         self.spare_ids: list[str | None] = [None] * manifest.num_buckets
+        self._spare_extra: list[tuple[str, torch.nn.Module, Any]] = []  # the staged version's extra state
         if not view:
             self._flat = self._allocate()
             with torch.no_grad():
@@ -631,19 +838,33 @@ class BoundModel:
         self,
         buckets: Mapping[int, Sequence[np.ndarray]] | Sequence[Sequence[np.ndarray]],
         ids: Sequence[str | None] | None = None,
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
     ) -> None:
         """Make the module hold the bytes of ``buckets`` (same layout as the binding).
 
         ``buckets`` maps bucket index to its arrays (or is a list of all of
         them); buckets left out must be ones the module already holds. Call
         :func:`validate` and :func:`verify_checksums` first; after them
-        nothing here can fail part-way.
+        nothing here can fail part-way, but for a ``set_extra_state`` that
+        raises (then nothing changes).
+
+        Args:
+            buckets: the version's buckets (or those the module lacks).
+            ids: an identity per bucket (see :meth:`needed`).
+            extra_state: the version's ``Manifest.extra_state``.
+
+        Raises:
+            WeightMismatchError: ``extra_state`` names a submodule the module
+                lacks, or one without ``set_extra_state``.
         """
         by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
         ids = list(ids) if ids is not None else [None] * self.manifest.num_buckets
+        extras = _extra_targets(self.module, extra_state)  # unpickled and checked before any change
         if self.view:
             all_buckets = [by_index[b] for b in range(self.manifest.num_buckets)]
             tensors = unpack(self.manifest, all_buckets, read_only=True)
+            _set_extra_state(extras)
             for key, t in tensors.items():
                 owner, name, is_param = self._slots[key]
                 if is_param:
@@ -655,14 +876,26 @@ class BoundModel:
             self.ids = ids
             self._expect()
             return
+        _set_extra_state(extras)
         self._copy_into(self._flat, by_index)
         for b in by_index:
             self.ids[b] = ids[b]
 
-    def stage(self, buckets: Mapping[int, Sequence[np.ndarray]], ids: Sequence[str | None]) -> None:
-        """Copy a version into the spare buffers (the module keeps using the live ones)."""
+    def stage(
+        self,
+        buckets: Mapping[int, Sequence[np.ndarray]],
+        ids: Sequence[str | None],
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        """Copy a version into the spare buffers (the module keeps using the live ones).
+
+        ``extra_state`` (the version's ``Manifest.extra_state``) is unpickled
+        here and set by :meth:`swap`.
+        """
         if self.view:
             raise RuntimeError("staging needs apply='copy'")
+        extras = _extra_targets(self.module, extra_state)
         if not self._spare:
             self._spare = self._allocate()
             self.spare_ids = [None] * self.manifest.num_buckets
@@ -672,6 +905,7 @@ class BoundModel:
         self._copy_into(self._spare, buckets)
         for b in buckets:
             self.spare_ids[b] = ids[b]
+        self._spare_extra = extras
 
     def buffers(self, *, spare: bool = False) -> list[torch.Tensor]:
         """The flat bucket buffers (live, or the spare set, allocated on first use)."""
@@ -682,16 +916,34 @@ class BoundModel:
             self.spare_ids = [None] * self.manifest.num_buckets
         return self._spare if spare else self._flat
 
-    def mark_staged(self, indices: Sequence[int], ids: Sequence[str | None]) -> None:
-        """Record that the spare buffers now hold ``ids`` for these buckets (filled from outside)."""
+    def mark_staged(
+        self,
+        indices: Sequence[int],
+        ids: Sequence[str | None],
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        """Record that the spare buffers now hold ``ids`` for these buckets (filled from outside).
+
+        ``extra_state`` is the staged version's ``Manifest.extra_state``, set by :meth:`swap`.
+        """
+        extras = _extra_targets(self.module, extra_state)
         for b in indices:
             self.spare_ids[b] = ids[b]
+        self._spare_extra = extras
 
-    def adopt(self, flat: Sequence[torch.Tensor], ids: Sequence[str | None] | None = None) -> None:
+    def adopt(
+        self,
+        flat: Sequence[torch.Tensor],
+        ids: Sequence[str | None] | None = None,
+        *,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
         """Make outside buffers (one flat uint8 tensor per bucket) live: re-point, no copy.
 
         The ``Parameter`` objects stay the same; the caller keeps ``flat``
         unchanged while the module uses it (e.g. a shared-memory snapshot).
+        ``extra_state`` is the version's ``Manifest.extra_state``.
         """
         if self.view:
             raise RuntimeError("adopt() needs apply='copy'")
@@ -700,12 +952,15 @@ class BoundModel:
             raise ValueError(
                 f"adopt() needs uint8 buffers of {list(self.manifest.bucket_nbytes)} bytes, got {sizes}"
             )
+        _set_extra_state(_extra_targets(self.module, extra_state))
         self._point_at(list(flat))
         self._flat = list(flat)
         self.ids = list(ids) if ids is not None else [None] * self.manifest.num_buckets
 
     def swap(self) -> None:
-        """Make the staged version current: re-point every parameter, no copy."""
+        """Make the staged version current: set its extra state, re-point every parameter, no copy."""
+        _set_extra_state(self._spare_extra)
+        self._spare_extra = []
         self._point_at(self._spare)
         self._flat, self._spare = self._spare, self._flat
         self.ids, self.spare_ids = self.spare_ids, self.ids
@@ -725,9 +980,74 @@ class BoundModel:
                             flat[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
 
 
+def _extra_targets(
+    module: torch.nn.Module, extra_state: Sequence[tuple[str, bytes]]
+) -> list[tuple[str, torch.nn.Module, Any]]:
+    """``(key, submodule, object)`` for a version's extra state; raises before anything changes."""
+    if not extra_state:
+        return []
+    base = torch.nn.Module.set_extra_state
+    targets: list[tuple[str, torch.nn.Module, bytes]] = []
+    unexpected: list[str] = []
+    for key, data in extra_state:
+        prefix = key[: -len(_EXTRA)].rstrip(".")
+        try:
+            sub = module.get_submodule(prefix) if prefix else module
+        except AttributeError:
+            unexpected.append(key)
+            continue
+        if getattr(type(sub), "set_extra_state", base) is base:
+            unexpected.append(key)
+            continue
+        targets.append((key, sub, data))
+    if unexpected:
+        raise WeightMismatchError(
+            f"weights do not match the model: the version carries extra state for {_short(unexpected)}, "
+            f"which {type(module).__name__} has no submodule with set_extra_state() for",
+            unexpected=unexpected,
+        )
+    out = []
+    for key, sub, data in targets:
+        try:
+            out.append((key, sub, pickle.loads(data)))
+        except Exception as err:
+            raise InvalidWeightsError(
+                f"the extra state of {key!r} cannot be unpickled here ({type(err).__name__}: {err}): "
+                "the classes it holds must be importable in every receiver"
+            ) from err
+    return out
+
+
+def _set_extra_state(targets: Sequence[tuple[str, torch.nn.Module, Any]]) -> None:
+    """Hand each submodule its object; if one raises, put the earlier ones back, then re-raise."""
+    base = torch.nn.Module.get_extra_state
+    done: list[tuple[torch.nn.Module, Any]] = []
+    try:
+        for _key, sub, state in targets:
+            has_state = getattr(type(sub), "get_extra_state", base) is not base
+            before = copy.deepcopy(sub.get_extra_state()) if has_state else None
+            sub.set_extra_state(state)
+            if has_state:
+                done.append((sub, before))
+    except Exception:
+        for sub, before in reversed(done):
+            try:
+                sub.set_extra_state(before)
+            except Exception as err:  # keep the first error; this one only gets logged
+                logger.warning("could not restore the extra state of %s: %s", type(sub).__name__, err)
+        raise
+
+
 def module_schema(module: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{key: (shape, dtype)}`` of a module's state dict (parameters and persistent buffers)."""
-    return schema_of(module.state_dict(keep_vars=True))
+    """``{key: (shape, dtype)}`` of a module's state dict (parameters and persistent buffers).
+
+    Extra state (``"..._extra_state"`` entries) is not part of it.
+
+    Example:
+        >>> module_schema(torch.nn.Linear(2, 1))
+        {'weight': ((1, 2), 'float32'), 'bias': ((1,), 'float32')}
+    """
+    return schema_of(_module_tensors(module, keep_vars=True))
 
 
 def _module_edges(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, torch.nn.Module]]:
@@ -772,15 +1092,61 @@ def _slot(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str, bool
 
 # --------------------------------------------------------------------------- read-only views
 
-_ALLOWED_INPLACE = {"requires_grad_", "retain_grad", "share_memory_", "__set__"}
+# These end in "_" or write, but only metadata: never the shared bytes.
+_ALLOWED_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream", "__set__"})
+# Python's augmented assignments; other dunders that start with "__i" (__int__, __index__,
+# __invert__, __iter__) only read.
+_INPLACE_DUNDERS = frozenset(
+    {
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__imatmul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__idiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__setitem__",
+    }
+)
+
+
+class _WriteSpec(NamedTuple):
+    """Which arguments a function writes into, worked out once per function."""
+
+    tensors: tuple[int, ...]  # positional arguments written when they are a tensor
+    lists: tuple[int, ...]  # positional arguments written when they are a list or tuple of tensors
+    names: frozenset[str]  # keyword arguments written
+    when: tuple[int, str, bool] | None = None  # only if this argument (position, name, default) is true
+    fresh: bool = False  # its ATen schemas say it returns new memory: no need to look for aliases
+
+
+_READS_ONLY = _WriteSpec((), (), frozenset({"out"}))
+_SPECS: dict[Any, _WriteSpec] = {}
+_MAX_SPECS = 4096  # functions seen; bounded in case some are made on the fly
 
 
 class ReadOnlyTensor(torch.Tensor):
     """A tensor whose memory is shared and must not be written.
 
-    In-place operations (``add_``, ``copy_``, ``x[0] = 1``, ``out=``) raise
-    :class:`raysync.ReadOnlyWeightsError`; views and ``.data`` / ``.detach()``
-    stay read-only; every other result is an ordinary tensor.
+    In-place operations raise :class:`raysync.ReadOnlyWeightsError`: methods
+    and functions ending in ``_`` (``add_``, ``copy_``), ``x[0] = 1``, ``+=``,
+    ``out=``, the list forms optimizers use (``torch._foreach_add_``,
+    ``torch._fused_adam_``: any read-only tensor in a written list), ATen ops
+    called directly (``torch.ops.aten.fill_.Scalar``: their schema says which
+    arguments they write), and batch norm's running statistics in training
+    mode. ``.numpy()`` gives a non-writeable array, so writing through it
+    raises numpy's ``ValueError``. Views and ``.data`` / ``.detach()`` stay
+    read-only; every other result is an ordinary tensor.
+
+    Each function's write check is worked out once and cached: an op that
+    writes nothing (a forward pass) costs a dictionary look-up.
 
     Example:
         >>> t = torch.ones(2).as_subclass(ReadOnlyTensor)
@@ -798,52 +1164,156 @@ class ReadOnlyTensor(torch.Tensor):
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        kwargs = dict(kwargs or {})
-        name = getattr(func, "__name__", "") or ""
-        if _writes(name, args, kwargs):
+        try:
+            spec = _SPECS.get(func)
+        except TypeError:  # an unhashable callable: work it out every time
+            spec = _write_spec(func)
+        if spec is None:
+            spec = _write_spec(func)
+            if len(_SPECS) >= _MAX_SPECS:
+                _SPECS.clear()
+            _SPECS[func] = spec
+        if (spec.tensors or spec.lists or kwargs) and _writes(spec, args, kwargs):
+            name = getattr(func, "__name__", None) or repr(func)
             raise ReadOnlyWeightsError(
                 f"{name!r} would write into weights shared read-only between actors "
                 "(apply='view'); clone() them first, or use @synced_model(..., apply='copy') "
                 "for weights this actor changes"
             )
         with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **kwargs)
-        return _keep_read_only(result, args)
+            result = func(*args, **(kwargs or {}))
+            return result if spec.fresh else _keep_read_only(result, args)
 
 
-def _writes(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    out = kwargs.get("out")
-    if out is not None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if any(isinstance(o, ReadOnlyTensor) for o in outs):
+def _write_spec(func: Any) -> _WriteSpec:
+    """Which arguments ``func`` writes: from its name, its ATen schemas, and a few special cases."""
+    conditional = _conditional_writes().get(func)
+    if conditional is not None:
+        return conditional
+    name = str(getattr(func, "__name__", "") or "")
+    base = name.partition(".")[0]  # an OpOverload is named like "add_.Tensor"
+    if base in _ALLOWED_INPLACE:
+        return _READS_ONLY
+    tensors: set[int] = set()
+    lists: set[int] = set()
+    names = {"out"}
+    if base in _INPLACE_DUNDERS or (base.endswith("_") and not base.endswith("__")):
+        tensors.add(0)  # in-place: self, or the list of tensors (torch._foreach_add_)
+        lists.add(0)
+    schemas = _schemas(func, base)
+    for schema in schemas:
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            kind = str(arg.type)  # "Tensor(a!)" or "Tensor(a!)[]"; not "int[](a!)" (sort.int)
+            if kind in ("Tensor", "Optional[Tensor]"):
+                names.add(arg.name)
+                if not arg.kwarg_only:
+                    tensors.add(i)
+            elif kind in ("List[Tensor]", "List[Optional[Tensor]]"):
+                names.add(arg.name)
+                if not arg.kwarg_only:
+                    lists.add(i)
+    # Public ATen ops annotate every result that aliases an input ("-> Tensor(a)"); private
+    # ones (_unsafe_view) may not, so their results are always checked.
+    fresh = (
+        bool(schemas)
+        and not base.startswith("_")
+        and not any(r.alias_info is not None for schema in schemas for r in schema.returns)
+    )
+    return _WriteSpec(tuple(sorted(tensors)), tuple(sorted(lists)), frozenset(names), fresh=fresh)
+
+
+def _schemas(func: Any, base: str) -> list[Any]:
+    """The ATen schemas ``func`` may run: its own (an OpOverload), its overloads', or its namesake's."""
+    try:
+        schema = getattr(func, "_schema", None)
+        if schema is not None:  # torch.ops.aten.add_.Tensor
+            return [schema]
+        if isinstance(func, torch._ops.OpOverloadPacket):  # torch.ops.aten.add_
+            return [getattr(func, o)._schema for o in func.overloads()]
+        if base and isinstance(func, (BuiltinFunctionType, MethodDescriptorType)):
+            # torch.add_, Tensor.add_, torch._fused_adam_: bindings generated from ATen, same arguments.
+            packet = getattr(torch.ops.aten, base, None)
+            if isinstance(packet, torch._ops.OpOverloadPacket):
+                return [getattr(packet, o)._schema for o in packet.overloads()]
+    except (AttributeError, RuntimeError):  # no such op, or a schema torch cannot parse
+        pass
+    return []
+
+
+@functools.cache
+def _conditional_writes() -> dict[Any, _WriteSpec]:
+    """Ops that write only in some modes: batch and instance norm update running statistics."""
+    stats = frozenset({"running_mean", "running_var"})
+    F = torch.nn.functional
+    return {
+        F.batch_norm: _WriteSpec((1, 2), (), stats, (5, "training", False)),
+        F.instance_norm: _WriteSpec((1, 2), (), stats, (5, "use_input_stats", True)),
+        torch.batch_norm: _WriteSpec((3, 4), (), stats, (5, "training", False)),
+        torch.instance_norm: _WriteSpec((3, 4), (), stats, (5, "use_input_stats", False)),
+    }
+
+
+def _writes(spec: _WriteSpec, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
+    if spec.when is not None:
+        pos, key, default = spec.when
+        flag = args[pos] if len(args) > pos else (kwargs or {}).get(key, default)
+        if not flag:
+            return False
+    for i in spec.tensors:
+        if i < len(args) and isinstance(args[i], ReadOnlyTensor):
             return True
-    if name in _ALLOWED_INPLACE or not args or not isinstance(args[0], ReadOnlyTensor):
-        return False
-    if name in {"__setitem__", "set_", "resize_", "resize_as_"}:
+    for i in spec.lists:
+        if i < len(args) and isinstance(args[i], (list, tuple)) and _holds_read_only(args[i]):
+            return True
+    if kwargs:
+        for key in spec.names:
+            value = kwargs.get(key)
+            if value is not None and _holds_read_only(value):
+                return True
+    return False
+
+
+def _holds_read_only(value: Any) -> bool:
+    if isinstance(value, ReadOnlyTensor):
         return True
-    if name.startswith("__i") and name.endswith("__"):  # __iadd__ and friends
-        return True
-    return name.endswith("_") and not name.endswith("__")
+    return isinstance(value, (list, tuple)) and any(isinstance(v, ReadOnlyTensor) for v in value)
 
 
 def _keep_read_only(result: Any, args: Sequence[Any]) -> Any:
-    if isinstance(result, torch.Tensor) and not isinstance(result, ReadOnlyTensor):
-        ptrs = {
-            a.untyped_storage().data_ptr()
-            for a in args
-            if isinstance(a, ReadOnlyTensor) and a.device.type != "meta"
-        }
-        if ptrs and result.device.type != "meta":
-            try:
-                shares = result.untyped_storage().data_ptr() in ptrs
-            except (RuntimeError, NotImplementedError):
-                shares = False
-            if shares:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return result.as_subclass(ReadOnlyTensor)
+    """Re-wrap results that share a read-only argument's memory. Runs with torch functions off."""
+    if isinstance(result, torch.Tensor):
+        if not isinstance(result, ReadOnlyTensor) and _in_read_only(result, args):
+            return result.as_subclass(ReadOnlyTensor)
     elif isinstance(result, (tuple, list)):
         return type(result)(_keep_read_only(r, args) for r in result)
+    elif isinstance(result, np.ndarray) and result.flags.writeable and _in_read_only(result, args):
+        result.flags.writeable = False  # .numpy(), np.asarray(): writes raise ValueError
     return result
+
+
+def _in_read_only(result: torch.Tensor | np.ndarray, args: Sequence[Any]) -> bool:
+    """Whether ``result``'s memory lies in the storage of a read-only tensor among ``args``."""
+    try:
+        if isinstance(result, np.ndarray):
+            if result.size == 0:
+                return False
+            ptr = result.ctypes.data
+        else:
+            if result.device.type == "meta":
+                return False
+            ptr = result.untyped_storage().data_ptr()
+        for a in args:
+            if isinstance(a, ReadOnlyTensor) and a.device.type != "meta":
+                storage = a.untyped_storage()
+                start = storage.data_ptr()
+                if start <= ptr < start + max(storage.nbytes(), 1):
+                    return True
+    except (RuntimeError, NotImplementedError):  # storage-less tensors (sparse, functional wrappers)
+        return False
+    return False
 
 
 # --------------------------------------------------------------------------- dtypes

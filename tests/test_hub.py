@@ -145,3 +145,30 @@ def test_bad_arguments_are_refused_with_the_fix(hub: raysync.HubClient) -> None:
 def test_wait_with_no_subscribers_returns_at_once(hub: raysync.HubClient) -> None:
     v = hub.push({"w": torch.ones(1)}, wait=True, timeout=5)
     hub.wait(v, timeout=1)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "quantized"])
+def test_case13_unsupported_tensors_are_refused_before_the_object_store(
+    hub: raysync.HubClient, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Case 13b: a sparse, meta or quantized tensor fails the push up front; nothing is put."""
+    bad = {
+        "sparse": lambda: torch.randn(4, 4).to_sparse(),
+        "meta": lambda: torch.empty(4, device="meta"),
+        "quantized": lambda: torch.quantize_per_tensor(torch.randn(4), 0.5, 1, torch.qint8),
+    }[kind]()
+    puts: list[Any] = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda *a, **k: puts.append(a) or real_put(*a, **k))
+    with pytest.raises(raysync.InvalidWeightsError, match=r"'layer\.w'"):
+        hub.push({"layer": {"w": bad, "b": torch.ones(2)}})
+    assert puts == [] and hub.latest() is None
+
+
+def test_case13_conjugate_and_negative_views_are_pushed_as_values(hub: raysync.HubClient) -> None:
+    """Case 13b: lazy conjugate / negative views come back from the hub bit-exact as their values."""
+    z = torch.randn(6, dtype=torch.complex128)
+    weights = {"conj": z.conj(), "neg": z.conj().imag, "neg_view": torch._neg_view(torch.randn(3))}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in weights.items()}
+    hub.push(weights)
+    assert_same_weights(hub.pull().flatten_keys(".").to_dict(), expected)

@@ -69,3 +69,21 @@ def test_view_subscribers_refuse_nixl_versions_clearly(nixl_hub: raysync.HubClie
     with pytest.raises(raysync.ApplyError, match="needs the object store"):
         nixl_hub.wait(v, timeout=30)
     assert ray.get(viewer.raysync_version.remote()) is None
+
+
+def test_case6_verifying_subscribers_refuse_nixl_versions(nixl_hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 6: NIXL versions carry no checksums, so a verify=True subscriber refuses them clearly."""
+    careful = make_collector(hub_name, verify=True).remote()
+    trusting = make_collector(hub_name).remote()
+    ray.get([careful.raysync_version.remote(), trusting.raysync_version.remote()])
+    src = small_policy(4)
+    v = nixl_hub.push(src)
+    with pytest.raises(raysync.ApplyError, match=r"1 subscriber\(s\).*came over NIXL.*checksum=True"):
+        nixl_hub.wait(v, timeout=30)
+    assert ray.get(careful.raysync_version.remote()) is None
+    assert_same_weights(ray.get(trusting.weights.remote()), src.state_dict())
+
+
+def test_case13_extra_state_travels_over_nixl(nixl_hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 13a: a NIXL version carries the module's extra state too; the swap sets it."""
+    test_synced.check_extra_state_travels(nixl_hub, [test_synced._counted_subscriber(hub_name)])

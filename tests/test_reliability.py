@@ -488,6 +488,24 @@ def test_corrupted_bucket_is_refused_by_verifying_subscribers(hub: raysync.HubCl
     assert all(r["last_error"] is None for r in hub.status()["subscribers"])
 
 
+def test_case6_verify_refuses_versions_without_checksums(hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 6: a verify=True subscriber refuses a version pushed with checksum=False and keeps its own."""
+    careful = [make_sub(hub_name, verify=True), make_sub(hub_name, "async", verify=True)]
+    trusting = make_sub(hub_name)
+    ray.get([s.check.remote() for s in [*careful, trusting]])
+    push(hub, 1, checksum=True, wait=True, timeout=60)
+    push(hub, 2)  # checksum=False: nothing a verifier could check
+    with pytest.raises(raysync.ApplyError, match=r"2 subscriber\(s\).*failed to apply version 2") as info:
+        hub.wait(2, timeout=60)
+    for failure in info.value.failures:
+        assert "ChecksumError" in failure["error"] and "carries no checksums" in failure["error"]
+        assert "hub.push(..., checksum=True)" in failure["error"]
+    assert all(holds(s, 1) for s in careful)  # the previous version stays
+    assert holds(trusting, 2)
+    push(hub, 3, checksum=True, wait=True, timeout=60)
+    assert all(holds(s, 3) for s in [*careful, trusting])
+
+
 # ---------------------------------------------------------------------- resources
 
 

@@ -173,6 +173,114 @@ def test_view_mode_shares_the_object_store_copy_and_refuses_writes(
     assert_same_weights(ray.get(viewers[1].weights.remote()), src2.state_dict())
 
 
+def test_case4_view_guard_holds_in_actors_and_pull_stays_clean(hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 4: every write one view-mode actor tries is refused; the shared copy stays as pushed."""
+
+    @ray.remote(num_cpus=0)
+    @raysync.synced_model("policy", hub=hub_name, apply="view")
+    class Viewer:
+        def __init__(self) -> None:
+            self.policy = small_policy()
+
+        def weights(self) -> dict[str, torch.Tensor]:
+            return {k: v.clone() for k, v in self.policy.state_dict().items()}
+
+        def try_writes(self) -> dict[str, str]:
+            params = list(self.policy.parameters())
+            for p in params:
+                p.grad = torch.ones_like(p)
+            writes = {
+                "foreach_add_": lambda: torch._foreach_add_(params, 1.0),
+                "aten.add_": lambda: torch.ops.aten.add_(params[0], 1),
+                "aten.fill_": lambda: torch.ops.aten.fill_(params[0], 0),
+                "aten.fill_.Scalar": lambda: torch.ops.aten.fill_.Scalar(params[0], 0),
+                "adam_foreach": lambda: torch.optim.Adam(params, foreach=True).step(),
+                "adam_fused": lambda: torch.optim.Adam(params, fused=True).step(),
+                "numpy": lambda: params[0].detach().numpy().__setitem__(slice(None), 0.0),
+                "add_": lambda: params[0].add_(1),
+                "adam_default": lambda: torch.optim.Adam(params).step(),
+            }
+            outcome = {}
+            for name, write in writes.items():
+                try:
+                    write()
+                    outcome[name] = "written"
+                except raysync.ReadOnlyWeightsError:
+                    outcome[name] = "refused"
+                except ValueError as err:  # numpy's own refusal of a read-only array
+                    outcome[name] = "refused" if "read-only" in str(err) else f"ValueError: {err}"
+            return outcome
+
+    vandal, bystander = Viewer.remote(), Viewer.remote()
+    ray.get([vandal.raysync_version.remote(), bystander.raysync_version.remote()])
+    src = small_policy(11)
+    hub.push(src, wait=True, timeout=60)
+    outcome = ray.get(vandal.try_writes.remote())
+    assert outcome == dict.fromkeys(outcome, "refused"), outcome
+    pulled = hub.pull().flatten_keys(".").to_dict()
+    assert_same_weights(pulled, src.state_dict())
+    assert_same_weights(ray.get(bystander.weights.remote()), src.state_dict())
+    assert_same_weights(ray.get(vandal.weights.remote()), src.state_dict())
+
+
+class _Counted(torch.nn.Module):
+    """A policy with extra state: a counter dict (get_extra_state / set_extra_state)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.body = small_policy(seed)
+        self.counter = {"pushes": 0, "tag": "init"}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return dict(self.counter)
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.counter = dict(state)
+
+
+def _counted_subscriber(hub_name: str, **opts: Any) -> Any:
+    @ray.remote(num_cpus=0)
+    @raysync.synced_model("policy", hub=hub_name, **opts)
+    class Holder:
+        def __init__(self) -> None:
+            self.policy = _Counted()
+
+        def held(self) -> tuple[int | None, dict[str, torch.Tensor], dict[str, Any]]:
+            tensors = {k: v.clone() for k, v in raysync.weights.extract_tensors(self.policy).items()}
+            return self.raysync_version(), tensors, dict(self.policy.counter)
+
+    return Holder.remote()
+
+
+def check_extra_state_travels(hub: raysync.HubClient, subs: list[Any]) -> None:
+    """Two pushes of a module with extra state: every subscriber ends with the last one, whole."""
+    ray.get([s.held.remote() for s in subs])  # registered (module_schema ignores the extra state)
+    src = _Counted(1)
+    for pushes in (1, 2):
+        with torch.no_grad():
+            for p in src.parameters():
+                p.add_(1.0)
+        src.counter = {"pushes": pushes, "tag": f"v{pushes}"}
+        v = hub.push(src, wait=True, timeout=60)
+    expected = {k: v.clone() for k, v in raysync.weights.extract_tensors(src).items()}
+    for s in subs:
+        version, tensors, counter = ray.get(s.held.remote())
+        assert version == v
+        assert_same_weights(tensors, expected)
+        assert counter == {"pushes": 2, "tag": "v2"}
+
+
+def test_case13_extra_state_travels_with_the_version(hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 13a: get_extra_state() is pushed; copy, view and prefetch subscribers get the last one."""
+    subs = [
+        _counted_subscriber(hub_name),
+        _counted_subscriber(hub_name, apply="view"),
+        _counted_subscriber(hub_name, prefetch=True),
+    ]
+    check_extra_state_travels(hub, subs)
+    assert "_extra_state" not in hub.pull().keys()  # pull gives the tensors only
+
+
 def test_copy_mode_weights_live_in_the_actor(hub: raysync.HubClient, hub_name: str) -> None:
     c = make_collector(hub_name).remote()
     hub.push(small_policy(1), wait=True, timeout=60)

@@ -134,10 +134,12 @@ def receive_into(
     ids: Sequence[str | None],
     *,
     timeout: float,
+    extra_state: Sequence[tuple[str, bytes]] = (),
 ) -> int:
     """Receiver side: fetch the buckets the spare set lacks straight into it; returns bytes received.
 
-    The caller then swaps (``bound.swap()``) under its write lock.
+    The caller then swaps (``bound.swap()``) under its write lock; ``extra_state``
+    (the version's ``Manifest.extra_state``) is set by that swap.
     """
     from ray.experimental import register_nixl_memory, set_target_for_ref
 
@@ -154,5 +156,5 @@ def receive_into(
     for b, (tensor,) in zip(needed, received, strict=True):
         if tensor.data_ptr() != spare[b].data_ptr():  # not received in place: copy it there
             spare[b].copy_(tensor)
-    bound.mark_staged(needed, ids)
+    bound.mark_staged(needed, ids, extra_state=extra_state)
     return sum(bound.manifest.bucket_nbytes[b] for b in needed)
