@@ -46,7 +46,9 @@ version going backwards inside one process is a **regression**. After
 (``--no-final-hub-restart`` to skip), the trainer pushes a last version,
 ``hub.wait`` must not return before every push subscriber holds it
 (**wait_early**), and every subscriber (pull ones after one more
-``raysync_sync``) must end on it, whole (else **lost**). The versions the
+``raysync_sync``) must end on it, whole (else **lost**; a subscriber Ray
+reports dead for good despite ``max_restarts=-1`` is logged with where it
+died, and is lost). The versions the
 trainer got back must have no gaps (**skipped**, numbers not explained by a
 push whose trainer was killed during it) and no **repeats**, and each must be
 the number the trainer filled in (**stamp mismatches**). Every failure is
@@ -82,6 +84,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -193,6 +196,17 @@ def _stack_dump() -> list[str]:
         ]
         out.append(f"thread {names.get(ident, ident)}: {' > '.join(shown)} > {frames[-1].name}")
     return out
+
+
+def _where(error: str) -> str:
+    """A Ray error's traceback in short: raysync's and the soak's frames, then the exception line."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', error)
+    shown = [f"{Path(f).name}:{n} {fn}" for f, n, fn in frames if "/raysync/" in f or f.endswith("soak.py")]
+    lines = [
+        ln.strip() for ln in error.splitlines() if ln.strip() and not ln.strip().startswith(("^", "File"))
+    ]
+    last = next((ln for ln in reversed(lines) if "Error" in ln.split(":")[0]), lines[-1] if lines else "")
+    return f"{' > '.join(shown)}: {last}"[:1500]
 
 
 def _actor_state(actor: Any) -> dict[str, Any]:
@@ -542,6 +556,7 @@ class _Sub:
     last_report: dict[str, Any] | None = None
     last_answer_wall: float = 0.0  # when the call it last answered was issued
     probe_after: float | None = None  # wait_early: judge the first answer to a call issued after this
+    dead: bool = False  # Ray will not restart it (seen DEAD after a failed call)
 
     def restarts(self) -> int:
         return max(0, len(self.pids) - 1)
@@ -673,6 +688,8 @@ class _Soak:
     def ask_due(self) -> None:
         now = time.monotonic()
         for i, sub in enumerate(self.subs):
+            if sub.dead:
+                continue
             if self.polling and sub.poll is None and now >= sub.next_ask:
                 sub.poll = self.ask(i, sub.method)
             if sub.kind == "long" and self.rollouts and sub.rollout is None and now >= sub.next_ask:
@@ -713,6 +730,16 @@ class _Soak:
         except ray.exceptions.RayActorError as err:
             sub.interrupted += 1  # killed (or restarting) while asked: expected, ask again
             sub.next_ask = time.monotonic() + 0.2
+            if isinstance(err, ray.exceptions.ActorDiedError) and not sub.dead:
+                actor_state = _actor_state(sub.actor)
+                if actor_state.get("State") == "DEAD":  # Ray gave up on it: it will not come back
+                    sub.dead = True
+                    self.event(
+                        "dead",
+                        f"{sub.name}.{call.method}() found it dead for good although max_restarts=-1 "
+                        f"(killed {len(sub.kill_walls)} times, last report: version "
+                        f"{sub.last_report and sub.last_report['version']}): {_where(str(err))}",
+                    )
             if call.stuck:
                 logger.warning(
                     "%s.%s that was stuck ended after %.1f s: %s",
@@ -1030,10 +1057,12 @@ class _Soak:
         for s in self.subs:
             r = s.last_report
             if r is None or r["version"] != self.final or not r["whole"] or s.last_answer_wall < t_final:
-                why = "stuck" if self.is_stuck(s) else "did not reach it"
+                stuck = self.is_stuck(s)
+                why = "dead" if s.dead else "stuck" if stuck else "did not reach it"
+                threads = "" if stuck else f"; threads:\n{self.stacks_of(s)}"  # (stuck, dead: logged already)
                 lost.append(
                     f"{s.name} ended on version {r and r['version']} (whole: {r and r['whole']}), not "
-                    f"{self.final} ({why} within {self.settle_timeout} s); hub row: {self.row_of(s)}"
+                    f"{self.final} ({why} within {self.settle_timeout} s); hub row: {self.row_of(s)}{threads}"
                 )
         self.status_ref = None
         deadline = time.monotonic() + 3 * 2.0 + 2.0  # a few subscriber heartbeats
@@ -1050,7 +1079,8 @@ class _Soak:
         return lost
 
     def is_stuck(self, sub: _Sub) -> bool:
-        return any(c.stuck for c in self.calls.values() if self.subs[c.sub] is sub)
+        """Whether a call to ``sub`` is past its bound (or ``sub`` is dead): waiting on it is pointless."""
+        return sub.dead or any(c.stuck for c in self.calls.values() if self.subs[c.sub] is sub)
 
     def close(self) -> None:
         for actor in [*(s.actor for s in self.subs), self.trainer, self.ledger, self.hub.actor]:
@@ -1317,7 +1347,7 @@ def print_soak(r: dict[str, Any]) -> None:
     if r["apply_failures"]:
         print(f"apply/sync errors seen (not counted as failures): {len(r['apply_failures'])}")
         for line in r["apply_failures"][:5]:
-            print(f"  {line}")
+            print(f"  {line.splitlines()[0][:200]}")
     for line in r["lost"]:
         print(f"lost: {line}")
     if r["events"]:
