@@ -519,12 +519,13 @@ def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any) -> None:
         seconds=9,
         kinds=soak.KINDS,  # one subscriber of each kind
         size_mib=1,
+        interval=0.05,
         kill_every=3,
-        hub_restart_every=4,
-        trainer_restart_every=4,
+        hub_restart_every=6,
+        trainer_restart_every=6,
         call_timeout=15,
         settle_timeout=20,
-        seed=12,  # first hub restart 0.9 s in, first trainer restart 3.6 s, kills at 1.5, 4.3 and 6.5 s
+        seed=21,  # kills 2.1, 3.5 and 7.2 s in, a hub restart at 3.4 s, a trainer restart at 4.9 s
     )
     assert [k["kind"] for k in r["kinds"]] == list(soak.KINDS)
     assert r["kills"] >= 1 and r["versions_pushed"] >= 5, r
