@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -532,28 +531,26 @@ def test_memory_stays_bounded_over_50_pushes_with_keep_2(ray_start_regular: Any)
 # ---------------------------------------------------------------------- soak
 
 
-def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any, tmp_path: Path) -> None:
-    r = soak.main(
-        [
-            "--seconds",
-            "5",
-            "--kill-every",
-            "1.5",
-            "--seed",
-            "3",  # the first kill comes 0.4 s in
-            "--size-mib",
-            "2",
-            "--subscribers",
-            "3",
-            "--kinds",
-            "threaded",
-            "view",
-            "prefetch",
-            "--json",
-            str(tmp_path / "s.json"),
-        ]
+def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any) -> None:
+    """Every subscriber kind under subscriber kills, hub restarts and trainer restarts: all zero."""
+    r = soak.run_soak(
+        seconds=9,
+        kinds=soak.KINDS,  # one subscriber of each kind
+        size_mib=1,
+        interval=0.05,
+        kill_every=3,
+        hub_restart_every=6,
+        trainer_restart_every=6,
+        call_timeout=15,
+        settle_timeout=20,
+        seed=21,  # kills 2.1, 3.5 and 7.2 s in, a hub restart at 3.4 s, a trainer restart at 4.9 s
     )
-    assert r["ok"], r
-    assert r["kills"] >= 1 and r["versions_pushed"] >= 5
-    assert all(s["final"] == r["last_version"] for s in r["subscribers"])
-    assert (tmp_path / "s.json").exists()
+    assert [k["kind"] for k in r["kinds"]] == list(soak.KINDS)
+    assert r["kills"] >= 1 and r["versions_pushed"] >= 5, r
+    assert r["kills_by_kind"]["hub"] >= 2 and r["kills_by_kind"]["trainer"] >= 1, r  # the run's + the last
+    zero = ("mismatches", "stuck", "torn", "regressions", "wait_early", "call_errors", "stamp_mismatches")
+    empty = ("lost", "version_numbers_skipped", "repeats", "push_failures")
+    problems = {k: r[k] for k in (*zero, *empty) if r[k]}
+    assert not problems, (problems, r["events"][:20])
+    assert r["ok"]
+    assert all(k["final"] == r["last_version"] for k in r["kinds"])
