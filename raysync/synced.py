@@ -57,6 +57,7 @@ Mode = Literal["push", "pull"]
 ApplyKind = Literal["copy", "view"]
 
 _HEARTBEAT_S = 2.0  # how often a subscriber checks in with the hub
+_HUB_QUERY_S = 10.0  # raysync_sync() without a timeout waits this long for the hub (it may be restarting)
 
 _RAYSYNC_METHODS = {"raysync_version", "raysync_sync", "_raysync_notify", "_raysync_ping"}
 
@@ -323,7 +324,8 @@ def _raysync_sync(self: Any, timeout: float | None = None, model_id: str | None 
 
     Args:
         timeout: seconds for the whole sync (asking the hub and fetching);
-            ``None``: the subscription's ``fetch_timeout`` for the fetch.
+            ``None``: 10 s for the hub to answer (it may be restarting), the
+            subscription's ``fetch_timeout`` for the fetch.
         model_id: sync only this model (default: every model the actor syncs).
 
     Returns:
@@ -936,18 +938,27 @@ class _Subscription:
 
     # -------------------------------------------------------------- pull mode
     def _newer(self, timeout: float | None) -> dict[str, Any] | None:
+        bound = _HUB_QUERY_S if timeout is None else timeout
         try:
             info: dict[str, Any] | None = call_hub(
-                self._hub_handle, "get", self.spec.model_id, None, self.version or 0, timeout=timeout
+                self._hub_handle, "get", self.spec.model_id, None, self.version or 0, timeout=bound
             )
         except GetTimeoutError:
-            raise SyncTimeoutError(
-                f"{self.sub_id}: raysync_sync(timeout={timeout}) ran out asking the hub for the newest "
-                f"version of {self.spec.model_id!r}; it keeps version {self.version}"
-            ) from None
+            raise self._hub_timeout(timeout) from None
         if info is not None and "error" in info:
             return None  # nothing pushed yet
         return info
+
+    def _hub_timeout(self, timeout: float | None) -> SyncTimeoutError:
+        why = (
+            f"the hub did not answer within {_HUB_QUERY_S:.0f} s (restarting?)"
+            if timeout is None
+            else f"raysync_sync(timeout={timeout}) ran out asking the hub"
+        )
+        return SyncTimeoutError(
+            f"{self.sub_id}: {why} for the newest version of {self.spec.model_id!r}; it keeps version "
+            f"{self.version}"
+        )
 
     def _synced(self, version: int, reply: dict[str, Any]) -> bool:
         """Report a raysync_sync apply to the hub; raise if it failed; whether it applied a newer one."""
@@ -973,13 +984,15 @@ class _Subscription:
         deadline = _deadline(timeout)
         try:
             info = await call_hub_async(
-                self._hub_handle, "get", self.spec.model_id, None, self.version or 0, timeout=timeout
+                self._hub_handle,
+                "get",
+                self.spec.model_id,
+                None,
+                self.version or 0,
+                timeout=_HUB_QUERY_S if timeout is None else timeout,
             )
         except asyncio.TimeoutError:
-            raise SyncTimeoutError(
-                f"{self.sub_id}: raysync_sync(timeout={timeout}) ran out asking the hub for the newest "
-                f"version of {self.spec.model_id!r}; it keeps version {self.version}"
-            ) from None
+            raise self._hub_timeout(timeout) from None
         if info is None or "error" in info:
             return False
         reply = await self.receive_async(

@@ -284,7 +284,7 @@ def test_bad_calls_raise_clear_errors() -> None:
         RPCTransport("w1", worker_rank=1).send_weights_async()
     with pytest.raises(RuntimeError, match="nothing to acknowledge"):
         RPCTransport().send_ack()
-    with pytest.raises(ValueError, match="timeout must be positive"):
+    with pytest.raises(ValueError, match="timeout must be"):
         DistributedTransport(None, 1, timeout=0)
     with pytest.raises(RuntimeError, match="not initialised"):  # no process group in this process
         RPCTransport("w1", worker_rank=1).send_weights({"w": torch.ones(1)})
