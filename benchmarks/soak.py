@@ -547,7 +547,8 @@ class _Sub:
     regressions: int = 0
     stuck: int = 0
     sync_errors: int = 0
-    max_lag: int = 0
+    max_lag: int = 0  # newest pushed minus the version held, over reports that held one
+    empty: int = 0  # reports holding no version (restarted while the newest version's bytes were gone)
     kills: int = 0
     kill_walls: list[float] = field(default_factory=list)
     poll: Any = None  # the ref of its report call in flight
@@ -795,7 +796,10 @@ class _Soak:
                 "same process",
             )
         sub.last[pid] = max(before, version or 0)
-        sub.max_lag = max(sub.max_lag, call.newest - (version or 0))
+        if version is None:
+            sub.empty += 1
+        else:
+            sub.max_lag = max(sub.max_lag, call.newest - version)
         if not report["whole"]:
             sub.mismatches += 1
             stamps = ray.get(self.ledger.stamp_of.remote(version)) if version is not None else []
@@ -1130,6 +1134,7 @@ class _Soak:
                 "torn": s.torn,
                 "sync_errors": s.sync_errors,
                 "max_lag": s.max_lag,
+                "polls_without_version": s.empty,
                 "final": s.last_report["version"] if s.last_report else None,
             }
             for s in self.subs
@@ -1153,6 +1158,7 @@ class _Soak:
                         "sync_errors",
                         "call_errors",
                         "polls",
+                        "polls_without_version",
                     )
                 }
                 | {
@@ -1305,6 +1311,7 @@ def print_soak(r: dict[str, Any]) -> None:
         "regress",
         "torn",
         "max lag",
+        "no version",
         "final",
         "sync err",
     ):
@@ -1322,10 +1329,11 @@ def print_soak(r: dict[str, Any]) -> None:
             str(k["regressions"]),
             str(k["torn"]),
             lag,
+            str(k["polls_without_version"]),
             str(k["final"]),
             str(k["sync_errors"]),
         )
-    console = Console(width=140)
+    console = Console(width=160)
     console.print(table)
     print(
         f"versions pushed: {r['versions_pushed']} (last {r['last_version']}), "
