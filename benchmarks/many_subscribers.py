@@ -6,8 +6,8 @@ subscriptions of one model and answer the hub's notification at once
 the hub's own work per version: stamping, one notification per subscriber
 (or one per actor with ``--batch``), recording N replies and answering
 ``hub.wait``. They register with the hub actor directly, the way a
-``@synced_model`` actor does (``hub.actor.register.remote(model_id, sub_id,
-handle, info, schema)``).
+``@synced_model`` actor does (``hub.actor.register.remote(Registration(...))``,
+the typed message of :mod:`raysync._protocol`).
 
 For every N in ``--subscribers`` (fresh hub each time) the script pushes a
 small model ``--pushes`` times and reports, medians over the pushes:
@@ -60,6 +60,7 @@ import ray
 import torch
 
 import raysync
+from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "many_subscribers.json"
 
@@ -72,17 +73,15 @@ class LightSubscribers:
         self.calls = 0
         self.newest = 0
 
-    async def _raysync_notify(self, model_id: str, version: int, manifest: Any, refs: Any) -> dict[str, Any]:
+    async def _raysync_notify(self, a: Announcement) -> ApplyReport:
         self.calls += 1
-        self.newest = max(self.newest, version)
-        return {"applied": version, "apply_s": 0.0}
+        self.newest = max(self.newest, a.version)
+        return ApplyReport(applied=a.version, apply_s=0.0)
 
-    async def _raysync_notify_batch(
-        self, model_id: str, version: int, manifest: Any, refs: Any, sub_ids: list[str]
-    ) -> list[dict[str, Any]]:
+    async def _raysync_notify_batch(self, a: Announcement) -> list[ApplyReport]:
         self.calls += 1
-        self.newest = max(self.newest, version)
-        return [{"applied": version, "apply_s": 0.0} for _ in sub_ids]
+        self.newest = max(self.newest, a.version)
+        return [ApplyReport(applied=a.version, apply_s=0.0) for _ in a.sub_ids]
 
     async def _raysync_ping(self) -> bool:
         return True
@@ -113,8 +112,8 @@ def register_light(
     for i in range(n):
         k = i % len(actors)
         sub_id = f"light-{ids[k][:8]}-{i}:{model_id}"
-        info = {"actor_id": ids[k], "class_name": "LightSubscribers", "mode": "push", "batch": batch}
-        pending.append(hub.actor.register.remote(model_id, sub_id, actors[k], info, schema))
+        info = SubscriberInfo(actor_id=ids[k], class_name="LightSubscribers", batch=batch)
+        pending.append(hub.actor.register.remote(Registration(sub_id, model_id, actors[k], info, schema)))
         sub_ids.append(sub_id)
         if len(pending) >= chunk:
             ray.get(pending)

@@ -43,8 +43,8 @@ def _child(rank: int, world: int, ports: tuple[int, int], args: Any, conn: Conne
     import torch.distributed as dist
     from torch.distributed import rpc
 
-    from raysync.transports.distributed import DistributedTransport
-    from raysync.transports.rpc import RPCTransport
+    from raysync.channels.distributed import DistributedTransport
+    from raysync.channels.rpc import RPCTransport
 
     store = dist.TCPStore("127.0.0.1", ports[0], world, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

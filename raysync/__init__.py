@@ -14,6 +14,7 @@ Example:
     1
 """
 
+from raysync.core.layout import Manifest, TensorEntry
 from raysync.errors import (
     ApplyError,
     ChecksumError,
@@ -25,9 +26,9 @@ from raysync.errors import (
     UnknownModelError,
     WeightMismatchError,
 )
-from raysync.hub import HubClient, connect
-from raysync.synced import RayModuleTransform, synced_model
-from raysync.weights import Manifest, TensorEntry
+from raysync.hub.client import HubClient, connect
+from raysync.receivers.module_transform import RayModuleTransform
+from raysync.receivers.synced import synced_model
 
 __version__ = "0.1.0"
 

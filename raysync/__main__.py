@@ -1,8 +1,8 @@
-"""``python -m raysync``: the same as the ``raysync`` command (see :mod:`raysync.cli`)."""
+"""``python -m raysync``: the same as the ``raysync`` command (see :mod:`raysync.ops.cli`)."""
 
 import sys
 
-from raysync.cli import main
+from raysync.ops.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -48,8 +48,8 @@ def make_module(seed: int) -> torch.nn.Module:
 
 class _State:
     def __init__(self, rank: int, world: int, store: Any) -> None:
-        from raysync.transports.distributed import DistributedTransport
-        from raysync.transports.rpc import RPCTransport
+        from raysync.channels.distributed import DistributedTransport
+        from raysync.channels.rpc import RPCTransport
 
         self.rank = rank
         self.world = world
@@ -115,7 +115,7 @@ class _State:
         return {"collector_info": f"rank{rank}", "worker_rank": rank, "channel": "scheme"}
 
     def scheme_init(self, kind: str) -> list[str]:
-        from raysync.schemes import DistributedWeightSyncScheme, RPCWeightSyncScheme
+        from raysync.torchrl.schemes import DistributedWeightSyncScheme, RPCWeightSyncScheme
 
         cls = RPCWeightSyncScheme if kind == "rpc" else DistributedWeightSyncScheme
         scheme = self.schemes[kind] = cls(timeout=TIMEOUT)
@@ -145,8 +145,8 @@ class _State:
 
     def send_raw(self, kind: str, rank: int, channel: str, model_id: str, seed: int) -> Any:
         """Send with a bare transport on ``channel`` (e.g. a model the worker's scheme does not know)."""
-        from raysync.transports.distributed import DistributedTransport
-        from raysync.transports.rpc import RPCTransport
+        from raysync.channels.distributed import DistributedTransport
+        from raysync.channels.rpc import RPCTransport
 
         if kind == "rpc":
             tx: Any = RPCTransport(f"rank{rank}", worker_rank=rank, timeout=TIMEOUT, channel=channel)

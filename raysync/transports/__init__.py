@@ -1,16 +1,16 @@
-"""Data paths for a version's bytes, one module each.
+"""The hub's data paths for a version's bytes, behind one interface (:mod:`.base`).
 
-- ``object_store`` (built in, see :mod:`raysync.weights` and :mod:`raysync.hub`):
-  buckets are lists of uint8 arrays ``ray.put`` once by the trainer; receivers
-  read them zero-copy from their node's object store.
-- :mod:`raysync.transports.nixl`: buckets are flat tensors sent by Ray's tensor
-  transport (NIXL) straight from the trainer's snapshot buffers into the
-  receivers' registered buffers.
+- :mod:`.object_store` (default): buckets ``ray.put`` once by the trainer; receivers
+  read them zero-copy from their node's object store (:mod:`.store_pages` maps the
+  store into a process once).
+- :mod:`.nixl`: Ray's tensor transport, from the trainer's snapshot buffers straight
+  into the receivers' registered buffers.
 
 Pick one per push with ``hub.push(..., transport=...)`` or per client with
-``raysync.connect(..., transport=...)``.
+``raysync.connect(..., transport=...)``. Per-worker links (pipes, RPC,
+torch.distributed) are :mod:`raysync.channels`.
 """
 
-TRANSPORTS = ("object_store", "nixl")
+from raysync.transports.base import TRANSPORTS
 
 __all__ = ["TRANSPORTS"]

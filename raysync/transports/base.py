@@ -1,129 +1,82 @@
-"""The transport protocol of :mod:`raysync.schemes`: one object per receiver (worker).
-
-A transport moves one version of one model from a sender to ONE worker and
-carries the worker's acknowledgement back. Packing (``extract_tensors`` ->
-``plan_layout`` -> bucket bytes) comes from :mod:`raysync.weights`; validation
-against the worker's model and the whole-or-nothing apply happen in
-:class:`raysync.schemes.WeightReceiver`, never in a transport.
-
-Lifecycle (which side runs each method):
-
-- **sender**: ``send_weights(weights)`` or ``send_weights(model_id, weights)``
-  (= ``send_weights_async`` + ``wait_ack``); ``send_weights_async(...)``
-  returns once the transfer has started; ``wait_ack(timeout)`` waits for the
-  worker's ack, raising :class:`raysync.SyncTimeoutError` after ``timeout``
-  (default: the transport's ``timeout`` attribute, 60 s) and
-  :class:`raysync.ApplyError` if the worker acked with ``"error: ..."``;
-  ``check_connection()``.
-- **worker**: ``receive_weights(timeout)`` returns ``(model_id, tensors)``
-  once a whole version has arrived (``tensors`` a flat, sorted
-  ``{dotted_key: tensor}`` in private memory), or ``None`` after ``timeout``;
-  it always consumes a whole version's bytes, even one the worker will refuse,
-  so a mismatch never leaves the sender blocked. ``send_ack(message)``
-  acknowledges the last version (``"error: <text>"`` for a failed apply).
-
-The manifest (:class:`raysync.weights.Manifest`, small and picklable) is sent
-before the bytes so the worker can allocate exactly the buckets.
+"""The interface every hub data path implements: take a version's snapshot, hand back refs.
 
 Example:
-    >>> from raysync.transports.base import TransportBackend
-    >>> isinstance(transport, TransportBackend)  # doctest: +SKIP
-    True
+    >>> transport = transport_for("object_store")
+    >>> snap = transport.snapshot("policy", tensors, manifest)   # doctest: +SKIP
+    >>> snap.refs                                                # one ObjectRef per bucket
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from raysync.errors import ApplyError
+from raysync.core.layout import Manifest
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "TransportBackend",
-    "ack_error",
-    "split_send_args",
-]
+__all__ = ["TRANSPORTS", "HubTransport", "Reuse", "Snapshot", "check_transport", "transport_for"]
 
-DEFAULT_TIMEOUT = 60.0
-"""Seconds a transport waits for an ack (or a peer) unless told otherwise."""
+TRANSPORTS = ("object_store", "nixl")
+"""The hub's data paths, by name (``hub.push(..., transport=...)``, ``raysync.connect(transport=...)``)."""
+
+Reuse = Callable[[int, list[Any]], Any]
+"""``(bucket index, packed bucket) -> ObjectRef | None``: a previous version's object to re-use."""
 
 
-@runtime_checkable
-class TransportBackend(Protocol):
-    """What :mod:`raysync.schemes` needs from a transport (one per worker).
+@dataclass
+class Snapshot:
+    """A version taken: its manifest (checksums added), one ref per bucket, and what it cost.
 
     Attributes:
-        timeout: default seconds for :meth:`wait_ack`.
-
-    Example:
-        >>> transport.send_weights("policy", model)  # doctest: +SKIP
-        >>> # on the worker:
-        >>> model_id, tensors = transport.receive_weights(timeout=5.0)  # doctest: +SKIP
-        >>> transport.send_ack("updated")  # doctest: +SKIP
+        manifest: the layout, with checksums if asked for.
+        refs: one ``ObjectRef`` per bucket.
+        bytes_put: bytes written for it (object store or snapshot buffers).
+        buckets_put: buckets written (the rest re-use a previous version's objects).
+        keep_locally: whether the pusher may keep the refs to offer the version again.
+        stats: transport-specific figures for ``HubClient.last_push``.
     """
 
-    timeout: float
+    manifest: Manifest
+    refs: list[Any]
+    bytes_put: int
+    buckets_put: int
+    keep_locally: bool = True
+    stats: dict[str, Any] = field(default_factory=dict)
 
-    def send_weights(self, *args: Any) -> None:
-        """Sender: send ``weights`` or ``(model_id, weights)`` and wait for the worker's ack."""
+
+class HubTransport(Protocol):
+    """A data path for the hub: the trainer's side of it (receivers are in :mod:`raysync.receivers`)."""
+
+    name: str
+    supports_partial: bool  # keys= / delta= / checksum=
+
+    def snapshot(
+        self,
+        model_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        *,
+        checksum: bool = False,
+        reuse: Reuse | None = None,
+    ) -> Snapshot:
+        """Copy the tensors once into where receivers read them; the caller may change them after."""
         ...
 
-    def send_weights_async(self, *args: Any) -> None:
-        """Sender: start sending ``weights`` or ``(model_id, weights)``; do not wait."""
-        ...
 
-    def wait_ack(self, timeout: float | None = None) -> None:
-        """Sender: wait for the ack of the last send (``SyncTimeoutError`` / ``ApplyError``)."""
-        ...
-
-    def check_connection(self) -> bool:
-        """Either side: whether the peer is reachable."""
-        ...
-
-    def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """Worker: a whole version as ``(model_id, {key: tensor})``, or ``None`` after ``timeout``."""
-        ...
-
-    def send_ack(self, message: str = "updated") -> None:
-        """Worker: acknowledge the last version (``"error: <text>"`` for a failed apply)."""
-        ...
+def check_transport(transport: Any) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
-def split_send_args(args: tuple[Any, ...], default_model_id: str = "policy") -> tuple[str, Any]:
-    """Read both call shapes of ``send_weights``: ``(weights)`` and ``(model_id, weights)``.
+def transport_for(name: str) -> HubTransport:
+    """A fresh instance of the named data path (one per client: NIXL keeps buffer pools)."""
+    check_transport(name)
+    if name == "nixl":
+        from raysync.transports.nixl import NixlTransport
 
-    Example:
-        >>> split_send_args(("policy", {"w": torch.ones(1)}))[0]
-        'policy'
-        >>> split_send_args(({"w": torch.ones(1)},), "value")[0]
-        'value'
-    """
-    if len(args) == 1:
-        return default_model_id, args[0]
-    if len(args) == 2 and isinstance(args[0], str):
-        return args[0], args[1]
-    raise TypeError(
-        f"send_weights takes (weights) or (model_id: str, weights), got {len(args)} argument(s) "
-        f"of types {[type(a).__name__ for a in args]}"
-    )
+        return NixlTransport()
+    from raysync.transports.object_store import ObjectStoreTransport
 
-
-def ack_error(message: Any, *, worker: str = "worker") -> None:
-    """Raise :class:`raysync.ApplyError` if an ack message reports a failure.
-
-    Example:
-        >>> ack_error("updated")
-        >>> ack_error("error: shape mismatch")
-        Traceback (most recent call last):
-        ...
-        raysync.errors.ApplyError: worker failed to apply the weights: shape mismatch
-    """
-    text = str(message)
-    if text.startswith("error"):
-        detail = text.partition(":")[2].strip() or text
-        raise ApplyError(
-            f"{worker} failed to apply the weights: {detail}",
-            failures=[{"subscriber": worker, "error": detail}],
-        )
+    return ObjectStoreTransport()

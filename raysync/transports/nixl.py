@@ -2,7 +2,7 @@
 
 Lifecycle of one version (which side runs what):
 
-- **trainer** (:class:`SnapshotPool`, used by ``HubClient.push``): copy the
+- **trainer** (:class:`NixlTransport`, used by ``HubClient.push``): copy the
   weights into a set of flat uint8 bucket buffers (the one copy a version
   costs; the trainer may change its model right after), then
   ``ray.put([bucket], _tensor_transport="nixl")`` per bucket. Ray keeps a
@@ -11,7 +11,7 @@ Lifecycle of one version (which side runs what):
   buffering: the hub's ``keep`` versions plus those in flight).
 - **hub**: unchanged; it forwards the refs.
 - **receiver** (:func:`receive_into`, used by ``@synced_model``): both bucket
-  sets of its :class:`~raysync.weights.BoundModel` are registered with NIXL
+  sets of its :class:`~raysync.core.bound.BoundModel` are registered with NIXL
   once per layout; each version is received with ``set_target_for_ref``
   straight into the spare set (receiving is the copy) and then swapped in
   under the actor's write lock, so readers never see a partial version.
@@ -35,10 +35,12 @@ from typing import Any
 import ray
 import torch
 
+from raysync.core.bound import BoundModel
+from raysync.core.layout import Manifest
 from raysync.errors import SyncTimeoutError
-from raysync.weights import BoundModel, Manifest
+from raysync.transports.base import Reuse, Snapshot
 
-__all__ = ["UCX_ENV", "SnapshotPool", "receive_into"]
+__all__ = ["UCX_ENV", "NixlSnapshotPool", "NixlTransport", "receive_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def _prepare_ucx() -> None:
         os.environ.setdefault(key, value)
 
 
-class SnapshotPool:
+class NixlSnapshotPool:
     """Trainer side: reusable, NIXL-registered snapshot buffers for one model.
 
     Args:
@@ -116,6 +118,34 @@ class SnapshotPool:
                     src = tensors[entry.key].detach().contiguous().reshape(-1).view(torch.uint8)
                     buffers[entry.bucket][entry.offset : entry.offset + entry.nbytes].copy_(src)
         return [ray.put([buffer], _tensor_transport="nixl") for buffer in buffers]
+
+
+class NixlTransport:
+    """The NIXL data path, trainer side: one buffer pool per model (whole versions only)."""
+
+    name = "nixl"
+    supports_partial = False
+
+    def __init__(self) -> None:
+        self._pools: dict[str, NixlSnapshotPool] = {}
+
+    def snapshot(
+        self,
+        model_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        *,
+        checksum: bool = False,
+        reuse: Reuse | None = None,
+    ) -> Snapshot:
+        if checksum or reuse is not None:
+            raise ValueError("transport='nixl' sends whole versions: drop keys=, delta= and checksum=")
+        manifest = manifest.with_transport("nixl")
+        refs = self._pools.setdefault(model_id, NixlSnapshotPool()).put(tensors, manifest)
+        nbytes = sum(manifest.bucket_nbytes)
+        # The pool reuses a buffer set once Ray released every ref to it: the pusher keeps none.
+        stats = {"transport": "nixl", "bytes_snapshot": nbytes}
+        return Snapshot(manifest, refs, 0, len(refs), keep_locally=False, stats=stats)
 
 
 def _is_free(buffer: torch.Tensor) -> bool:

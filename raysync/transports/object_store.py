@@ -1,223 +1,55 @@
-"""Ray's object store as the data path of :mod:`raysync.schemes`: one ``ray.put`` per version.
+"""The default data path: each bucket ``ray.put`` once; receivers map it zero-copy.
 
-Lifecycle of one version (which side runs what):
-
-- **sender** (:func:`put_version`, called once per version by a
-  ``WeightSender`` whatever the number of workers): pack the weights into
-  buckets with :mod:`raysync.weights` and ``ray.put`` each bucket once.
-- **sender** (:class:`RayTransport` / :class:`RayActorTransport`, one per
-  actor): ask the actor to apply ``(model_id, manifest, refs)``; the refs
-  travel nested, so only the tiny call goes to each actor. ``wait_ack`` waits
-  for the reply with a timeout.
-- **actor** (:func:`apply_in_actor`, run through Ray's ``__ray_call__``, so any
-  actor works, no method to add): ``ray.get`` the buckets (zero-copy on the
-  same node), validate against the actor's model and apply the version whole
-  with :class:`raysync.weights.BoundModel`. The model is the receiver that
-  ``scheme.init_on_receiver(model_id=..., model=...)`` registered in that
-  actor, else the attribute path (``"policy"``, ``"env.transform[0]"``) on the
-  actor instance.
+A bucket is put as a list of uint8 numpy views of the tensors (the codec's
+:func:`~raysync.core.codec.pack`): Ray lays the buffers out back to back, so that is
+the one copy a version costs. Same-node readers map it; other nodes pull it once.
 
 Example:
-    >>> version = put_version(model)               # once
-    >>> for t in transports:                       # one small call per actor
-    ...     t.send_weights_async("policy", version)
-    >>> for t in transports:
-    ...     t.wait_ack(timeout=30)
+    >>> snap = ObjectStoreTransport().snapshot("policy", tensors, manifest)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
 
 import ray
 import torch
 
-from raysync._checks import check_timeout
-from raysync._store_pages import populate_store_mapping
-from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
-from raysync.transports.base import DEFAULT_TIMEOUT, split_send_args
-from raysync.weights import Manifest, extract_tensors, pack, plan_layout
+from raysync.core.codec import bucket_checksums, pack
+from raysync.core.layout import Manifest
+from raysync.transports.base import Reuse, Snapshot
+from raysync.transports.store_pages import populate_store_mapping
 
-__all__ = ["RayActorTransport", "RayTransport", "RayVersion", "apply_in_actor", "put_version"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["ObjectStoreTransport"]
 
 
-@dataclass
-class RayVersion:
-    """One version in the object store: its manifest and one ref per bucket.
+class ObjectStoreTransport:
+    """The object-store data path (the hub's default)."""
 
-    Attributes:
-        manifest: the buckets' layout.
-        refs: one ``ObjectRef`` per bucket (a list of uint8 arrays each).
-    """
+    name = "object_store"
+    supports_partial = True
 
-    manifest: Manifest
-    refs: list[ray.ObjectRef]
-
-
-def put_version(weights: Any) -> RayVersion:
-    """Pack ``weights`` and ``ray.put`` each bucket once (the one copy of a version).
-
-    Example:
-        >>> v = put_version(torch.nn.Linear(4, 2))  # doctest: +SKIP
-        >>> len(v.refs)
-        1
-    """
-    tensors = extract_tensors(weights)
-    manifest = plan_layout(tensors)
-    version = RayVersion(manifest, [ray.put(bucket) for bucket in pack(tensors, manifest)])
-    populate_store_mapping(True, manifest.total_nbytes)  # once per process: later puts take no faults
-    return version
-
-
-def apply_in_actor(
-    instance: Any, model_id: str, path: str | None, manifest: Manifest, wrapped: list[list[ray.ObjectRef]]
-) -> str:
-    """Actor side: fetch a version's buckets and apply it whole to the actor's model.
-
-    Runs inside the actor (via ``__ray_call__``). Returns ``"updated"``.
-    """
-    from raysync.schemes import receiver_for  # the schemes layer owns validation and apply
-
-    receiver = receiver_for(model_id, instance, path)
-    refs = wrapped[0]
-    buckets = ray.get(refs)
-    populate_store_mapping(False, manifest.total_nbytes)  # once per process: later reads take no faults
-    receiver.apply_packed(model_id, manifest, buckets, ids=[r.hex() for r in refs])
-    return "updated"
-
-
-class RayTransport:
-    """Updates ONE Ray actor (a collector, an inference worker) from the object store.
-
-    Args:
-        remote_collector: the actor handle.
-        tensor_transport: accepted for torchrl compatibility; only
-            ``"object_store"`` here (``raysync.connect(transport="nixl")`` for NIXL).
-        timeout: default seconds :meth:`wait_ack` waits.
-        model_path: where the model lives on the actor when no receiver was
-            registered there (default: the model id, e.g. ``"policy"``).
-
-    Example:
-        >>> t = RayTransport(remote_collector=actor, timeout=30)
-        >>> t.send_weights("policy", model)   # applied in the actor when it returns
-    """
-
-    def __init__(
+    def snapshot(
         self,
-        remote_collector: Any = None,
-        tensor_transport: str = "object_store",
+        model_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        manifest: Manifest,
         *,
-        timeout: float = DEFAULT_TIMEOUT,
-        model_path: str | None = None,
-    ) -> None:
-        if tensor_transport != "object_store":
-            raise ValueError(
-                f"tensor_transport={tensor_transport!r} is not supported by the schemes layer; use "
-                "'object_store', or raysync.connect(transport='nixl') and @synced_model receivers"
-            )
-        check_timeout(timeout, allow_none=False, positive=True)
-        self._actor = remote_collector
-        self.timeout = float(timeout)
-        self.model_path = model_path
-        self._pending: Any = None
-        self._pending_refs: list[ray.ObjectRef] = []
-
-    @property
-    def actor(self) -> Any:
-        """The actor this transport updates."""
-        return self._actor
-
-    def set_actor(self, actor_ref: Any) -> None:
-        """Point the transport at another actor."""
-        self._actor = actor_ref
-
-    def send_weights(self, *args: Any) -> None:
-        """Send ``weights`` or ``(model_id, weights)`` and wait until the actor applied them."""
-        self.send_weights_async(*args)
-        self.wait_ack()
-
-    def send_weights_async(self, *args: Any) -> None:
-        """Start the update (``weights`` may be a :class:`RayVersion` already in the store)."""
-        if self._actor is None:
-            raise RaySyncError("RayTransport has no actor: pass remote_collector= or call set_actor()")
-        model_id, weights = split_send_args(args)
-        version = weights if isinstance(weights, RayVersion) else put_version(weights)
-        # Nested refs are not resolved by Ray on the call: the actor fetches them itself.
-        self._pending = self._actor.__ray_call__.remote(
-            apply_in_actor, model_id, self.model_path, version.manifest, [version.refs]
-        )
-        self._pending_refs = version.refs  # keep the version alive until the actor replied
-
-    def wait_ack(self, timeout: float | None = None) -> None:
-        """Wait for the actor to apply the last version.
-
-        Raises:
-            SyncTimeoutError: no reply within ``timeout`` (default ``self.timeout``).
-            ApplyError: the actor refused or failed to apply it (its model is unchanged).
-        """
-        if self._pending is None:
-            raise RuntimeError("no send to wait for: call send_weights_async() first")
-        limit = self.timeout if timeout is None else timeout
-        pending, self._pending = self._pending, None
-        try:
-            ray.get(pending, timeout=limit)
-        except ray.exceptions.GetTimeoutError as err:
-            raise SyncTimeoutError(
-                f"actor {self._actor} did not apply the weights within {limit} s",
-                laggards=[{"subscriber": str(self._actor), "applied": None, "error": None}],
-            ) from err
-        except ray.exceptions.RayError as err:
-            cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
-            detail = f"{type(cause).__name__}: {cause}"
-            raise ApplyError(
-                f"actor {self._actor} failed to apply the weights (it keeps its previous ones): {detail}",
-                failures=[{"subscriber": str(self._actor), "error": detail}],
-            ) from err
-        finally:
-            self._pending_refs = []
-
-    def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """Actors receive through calls made by the sender: always ``None`` here."""
-        return None
-
-    def send_ack(self, message: str = "updated") -> None:
-        """The actor's reply is the ack: nothing to send."""
-
-    def check_connection(self) -> bool:
-        """Whether Ray is up and an actor is set."""
-        return ray.is_initialized() and self._actor is not None
-
-
-class RayActorTransport(RayTransport):
-    """Updates a model hosted in a Ray actor (its ``module`` attribute by default).
-
-    Args:
-        actor_ref: the actor handle.
-        update_method: ``"tensordict"`` or ``"state_dict"`` (kept for torchrl
-            compatibility; both apply the same packed version).
-        tensor_transport: ``"object_store"``.
-        timeout: default seconds :meth:`wait_ack` waits.
-        model_path: the attribute that holds the model on the actor (``"module"``).
-
-    Example:
-        >>> t = RayActorTransport(actor_ref=host_actor)
-        >>> t.send_weights("policy", model)
-    """
-
-    def __init__(
-        self,
-        actor_ref: Any = None,
-        update_method: str = "tensordict",
-        tensor_transport: str = "object_store",
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        model_path: str | None = "module",
-    ) -> None:
-        if update_method not in ("tensordict", "state_dict"):
-            raise ValueError(f"update_method must be 'tensordict' or 'state_dict', got {update_method!r}")
-        super().__init__(actor_ref, tensor_transport, timeout=timeout, model_path=model_path)
-        self.update_method = update_method
+        checksum: bool = False,
+        reuse: Reuse | None = None,
+    ) -> Snapshot:
+        buckets = pack(tensors, manifest)
+        if checksum:
+            manifest = manifest.with_checksums(bucket_checksums(buckets))
+        refs = []
+        put_bytes = puts = 0
+        for b, bucket in enumerate(buckets):
+            ref = reuse(b, bucket) if reuse is not None else None
+            if ref is None:
+                ref = ray.put(bucket)
+                put_bytes += manifest.bucket_nbytes[b]
+                puts += 1
+            refs.append(ref)
+        del buckets
+        populate_store_mapping(True, put_bytes)  # once per process: later puts take no page faults
+        return Snapshot(manifest, refs, put_bytes, puts)

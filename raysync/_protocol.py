@@ -1,0 +1,254 @@
+"""What the hub, its clients, subscribers, relays and adapters say to each other.
+
+Every message is a frozen dataclass here; every method one side calls on the other is
+named by a constant. Errors travel as exceptions (raysync's errors pickle across Ray),
+never as strings to parse.
+
+A subscriber need not be a Ray actor: one without a handle follows the hub by
+long-poll (:data:`WAIT_NEWER`) or pull (:data:`GET`) and reports what it applied
+(:data:`REPORT`). One :class:`Announcement` can carry many subscriptions
+(``sub_ids``), so one call per node can serve every subscriber there.
+
+Example:
+    >>> report = ApplyReport(applied=3, apply_s=0.002)
+    >>> report.holds(3), report.settles(3)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DEFAULT_HUB",
+    "DEFAULT_KEEP",
+    "DEFAULT_NAMESPACE",
+    "GET",
+    "HEARTBEAT",
+    "HEARTBEAT_S",
+    "NOTIFY",
+    "NOTIFY_BATCH",
+    "PING",
+    "REGISTER",
+    "REPORT",
+    "UNREGISTER",
+    "WAIT_NEWER",
+    "Announcement",
+    "ApplyReport",
+    "Laggard",
+    "Registration",
+    "SubscriberInfo",
+    "WaitResult",
+]
+
+DEFAULT_HUB = "raysync"
+"""The hub's actor name unless told otherwise."""
+
+DEFAULT_NAMESPACE = "raysync"
+"""raysync's own Ray namespace: every driver, job and the CLI find the same hub there."""
+
+DEFAULT_KEEP = 2
+"""Versions per model a new hub keeps unless a client asks for more."""
+
+HEARTBEAT_S = 2.0
+"""How often a subscriber (an actor, an adapter, a process) checks in with the hub."""
+
+# Methods a subscriber's actor answers (called by the hub).
+NOTIFY = "_raysync_notify"
+"""``(announcement) -> ApplyReport``: apply this version (push mode)."""
+NOTIFY_BATCH = "_raysync_notify_batch"
+"""``(announcement) -> list[ApplyReport]``: one per ``announcement.sub_ids`` (batched subscriptions)."""
+PING = "_raysync_ping"
+"""``() -> True``: a dead actor answers this at once with ``ActorDiedError``."""
+
+# Methods of the hub (called by subscribers and adapters).
+REGISTER = "register"
+"""``(registration) -> Announcement | None``: join; the newest version to start from, if any."""
+HEARTBEAT = "heartbeat"
+"""``(sub_ids) -> list[str]``: check in; the ids the hub does not know (register them again)."""
+REPORT = "report"
+"""``(sub_id, report)``: what a subscriber applied on its own (start-up, pull, a deferred apply)."""
+UNREGISTER = "unregister"
+"""``(sub_id)``: leave."""
+GET = "get"
+"""``(model_id, version=None, newer_than=None) -> Announcement | None``: pull."""
+WAIT_NEWER = "wait_newer"
+"""``(model_id, version, timeout) -> Announcement | None``: long poll."""
+
+
+@dataclass(frozen=True)
+class SubscriberInfo:
+    """Who a subscriber is, for ``status()`` and for the hub's rules.
+
+    Attributes:
+        mode: ``"push"`` (the hub delivers) or ``"pull"`` (it asks).
+        apply: ``"copy"``, ``"view"``, or the adapter's kind.
+        actor_id: its Ray actor (``None``: a plain process).
+        class_name: the user's class, or the adapter's.
+        node_id: the Ray node it runs on.
+        pid: its process.
+        attr: the attribute that holds the module.
+        placement: where an adapter runs (placement group, bundle).
+        batch: subscriptions of one actor share one notification call.
+    """
+
+    mode: str = "push"
+    apply: str = "copy"
+    actor_id: str | None = None
+    class_name: str | None = None
+    node_id: str | None = None
+    pid: int | None = None
+    attr: str | None = None
+    placement: dict[str, Any] | None = None
+    batch: bool = False
+
+    def row(self) -> dict[str, Any]:
+        """The fields as a plain dict (persisted, shown in status)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A subscriber joins (or joins again, after a hub restart).
+
+    Attributes:
+        sub_id: unique per (subscriber, model): ``"<actor id>:<model id>"`` for actors.
+        model_id: the model it follows.
+        handle: its actor handle; ``None`` for a subscriber the hub cannot call
+            (it follows by long-poll or pull and reports what it applied).
+        info: who it is.
+        schema: ``{key: (shape, dtype)}`` of its model, to refuse pushes that
+            would not fit before anything is published (``None``: not checked).
+        applied: the version it holds (after a hub restart, or a restart of its own).
+    """
+
+    sub_id: str
+    model_id: str
+    handle: Any
+    info: SubscriberInfo
+    schema: dict[str, tuple[tuple[int, ...], str]] | None = None
+    applied: int | None = None
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A version to apply: its number, layout and where its bytes are.
+
+    Attributes:
+        model_id: the model.
+        version: the hub's stamp.
+        manifest: the buckets' layout (a :class:`raysync.core.layout.Manifest`).
+        refs: one ``ObjectRef`` per bucket.
+        sub_ids: the subscriptions it is for (a batched notification), else empty.
+    """
+
+    model_id: str
+    version: int
+    manifest: Any
+    refs: tuple[Any, ...]
+    sub_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    """What a subscriber holds after it was handed a version.
+
+    Exactly one outcome: applied (``applied`` is that version), ``skipped`` (it
+    held that or newer), ``deferred`` (it applies once its running methods end and
+    reports then), or ``failed`` (``error`` says why; it keeps ``applied``).
+
+    Attributes:
+        applied: the version it holds now (``None``: none).
+        skipped: a version it did not apply because it held it or newer.
+        deferred: a version whose apply waits for the actor's running methods.
+        failed: a version it could not apply.
+        error: why, as an exception (``failed``, ``reset``).
+        lost: a version whose bytes are gone (its pusher died): the hub stops offering it.
+        reset: it holds no version any more (user code re-pointed its parameters).
+        timed_out: the failure was a timeout.
+        apply_s: seconds from the call to the version held.
+        pause_s: seconds its methods were held back.
+        buckets_fetched: buckets it fetched.
+        bytes_fetched: bytes it fetched.
+        prefetched: applied by swapping in a prefetched copy.
+        receivers: an adapter's receivers, one row each.
+    """
+
+    applied: int | None = None
+    skipped: int | None = None
+    deferred: int | None = None
+    failed: int | None = None
+    error: BaseException | None = None
+    lost: int | None = None
+    reset: bool = False
+    timed_out: bool = False
+    apply_s: float | None = None
+    pause_s: float | None = None
+    buckets_fetched: int | None = None
+    bytes_fetched: int | None = None
+    prefetched: bool = False
+    receivers: tuple[dict[str, Any], ...] | None = None
+
+    def holds(self, version: int) -> bool:
+        """Whether the subscriber holds ``version`` or a newer one."""
+        return self.applied is not None and self.applied >= version
+
+    def settles(self, version: int) -> bool:
+        """Whether a wait for ``version`` need not wait for this subscriber any more."""
+        return self.holds(version) or (self.failed is not None and self.failed >= version)
+
+    def describes_apply(self) -> bool:
+        """Whether it reports an apply just done (its timings mean something)."""
+        ok = self.failed is None and (self.error is None or self.receivers is not None)
+        return self.applied is not None and self.skipped is None and self.deferred is None and ok
+
+    def error_text(self) -> str | None:
+        """``"<Type>: <message>"`` of the error, as status shows it."""
+        if self.error is None:
+            return None
+        return f"{type(self.error).__name__}: {str(self.error)[:1000]}"
+
+
+@dataclass(frozen=True)
+class Laggard:
+    """A subscriber a wait is still waiting for (or that failed the version).
+
+    Attributes:
+        subscriber: its id.
+        actor: its class name.
+        applied: the version it holds.
+        error: its last error.
+        state: ``live``, ``unreachable`` or ``restoring`` (known from before a hub restart).
+    """
+
+    subscriber: str
+    actor: str | None
+    applied: int | None
+    error: str | None
+    state: str
+
+    def row(self) -> dict[str, Any]:
+        """As a plain dict (what ``SyncTimeoutError.laggards`` holds)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    """The end of a wait: who did not get there in time, who failed.
+
+    Attributes:
+        laggards: subscribers still short of the version.
+        failures: subscribers that failed to apply it (and keep their previous one).
+        missing: the hub keeps no version that new (a restart lost it): its writer may offer it again.
+    """
+
+    laggards: tuple[Laggard, ...] = ()
+    failures: tuple[Laggard, ...] = ()
+    missing: bool = False
+
+
+def replace(report: ApplyReport, **changes: Any) -> ApplyReport:
+    """A copy of ``report`` with ``changes`` (dataclasses.replace, typed)."""
+    return dataclasses.replace(report, **changes)

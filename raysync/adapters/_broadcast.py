@@ -1,0 +1,88 @@
+"""The broadcast channel a ``DistributedAdapter`` and its ranks share (gloo ``broadcast`` per bucket)."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from typing import Any
+
+import torch
+
+from raysync.core.layout import Manifest
+from raysync.errors import SyncTimeoutError
+
+__all__: list[str] = []
+
+
+def _join_group(store: Any, channel: str, generation: int, rank: int, world: int, timeout: float) -> None:
+    """(Re)form the gloo group of one generation (membership changes start a new one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"raysync/{channel}/group/{generation}", store),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def _broadcast_transport_class() -> type:
+    from raysync.channels._p2p import Transfer, wait_until
+    from raysync.channels.distributed import DistributedTransport
+
+    class BroadcastTransport(DistributedTransport):  # type: ignore[misc]
+        """Worker side of a DistributedAdapter: the mailbox of DistributedTransport, bytes by broadcast.
+
+        For each version: take the message, say "ready", wait for "go" (the
+        group generation and this worker's rank in it), join that group if it
+        is new, then receive every bucket by ``broadcast`` from rank 0.
+        """
+
+        generation: int | None = None
+
+        def receive_snapshot(
+            self, timeout: float | None = 1.0
+        ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
+            import torch.distributed as dist
+
+            store = self._store()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            message = self._take_next(deadline, keep_weights=False)
+            if message is None:
+                return None
+            number, payload = message
+            store.set(self._key("ready", number), b"1")
+            go_key = self._key("go", number)
+            if not wait_until(lambda: bool(store.check([go_key])), time.monotonic() + self.timeout):
+                raise SyncTimeoutError(f"the adapter did not start broadcasting message {number}")
+            go = pickle.loads(bytes(store.get(go_key)))
+            store.delete_key(go_key)
+            if go["generation"] != self.generation:
+                _join_group(store, self.channel, go["generation"], go["rank"], go["world"], self.timeout)
+                self.generation = go["generation"]
+            manifest: Manifest = payload["manifest"]
+            flats = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+            works = [dist.broadcast(f, src=0, async_op=True) for f in flats if f.numel()]
+            Transfer(works, flats).wait(time.monotonic() + self.timeout, f"broadcast of message {number}")
+            self._last = number
+            return payload["model_id"], manifest, flats
+
+    return BroadcastTransport
+
+
+class _LazyBroadcastTransport:
+    """Builds the BroadcastTransport class on first use (torch.distributed imports lazily)."""
+
+    _cls: type | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cls is None:
+            self._cls = _broadcast_transport_class()
+        return self._cls(*args, **kwargs)
+
+
+_BroadcastTransport = _LazyBroadcastTransport()

@@ -1,0 +1,267 @@
+"""An adapter: one hub subscriber that fans each version out to local receivers."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+
+from raysync._checks import check_timeout
+from raysync._protocol import (
+    DEFAULT_HUB,
+    Announcement,
+    ApplyReport,
+    Registration,
+    SubscriberInfo,
+)
+from raysync.adapters.placement import placement_of
+from raysync.channels.base import DEFAULT_TIMEOUT
+from raysync.core.layout import Manifest
+from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
+from raysync.receivers.membership import membership
+
+__all__ = ["KINDS", "Kind"]
+
+
+logger = logging.getLogger(__name__)
+
+
+Kind = Literal["pipe", "distributed", "rpc"]
+
+
+KINDS: tuple[str, ...] = ("pipe", "distributed", "rpc")
+"""The adapter kinds :func:`start` and :func:`for_placement_group` build."""
+
+
+@dataclass
+class _Receiver:
+    """One receiver behind an adapter, as the adapter sees it."""
+
+    index: int
+    name: str
+    process: Any
+    transport: Any
+    applied: int | None = None
+    error: str | None = None
+    state: str = "live"  # "live" or "dead" (dropped)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "receiver": self.name,
+            "pid": self.process.pid,
+            "applied": self.applied,
+            "error": self.error,
+            "state": self.state,
+        }
+
+
+class _Adapter:
+    """What every adapter does: subscribe once, fetch once per version, fan out, report."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        *,
+        model_factory: Callable[[], Any],
+        num_receivers: int = 2,
+        model_id: str = "policy",
+        hub: str = DEFAULT_HUB,
+        namespace: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        name: str | None = None,
+        start_method: str = "fork",
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be a callable fn(receiver, *args), got {type(fn).__name__}")
+        if not callable(model_factory):
+            raise TypeError(f"model_factory must be callable, got {type(model_factory).__name__}")
+        if not isinstance(num_receivers, int) or num_receivers < 1:
+            raise ValueError(f"num_receivers must be an integer >= 1, got {num_receivers!r}")
+        check_timeout(timeout, allow_none=False, positive=True)
+        self.model_id = model_id
+        self.timeout = float(timeout)
+        self.name = name or f"{self.kind}-adapter-{os.getpid()}"
+        self._hub_name = hub
+        self._namespace = namespace
+        self._lock = threading.Lock()  # one version at a time
+        self._version: int | None = None
+        self._fetches = 0
+        self._bytes_fetched = 0
+        self._receivers: list[_Receiver] = []
+        self._placement = placement_of()
+        self._mp: Any = multiprocessing.get_context(start_method)
+        self._start_receivers(fn, tuple(args), model_factory, num_receivers)
+        self._sub_id = ""
+        self._in_hub = False
+        ctx = ray.get_runtime_context()
+        if ctx.get_actor_id() is not None:
+            self._sub_id = f"{ctx.get_actor_id()}:{self.model_id}"
+            self._info = SubscriberInfo(
+                mode="push",
+                apply=f"adapter/{self.kind}",
+                actor_id=ctx.get_actor_id(),
+                class_name=type(self).__name__,
+                node_id=self._placement["node_id"],
+                pid=os.getpid(),
+                placement=dict(self._placement),
+            )
+            self._handle = ctx.current_actor
+            membership().join(self)  # registers, applies the newest, keeps it known
+            self._in_hub = True
+
+    # -------------------------------------------------------------- hub protocol (a Member)
+    @property
+    def sub_id(self) -> str:
+        return self._sub_id
+
+    @property
+    def hub_name(self) -> str:
+        return self._hub_name
+
+    @property
+    def hub_namespace(self) -> str | None:
+        return self._namespace
+
+    def registration(self) -> Registration:
+        return Registration(self._sub_id, self.model_id, self._handle, self._info, None, self._applied())
+
+    def start_from(self, newest: Announcement | None) -> None:
+        if newest is not None:
+            membership().report(self, self._raysync_notify(newest))
+
+    def _raysync_ping(self) -> bool:
+        return True
+
+    def _raysync_notify(self, announcement: Announcement) -> ApplyReport:
+        """The hub delivers a version: fetch it once, hand it to every receiver, reply with their acks."""
+        a = announcement
+        with self._lock:
+            return self._deliver(a.model_id, a.version, a.manifest, list(a.refs))
+
+    def _deliver(
+        self, model_id: str, version: int, manifest: Manifest, refs: list[ray.ObjectRef]
+    ) -> ApplyReport:
+        t0 = time.perf_counter()
+        if self._version is not None and version <= self._version:
+            return ApplyReport(applied=self._applied(), skipped=version, receivers=tuple(self.receivers()))
+        self._reap()
+        live = [r for r in self._receivers if r.state == "live"]
+        try:
+            if manifest.transport != "object_store":
+                raise RaySyncError(
+                    "adapters read versions from the object store; this one came over "
+                    f"{manifest.transport!r} (push with transport='object_store')"
+                )
+            if not live:
+                raise RaySyncError(f"{self.name} has no live receivers left")
+            buckets = ray.get(list(refs), timeout=self.timeout)
+            self._fetches += 1
+            self._bytes_fetched += sum(manifest.bucket_nbytes)
+            self._fan_out(model_id, version, manifest, buckets, live)
+            del buckets
+        except Exception as err:
+            logger.warning("%s could not deliver version %d: %s", self.name, version, err)
+            error = (
+                err if isinstance(err, RaySyncError) else ApplyError(f"{type(err).__name__}: {err}"[:1000])
+            )
+            return ApplyReport(
+                applied=self._applied(), failed=version, error=error, receivers=tuple(self.receivers())
+            )
+        self._version = version
+        dropped = [r for r in live if r.state == "dead"]
+        failed = [r for r in live if r.state == "live" and r.applied != version]
+        problems = [f"{r.name}: {r.error}" for r in (*failed, *dropped)]
+        problem = ApplyError("; ".join(problems)[:2000]) if problems else None
+        receivers = tuple(self.receivers())
+        if failed or not any(r.state == "live" for r in live):
+            return ApplyReport(applied=self._applied(), failed=version, error=problem, receivers=receivers)
+        return ApplyReport(
+            applied=self._applied(),
+            error=problem,  # a dropped receiver is reported; the version reached every live one
+            apply_s=time.perf_counter() - t0,
+            buckets_fetched=manifest.num_buckets,
+            bytes_fetched=sum(manifest.bucket_nbytes),
+            receivers=receivers,
+        )
+
+    def _applied(self) -> int | None:
+        """The version every live receiver holds (the oldest of theirs)."""
+        versions = [r.applied for r in self._receivers if r.state == "live"]
+        if not versions or any(v is None for v in versions):
+            return None
+        return min(v for v in versions if v is not None)
+
+    def _reap(self) -> None:
+        for r in self._receivers:
+            if r.state == "live" and not r.process.is_alive():
+                self._drop(r, f"receiver process exited (exit code {r.process.exitcode})")
+
+    def _drop(self, r: _Receiver, why: str, *, level: int = logging.WARNING) -> None:
+        r.state = "dead"
+        r.error = why
+        logger.log(level, "%s dropped receiver %s: %s", self.name, r.name, why)
+        if r.process.is_alive():
+            r.process.terminate()
+        r.process.join(timeout=1.0)
+
+    def _check(self, r: _Receiver, version: int, err: BaseException | None) -> None:
+        """Record one receiver's outcome for ``version``."""
+        if err is None:
+            r.applied, r.error = version, None
+        elif not r.process.is_alive() or (
+            isinstance(err, RaySyncError)
+            and not isinstance(err, ApplyError)
+            and not isinstance(err, SyncTimeoutError)
+        ):
+            r.process.join(timeout=1.0)
+            self._drop(r, f"receiver process died (exit code {r.process.exitcode}): {err}")
+        else:
+            r.error = f"{type(err).__name__}: {str(err)[:500]}"
+
+    def _start_receivers(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
+    ) -> None:
+        raise NotImplementedError
+
+    def _fan_out(
+        self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
+    ) -> None:
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- public methods
+    def placement(self) -> dict[str, Any]:
+        """Where this adapter runs (node id, placement group id, bundle index), read inside it."""
+        return dict(self._placement)
+
+    def receivers(self) -> list[dict[str, Any]]:
+        """One row per receiver: name, pid, applied version, last error, state (live / dead)."""
+        return [r.row() for r in self._receivers]
+
+    def stats(self) -> dict[str, Any]:
+        """Versions fetched from the object store by this adapter (``fetches``, ``bytes_fetched``)."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "version": self._version,
+            "fetches": self._fetches,
+            "bytes_fetched": self._bytes_fetched,
+            "receivers": len([r for r in self._receivers if r.state == "live"]),
+        }
+
+    def shutdown(self) -> None:
+        """Stop the receivers and leave the hub."""
+        if self._in_hub:
+            membership().leave(self)
+        for r in self._receivers:
+            if r.state == "live":
+                self._drop(r, "adapter shut down", level=logging.INFO)

@@ -1,0 +1,152 @@
+"""``DistributedAdapter``: K ranks of a gloo group; the adapter is rank 0 and broadcasts."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import pickle
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from raysync.adapters._broadcast import _join_group
+from raysync.adapters._workers import _dist_worker
+from raysync.adapters.base import _Adapter, _Receiver
+from raysync.core.layout import Manifest
+from raysync.errors import RaySyncError
+
+__all__ = ["DistributedAdapter"]
+
+
+
+
+class DistributedAdapter(_Adapter):
+    """Rank 0 of a gloo group with K worker processes: one broadcast per bucket per version.
+
+    Each worker runs ``fn(receiver, *args)`` like :class:`PipeAdapter`'s. Per
+    version the adapter posts the manifest in each worker's mailbox (the
+    group's TCPStore), waits until every worker is ready, then broadcasts each
+    bucket once and collects the acks. A worker that is not ready within
+    ``timeout`` (dead or stuck: a collective cannot wait for it) is stopped
+    and dropped, and the others form a new group without it.
+
+    Args: as :class:`PipeAdapter`.
+
+    Example:
+        >>> adapter = raysync.adapters.start("distributed", worker_loop, model_factory=make_policy)
+    """
+
+    kind = "distributed"
+
+    def _start_receivers(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
+    ) -> None:
+        import torch.distributed as dist
+
+        self._channel = f"adapter-{os.getpid()}"
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout),
+        )
+        self._generation = 0
+        self._members: list[int] | None = None
+        port = int(self._store.port)
+        from raysync.channels.distributed import DistributedTransport
+
+        for i in range(count):
+            name = f"{self.name}/rank-{i + 1}"
+            process = self._mp.Process(
+                target=_dist_worker,
+                args=(
+                    "127.0.0.1",
+                    port,
+                    i,
+                    fn,
+                    args,
+                    model_factory,
+                    self.model_id,
+                    self.timeout,
+                    self._channel,
+                    os.getpid(),
+                    name,
+                ),
+                name=name,
+                daemon=True,
+            )
+            process.start()
+            transport = DistributedTransport(self._store, i, timeout=self.timeout, channel=self._channel)
+            self._receivers.append(_Receiver(i, name, process, transport))
+
+    def _ready_or_gone(self, key: str, r: _Receiver) -> bool:
+        return bool(self._store.check([key])) or not r.process.is_alive()
+
+    def _fan_out(
+        self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
+    ) -> None:
+        import torch.distributed as dist
+
+        from raysync.channels._p2p import Transfer, wait_until
+        from raysync.channels.distributed import _Pending
+
+        numbers = {}
+        for r in live:
+            message = {"kind": "weights", "model_id": model_id, "manifest": manifest, "tags": [], "src": 0}
+            numbers[r.index] = r.transport._post(message)
+        deadline = time.monotonic() + self.timeout
+        ready: list[_Receiver] = []
+        for r in live:
+            key = r.transport._key("ready", numbers[r.index])
+            ok = wait_until(functools.partial(self._ready_or_gone, key, r), deadline)
+            if ok and self._store.check([key]):
+                self._store.delete_key(key)
+                ready.append(r)
+            elif not r.process.is_alive():
+                self._drop(r, f"receiver process exited (exit code {r.process.exitcode})")
+            else:
+                self._drop(r, f"did not take version {version} within {self.timeout} s (stopped)")
+        if not ready:
+            return
+        members = [r.index for r in ready]
+        if members != self._members:
+            self._generation += 1
+            self._members = members
+        for rank, r in enumerate(ready, start=1):
+            go = {"generation": self._generation, "rank": rank, "world": len(ready) + 1}
+            self._store.set(r.transport._key("go", numbers[r.index]), pickle.dumps(go))  # type: ignore[arg-type]
+        if getattr(self, "_joined", None) != self._generation:
+            _join_group(self._store, self._channel, self._generation, 0, len(ready) + 1, self.timeout)
+            self._joined = self._generation
+        # One flat buffer per bucket (the one copy on this side), one broadcast each.
+        flats = []
+        for b in range(manifest.num_buckets):
+            flat = torch.empty(manifest.bucket_nbytes[b], dtype=torch.uint8)
+            for entry, arr in zip(manifest.bucket_entries(b), buckets[b], strict=True):
+                if entry.nbytes:
+                    with warnings.catch_warnings():  # read-only object-store buffers: we only read them
+                        warnings.simplefilter("ignore", UserWarning)
+                        src = torch.from_numpy(arr)
+                    flat[entry.offset : entry.offset + entry.nbytes].copy_(src)
+            flats.append(flat)
+        works = [dist.broadcast(f, src=0, async_op=True) for f in flats if f.numel()]
+        try:
+            Transfer(works, flats).wait(time.monotonic() + self.timeout, f"broadcast of version {version}")
+        except RaySyncError as err:
+            self._members = None  # the group is unusable after a failed collective: form a new one
+            for r in ready:
+                self._check(r, version, err if r.process.is_alive() else RaySyncError(str(err)))
+            return
+        for r in ready:
+            r.transport._pending = _Pending(numbers[r.index], model_id, Transfer([], []))
+            try:
+                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01) + self.timeout)
+            except RaySyncError as err:
+                self._check(r, version, err)
+                continue
+            self._check(r, version, None)

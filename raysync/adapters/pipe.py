@@ -1,0 +1,94 @@
+"""``PipeAdapter``: K worker processes fed through pipes and one shared-memory copy."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raysync.adapters._workers import _pipe_worker
+from raysync.adapters.base import _Adapter, _Receiver
+from raysync.core.codec import unpack
+from raysync.core.layout import Manifest
+from raysync.errors import RaySyncError
+
+__all__ = ["PipeAdapter"]
+
+
+class PipeAdapter(_Adapter):
+    """K worker processes fed through pipes (signals) and one shared-memory copy per version (bytes).
+
+    Each worker runs ``fn(receiver, *args)``; ``receiver`` is a
+    :class:`raysync.schemes.WeightReceiver` whose model is ``model_factory()``
+    (reach it as ``receiver.model``); call ``receiver.receive(timeout)`` in the
+    worker's loop to apply a version whole when one has arrived. ``fn``,
+    ``args`` and ``model_factory`` must pickle (the workers are spawned).
+
+    Args:
+        fn: the worker loop, ``fn(receiver, *args)``.
+        args: more arguments for ``fn``.
+        model_factory: builds the worker's model.
+        num_receivers: how many worker processes.
+        model_id: which model on the hub.
+        hub: the hub's name.
+        namespace: the hub's namespace.
+        timeout: seconds a receiver may take to ack a version (then it is
+            reported as failed for that version).
+        name: a name for logs and status.
+
+    Create it as an actor with :func:`start` or :func:`for_placement_group`.
+
+    Example:
+        >>> adapter = raysync.adapters.start("pipe", worker_loop, model_factory=make_policy, num_receivers=4)
+        >>> ray.get(adapter.receivers.remote())  # doctest: +SKIP
+    """
+
+    kind = "pipe"
+
+    def _start_receivers(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
+    ) -> None:
+        from raysync.channels.pipe import MPTransport, SnapshotPool
+
+        self._pool = SnapshotPool()
+        for i in range(count):
+            parent, child = self._mp.Pipe()
+            name = f"{self.name}/pipe-{i}"
+            process = self._mp.Process(
+                target=_pipe_worker,
+                args=(child, fn, args, model_factory, self.model_id, self.timeout, os.getpid(), name),
+                name=name,
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._receivers.append(_Receiver(i, name, process, MPTransport(parent, timeout=self.timeout)))
+
+    def _fan_out(
+        self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
+    ) -> None:
+        from raysync.channels.pipe import SnapshotPool
+
+        # The one copy of the version on this side: object store -> shared memory.
+        if self._pool is None:
+            self._pool = SnapshotPool()
+        snapshot = self._pool.write(unpack(manifest, buckets), manifest)
+        started: list[_Receiver] = []
+        for r in live:
+            try:
+                r.transport.send_weights_async(model_id, snapshot)
+                started.append(r)
+            except RaySyncError as err:
+                self._pool.forget(r.transport._reader)
+                self._check(r, version, err)
+        deadline = time.monotonic() + self.timeout
+        for r in started:
+            try:
+                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01))
+            except RaySyncError as err:
+                self._check(r, version, err)
+                if r.state == "dead":
+                    self._pool.forget(r.transport._reader)
+                continue
+            self._check(r, version, None)

@@ -1,0 +1,95 @@
+"""``RPCAdapter``: K torch.distributed.rpc workers; manifest by RPC, bytes by send/recv."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raysync.adapters._workers import _free_port, _join_rpc, _rpc_worker
+from raysync.adapters.base import _Adapter, _Receiver
+from raysync.core.codec import unpack
+from raysync.core.layout import Manifest
+from raysync.errors import RaySyncError
+
+__all__ = ["RPCAdapter"]
+
+
+class RPCAdapter(_Adapter):
+    """Rank 0 of a ``torch.distributed.rpc`` group with K RPC worker processes.
+
+    Each worker runs ``fn(receiver, *args)`` like :class:`PipeAdapter`'s. Per
+    version the adapter signals every worker by RPC (the manifest) and sends
+    the bytes with torch.distributed ``isend`` (gloo), through
+    :class:`raysync.channels.rpc.RPCTransport`; the worker's RPC thread
+    receives them whole, its loop applies them and acks by RPC. A worker that
+    dies is reported and dropped (nothing more is sent to it).
+
+    Args: as :class:`PipeAdapter`.
+
+    Example:
+        >>> adapter = raysync.adapters.start("rpc", worker_loop, model_factory=make_policy)
+    """
+
+    kind = "rpc"
+
+    def _start_receivers(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
+    ) -> None:
+        from raysync.channels.rpc import RPCTransport
+
+        host = "127.0.0.1"
+        port, rpc_port = _free_port(), _free_port()
+        world = count + 1
+        channel = f"adapter-{os.getpid()}"
+        for i in range(count):
+            name = f"{self.name}/rank{i + 1}"
+            process = self._mp.Process(
+                target=_rpc_worker,
+                args=(
+                    host,
+                    port,
+                    rpc_port,
+                    i + 1,
+                    world,
+                    fn,
+                    args,
+                    model_factory,
+                    self.model_id,
+                    self.timeout,
+                    channel,
+                    os.getpid(),
+                    name,
+                ),
+                name=name,
+                daemon=True,
+            )
+            process.start()
+            transport = RPCTransport(f"rank{i + 1}", worker_rank=i + 1, timeout=self.timeout, channel=channel)
+            self._receivers.append(_Receiver(i, name, process, transport))
+        _join_rpc(host, port, rpc_port, 0, world, self.timeout)
+
+    def _fan_out(
+        self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
+    ) -> None:
+        tensors = unpack(manifest, buckets)
+        started: list[_Receiver] = []
+        for r in live:
+            try:
+                r.transport.send_weights_async(model_id, tensors)
+                started.append(r)
+            except Exception as err:
+                self._check(r, version, err if isinstance(err, RaySyncError) else RaySyncError(str(err)))
+        deadline = time.monotonic() + self.timeout
+        for r in started:
+            try:
+                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01))
+            except RaySyncError as err:
+                if not r.process.is_alive() or "failed to receive" in str(err):
+                    r.process.join(timeout=1.0)
+                    self._drop(r, f"RPC worker unreachable (exit code {r.process.exitcode}): {err}"[:500])
+                else:
+                    self._check(r, version, err)
+                continue
+            self._check(r, version, None)

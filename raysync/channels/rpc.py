@@ -1,0 +1,395 @@
+"""RPCTransport: signal over ``torch.distributed.rpc``, move bytes with torch.distributed send/recv.
+
+One transport object serves one receiver (one worker), as in torchrl. The
+processes must already have joined a default process group
+(``torch.distributed.init_process_group``, gloo on CPU) and an RPC group
+(``torch.distributed.rpc.init_rpc``). Lifecycle of one version, and which side
+runs what:
+
+1. **sender** ``send_weights_async(model_id, weights)``: snapshots the weights
+   into flat uint8 buckets laid out by :func:`raysync.weights.plan_layout`
+   (the trainer may change its model as soon as this returns), then, in the
+   deadlock-free order torchrl documents, (a) signals the worker with a
+   non-blocking ``rpc_async`` that carries the
+   :class:`~raysync.weights.Manifest` and one tag per bucket, and (b) posts
+   one ``isend`` per bucket.
+2. **worker, RPC thread** (no user code): the signal allocates the buckets
+   from the manifest, receives them (bounded by the sender's ``timeout``) and
+   queues the whole version in the worker's inbox for its ``channel``. Bytes
+   therefore flow even while the worker's main thread is busy, and a version
+   the worker will refuse is still consumed whole: the sender is never left
+   blocked in a send.
+3. **worker** ``receive_weights(timeout)``: takes the next version from the
+   inbox, oldest first, and returns ``(model_id, {key: tensor})`` in
+   canonical key order, backed by private memory. Every delivery is queued
+   until taken; nothing is dropped.
+4. **worker** ``send_ack("updated")`` or ``send_ack("error: <text>")``: an
+   RPC back to the sender naming the version.
+5. **sender** ``wait_ack(timeout)``: waits for the bytes to land and for the
+   ack of the newest send; raises :class:`raysync.SyncTimeoutError` past the
+   timeout and :class:`raysync.ApplyError` on an error ack. Never hangs.
+
+``send_weights`` is ``send_weights_async`` + ``wait_ack``; ``close()`` (sender)
+unregisters the transport's ack box. A new send waits
+(bounded) until the worker holds the previous one, so versions arrive in the
+order they were sent. Transports on one worker share an inbox per
+``channel``: give each receiving transport in a process its own channel (and
+the matching sender transports the same one), or use one receiving transport
+that returns every ``model_id``.
+
+Example:
+    >>> # trainer (rank 0, RPC name "trainer")
+    >>> t = RPCTransport("worker1", worker_rank=1, timeout=30)  # doctest: +SKIP
+    >>> t.send_weights("policy", model)                          # doctest: +SKIP
+    >>> # worker (rank 1, RPC name "worker1")
+    >>> t = RPCTransport()                                        # doctest: +SKIP
+    >>> model_id, tensors = t.receive_weights(timeout=5)          # doctest: +SKIP
+    >>> t.send_ack()                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raysync.channels._p2p import (
+    P2PTransport,
+    Transfer,
+    check_group,
+    next_tags,
+    pack_version,
+    post_sends,
+    receive_version,
+    wait_until,
+)
+from raysync.channels.base import DEFAULT_TIMEOUT, ack_error, split_send_args
+from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest
+from raysync.errors import ApplyError, SyncTimeoutError
+
+__all__ = ["RPCTransport"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHANNEL = "raysync"
+
+
+@dataclass
+class _Delivery:
+    """A whole version in a worker's inbox."""
+
+    model_id: str
+    manifest: Manifest
+    buckets: list[torch.Tensor]
+    reply_to: str
+    uid: str
+    seq: int
+
+
+@dataclass
+class _Pending:
+    """The newest send of a sender transport, until its ack arrives."""
+
+    seq: int
+    model_id: str
+    future: Any  # torch.futures.Future of the signal RPC ("received" or the worker's error)
+    outgoing: Transfer
+
+
+# Worker side: one inbox per channel, filled by the signal RPC. Sender side: one ack box per
+# transport, filled by the workers' ack RPCs. Both live in the module because an RPC runs a
+# module-level function, not a method of a particular transport object.
+_LOCK = threading.Lock()
+_INBOXES: dict[str, queue.Queue[_Delivery]] = {}
+_ACK_BOXES: dict[str, queue.Queue[tuple[int, str]]] = {}
+
+
+def _inbox(channel: str) -> queue.Queue[_Delivery]:
+    with _LOCK:
+        box = _INBOXES.get(channel)
+        if box is None:
+            box = _INBOXES[channel] = queue.Queue()
+        return box
+
+
+def _on_weights(channel: str, message: dict[str, Any]) -> str:
+    """Worker, RPC thread: receive the announced version's bytes and queue it whole."""
+    manifest: Manifest = message["manifest"]
+    buckets = receive_version(
+        manifest,
+        message["src"],
+        message["tags"],
+        timeout=message["timeout"],
+        what=f"version {message['seq']} of {message['model_id']!r}",
+    )
+    _inbox(channel).put(
+        _Delivery(message["model_id"], manifest, buckets, message["reply_to"], message["uid"], message["seq"])
+    )
+    logger.debug("queued %r (%d bytes) on channel %r", message["model_id"], manifest.total_nbytes, channel)
+    return "received"
+
+
+def _on_ack(uid: str, seq: int, message: str) -> bool:
+    """Sender, RPC thread: file a worker's ack; False if that transport is gone."""
+    with _LOCK:
+        box = _ACK_BOXES.get(uid)
+    if box is None:
+        logger.warning("ack %r for send %d of a closed RPCTransport dropped", message, seq)
+        return False
+    box.put((seq, message))
+    return True
+
+
+def _name_of(info: Any) -> str | None:
+    if info is None or isinstance(info, str):
+        return info
+    name = getattr(info, "name", None)  # rpc.WorkerInfo
+    if not isinstance(name, str):
+        raise TypeError(f"collector_info must be an RPC worker name or WorkerInfo, got {info!r}")
+    return name
+
+
+class RPCTransport(P2PTransport):
+    """Weights to one worker: RPC to signal, torch.distributed send/recv for the bytes.
+
+    Create it on the sender with the worker's RPC name (``collector_info``)
+    and on the worker with no arguments; see the module docstring for which
+    side runs each method.
+
+    Args:
+        collector_info: the worker's RPC name or ``WorkerInfo`` (sender side;
+            None on the worker).
+        collector_rref: accepted for torchrl compatibility; unused (the worker
+            needs no remote object, its inbox receives the version).
+        collector_class: accepted for torchrl compatibility; unused.
+        worker_rank: the worker's rank in the default process group (sender
+            side); defaults to its RPC rank.
+        timeout: seconds any wait may take (``wait_ack``'s default, the
+            worker's receive of the bytes, the ack RPC).
+        channel: the inbox on the worker; sender and worker must agree.
+        bucket_bytes: target bucket size (see :func:`raysync.weights.plan_layout`).
+
+    Example:
+        >>> sender = RPCTransport("worker1", worker_rank=1, timeout=10)  # doctest: +SKIP
+        >>> sender.send_weights(model)          # model_id "policy"      # doctest: +SKIP
+    """
+
+    keeps_snapshot = True
+    """Received buckets are private to each version: a receiver may adopt them without a copy."""
+    _config = ("worker_name", "worker_rank", *P2PTransport._config)
+    _handles = ("collector_rref", "collector_class")  # pickling drops pending sends and handles
+
+    def __init__(
+        self,
+        collector_info: Any = None,
+        collector_rref: Any = None,
+        collector_class: Any = None,
+        worker_rank: int | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        channel: str = DEFAULT_CHANNEL,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self._configure(timeout, channel, bucket_bytes)
+        self.worker_name = _name_of(collector_info)
+        self.collector_rref = collector_rref
+        self.collector_class = collector_class
+        self.worker_rank = worker_rank
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._uid = uuid.uuid4().hex
+        self._seq = itertools.count(1)
+        self._pending: _Pending | None = None
+        self._last: tuple[str, str, int] | None = None  # (reply_to, uid, seq) of the last version taken
+        self._acks: queue.Queue[tuple[int, str]] = queue.Queue()
+        if self.worker_name is not None:
+            with _LOCK:
+                _ACK_BOXES[self._uid] = self._acks
+
+    def __repr__(self) -> str:
+        return (
+            f"RPCTransport(worker={self.worker_name!r}, worker_rank={self.worker_rank}, "
+            f"channel={self.channel!r}, timeout={self.timeout})"
+        )
+
+    # ------------------------------------------------------------------ sender side
+
+
+    def send_weights_async(self, *args: Any) -> None:
+        """Sender: snapshot and start sending a version; returns once the transfer is started.
+
+        Call :meth:`wait_ack` for the worker's ack.
+
+        Example:
+            >>> transport.send_weights_async(model); transport.wait_ack()  # doctest: +SKIP
+        """
+        import torch.distributed as dist
+        from torch.distributed import rpc
+
+        model_id, weights = split_send_args(args)
+        if self.worker_name is None:
+            raise ValueError(
+                "this RPCTransport has no worker to send to: create the sender's transport "
+                "with the worker's RPC name, RPCTransport(collector_info='worker1', worker_rank=1)"
+            )
+        packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
+        check_group()
+        self._await_received()
+        if self.worker_rank is None:
+            self.worker_rank = rpc.get_worker_info(self.worker_name).id
+
+        seq = next(self._seq)
+        tags = next_tags(packed.manifest.num_buckets)
+        message = {
+            "model_id": model_id,
+            "manifest": packed.manifest,
+            "tags": tags,
+            "src": dist.get_rank(),
+            "reply_to": rpc.get_worker_info().name,
+            "uid": self._uid,
+            "seq": seq,
+            "timeout": self.timeout,
+        }
+        # 1. signal first (non-blocking): the worker starts receiving; 2. then post the sends.
+        future = rpc.rpc_async(
+            self.worker_name, _on_weights, args=(self.channel, message), timeout=self.timeout + 5.0
+        )
+        outgoing = post_sends(packed, self.worker_rank, tags)
+        self._pending = _Pending(seq, model_id, future, outgoing)
+        logger.debug(
+            "sent %r #%d to %s (%d bytes)", model_id, seq, self.worker_name, packed.manifest.total_nbytes
+        )
+
+    def _await_received(self) -> None:
+        # Versions go in order: the worker must hold the previous one before the next is announced.
+        pending = self._pending
+        if pending is None or pending.future.done():
+            return
+        if not wait_until(pending.future.done, time.monotonic() + self.timeout):
+            raise SyncTimeoutError(
+                f"worker {self.worker_name!r} has not received the previous version of "
+                f"{pending.model_id!r} after {self.timeout} s; is it alive?",
+                [{"subscriber": self.worker_name, "actor": None, "applied": None, "error": None}],
+            )
+
+    def wait_ack(self, timeout: float | None = None) -> None:
+        """Sender: wait for the worker's ack of the newest send.
+
+        Args:
+            timeout: seconds; defaults to the transport's ``timeout``.
+
+        Raises:
+            SyncTimeoutError: the bytes or the ack did not come in time.
+            ApplyError: the worker could not receive the version or acked an error.
+
+        Example:
+            >>> transport.wait_ack(timeout=5)  # doctest: +SKIP
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        where = f"worker {self.worker_name!r}"
+        what = f"version #{pending.seq} of {pending.model_id!r}"
+        laggard = [{"subscriber": self.worker_name, "actor": None, "applied": None, "error": None}]
+        if not wait_until(pending.future.done, deadline):
+            raise SyncTimeoutError(f"{where} did not receive {what} within {limit} s", laggard)
+        try:
+            pending.future.wait()
+        except Exception as err:
+            self._pending = None
+            raise ApplyError(
+                f"{where} failed to receive {what}: {err}",
+                [{"subscriber": self.worker_name, "error": str(err)}],
+            ) from err
+        pending.outgoing.wait(deadline, f"the bytes of {what} to {where}")
+        while True:
+            try:
+                seq, message = self._acks.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise SyncTimeoutError(
+                    f"{where} did not acknowledge {what} within {limit} s "
+                    "(it holds the version: is it calling receive_weights() and send_ack()?)",
+                    laggard,
+                ) from None
+            if seq == pending.seq:
+                break
+            logger.debug("late ack %r for send #%d ignored", message, seq)  # from a send that timed out
+        self._pending = None
+        ack_error(message, worker=f"{where} ({what})")
+
+    def check_connection(self) -> bool:
+        """Whether the process group and RPC are up (and, on the sender, the worker is known).
+
+        Example:
+            >>> transport.check_connection()  # doctest: +SKIP
+            True
+        """
+        import torch.distributed as dist
+        from torch.distributed import rpc
+
+        if not dist.is_initialized() or not rpc.api._is_current_rpc_agent_set():
+            return False
+        if self.worker_name is not None:
+            try:
+                rpc.get_worker_info(self.worker_name)
+            except Exception:
+                return False
+        return True
+
+
+
+    def close(self) -> None:
+        """Sender: stop accepting acks for this transport (late acks are then logged and dropped)."""
+        with _LOCK:
+            _ACK_BOXES.pop(self._uid, None)
+
+    # ------------------------------------------------------------------ worker side
+
+
+    def receive_snapshot(
+        self, timeout: float | None = 1.0
+    ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
+        """Worker: ``(model_id, manifest, buckets)`` of the next version, as received (no copy).
+
+        The flat uint8 buckets belong to this version alone, so a receiver may
+        adopt them as its parameters' storage (``keeps_snapshot``).
+
+        Example:
+            >>> model_id, manifest, buckets = transport.receive_snapshot(timeout=5)  # doctest: +SKIP
+        """
+        try:
+            delivery = _inbox(self.channel).get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self._last = (delivery.reply_to, delivery.uid, delivery.seq)  # not the buckets: they may be adopted
+        return delivery.model_id, delivery.manifest, delivery.buckets
+
+    def send_ack(self, message: str = "updated") -> None:
+        """Worker: acknowledge the version :meth:`receive_weights` last returned.
+
+        Args:
+            message: ``"updated"``, or ``"error: <text>"`` if it could not be applied
+                (the sender's ``wait_ack`` then raises :class:`raysync.ApplyError`).
+
+        Example:
+            >>> transport.send_ack("error: shapes differ")  # doctest: +SKIP
+        """
+        from torch.distributed import rpc
+
+        last = self._last
+        if last is None:
+            raise RuntimeError(
+                "send_ack() before receive_weights() returned a version: nothing to acknowledge"
+            )
+        reply_to, uid, seq = last
+        rpc.rpc_sync(reply_to, _on_ack, args=(uid, seq, message), timeout=self.timeout)

@@ -1,0 +1,215 @@
+"""THE bucket codec: tensors into flat buckets, buckets back into tensor views, checksums.
+
+Every path that moves a version (the hub's object store, NIXL, every channel and
+adapter, :class:`~raysync.core.bound.BoundModel`) packs and unpacks with this module.
+Bytes move as uint8 and are re-interpreted on arrival, so every dtype is bit-exact.
+
+Example:
+    >>> t = {"w": torch.arange(3.0)}
+    >>> m = plan_layout(t)
+    >>> unpack(m, pack(t, m))["w"]
+    tensor([0., 1., 2.])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from raysync.core.layout import Manifest, TensorEntry
+from raysync.core.readonly import ReadOnlyTensor
+from raysync.errors import (
+    ChecksumError,
+)
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["bucket_checksums", "pack", "require_checksums", "same_bytes", "unpack", "verify_checksums"]
+
+
+def same_bytes(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    """Whether two buckets (lists of uint8 arrays) hold exactly the same bytes.
+
+    Example:
+        >>> same_bytes([np.zeros(3, np.uint8)], [np.zeros(3, np.uint8)])
+        True
+    """
+    if len(a) != len(b):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return all(
+            x.nbytes == y.nbytes and (x.nbytes == 0 or torch.equal(torch.from_numpy(x), torch.from_numpy(y)))
+            for x, y in zip(a, b, strict=True)
+        )
+
+
+def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[np.ndarray]]:
+    """Uint8 numpy views of the tensors, grouped by bucket in buffer order. No copy.
+
+    Hand each list to ``ray.put``: that is the one copy a version costs.
+    Non-contiguous tensors are made contiguous first; GPU tensors are copied to
+    the host.
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> pack(t, plan_layout(t))[0][0].dtype
+        dtype('uint8')
+    """
+    buckets: list[list[np.ndarray]] = [[] for _ in range(manifest.num_buckets)]
+    for b in range(manifest.num_buckets):
+        for entry in manifest.bucket_entries(b):
+            buckets[b].append(_as_bytes(tensors[entry.key]))
+    return buckets
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # the bytes of a lazy view are not its values
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.view(torch.uint8).numpy()
+
+
+def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]:
+    """One CRC32 per bucket over its tensors' bytes (padding excluded).
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> len(bucket_checksums(pack(t, plan_layout(t))))
+        1
+    """
+    out = []
+    for arrays in buckets:
+        crc = 0
+        for a in arrays:
+            if a.nbytes:
+                crc = zlib.crc32(a.data.cast("B"), crc)
+        out.append(crc)
+    return tuple(out)
+
+
+def require_checksums(manifest: Manifest) -> None:
+    """Raise :class:`ChecksumError` unless the version carries checksums to verify.
+
+    A subscriber that asked to verify (``verify=True``) must not take a
+    version it cannot check: the pusher left the checksums out
+    (``checksum=False``), or the version came over NIXL, which has none.
+
+    Example:
+        >>> require_checksums(plan_layout({"w": torch.ones(2)}))
+        Traceback (most recent call last):
+        ...
+        raysync.errors.ChecksumError: this version (layout ...) carries no checksums, ...
+    """
+    if manifest.checksums is not None:
+        return
+    if manifest.transport == "nixl":
+        raise ChecksumError(
+            f"this version (layout {manifest.layout_hash}) came over NIXL, which carries no checksums "
+            "(hub.push(..., transport='nixl') refuses checksum=), so a verify=True subscriber refuses it: "
+            "push with hub.push(..., transport='object_store', checksum=True), or subscribe without "
+            "verify=True"
+        )
+    raise ChecksumError(
+        f"this version (layout {manifest.layout_hash}) carries no checksums, so a verify=True "
+        "subscriber cannot check its bytes and refuses it: push with hub.push(..., checksum=True), "
+        "or subscribe without verify=True"
+    )
+
+
+def verify_checksums(
+    manifest: Manifest,
+    buckets: Mapping[int, Sequence[np.ndarray]] | Sequence[Sequence[np.ndarray]],
+) -> None:
+    """Raise :class:`ChecksumError` if a bucket's bytes differ from the manifest's CRC.
+
+    ``buckets`` is every bucket in order, or ``{index: arrays}`` for some of them.
+    A version pushed without checksums is refused too (see
+    :func:`require_checksums`): verifying it would check nothing.
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> m = plan_layout(t)
+        >>> buckets = pack(t, m)
+        >>> verify_checksums(m.with_checksums(bucket_checksums(buckets)), buckets)
+        >>> verify_checksums(m, buckets)
+        Traceback (most recent call last):
+        ...
+        raysync.errors.ChecksumError: this version (layout ...) carries no checksums, ...
+    """
+    require_checksums(manifest)
+    assert manifest.checksums is not None
+    by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
+    order = sorted(by_index)
+    got = bucket_checksums([by_index[b] for b in order])
+    bad = [b for b, have in zip(order, got, strict=True) if manifest.checksums[b] != have]
+    if bad:
+        raise ChecksumError(
+            f"bucket(s) {bad} of layout {manifest.layout_hash} failed their checksum: "
+            "the bytes were corrupted in transit or in the object store; the version is refused"
+        )
+
+
+def unpack(
+    manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]], *, read_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """Tensors that view the bucket buffers, with their shapes and dtypes. No copy.
+
+    Args:
+        manifest: the version's manifest.
+        buckets: what ``ray.get`` returned for the version's bucket refs.
+        read_only: wrap each tensor as :class:`ReadOnlyTensor`, so in-place
+            writes raise instead of changing shared memory.
+
+    Example:
+        >>> t = {"w": torch.arange(3.0)}
+        >>> m = plan_layout(t)
+        >>> unpack(m, pack(t, m))["w"]
+        tensor([0., 1., 2.])
+    """
+    out: dict[str, torch.Tensor] = {}
+    for entry in manifest.entries:
+        arr = buckets[entry.bucket][entry.index]
+        out[entry.key] = _tensor_from_bytes(arr, entry, read_only=read_only)
+    return out
+
+
+def _tensor_from_bytes(arr: np.ndarray, entry: TensorEntry, *, read_only: bool) -> torch.Tensor:
+    if arr.nbytes != entry.nbytes:
+        raise ChecksumError(
+            f"tensor {entry.key!r} arrived with {arr.nbytes} bytes, the manifest says {entry.nbytes}"
+        )
+    with warnings.catch_warnings():
+        # Object-store buffers are read-only numpy arrays; torch warns but shares them.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(arr) if arr.nbytes else torch.empty(0, dtype=torch.uint8)
+    t = flat.view(entry.torch_dtype).reshape(entry.shape)
+    return t.as_subclass(ReadOnlyTensor) if read_only else t
+
+
+def _span(arrays: Sequence[np.ndarray], entries: Sequence[TensorEntry], nbytes: int) -> torch.Tensor | None:
+    """One uint8 tensor over a whole bucket if Ray laid it out as planned, else None.
+
+    The returned tensor aliases the object-store buffer; the caller must keep
+    ``arrays`` alive while using it and must not write to it.
+    """
+    if not arrays or nbytes == 0:
+        return None
+    base = arrays[0].ctypes.data
+    for arr, entry in zip(arrays, entries, strict=True):
+        if arr.nbytes and arr.ctypes.data - base != entry.offset:
+            return None
+    raw = (ctypes.c_uint8 * nbytes).from_address(base)
+    return torch.from_numpy(np.ctypeslib.as_array(raw))

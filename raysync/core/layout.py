@@ -1,0 +1,348 @@
+"""A version's layout: which tensor sits in which bucket at which offset, and its manifest.
+
+A version of a model travels as a few *buckets*: flat byte buffers. :func:`plan_layout`
+assigns every tensor a bucket and an offset (the alignment Ray's serializer uses, so a
+bucket put as a list of uint8 arrays is one flat buffer on arrival). A :class:`Manifest`
+says what is in the buckets (key, shape, dtype, bucket, offset, bytes) and carries a
+``layout_hash`` that changes only when the model's structure does; :func:`validate`
+checks a manifest against a model and lists every mismatch.
+
+Example:
+    >>> m = plan_layout({"w": torch.zeros(2, 3)})
+    >>> m.entries[0].shape, m.total_nbytes
+    ((2, 3), 24)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import pickle
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raysync.errors import (
+    InvalidWeightsError,
+    WeightMismatchError,
+)
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "EXTRA_STATE_MAX_BYTES",
+    "Manifest",
+    "TensorEntry",
+    "WeightsLike",
+    "cast_floating",
+    "plan_layout",
+    "schema_of",
+    "validate",
+]
+
+
+logger = logging.getLogger(__name__)
+
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+"""Default bucket size: big enough that a version is a handful of copies."""
+
+
+EXTRA_STATE_MAX_BYTES = 2**20
+"""The most pickled extra state (``get_extra_state()``) one version may carry."""
+
+
+_EXTRA = "_extra_state"  # where state_dict() puts a module's get_extra_state() (torch's suffix)
+
+
+# Ray's serializer aligns out-of-band buffers like this (see ray/includes/serialization.pxi).
+_MAJOR_ALIGN = 64
+
+
+_MINOR_ALIGN = 8
+
+
+_MAJOR_SIZE = 2048
+
+
+WeightsLike = Any  # nn.Module | TensorDictBase | Mapping[str, Tensor | Mapping]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in a version.
+
+    Attributes:
+        key: dotted name, as in ``state_dict()``.
+        shape: the tensor's shape.
+        dtype: the dtype's name without ``torch.`` (``"bfloat16"``).
+        bucket: index of the bucket that holds it.
+        index: position of its buffer in the bucket's list.
+        offset: byte offset from the start of the bucket.
+        nbytes: its size in bytes.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    bucket: int
+    index: int
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The entry's dtype as a ``torch.dtype``."""
+        return _dtype_from_name(self.dtype)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The description of one version's buckets; small, picklable, torch-free.
+
+    Attributes:
+        entries: one :class:`TensorEntry` per tensor, sorted by key.
+        bucket_nbytes: the span of each bucket in bytes (padding included).
+        layout_hash: changes exactly when keys, shapes, dtypes or the bucket
+            plan change.
+        checksums: one CRC32 per bucket when the pusher asked for them.
+        transport: how the bucket bytes travel: ``"object_store"`` (each
+            bucket a list of uint8 arrays in Ray's object store) or ``"nixl"``
+            (each bucket one flat uint8 tensor sent by Ray's NIXL transport).
+        extra_state: ``(key, pickled object)`` per submodule with extra state
+            (``get_extra_state()``; the key is its ``state_dict()`` key, such
+            as ``"norm._extra_state"``), sorted by key. Not part of
+            ``layout_hash``: it may change from version to version.
+
+    Example:
+        >>> m = plan_layout({"w": torch.zeros(2, 3)})
+        >>> m.entries[0].shape, m.total_nbytes
+        ((2, 3), 24)
+    """
+
+    entries: tuple[TensorEntry, ...]
+    bucket_nbytes: tuple[int, ...]
+    layout_hash: str
+    checksums: tuple[int, ...] | None = None
+    transport: str = "object_store"
+    extra_state: tuple[tuple[str, bytes], ...] = ()
+
+    @property
+    def num_buckets(self) -> int:
+        """How many buckets (Ray objects) a version has."""
+        return len(self.bucket_nbytes)
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of tensor data in a version (padding excluded)."""
+        return sum(e.nbytes for e in self.entries)
+
+    def keys(self) -> list[str]:
+        """The tensor keys, sorted."""
+        return [e.key for e in self.entries]
+
+    def schema(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{key: (shape, dtype_name)}``, the part :func:`validate` compares."""
+        return {e.key: (e.shape, e.dtype) for e in self.entries}
+
+    def bucket_entries(self, bucket: int) -> list[TensorEntry]:
+        """The entries of one bucket in buffer order."""
+        return sorted((e for e in self.entries if e.bucket == bucket), key=lambda e: e.index)
+
+    def with_checksums(self, checksums: Sequence[int] | None) -> Manifest:
+        """A copy of this manifest carrying per-bucket checksums (or none)."""
+        return dataclasses.replace(self, checksums=tuple(checksums) if checksums is not None else None)
+
+    def with_transport(self, transport: str) -> Manifest:
+        """A copy of this manifest for another transport (same layout)."""
+        return dataclasses.replace(self, transport=transport)
+
+    def with_extra_state(self, states: Mapping[str, Any]) -> Manifest:
+        """A copy of this manifest carrying modules' extra state (see :func:`extract_extra_state`).
+
+        Each object is pickled here, so a version carries the state as it was
+        at push time.
+
+        Raises:
+            InvalidWeightsError: an object cannot be pickled, or all of them
+                take more than :data:`EXTRA_STATE_MAX_BYTES`.
+
+        Example:
+            >>> m = plan_layout({"w": torch.zeros(2)}).with_extra_state({"_extra_state": {"steps": 3}})
+            >>> m.extra_states()
+            {'_extra_state': {'steps': 3}}
+        """
+        if not states and not self.extra_state:
+            return self
+        pickled = []
+        for key in sorted(states):
+            try:
+                pickled.append((key, pickle.dumps(states[key], protocol=pickle.HIGHEST_PROTOCOL)))
+            except Exception as err:
+                raise InvalidWeightsError(
+                    f"the extra state of {key!r} (get_extra_state()) cannot be pickled: {err}; return "
+                    "plain Python objects and tensors from get_extra_state()"
+                ) from err
+        total = sum(len(b) for _, b in pickled)
+        if total > EXTRA_STATE_MAX_BYTES:
+            raise InvalidWeightsError(
+                f"the extra state of this version (get_extra_state() of {[k for k, _ in pickled][:5]}) "
+                f"takes {total} bytes pickled, more than {EXTRA_STATE_MAX_BYTES}: it travels with every "
+                "notification; register large state as buffers instead"
+            )
+        return dataclasses.replace(self, extra_state=tuple(pickled))
+
+    def extra_states(self) -> dict[str, Any]:
+        """The extra state objects this version carries, ``{state_dict key: object}`` (unpickled)."""
+        return {key: pickle.loads(data) for key, data in self.extra_state}
+
+
+def _is_extra_key(key: str) -> bool:
+    return key.rpartition(".")[2] == _EXTRA
+
+
+def schema_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{key: (shape, dtype_name)}`` of a flat tensor dict, comparable with ``Manifest.schema()``.
+
+    Example:
+        >>> schema_of({"w": torch.zeros(2, dtype=torch.bfloat16)})
+        {'w': ((2,), 'bfloat16')}
+    """
+    return {k: (tuple(t.shape), _dtype_name(t.dtype)) for k, t in tensors.items()}
+
+
+def plan_layout(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    separate: Collection[str] = (),
+) -> Manifest:
+    """Assign every tensor a bucket and an offset.
+
+    Tensors fill buckets in key order; a bucket closes when the next tensor
+    would take it past ``bucket_bytes`` (a larger tensor gets a bucket of its
+    own). Inside a bucket, tensors of 2 KiB or more come first so that Ray's
+    alignment of the buffers is predictable.
+
+    Args:
+        tensors: flat ``{key: tensor}`` (see :func:`extract_tensors`).
+        bucket_bytes: the target bucket size.
+        separate: keys that get buckets of their own, after the others (so a
+            partial push of just those keys re-sends only their buckets).
+
+    Returns:
+        The manifest (without checksums).
+
+    Example:
+        >>> m = plan_layout({"a": torch.zeros(1000), "b": torch.zeros(1000)}, bucket_bytes=4000)
+        >>> m.num_buckets
+        2
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    apart = set(separate)
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    for selection in ([k for k in sorted(tensors) if k not in apart], sorted(apart & set(tensors))):
+        filled = 0
+        start = len(groups)
+        for key in selection:
+            t = tensors[key]
+            nbytes = t.numel() * t.element_size()
+            if len(groups) == start or (groups[-1] and filled + nbytes > bucket_bytes):
+                groups.append([])
+                filled = 0
+            groups[-1].append((key, t))
+            filled += nbytes
+    entries: list[TensorEntry] = []
+    spans: list[int] = []
+    for b, group in enumerate(groups):
+        major = [(k, t) for k, t in group if t.numel() * t.element_size() >= _MAJOR_SIZE]
+        minor = [(k, t) for k, t in group if t.numel() * t.element_size() < _MAJOR_SIZE]
+        offset = 0
+        for i, (key, t) in enumerate(major + minor):
+            nbytes = t.numel() * t.element_size()
+            align = _MAJOR_ALIGN if nbytes >= _MAJOR_SIZE else _MINOR_ALIGN
+            offset = -(-offset // align) * align
+            entries.append(TensorEntry(key, tuple(t.shape), _dtype_name(t.dtype), b, i, offset, nbytes))
+            offset += nbytes
+        spans.append(offset)
+    entries.sort(key=lambda e: e.key)
+    digest = hashlib.sha1(repr(([tuple(e.__dict__.values()) for e in entries], spans)).encode())
+    return Manifest(tuple(entries), tuple(spans), digest.hexdigest()[:16])
+
+
+def cast_floating(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast every floating-point tensor to ``dtype`` (integers and bools stay as they are).
+
+    Example:
+        >>> cast = cast_floating({"w": torch.ones(2), "n": torch.ones(2, dtype=torch.int64)}, torch.bfloat16)
+        >>> cast["w"].dtype, cast["n"].dtype
+        (torch.bfloat16, torch.int64)
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+
+
+def validate(manifest: Manifest, model_schema: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
+    """Check a version against a model's ``{key: (shape, dtype)}``; report every problem at once.
+
+    Raises:
+        WeightMismatchError: listing missing, unexpected, mis-shaped and mis-typed keys.
+
+    Example:
+        >>> m = plan_layout({"w": torch.zeros(3)})
+        >>> validate(m, {"w": ((2,), "float32")})
+        Traceback (most recent call last):
+        ...
+        raysync.errors.WeightMismatchError: weights do not match the model: shape mismatch w: ...
+    """
+    pushed = manifest.schema()
+    missing = sorted(set(model_schema) - set(pushed))
+    unexpected = sorted(set(pushed) - set(model_schema))
+    shapes = {
+        k: (pushed[k][0], tuple(model_schema[k][0]))
+        for k in sorted(set(pushed) & set(model_schema))
+        if tuple(pushed[k][0]) != tuple(model_schema[k][0])
+    }
+    dtypes = {
+        k: (pushed[k][1], model_schema[k][1])
+        for k in sorted(set(pushed) & set(model_schema))
+        if pushed[k][1] != model_schema[k][1]
+    }
+    if not (missing or unexpected or shapes or dtypes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys {_short(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys {_short(unexpected)}")
+    parts += [f"shape mismatch {k}: pushed {a}, model {b}" for k, (a, b) in list(shapes.items())[:10]]
+    parts += [f"dtype mismatch {k}: pushed {a}, model {b}" for k, (a, b) in list(dtypes.items())[:10]]
+    raise WeightMismatchError(
+        "weights do not match the model: " + "; ".join(parts),
+        missing=missing,
+        unexpected=unexpected,
+        shape_mismatch=shapes,
+        dtype_mismatch=dtypes,
+    )
+
+
+def _short(keys: list[str], limit: int = 20) -> str:
+    return repr(keys) if len(keys) <= limit else f"{keys[:limit]!r} and {len(keys) - limit} more"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidWeightsError(f"unknown dtype {name!r} in a manifest")
+    return dtype

@@ -1,0 +1,456 @@
+"""The ``WeightHub`` actor: one named, detached, async actor per cluster (per name).
+
+It never sees tensor bytes: a pusher puts a version's buckets into the object store
+itself and hands the hub their ``ObjectRef``\\ s, which the hub borrows and forwards.
+The rules (stamping, ``keep``, leases, who is behind) are :class:`HubState`'s; this
+shell talks to Ray: one delivery loop per subscriber (at most one call in flight,
+always the newest version, so a slow or dead one holds up nobody), pings, the GCS
+records that outlive a restart, and metrics.
+
+Example:
+    >>> hub = raysync.connect("my-hub", keep=3)   # creates or finds the actor
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from raysync import _protocol as proto
+from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, Announcement, ApplyReport, Registration, WaitResult
+from raysync.core.layout import Manifest
+from raysync.errors import ApplyError, WeightMismatchError
+from raysync.hub.persistence import HubStore, actor_alive, writer_alive
+from raysync.hub.state import Group, HubState, Subscriber, Waiter
+from raysync.ops import metrics
+
+__all__ = ["WeightHub"]
+
+logger = logging.getLogger(__name__)
+
+_REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
+_SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking in
+_STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
+_PING_TIMEOUT_S = 0.5
+_UNREACHABLE = (ActorUnavailableError, RayActorError)
+
+
+def _cancel(task: asyncio.Task[None] | None) -> None:
+    """Stop a delivery loop, unless it is the one running this code (it returns by itself)."""
+    if task is not None and task is not asyncio.current_task():
+        task.cancel()
+
+
+@ray.remote(num_cpus=0)
+class WeightHub:
+    """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
+
+    def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
+        self._state = HubState(name, keep)
+        self._store = HubStore(name)
+        self._cond: asyncio.Condition | None = None  # wakes long polls (wait_newer) on publish
+        self._started = time.time()
+        self._gauges = metrics.HubGauges(name)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._restored = self._restore()
+
+    @property
+    def _name(self) -> str:
+        return self._state.name
+
+    # ------------------------------------------------------------------ restart
+    def _restore(self) -> list[str]:
+        """After a restart: continue version numbers and leases where the last hub left them.
+
+        The kept versions are lost with the old process (it held the only references the
+        hub had) until their writer offers them again or pushes; the subscriptions it knew
+        are waited for until they register again or Ray reports their actor dead.
+        """
+        try:
+            models, keep, members = self._store.load()
+        except Exception as err:  # a fresh cluster, or no GCS access: start empty
+            logger.warning("hub %r could not restore its state: %s", self._name, err)
+            return []
+        self._state.models.update(models)
+        if keep is not None:
+            self._state.keep = max(self._state.keep, keep)
+        for sub_id, record in members.items():
+            self._state.add(Subscriber.restored(sub_id, record))
+        if models:
+            logger.warning(
+                "hub %r restarted: continuing %s from their last version numbers, waiting for %d "
+                "subscriber(s) to check in again; versions kept before the restart are gone until their "
+                "writer offers them again or pushes",
+                self._name,
+                {m: model.latest for m, model in models.items()},
+                len(members),
+            )
+        return sorted(models)
+
+    # ------------------------------------------------------------------ helpers
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _changed(self) -> None:
+        self._gauges.changed(self._state.models, self._state.subs)
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    def _forget(self, sub: Subscriber) -> None:
+        _cancel(sub.task)
+        emptied = self._state.remove(sub)
+        if emptied is not None:
+            _cancel(emptied.task)
+
+    def _drop(self, sub: Subscriber, why: str) -> None:
+        _cancel(sub.task)
+        emptied = self._state.drop(sub, why)
+        if emptied is not None:
+            _cancel(emptied.task)
+        self._store.remove(sub.sub_id)
+
+    async def _alive(self, sub: Subscriber) -> bool:
+        """Whether a subscriber's actor may still run (a dead actor answers a ping at once)."""
+        if sub.handle is None:  # known from before a restart: ask the GCS
+            return await asyncio.to_thread(actor_alive, sub.info.actor_id)
+        try:
+            await asyncio.wait_for(getattr(sub.handle, proto.PING).remote(), _PING_TIMEOUT_S)
+        except ActorDiedError:
+            return False
+        except (asyncio.TimeoutError, Exception):
+            return True  # busy or restarting: alive as far as we know
+        sub.last_seen = time.monotonic()
+        return True
+
+    async def _reap(self, sub_ids: list[str]) -> None:
+        """Drop the subscribers among ``sub_ids`` whose actor is dead (one ping per actor)."""
+        actors: dict[str, list[Subscriber]] = {}
+        for sub_id in sub_ids:
+            sub = self._state.subs.get(sub_id)
+            # A subscriber whose notification is in flight needs no ping: a dead actor fails that call.
+            if sub is None or (sub.task is not None and not sub.task.done()):
+                continue
+            group = self._state.groups.get(sub.group) if sub.group is not None else None
+            if group is not None and group.task is not None and not group.task.done():
+                continue
+            actors.setdefault(sub.info.actor_id or sub.sub_id, []).append(sub)
+
+        async def check(subs: list[Subscriber]) -> None:
+            if not await self._alive(subs[0]):
+                for sub in subs:
+                    self._drop(sub, "actor died")
+
+        await asyncio.gather(*(check(subs) for subs in actors.values()))
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Drop subscribers whose actor died while nobody waited for them (failed ones too)."""
+        while True:
+            await asyncio.sleep(_SWEEP_S)
+            stale = self._state.stale(time.monotonic() - _STALE_S)
+            if stale:
+                await self._reap([s.sub_id for s in stale])
+
+    # ------------------------------------------------------------------ admin
+    async def configure(self, keep: int | None = None) -> dict[str, Any]:
+        """Raise how many versions per model the hub keeps (never lowered under another client)."""
+        if self._state.raise_keep(keep):
+            await asyncio.to_thread(self._store.save_keep, self._state.keep)
+        return {"name": self._name, "keep": self._state.keep, "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ publish
+    async def publish(
+        self,
+        model_id: str,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        pusher: dict[str, Any],
+        takeover: bool = False,
+    ) -> int:
+        """Stamp and keep a version; start delivering it; return its number.
+
+        Raises:
+            WeightMismatchError: it does not fit a live subscriber's model.
+            StaleWriterError: another live writer holds the model's lease.
+        """
+        refused = await self._mismatch(model_id, manifest)
+        if refused is not None:
+            raise refused
+        current = self._state.writer_to_check(model_id, pusher, takeover)
+        if current is not None:
+            if await asyncio.to_thread(writer_alive, current):
+                raise self._state.refuse_writer(model_id, current, pusher)
+            self._state.hand_over(model_id, current, pusher)
+        v = self._state.stamp(model_id, manifest, refs, pusher)
+        self._gauges.published(model_id)
+        await asyncio.to_thread(self._store.save_model, model_id, self._state.models[model_id])
+        # Deliver just after this reply has left: the pusher is waiting on it, and
+        # receivers starting their copies would otherwise compete with it for CPU.
+        asyncio.get_running_loop().call_later(0.001, self._kick_model, model_id)
+        await self._changed()
+        logger.debug("hub %r: %r version %d published", self._name, model_id, v.version)
+        return v.version
+
+    async def _mismatch(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
+        """The error for a version that does not fit a live subscriber's model.
+
+        Subscribers whose actor died are dropped here instead: a dead subscriber never
+        blocks a push.
+        """
+        for error, subs in self._state.mismatches(model_id, manifest):
+            alive = await asyncio.gather(*(self._alive(sub) for sub in subs))
+            for sub, ok in zip(subs, alive, strict=True):
+                if not ok:
+                    self._drop(sub, "actor died")
+            live = [sub for sub, ok in zip(subs, alive, strict=True) if ok]
+            if live:
+                who = f"{live[0].sub_id} ({live[0].info.class_name})"
+                error.args = (
+                    f"{error.args[0]} (against subscriber {who} of model {model_id!r}; no version was "
+                    "published and every subscriber keeps its weights)",
+                )
+                return error
+        return None
+
+    async def restore(
+        self,
+        model_id: str,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        pusher: dict[str, Any],
+    ) -> bool:
+        """The writer offers its newest version again after a hub restart lost it; kept?"""
+        if not self._state.offer_again(model_id, version, manifest, refs, pusher):
+            return False
+        self._kick_model(model_id)
+        await self._changed()
+        return True
+
+    async def lost(self, model_id: str, version: int) -> None:
+        """A client found a kept version's bytes gone: stop offering it."""
+        self._state.forget_version(model_id, version, "a client could not fetch it")
+
+    # ------------------------------------------------------------------ delivery
+    def _kick_model(self, model_id: str) -> None:
+        for sub in self._state.subscribers(model_id):
+            if sub.mode == "push":
+                self._kick(sub)
+
+    def _kick(self, sub: Subscriber) -> None:
+        if sub.handle is None:  # it gets the newest when it registers (again)
+            return
+        loop = asyncio.get_running_loop()
+        key = sub.group
+        if key is not None:
+            group = self._state.groups.get(key)
+            if group is not None and (group.task is None or group.task.done()):
+                group.task = loop.create_task(self._deliver_group(sub.model_id, group))
+        elif sub.task is None or sub.task.done():
+            sub.task = loop.create_task(self._deliver(sub))
+
+    async def _deliver(self, sub: Subscriber) -> None:
+        """Hand the newest version to one subscriber until it holds it (one call in flight)."""
+        while (due := self._state.due(sub)) is not None:
+            sub.sent = due.version
+            try:
+                report = await getattr(sub.handle, proto.NOTIFY).remote(due.announce(sub.model_id))
+            except ActorDiedError as err:
+                self._drop(sub, f"actor died ({type(err).__name__})")
+                return
+            except _UNREACHABLE as err:  # restarting or unreachable: it registers again when back
+                self._state.unreachable(sub, err)
+                return
+            except Exception as err:  # the notify itself failed: record, do not loop
+                self._state.delivery_failed(sub, due.version, err)
+                return
+            self._record(sub, report)
+
+    async def _deliver_group(self, model_id: str, group: Group) -> None:
+        """Batched delivery: one call carries every member that lacks the newest version.
+
+        Each member is in at most one call at a time and gets the newest version,
+        exactly as with :meth:`_deliver`; the actor answers one report per member.
+        """
+        while True:
+            newest, due = self._state.due_in_group(model_id, group)
+            if newest is None or not due:
+                return
+            for sub in due:
+                sub.sent = newest.version
+            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+            try:
+                reports = await getattr(due[0].handle, proto.NOTIFY_BATCH).remote(announcement)
+                if len(reports) != len(due):
+                    raise ApplyError(f"batched notify: {len(reports)} reports for {len(due)} subscribers")
+            except ActorDiedError as err:
+                for sub in list(group.members.values()):
+                    self._drop(sub, f"actor died ({type(err).__name__})")
+                return
+            except _UNREACHABLE as err:
+                for sub in due:
+                    self._state.unreachable(sub, err)
+                return
+            except Exception as err:
+                for sub in due:
+                    self._state.delivery_failed(sub, newest.version, err)
+                return
+            for sub, report in zip(due, reports, strict=True):
+                self._record(sub, report)
+
+    def _record(self, sub: Subscriber, report: ApplyReport) -> None:
+        self._state.record(sub, report)
+        if report.describes_apply():
+            metrics.record_apply(self._name, sub.model_id, report.apply_s)
+        self._gauges.changed(self._state.models, self._state.subs)  # rate-limited
+
+    # ------------------------------------------------------------------ subscribers
+    async def register(self, reg: Registration) -> Announcement | None:
+        """Add (or re-add, after a restart) a subscriber; return the newest version to start from.
+
+        With ``reg.info.batch`` (and an actor id), every subscription of one actor to one
+        model is notified by a single :data:`~raysync._protocol.NOTIFY_BATCH` call.
+        """
+        self._start_sweeper()
+        sub, replaced, newest = self._state.register(reg)
+        if replaced is not None:
+            _cancel(replaced.task)
+        self._store.add(sub)
+        logger.info(
+            "hub %r: subscriber %s registered for %r at version %s (newest %s)",
+            self._name,
+            reg.sub_id,
+            reg.model_id,
+            sub.applied,
+            self._state.latest(reg.model_id),
+        )
+        self._gauges.changed(self._state.models, self._state.subs)
+        return newest
+
+    async def heartbeat(self, sub_ids: list[str]) -> list[str]:
+        """Subscribers check in; returns the ids to register again (the hub restarted or dropped them)."""
+        self._start_sweeper()
+        unknown = []
+        now = time.monotonic()
+        for sub_id in sub_ids:
+            sub = self._state.subs.get(sub_id)
+            if sub is None or sub.handle is None:  # unknown, or known from before a restart only
+                unknown.append(sub_id)
+                continue
+            sub.last_seen = now
+            if sub.state == "unreachable":
+                sub.state = "live"
+        return unknown
+
+    async def unregister(self, sub_id: str) -> None:
+        sub = self._state.subs.get(sub_id)
+        if sub is not None:
+            self._forget(sub)
+        self._store.remove(sub_id)
+
+    async def report(self, sub_id: str, report: ApplyReport) -> None:
+        """A subscriber applied (or failed, or lost) a version on its own (start-up, pull, deferred)."""
+        sub = self._state.subs.get(sub_id)
+        if sub is None:
+            return
+        self._record(sub, report)
+        if sub.mode == "push":
+            self._kick(sub)  # a version may have been pushed while it was busy, or it needs one again
+
+    # ------------------------------------------------------------------ queries
+    async def latest(self, model_id: str) -> int | None:
+        return self._state.latest(model_id)
+
+    async def get(
+        self, model_id: str, version: int | None = None, newer_than: int | None = None
+    ) -> Announcement | None:
+        """A kept version (newest by default); None if nothing newer than ``newer_than``.
+
+        Raises:
+            UnknownModelError: nothing kept of ``model_id``, or not ``version``.
+        """
+        return self._state.get(model_id, version, newer_than)
+
+    async def wait_newer(self, model_id: str, version: int, timeout: float) -> Announcement | None:
+        """Long poll: the newest version once it is newer than ``version``, or None after ``timeout``."""
+        cond = self._condition()
+
+        def newer() -> bool:
+            return (self._state.latest(model_id) or 0) > version
+
+        try:
+            async with cond:
+                await asyncio.wait_for(cond.wait_for(newer), timeout)
+        except asyncio.TimeoutError:
+            return None
+        return self._state.get(model_id)
+
+    async def wait(
+        self,
+        model_id: str,
+        version: int,
+        timeout: float | None,
+        include_pull: bool = False,
+        report_missing: bool = False,
+    ) -> WaitResult:
+        """Wait until every live push subscriber of ``model_id`` applied ``version`` (or failed it).
+
+        Pull subscribers too with ``include_pull``. With ``report_missing``, answer at once
+        (``missing=True``) if some subscriber lacks the version and the hub keeps nothing
+        that new (a restart lost it): the caller, its writer, can offer it again.
+
+        Raises:
+            UnknownModelError: ``version`` was never pushed.
+        """
+        state = self._state
+        state.check_waitable(model_id, version)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            laggards, failures = state.pending(model_id, version, include_pull)
+            if laggards and report_missing and not state.kept_from(model_id, version):
+                return WaitResult(tuple(laggards), tuple(failures), missing=True)
+            if not laggards:
+                if failures:  # a dead subscriber's failure is no failure of this version
+                    await self._reap([f.subscriber for f in failures])
+                    laggards, failures = state.pending(model_id, version, include_pull)
+                if not laggards:
+                    return WaitResult((), tuple(failures))
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                await self._reap([r.subscriber for r in laggards + failures])
+                laggards, failures = state.pending(model_id, version, include_pull)
+                return WaitResult(tuple(laggards), tuple(failures))
+            # Each record, drop or registration updates this waiter in O(1); it wakes once,
+            # when no laggard is left, instead of re-scanning every subscriber per event.
+            waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull)
+            state.add_waiter(model_id, waiter)
+            try:
+                while not waiter.event.is_set():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    step = _REAP_INTERVAL_S if remaining is None else min(remaining, _REAP_INTERVAL_S)
+                    try:
+                        await asyncio.wait_for(waiter.event.wait(), step)
+                    except asyncio.TimeoutError:
+                        await self._reap(list(waiter.pending))
+            finally:
+                state.remove_waiter(model_id, waiter)
+
+    async def status(self) -> dict[str, Any]:
+        return self._state.status() | {
+            "uptime_s": time.time() - self._started,
+            "restored_models": self._restored,
+        }

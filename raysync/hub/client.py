@@ -1,0 +1,411 @@
+"""What users hold: ``connect()`` and the picklable ``HubClient`` (push, wait, pull, status).
+
+Ownership: Ray >= 2.56 has no ``ray.put(_owner=...)``, so the process that pushed a
+version owns its objects. If that process dies, the versions it pushed can no longer
+be fetched (subscribers keep the version they applied, and the next push from a live
+trainer repairs everything).
+
+Example:
+    >>> import ray, raysync, torch
+    >>> ray.init()  # doctest: +SKIP
+    >>> hub = raysync.connect()
+    >>> v = hub.push(torch.nn.Linear(4, 2))
+    >>> hub.latest()
+    1
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import ray
+import torch
+
+from raysync._checks import check_timeout
+from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE, WaitResult
+from raysync.core.codec import unpack
+from raysync.core.extract import to_tensordict
+from raysync.core.layout import DEFAULT_BUCKET_BYTES
+from raysync.errors import ApplyError, SyncTimeoutError, UnknownModelError
+from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor
+from raysync.hub.push import PushPipeline, PushRequest
+from raysync.hub.state import Version
+from raysync.ops import metrics
+from raysync.transports.base import check_transport
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+__all__ = ["HubClient", "connect"]
+
+logger = logging.getLogger(__name__)
+
+
+def connect(
+    name: str = DEFAULT_HUB,
+    *,
+    namespace: str | None = None,
+    keep: int | None = None,
+    takeover: bool = False,
+    transport: str = "object_store",
+) -> HubClient:
+    """Connect to the hub called ``name``, creating it if no one has.
+
+    Args:
+        name: the hub's actor name; one hub serves many models.
+        namespace: Ray namespace of the hub; ``None`` is raysync's own
+            (``"raysync"``), so every driver, job and the CLI share it.
+        keep: how many versions per model the hub keeps at least (older ones are
+            released). ``None`` leaves the hub's setting alone (2 for a new hub);
+            a hub never lowers ``keep`` because one client asked for fewer than
+            another (an evaluation job's ``connect()`` cannot drop versions a
+            trainer keeps).
+        takeover: push even to models another live trainer writes; that
+            trainer's later pushes are then refused (``StaleWriterError``).
+            Without it, a second writer gets ``StaleWriterError``. A writer
+            is a process or an actor: every client it makes shares one lease.
+        transport: the client's default data path, ``"object_store"`` or
+            ``"nixl"`` (Ray's tensor transport; see :mod:`raysync.transports.nixl`).
+
+    Returns:
+        A picklable :class:`HubClient`: hand it to trainer actors or tasks.
+
+    Example:
+        >>> import ray, raysync, torch
+        >>> ray.init()  # doctest: +SKIP
+        >>> hub = raysync.connect()
+        >>> v = hub.push(torch.nn.Linear(4, 2))
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"hub name must be a non-empty string, got {name!r}")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ValueError(f"keep must be None or an integer >= 1 (versions kept per model), got {keep!r}")
+    client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
+    handle = get_hub_actor(name, namespace, keep=keep)
+    ray.get(handle.configure.remote(keep))
+    client._handle = handle
+    return client
+
+
+class HubClient:
+    """What a trainer (or anyone) uses to push, wait, pull and inspect. Picklable.
+
+    Get one from :func:`connect`. Every option is keyword-only.
+
+    Example:
+        >>> hub = raysync.connect()
+        >>> v = hub.push(model)                     # returns once the snapshot is in the object store
+        >>> hub.wait(v, timeout=30)                 # until every subscriber applied it
+        >>> hub.pull()["fc", "weight"].shape
+    """
+
+    def __init__(
+        self,
+        name: str = DEFAULT_HUB,
+        *,
+        namespace: str | None = None,
+        takeover: bool = False,
+        transport: str = "object_store",
+    ) -> None:
+        check_transport(transport)
+        self.transport = transport
+        self.name = name
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self.takeover = takeover
+        self.retry_s = RETRY_S
+        self._handle: Any = None
+        self._pipeline = PushPipeline(self._publish, previous=self._hub_newest, lost=self._lost)
+        self.last_push: dict[str, Any] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only the address travels; the handle is looked up again where it lands.
+        return (_restore_client, (self.name, self.namespace, self.takeover, self.transport))
+
+    def __repr__(self) -> str:
+        return f"HubClient(name={self.name!r}, namespace={self.namespace!r})"
+
+    @property
+    def actor(self) -> Any:
+        """The hub's Ray actor handle (looked up by name on first use)."""
+        if self._handle is None:
+            self._handle = get_hub_actor(self.name, self.namespace)
+        return self._handle
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call the hub; while it restarts (or after it died), find it again and retry."""
+
+        def handle(fresh: bool) -> Any:
+            if fresh:
+                self._handle = None  # a restarted or re-created hub is found by name
+            return self.actor
+
+        return call_hub(handle, method, *args, retry_s=self.retry_s)
+
+    def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
+        pusher = {**_writer_identity(), **self.last_push}
+        return int(self._call("publish", model_id, manifest, refs, pusher, self.takeover))
+
+    def _hub_newest(self, model_id: str) -> Version | None:
+        try:
+            info = self._call("get", model_id)
+        except UnknownModelError:
+            return None
+        return None if info is None else Version(info.version, info.manifest, list(info.refs), 0.0, {})
+
+    def _lost(self, model_id: str, version: int) -> None:
+        self._call("lost", model_id, version)
+
+    # ------------------------------------------------------------------ push
+    def push(
+        self,
+        weights: Any,
+        model_id: str = "policy",
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+        max_lag: int | None = None,
+        keys: Iterable[str] | Callable[[str], bool] | None = None,
+        dtype: torch.dtype | None = None,
+        delta: bool = False,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        checksum: bool = False,
+        check_finite: bool = False,
+        transport: str | None = None,
+        include_pull: bool = False,
+    ) -> int:
+        """Snapshot ``weights`` into the object store once and publish them as a new version.
+
+        Returns as soon as the snapshot is taken: the caller may change its
+        model right after. Subscribers apply the version in the background.
+
+        Args:
+            weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
+            model_id: which model this is; one hub serves several.
+            wait: also wait until every subscriber of ``model_id`` applied it.
+            timeout: seconds for ``wait=True`` and ``max_lag`` (``None``: no limit).
+            max_lag: first wait while any subscriber is more than ``max_lag``
+                versions behind, so the trainer never runs further ahead.
+            keys: push only these tensors (exact keys, ``fnmatch`` patterns
+                such as ``"*.lora_*"``, or a predicate on the key); the others
+                keep the values of the previous version. Selected keys get
+                buckets of their own, so only their bytes move.
+            dtype: cast floating-point tensors to this dtype once, here
+                (subscribers' parameters must have that dtype).
+            delta: re-use the previous version's buckets whose bytes did not
+                change; subscribers holding them skip them.
+            bucket_bytes: target bucket size (a version is a few buckets).
+            checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
+            check_finite: refuse weights with NaN or Inf (names the tensors).
+            transport: ``"object_store"`` or ``"nixl"``; default: the client's.
+                NIXL sends full versions (no ``keys``, ``delta`` or ``checksum``).
+            include_pull: let ``wait`` and ``max_lag`` wait for pull-mode
+                subscribers too (by default only push subscribers hold the
+                trainer back: a pull subscriber moves only when it asks).
+
+        Returns:
+            The version number the hub stamped (1, 2, ... per model).
+
+        Raises:
+            WeightMismatchError: the weights do not fit the subscribers' models
+                (nothing is published; everyone keeps the previous version).
+            InvalidWeightsError: empty weights, non-tensor leaves, ``keys``
+                that match nothing, ``keys`` before any full push, NaN/Inf
+                with ``check_finite``, or a version larger than the object store.
+            StaleWriterError: another live trainer holds this model's writer
+                lease (see ``connect(takeover=...)``).
+            SyncTimeoutError: ``wait=True`` or ``max_lag`` and ``timeout`` passed first.
+
+        Example:
+            >>> v = hub.push(model)
+            >>> v = hub.push(model, max_lag=2, timeout=60)          # bounded staleness
+            >>> v = hub.push(model, keys=["*lora*"])                # adapters only
+            >>> v = hub.push(model, dtype=torch.bfloat16, delta=True)
+        """
+        _check_model_id(model_id)
+        _check_timeout(timeout)
+        transport = transport or self.transport
+        check_transport(transport)
+        if max_lag is not None:
+            if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
+                raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
+            target = (self.latest(model_id) or 0) + 1 - max_lag
+            if target >= 1:
+                # A subscriber that failed an old version is not behind in a way waiting can fix
+                # (this push brings it forward): only laggards hold the trainer back.
+                self._wait(target, model_id, timeout, include_pull=include_pull, raise_failures=False)
+        request = PushRequest(
+            weights, model_id, keys, dtype, delta, bucket_bytes, checksum, check_finite, transport
+        )
+        self.last_push = {"model_id": model_id}
+        pushed = self._pipeline.push(request, writer=_writer_identity())
+        self.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
+        metrics.record_push(
+            self.name,
+            model_id,
+            seconds=pushed.stats["seconds"],
+            nbytes=pushed.stats["bytes"],
+            transport=transport,
+        )
+        if wait:
+            self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
+        return pushed.version
+
+    # ------------------------------------------------------------------ wait / query
+    def wait(
+        self,
+        version: int,
+        model_id: str = "policy",
+        *,
+        timeout: float | None = None,
+        include_pull: bool = False,
+    ) -> None:
+        """Block until every push subscriber of ``model_id`` applied ``version`` (or a newer one).
+
+        Subscribers whose actor died are dropped, not waited for. Pull-mode
+        subscribers change version only when they call ``raysync_sync()``, so
+        they are waited for only with ``include_pull=True``. After a hub restart
+        the subscribers it knew are waited for until they check in again, and
+        if the restart lost the version, this client offers it again (when it
+        pushed it).
+
+        Args:
+            version: a version ``push()`` returned.
+            model_id: the model.
+            timeout: seconds (``None``: no limit).
+            include_pull: also wait for pull-mode subscribers.
+
+        Raises:
+            SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards.
+            ApplyError: some subscriber failed to apply it (it keeps its previous version).
+            UnknownModelError: ``version`` of ``model_id`` was never pushed (a wait for it
+                could only run out).
+
+        Example:
+            >>> hub.wait(hub.push(model), timeout=30)
+            >>> hub.wait(v, timeout=30, include_pull=True)   # evaluators that pull too
+        """
+        self._wait(version, model_id, timeout, include_pull=include_pull, raise_failures=True)
+
+    def _wait(
+        self, version: int, model_id: str, timeout: float | None, *, include_pull: bool, raise_failures: bool
+    ) -> None:
+        _check_model_id(model_id)
+        _check_timeout(timeout)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        mine = self._pipeline.last.get(model_id)
+        offer = mine is not None and mine.version >= version
+        result: WaitResult = self._call("wait", model_id, version, timeout, include_pull, offer)
+        if result.missing and mine is not None:
+            # The hub restarted and lost the version: offer ours again, then wait as usual.
+            self._call("restore", model_id, mine.version, mine.manifest, mine.refs, _writer_identity())
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            result = self._call("wait", model_id, version, left, include_pull, False)
+        if result.laggards:
+            rows = [r.row() for r in result.laggards]
+            names = ", ".join(
+                f"{r['subscriber']} ({r['actor']}, applied {r['applied']}"
+                + (f", {r['state']}" if r["state"] != "live" else "")
+                + (f", error: {r['error']}" if r["error"] else "")
+                + ")"
+                for r in rows[:10]
+            )
+            raise SyncTimeoutError(
+                f"{len(rows)} subscriber(s) of {model_id!r} did not apply version {version} "
+                f"within {timeout} s: {names}",
+                laggards=rows,
+            )
+        if result.failures and raise_failures:
+            rows = [r.row() for r in result.failures]
+            names = "; ".join(f"{r['subscriber']} ({r['actor']}): {r['error']}" for r in rows[:10])
+            raise ApplyError(
+                f"{len(rows)} subscriber(s) of {model_id!r} failed to apply version {version} "
+                f"and kept their previous weights: {names}",
+                failures=rows,
+            )
+
+    def latest(self, model_id: str = "policy") -> int | None:
+        """The newest version of ``model_id`` (``None`` before the first push).
+
+        Example:
+            >>> hub.latest()
+            12
+        """
+        _check_model_id(model_id)
+        result: int | None = self._call("latest", model_id)
+        return result
+
+    def pull(self, model_id: str = "policy", version: int | None = None) -> TensorDict:
+        """The weights of a kept version (newest by default), as a nested TensorDict.
+
+        The tensors are private copies: change them freely. Modules' extra
+        state (``get_extra_state()``) is not in the TensorDict; it travels in
+        the version's manifest and subscribers' modules get it
+        (``raysync.core.layout.Manifest.extra_states()``).
+
+        Raises:
+            UnknownModelError: nothing pushed for ``model_id``, or ``version`` not kept.
+
+        Example:
+            >>> td = hub.pull()
+            >>> model.load_state_dict(td.flatten_keys(".").to_dict())
+        """
+        _check_model_id(model_id)
+        info = self._call("get", model_id, version)
+        assert info is not None
+        buckets = ray.get(list(info.refs))
+        tensors = {k: t.clone() for k, t in unpack(info.manifest, buckets).items()}
+        return to_tensordict(tensors)
+
+    def status(self) -> dict[str, Any]:
+        """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors).
+
+        Example:
+            >>> hub.status()["subscribers"][0]["lag"]
+            0
+        """
+        result: dict[str, Any] = self._call("status")
+        return result
+
+
+def _restore_client(
+    name: str, namespace: str, takeover: bool = False, transport: str = "object_store"
+) -> HubClient:
+    return HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
+
+
+def _writer_identity() -> dict[str, Any]:
+    """Who is pushing: an actor, or a job (its driver and its tasks share one lease).
+
+    Task workers are pooled and outlive their tasks, so a lease held by one would
+    outlive the task and name an idle process; a job's tasks and driver are one writer.
+    """
+    ctx = ray.get_runtime_context()
+    actor_id = ctx.get_actor_id()
+    job_id = ctx.get_job_id()
+    # get_task_id() would log a warning on every push from a driver: ask the worker's mode.
+    is_task = getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE
+    kind = "actor" if actor_id else ("tasks" if is_task else "driver")
+    return {
+        "writer_id": actor_id or f"job:{job_id}",
+        "kind": kind,
+        "actor_id": actor_id,
+        "job_id": job_id,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+
+
+def _check_model_id(model_id: Any) -> None:
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
+
+
+def _check_timeout(timeout: Any) -> None:
+    check_timeout(timeout)

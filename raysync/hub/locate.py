@@ -1,0 +1,118 @@
+"""How anyone finds the hub and calls it: by name, retrying while it restarts.
+
+The one retry loop every caller of the hub uses (clients, subscribers, adapters).
+An error the hub raises arrives as itself (not wrapped in Ray's ``RayTaskError``).
+
+Example:
+    >>> handle = get_hub_actor("raysync")                                        # doctest: +SKIP
+    >>> call_hub(lambda fresh: get_hub_actor("raysync"), "latest", "policy")     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
+from raysync.errors import RaySyncError
+from raysync.hub.actor import WeightHub
+
+__all__ = ["RETRY_S", "call_hub", "call_hub_async", "get_hub_actor"]
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 60.0
+"""How long callers keep retrying while the hub restarts."""
+
+_RESTARTING = (ActorDiedError, ActorUnavailableError)
+
+
+def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep: int | None = None) -> Any:
+    """Get or create the named, detached hub actor (safe when many processes race).
+
+    Example:
+        >>> handle = get_hub_actor("raysync")  # doctest: +SKIP
+    """
+    if not ray.is_initialized():
+        ray.init()
+    return WeightHub.options(  # type: ignore[attr-defined]
+        name=name,
+        namespace=namespace or DEFAULT_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        max_concurrency=10_000,
+    ).remote(name=name, keep=DEFAULT_KEEP if keep is None else keep)
+
+
+def _unwrapped(err: RayTaskError) -> BaseException:
+    """The hub's own error for a raysync error it raised; Ray's wrapper for anything else."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, RaySyncError) else err
+
+
+def call_hub(
+    handle: Callable[[bool], Any],
+    method: str,
+    *args: Any,
+    timeout: float | None = None,
+    retry_s: float = RETRY_S,
+) -> Any:
+    """Call a hub method; while the hub restarts (or was re-created), find it again and retry.
+
+    Args:
+        handle: returns the hub's actor handle; ``handle(True)`` looks it up afresh.
+        method: the hub method (a name from :mod:`raysync._protocol`, or a query).
+        args: its arguments.
+        timeout: seconds for the whole call, retries included (``GetTimeoutError`` after).
+        retry_s: how long to keep retrying while the hub is unavailable.
+
+    Raises:
+        RaySyncError: what the hub raised (``StaleWriterError``, ``UnknownModelError``, ...).
+    """
+    now = time.monotonic()
+    give_up = now + retry_s if timeout is None else now + min(retry_s, timeout)
+    deadline = None if timeout is None else now + timeout
+    delay, fresh = 0.05, False
+    while True:
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return ray.get(getattr(handle(fresh), method).remote(*args), timeout=left)
+        except RayTaskError as err:
+            raise _unwrapped(err) from None
+        except _RESTARTING as err:
+            if time.monotonic() >= give_up:
+                raise
+            logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
+            fresh = True
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def call_hub_async(
+    handle: Callable[[bool], Any], method: str, *args: Any, timeout: float | None = None
+) -> Any:
+    """:func:`call_hub` for event loops (``asyncio.TimeoutError`` after ``timeout``)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    give_up = loop.time() + (RETRY_S if timeout is None else min(RETRY_S, timeout))
+    delay, fresh = 0.05, False
+    while True:
+        try:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            return await asyncio.wait_for(getattr(handle(fresh), method).remote(*args), left)
+        except RayTaskError as err:
+            raise _unwrapped(err) from None
+        except _RESTARTING as err:
+            if loop.time() >= give_up:
+                raise
+            logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
+            fresh = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)

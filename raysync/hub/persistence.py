@@ -1,0 +1,131 @@
+"""What outlives the hub's process, in Ray's GCS: counters, leases, ``keep``, subscriptions.
+
+And the GCS's word on whether a writer or a subscriber's actor still lives. Ray has no
+public key-value or actor-table API that works without the dashboard (``ray.util.state``
+needs it), so this module is the one place raysync reaches into
+``ray.experimental.internal_kv`` and ``ray._private.state``.
+
+Example:
+    >>> store = HubStore("raysync")
+    >>> models, keep, members = store.load()      # after a restart  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+from typing import Any
+
+from raysync.hub.state import Model, Subscriber
+
+__all__ = ["HubStore", "actor_alive", "writer_alive"]
+
+logger = logging.getLogger(__name__)
+
+_KV_NAMESPACE = "raysync"
+
+
+def _kv() -> Any:
+    """Ray's GCS key-value store (survives the hub process, not the cluster)."""
+    from ray.experimental import internal_kv
+
+    class _KV:
+        put = staticmethod(internal_kv._internal_kv_put)
+        get = staticmethod(internal_kv._internal_kv_get)
+        list = staticmethod(internal_kv._internal_kv_list)
+        delete = staticmethod(internal_kv._internal_kv_del)
+
+    return _KV
+
+
+class HubStore:
+    """A hub's records in the GCS.
+
+    Version counters and leases are written (from a thread) before a publish
+    replies, so a restarted hub never stamps a number twice. Subscriptions are
+    written when first seen and when dropped (not on every apply), in order, by
+    one background thread, so the hub's event loop never waits on the GCS for them.
+    """
+
+    def __init__(self, hub_name: str) -> None:
+        self._name = hub_name
+        self._subs = f"{hub_name}/sub/"
+        self._stored: set[str] = set()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raysync-membership")
+
+    def load(self) -> tuple[dict[str, Model], int | None, dict[str, dict[str, Any]]]:
+        """Models (counter and lease), the hub's ``keep`` and its subscriptions, as the last hub left them."""
+        kv = _kv()
+        models = {}
+        prefix = f"{self._name}/model/".encode()
+        for key in kv.list(prefix, namespace=_KV_NAMESPACE):
+            raw = kv.get(key, namespace=_KV_NAMESPACE)
+            if raw is not None:
+                record = json.loads(raw)
+                models[key[len(prefix) :].decode()] = Model(
+                    latest=int(record["latest"]), writer=record.get("writer")
+                )
+        config = kv.get(self._config_key(), namespace=_KV_NAMESPACE)
+        keep = int(json.loads(config)["keep"]) if config is not None else None
+        members = {}
+        for key in kv.list(self._subs.encode(), namespace=_KV_NAMESPACE):
+            raw = kv.get(key, namespace=_KV_NAMESPACE)
+            if raw is not None:
+                members[key.decode()[len(self._subs) :]] = json.loads(raw)
+        self._stored = set(members)
+        return models, keep, members
+
+    def save_model(self, model_id: str, model: Model) -> None:
+        """The version counter and writer lease of a model (blocking: call from a thread)."""
+        record = {"latest": model.latest, "writer": model.writer}
+        key = f"{self._name}/model/{model_id}".encode()
+        _kv().put(key, json.dumps(record).encode(), namespace=_KV_NAMESPACE)
+
+    def save_keep(self, keep: int) -> None:
+        """The hub's ``keep`` (blocking: call from a thread)."""
+        _kv().put(self._config_key(), json.dumps({"keep": keep}).encode(), namespace=_KV_NAMESPACE)
+
+    def add(self, sub: Subscriber) -> None:
+        """Remember a subscription (in the background; once per id)."""
+        if sub.sub_id in self._stored:
+            return
+        self._stored.add(sub.sub_id)
+        key, value = (self._subs + sub.sub_id).encode(), json.dumps(sub.persisted()).encode()
+        self._pool.submit(_kv().put, key, value, namespace=_KV_NAMESPACE)
+
+    def remove(self, sub_id: str) -> None:
+        """Forget a subscription (in the background)."""
+        if sub_id in self._stored:
+            self._stored.discard(sub_id)
+            self._pool.submit(_kv().delete, (self._subs + sub_id).encode(), namespace=_KV_NAMESPACE)
+
+    def _config_key(self) -> bytes:
+        return f"{self._name}/config".encode()
+
+
+def actor_alive(actor_id: str | None) -> bool:
+    """Whether an actor is not DEAD, asked of the GCS (restarting counts as alive; unsure too)."""
+    if not actor_id:
+        return True
+    from ray._private import state
+
+    try:
+        return bool(state.actors(actor_id=actor_id).get("State") != "DEAD")
+    except Exception:
+        return True
+
+
+def writer_alive(writer: dict[str, Any]) -> bool:
+    """Whether the process holding a lease still runs: its actor, or its job (unsure means alive)."""
+    if writer.get("actor_id"):
+        return actor_alive(writer["actor_id"])
+    from ray._private import state
+
+    try:
+        for job in state.jobs():
+            if job.get("JobID") == writer.get("job_id"):
+                return not job.get("IsDead", False)
+        return False
+    except Exception:
+        return True

@@ -1,0 +1,561 @@
+"""What the hub knows and its rules, as plain Python (no Ray, no event loop needed).
+
+Versions (stamped in order, the newest ``keep`` kept), writer leases (one writer per
+model), subscribers (who holds what, who is behind), and waits (who a wait still
+waits for). :class:`~raysync.hub.actor.WeightHub` is the shell around it that talks
+to Ray: delivery loops, pings, persistence.
+
+Example:
+    >>> state = HubState("raysync", keep=2)
+    >>> v = state.stamp("policy", manifest, refs, pusher={"writer_id": "job:01"})
+    >>> v.version, state.latest("policy")
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from raysync._protocol import Announcement, ApplyReport, Laggard, Registration, SubscriberInfo
+from raysync.core.layout import Manifest, validate
+from raysync.errors import StaleWriterError, UnknownModelError, WeightMismatchError
+
+__all__ = ["HubState", "Model", "Subscriber", "Version", "Waiter"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Version:
+    """One kept version: the hub holds its refs (borrowed from the pusher), never its bytes."""
+
+    version: int
+    manifest: Manifest
+    refs: list[Any]
+    pushed_at: float
+    pusher: dict[str, Any]
+
+    def announce(self, model_id: str, sub_ids: tuple[str, ...] = ()) -> Announcement:
+        return Announcement(model_id, self.version, self.manifest, tuple(self.refs), sub_ids)
+
+
+@dataclass
+class Model:
+    versions: dict[int, Version] = field(default_factory=dict)
+    latest: int = 0
+    pushes: int = 0
+    bytes_pushed: int = 0
+    last_push_time: float | None = None
+    writer: dict[str, Any] | None = None  # the process (or actor) holding the writer lease
+
+    @property
+    def newest(self) -> Version | None:
+        return self.versions.get(self.latest)
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """One subscription as the hub sees it."""
+
+    sub_id: str
+    model_id: str
+    handle: Any  # None: the hub cannot call it (known from before a restart, or a plain process)
+    info: SubscriberInfo
+    schema: dict[str, tuple[tuple[int, ...], str]] | None = None
+    applied: int | None = None
+    sent: int = 0  # newest version handed to it (a delivery in flight or done)
+    failed: int = 0  # newest version that failed to apply
+    last_apply_time: float | None = None
+    last_apply_s: float | None = None
+    last_pause_s: float | None = None
+    last_buckets_fetched: int | None = None
+    last_bytes_fetched: int | None = None
+    last_prefetched: bool = False
+    last_error: str | None = None
+    state: str = "live"  # live | unreachable | restoring | dead
+    receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
+    last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
+    task: Any = None  # the actor's delivery loop for it (the state never touches it)
+
+    @property
+    def mode(self) -> str:
+        return self.info.mode
+
+    @property
+    def schema_key(self) -> Any:
+        """Subscribers with equal schemas are validated once per publish."""
+        if self.schema is None:
+            return None
+        return tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in self.schema.items()))
+
+    @property
+    def group(self) -> str | None:
+        """Subscriptions of one actor that asked for batched notifications share one delivery loop."""
+        if not self.info.batch or not self.info.actor_id:
+            return None
+        return f"{self.model_id}/{self.info.actor_id}"
+
+    def settled(self, version: int) -> bool:
+        """Holds ``version`` (or newer), or failed to apply it: a wait for it no longer waits."""
+        return (self.applied is not None and self.applied >= version) or self.failed >= version
+
+    def laggard(self) -> Laggard:
+        return Laggard(self.sub_id, self.info.class_name, self.applied, self.last_error, self.state)
+
+    def persisted(self) -> dict[str, Any]:
+        """What the hub keeps of it in the GCS, so that a restarted hub knows whom to wait for."""
+        return {"model_id": self.model_id, "info": self.info.row()}
+
+    @classmethod
+    def restored(cls, sub_id: str, record: dict[str, Any]) -> Subscriber:
+        """A subscription known from before a restart: waited for until it registers again."""
+        return cls(sub_id, record["model_id"], None, SubscriberInfo(**record["info"]), state="restoring")
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One wait: the subscribers it still waits for, and the event set when none is left."""
+
+    version: int
+    pending: set[str]
+    include_pull: bool = False
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def counts(self, sub: Subscriber) -> bool:
+        return self.include_pull or sub.mode == "push"
+
+
+@dataclass(eq=False)
+class Group:
+    """Batched subscriptions of one actor to one model: one notification carries them all."""
+
+    members: dict[str, Subscriber] = field(default_factory=dict)
+    task: Any = None
+
+
+class HubState:
+    """The hub's rules over its models, subscribers and waits.
+
+    Indexes keep every event O(1) in the number of subscribers of other models:
+    by model, by batch group, and the waits of each model.
+    """
+
+    def __init__(self, name: str, keep: int) -> None:
+        self.name = name
+        self.keep = max(1, int(keep))
+        self.models: dict[str, Model] = {}
+        self.subs: dict[str, Subscriber] = {}
+        self.by_model: dict[str, dict[str, Subscriber]] = {}
+        self.groups: dict[str, Group] = {}
+        self.waiters: dict[str, set[Waiter]] = {}
+
+    # ------------------------------------------------------------------ subscribers
+    def subscribers(self, model_id: str) -> list[Subscriber]:
+        """The model's subscribers that are not dead."""
+        return [s for s in self.by_model.get(model_id, {}).values() if s.state != "dead"]
+
+    def register(self, reg: Registration) -> tuple[Subscriber, Subscriber | None, Announcement | None]:
+        """Add (or re-add) a subscription; the registration it replaces; the newest version to apply.
+
+        The subscriber applies the newest version itself (from its ``__init__``), so
+        it counts as sent.
+        """
+        sub = Subscriber(reg.sub_id, reg.model_id, reg.handle, reg.info, reg.schema, applied=reg.applied)
+        replaced = self.add(sub)
+        newest = self.newest(reg.model_id)
+        if newest is None or (sub.applied is not None and sub.applied >= newest.version):
+            return sub, replaced, None
+        sub.sent = newest.version
+        return sub, replaced, newest.announce(reg.model_id)
+
+    def add(self, sub: Subscriber) -> Subscriber | None:
+        """Index a subscription; returns the one of the same id it replaces (now removed)."""
+        old = self.subs.get(sub.sub_id)
+        if old is not None:
+            self.remove(old)
+        self.subs[sub.sub_id] = sub
+        self.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
+        if sub.group is not None:
+            self.groups.setdefault(sub.group, Group()).members[sub.sub_id] = sub
+        for waiter in self.waiters.get(sub.model_id, ()):
+            if waiter.counts(sub) and not sub.settled(waiter.version):
+                waiter.pending.add(sub.sub_id)
+        return old
+
+    def remove(self, sub: Subscriber) -> Group | None:
+        """Forget a subscription (indexes and the waits that waited for it); its emptied group, if any."""
+        if self.subs.get(sub.sub_id) is sub:
+            del self.subs[sub.sub_id]
+        members = self.by_model.get(sub.model_id)
+        if members is not None and members.get(sub.sub_id) is sub:
+            del members[sub.sub_id]
+            if not members:
+                del self.by_model[sub.model_id]
+        emptied = None
+        key = sub.group
+        group = self.groups.get(key) if key is not None else None
+        if group is not None and group.members.get(sub.sub_id) is sub:
+            del group.members[sub.sub_id]
+            if not group.members:
+                emptied = self.groups.pop(key)  # type: ignore[arg-type]
+        for waiter in self.waiters.get(sub.model_id, ()):
+            waiter.pending.discard(sub.sub_id)
+            if not waiter.pending:
+                waiter.event.set()
+        return emptied
+
+    def drop(self, sub: Subscriber, why: str) -> Group | None:
+        """A subscriber that is gone for good: forget it and say so."""
+        emptied = self.remove(sub)
+        sub.state = "dead"
+        logger.warning(
+            "hub %r dropped subscriber %s of %r (at version %s): %s",
+            self.name,
+            sub.sub_id,
+            sub.model_id,
+            sub.applied,
+            why,
+        )
+        return emptied
+
+    def settle(self, sub: Subscriber) -> None:
+        """Tell the waits on ``sub``'s model that it holds (or failed) what they wait for."""
+        for waiter in self.waiters.get(sub.model_id, ()):
+            if sub.sub_id in waiter.pending and sub.settled(waiter.version):
+                waiter.pending.discard(sub.sub_id)
+                if not waiter.pending:
+                    waiter.event.set()
+
+    def record(self, sub: Subscriber, report: ApplyReport) -> None:
+        """What a subscriber said after it was handed a version (or on its own)."""
+        sub.last_seen = time.monotonic()
+        if report.lost is not None:
+            self.forget_version(sub.model_id, report.lost, f"subscriber {sub.sub_id} could not fetch it")
+        if report.reset:
+            sub.applied, sub.sent, sub.failed = None, 0, 0
+            sub.last_error = report.error_text()
+            return
+        applied = report.applied
+        newer = applied is not None and (sub.applied is None or applied > sub.applied)
+        if newer:
+            sub.applied = applied
+        # A report of an apply describes it (a skipped or deferred one does not): the report
+        # of a prefetched swap may arrive after the delivery's reply for the same version.
+        if report.describes_apply() and (newer or applied == sub.applied):
+            sub.last_apply_time = time.time()
+            sub.last_apply_s = report.apply_s
+            sub.last_pause_s = report.pause_s
+            sub.last_buckets_fetched = report.buckets_fetched
+            sub.last_bytes_fetched = report.bytes_fetched
+            sub.last_prefetched = report.prefetched
+        if report.error is not None:
+            sub.last_error = report.error_text()
+            sub.failed = max(sub.failed, report.failed or 0)
+        elif applied is not None:
+            sub.last_error = None
+        if report.receivers is not None:
+            sub.receivers = list(report.receivers)
+        if sub.state == "unreachable":
+            sub.state = "live"
+        self.settle(sub)
+
+    def delivery_failed(self, sub: Subscriber, version: int, error: BaseException) -> None:
+        """Handing ``version`` to ``sub`` raised (not a report of its own): record it as a failure."""
+        sub.last_error = f"{type(error).__name__}: {str(error)[:500]}"
+        sub.failed = max(sub.failed, version)
+        self.settle(sub)
+
+    def unreachable(self, sub: Subscriber, error: BaseException) -> None:
+        """Restarting or not answering: it registers again when it is back."""
+        sub.state = "unreachable"
+        sub.sent = 0
+        sub.last_error = f"{type(error).__name__}: {str(error)[:300]}"
+
+    def stale(self, before: float) -> list[Subscriber]:
+        """Subscribers not heard from since ``before`` (monotonic seconds)."""
+        return [s for s in self.subs.values() if s.last_seen < before]
+
+    # ------------------------------------------------------------------ versions
+    def latest(self, model_id: str) -> int | None:
+        model = self.models.get(model_id)
+        return model.latest if model and model.latest else None
+
+    def newest(self, model_id: str) -> Version | None:
+        model = self.models.get(model_id)
+        return model.newest if model else None
+
+    def mismatches(
+        self, model_id: str, manifest: Manifest
+    ) -> list[tuple[WeightMismatchError, list[Subscriber]]]:
+        """Why a version does not fit the subscribers' models: one error per schema, with its subscribers."""
+        by_schema: dict[Any, list[Subscriber]] = {}
+        for sub in self.subscribers(model_id):
+            if sub.schema is not None:
+                by_schema.setdefault(sub.schema_key, []).append(sub)
+        found = []
+        for subs in by_schema.values():
+            try:
+                validate(manifest, subs[0].schema)  # type: ignore[arg-type]
+            except WeightMismatchError as err:
+                found.append((err, subs))
+        return found
+
+    def writer_to_check(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> dict[str, Any] | None:
+        """One writer per model: None if ``pusher`` may publish; else the lease holder whose
+        liveness decides (see :meth:`refuse_writer` and :meth:`hand_over`)."""
+        model = self.models.setdefault(model_id, Model())
+        me, current = pusher.get("writer_id"), model.writer
+        if me is None or current is None or current.get("writer_id") == me:
+            if me is not None and current is None:
+                model.writer = _lease(pusher)
+            return None
+        if takeover:
+            logger.warning(
+                "hub %r: %s took over model %r (at version %d) from %s",
+                self.name,
+                who(pusher),
+                model_id,
+                model.latest,
+                who(current),
+            )
+            model.writer = _lease(pusher)
+            return None
+        return current
+
+    def refuse_writer(
+        self, model_id: str, current: dict[str, Any], pusher: dict[str, Any]
+    ) -> StaleWriterError:
+        return StaleWriterError(
+            f"model {model_id!r} is written by {who(current)}; this process ({who(pusher)}) may not "
+            "push to it. Stop the other trainer, push under another model_id, or take over with "
+            "raysync.connect(..., takeover=True)"
+        )
+
+    def hand_over(self, model_id: str, current: dict[str, Any], pusher: dict[str, Any]) -> None:
+        """The lease holder is gone: ``pusher`` takes the lease."""
+        model = self.models[model_id]
+        logger.info(
+            "hub %r: writer %s of %r is gone; %s takes over at version %d",
+            self.name,
+            who(current),
+            model_id,
+            who(pusher),
+            model.latest,
+        )
+        model.writer = _lease(pusher)
+
+    def stamp(self, model_id: str, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]) -> Version:
+        """Give a version its number and keep it (the oldest beyond ``keep`` are let go)."""
+        model = self.models.setdefault(model_id, Model())
+        model.latest += 1
+        v = Version(model.latest, manifest, list(refs), time.time(), pusher)
+        model.versions[v.version] = v
+        model.pushes += 1
+        model.bytes_pushed += manifest.total_nbytes
+        model.last_push_time = time.time()
+        self.trim(model)
+        return v
+
+    def offer_again(
+        self, model_id: str, version: int, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]
+    ) -> bool:
+        """The writer offers its newest version again after a restart lost it; whether it is kept now.
+
+        Accepted for the model's newest version number only, when nothing of it is
+        kept, and only from the lease holder.
+        """
+        model = self.models.get(model_id)
+        if model is None or version != model.latest or version in model.versions:
+            return False
+        writer = model.writer
+        if writer is not None and writer.get("writer_id") != pusher.get("writer_id"):
+            return False
+        model.versions[version] = Version(version, manifest, list(refs), time.time(), pusher)
+        logger.info("hub %r: %r version %d offered again by its writer", self.name, model_id, version)
+        return True
+
+    def forget_version(self, model_id: str, version: int, why: str) -> None:
+        """Stop offering a version whose bytes are gone (its pusher died)."""
+        model = self.models.get(model_id)
+        if model is not None and model.versions.pop(version, None) is not None:
+            logger.warning(
+                "hub %r: version %d of %r is lost (%s; the process that pushed it died); the next push "
+                "brings subscribers forward",
+                self.name,
+                version,
+                model_id,
+                why,
+            )
+
+    def trim(self, model: Model) -> None:
+        for v in sorted(model.versions)[: -self.keep]:
+            del model.versions[v]  # drops the hub's borrow of that version's objects
+
+    def raise_keep(self, keep: int | None) -> bool:
+        """Keep at least ``keep`` versions per model; never fewer than another client asked. Changed?"""
+        if keep is None or keep == self.keep:
+            return False
+        if keep < self.keep:
+            logger.warning(
+                "hub %r: a client asked for keep=%d; it keeps %d versions per model, as another client "
+                "asked (a hub never lowers keep under a client that relies on it)",
+                self.name,
+                keep,
+                self.keep,
+            )
+            return False
+        logger.info("hub %r now keeps %d versions per model (was %d)", self.name, keep, self.keep)
+        self.keep = int(keep)
+        for model in self.models.values():
+            self.trim(model)
+        return True
+
+    def get(
+        self, model_id: str, version: int | None = None, newer_than: int | None = None
+    ) -> Announcement | None:
+        """A kept version (the newest by default); None if it is not newer than ``newer_than``.
+
+        Raises:
+            UnknownModelError: nothing kept of ``model_id``, or not ``version``.
+        """
+        model = self.models.get(model_id)
+        if model is None or not model.versions:
+            raise UnknownModelError(
+                f"no version of model {model_id!r} on hub {self.name!r}; models here: "
+                f"{sorted(self.models)}. Push one first with hub.push(model, model_id={model_id!r})"
+            )
+        v = model.versions.get(version if version is not None else model.latest)
+        if v is None:
+            raise UnknownModelError(
+                f"version {version} of model {model_id!r} is not kept (kept: {sorted(model.versions)}); "
+                "raise keep= on connect() to keep more"
+            )
+        if newer_than is not None and v.version <= newer_than:
+            return None
+        return v.announce(model_id)
+
+    def due(self, sub: Subscriber) -> Version | None:
+        """The version a push subscriber should be handed now (the newest it lacks), if any."""
+        newest = self.newest(sub.model_id)
+        if sub.state == "dead" or newest is None or newest.version <= max(sub.applied or 0, sub.sent):
+            return None
+        return newest
+
+    def due_in_group(self, model_id: str, group: Group) -> tuple[Version | None, list[Subscriber]]:
+        newest = self.newest(model_id)
+        if newest is None:
+            return None, []
+        due = [
+            s
+            for s in group.members.values()
+            if s.state != "dead" and s.mode == "push" and newest.version > max(s.applied or 0, s.sent)
+        ]
+        return newest, due
+
+    # ------------------------------------------------------------------ waits
+    def check_waitable(self, model_id: str, version: int) -> None:
+        """Raise if ``version`` of ``model_id`` was never pushed (a wait for it could only run out)."""
+        model = self.models.get(model_id)
+        if model is None or version > model.latest:
+            raise UnknownModelError(
+                f"version {version} of model {model_id!r} was never pushed on hub {self.name!r} "
+                f"(newest: {model.latest if model and model.latest else None}; models here: "
+                f"{sorted(self.models)}); wait for a version push() returned"
+            )
+
+    def kept_from(self, model_id: str, version: int) -> bool:
+        """Whether a version this new or newer is kept."""
+        model = self.models.get(model_id)
+        return model is not None and any(v >= version for v in model.versions)
+
+    def pending(
+        self, model_id: str, version: int, include_pull: bool = True
+    ) -> tuple[list[Laggard], list[Laggard]]:
+        """Who a wait for ``version`` still waits for, and who failed it."""
+        laggards: list[Laggard] = []
+        failures: list[Laggard] = []
+        for sub in self.subscribers(model_id):
+            if not (include_pull or sub.mode == "push"):
+                continue
+            if sub.applied is not None and sub.applied >= version:
+                continue
+            (failures if sub.failed >= version else laggards).append(sub.laggard())
+        return laggards, failures
+
+    def add_waiter(self, model_id: str, waiter: Waiter) -> None:
+        self.waiters.setdefault(model_id, set()).add(waiter)
+
+    def remove_waiter(self, model_id: str, waiter: Waiter) -> None:
+        waiters = self.waiters.get(model_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self.waiters[model_id]
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors), as plain data."""
+        now = time.time()
+        models = {}
+        for model_id, model in sorted(self.models.items()):
+            newest = model.newest
+            models[model_id] = {
+                "latest": model.latest or None,
+                "versions_kept": sorted(model.versions),
+                "bytes_per_version": newest.manifest.total_nbytes if newest else 0,
+                "buckets": newest.manifest.num_buckets if newest else 0,
+                "layout_hash": newest.manifest.layout_hash if newest else None,
+                "pushes": model.pushes,
+                "bytes_pushed": model.bytes_pushed,
+                "last_push_time": model.last_push_time,
+                "last_push_age_s": None if model.last_push_time is None else now - model.last_push_time,
+                "writer": model.writer,
+            }
+        subs = []
+        for sub in sorted(self.subs.values(), key=lambda s: (s.model_id, s.sub_id)):
+            latest = self.models[sub.model_id].latest if sub.model_id in self.models else 0
+            subs.append(
+                {
+                    "subscriber": sub.sub_id,
+                    "model_id": sub.model_id,
+                    "actor_id": sub.info.actor_id,
+                    "class_name": sub.info.class_name,
+                    "node_id": sub.info.node_id,
+                    "pid": sub.info.pid,
+                    "mode": sub.mode,
+                    "apply": sub.info.apply,
+                    "applied": sub.applied,
+                    "lag": latest - (sub.applied or 0),
+                    "last_apply_time": sub.last_apply_time,
+                    "last_apply_s": sub.last_apply_s,
+                    "last_pause_s": sub.last_pause_s,
+                    "last_buckets_fetched": sub.last_buckets_fetched,
+                    "last_bytes_fetched": sub.last_bytes_fetched,
+                    "last_prefetched": sub.last_prefetched,
+                    "last_error": sub.last_error,
+                    "state": sub.state,
+                    "receivers": sub.receivers,
+                    "placement": sub.info.placement,
+                }
+            )
+        return {"hub": self.name, "keep": self.keep, "models": models, "subscribers": subs}
+
+
+def _lease(pusher: dict[str, Any]) -> dict[str, Any]:
+    keys = ("writer_id", "kind", "actor_id", "job_id", "pid", "host")
+    return {k: pusher.get(k) for k in keys} | {"since": time.time()}
+
+
+def who(writer: dict[str, Any]) -> str:
+    """A writer as a person reads it: an actor, the tasks of a job, or a job's driver."""
+    kind = writer.get("kind") or ("actor" if writer.get("actor_id") else "driver")
+    where = f"pid {writer.get('pid')} on {writer.get('host')}"
+    if kind == "actor":
+        return f"actor {writer['actor_id']} ({where})"
+    if kind == "tasks":
+        return f"tasks of job {writer.get('job_id')} (last push from {where})"
+    return f"driver of job {writer.get('job_id')} ({where})"

@@ -1,0 +1,1 @@
+"""Operations: the ``raysync`` command (status, bench) and metrics."""

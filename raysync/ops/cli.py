@@ -1,0 +1,639 @@
+"""The ``raysync`` command: ``raysync status`` and ``raysync bench``.
+
+``raysync status`` connects to a running Ray cluster, finds the hub (by
+default ``raysync`` in Ray namespace ``raysync``, where every driver and job
+puts it) and prints its models, versions, subscribers, lag and last errors as
+tables (``--json`` for the raw ``hub.status()``).
+
+``raysync bench`` runs the fan-out benchmark (``benchmarks/push_fanout.py`` of
+a source checkout) on a local Ray of its own, with a progress bar; it prints
+the benchmark's table and writes a PNG plot of push-to-all-applied time
+against the number of actors, with the copy floor.
+
+Installed as the console script ``raysync``; ``python -m raysync`` is the same.
+
+Example:
+    .. code-block:: bash
+
+        raysync status                         # RAY_ADDRESS, or the local cluster
+        raysync status --address 10.0.0.5:6379 --name my-hub --json
+        raysync bench --quick                  # about a minute; writes push_fanout.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TextIO, cast
+
+from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE
+
+__all__ = ["find_bench_script", "main", "plot_fanout", "render_status"]
+
+logger = logging.getLogger(__name__)
+
+MIB = 2**20
+BENCH_SCRIPT_ENV = "RAYSYNC_BENCH_SCRIPT"
+"""Environment variable naming the fan-out benchmark script (default: the checkout's)."""
+
+
+class CliError(Exception):
+    """A failure the CLI reports as one line and a non-zero exit code."""
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``raysync`` command line; return its exit code.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 on success, 1 when the cluster or hub cannot be found (the message
+        names them) or the benchmark failed its checks, 2 for bad usage.
+        ``status`` gives up after ``--timeout`` seconds, connecting included;
+        if it is then still connecting, the process exits with code 1 at once
+        (:func:`os._exit`) instead of returning: Ray cannot stop a connection
+        attempt half-way, and its exit hook would wait on it.
+
+    Example:
+        >>> from raysync.ops.cli import main
+        >>> main(["status", "--json"])  # doctest: +SKIP
+        0
+    """
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if args.command == "status":
+            return _status(args)
+        return _bench(args, extra)
+    except CliError as err:
+        print(_error_line(args.command, err), file=sys.stderr)
+        return 1
+
+
+def _error_line(command: str, err: object) -> str:
+    return f"raysync {command}: error: {err}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raysync", description="Inspect a raysync hub, or benchmark push fan-out."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{status,bench}")
+    status = sub.add_parser(
+        "status",
+        help="models, versions, subscribers, lag and last errors of a running hub",
+        description="Print a running hub's models, versions, subscribers, lag and last errors.",
+    )
+    status.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: $RAY_ADDRESS, else the cluster running on this machine)",
+    )
+    status.add_argument("--name", default=DEFAULT_HUB, help=f"hub actor name (default: {DEFAULT_HUB})")
+    status.add_argument(
+        "--namespace", default=DEFAULT_NAMESPACE, help=f"hub's Ray namespace (default: {DEFAULT_NAMESPACE})"
+    )
+    status.add_argument("--json", action="store_true", help="print hub.status() as JSON")
+    status.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds for the whole command: connecting to the cluster and the hub's answer (default: 30)",
+    )
+    bench = sub.add_parser(
+        "bench",
+        help="run the push fan-out benchmark and plot it",
+        description="Run benchmarks/push_fanout.py with a progress bar, print its table and write "
+        "a PNG plot (push-to-all-applied time against the number of actors, with the copy floor). "
+        "Any other option is passed to the benchmark (see python benchmarks/push_fanout.py --help).",
+    )
+    bench.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats")
+    bench.add_argument(
+        "--plot", type=Path, default=None, help="PNG to write (default: next to the JSON, .png)"
+    )
+    bench.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        help=f"the benchmark script (default: ${BENCH_SCRIPT_ENV}, else benchmarks/push_fanout.py "
+        "of the checkout raysync runs from)",
+    )
+    return parser
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``'s type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
+
+
+# ---------------------------------------------------------------------- status
+
+
+def _status(args: argparse.Namespace) -> int:
+    import ray
+
+    deadline = time.monotonic() + args.timeout
+    started = _connect(args.address, timeout=args.timeout, deadline=deadline, command=args.command)
+    try:
+        try:
+            handle = ray.get_actor(args.name, namespace=args.namespace)
+        except ValueError:
+            raise CliError(_no_hub_message(args.name, args.namespace)) from None
+        try:
+            left = max(deadline - time.monotonic(), 0.0)
+            status: dict[str, Any] = cast(dict, ray.get(handle.status.remote(), timeout=left))
+        except Exception as err:
+            raise CliError(
+                f"hub {args.name!r} in namespace {args.namespace!r} did not answer within "
+                f"--timeout {args.timeout:g} s: {type(err).__name__}: {err}"
+            ) from err
+    finally:
+        if started:
+            ray.shutdown()
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True, default=str))
+    else:
+        render_status(status, namespace=args.namespace)
+    return 0
+
+
+def _connect(address: str | None, *, timeout: float, deadline: float, command: str) -> bool:
+    """Connect this process to a cluster unless it already is; True if we connected it.
+
+    ``ray.init`` to an address where no GCS answers retries for many minutes and
+    prints a warning per attempt. So a TCP probe first turns a closed port away
+    at once; the process's standard error is held back while connecting (see
+    :class:`_HeldStderr`); and a watchdog thread ends the process at
+    ``deadline`` (a :func:`time.monotonic` time) with one message and exit code
+    1 if the probe or ``ray.init`` is still going then.
+
+    Raises:
+        CliError: nothing accepts connections at the address, or ``ray.init`` failed.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    endpoint = _endpoint(target)
+    where = f"{endpoint[0]}:{endpoint[1]}" if endpoint is not None else "there"
+    within = f"within --timeout {timeout:g} s (a slow cluster may need more)"
+    stage = ["probe" if endpoint is not None else "init"]  # how far connecting got
+    settled = threading.Lock()  # taken by whichever comes first: the connection or the watchdog
+    held = _HeldStderr()
+
+    def give_up() -> None:
+        if not settled.acquire(blocking=False):
+            return  # connected (or failed) in time
+        held.close()
+        if stage[0] == "probe":
+            why = f"no TCP connection to {where} {within}"
+        elif endpoint is not None:
+            why = f"{where} accepts connections, but no Ray GCS answered {within}"
+        else:
+            why = f"no Ray GCS answered {within}"
+        print(_error_line(command, _unreachable(target, why)), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # ray.init cannot be interrupted, and Ray's atexit shutdown would wait on it
+
+    watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), give_up)
+    watchdog.daemon = True
+    try:
+        with held:
+            watchdog.start()
+            try:
+                if endpoint is not None:
+                    with socket.create_connection(endpoint, timeout=max(deadline - time.monotonic(), 0.01)):
+                        pass
+                    stage[0] = "init"
+                ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+            finally:
+                settled.acquire()  # blocks for good if the watchdog is already ending the process
+                watchdog.cancel()
+    except Exception as err:
+        if stage[0] == "probe" and isinstance(err, TimeoutError):  # a hair before the watchdog
+            why = f"no TCP connection to {where} {within}"
+        elif stage[0] == "probe" and isinstance(err, OSError):
+            why = f"cannot open a TCP connection to {where} ({err.strerror or type(err).__name__})"
+        else:
+            why = f"{type(err).__name__}: {str(err).strip()[:300]}"
+        raise CliError(_unreachable(target, why)) from None
+    finally:
+        if held.text and ray.is_initialized():
+            sys.stderr.write(held.text)  # a connection that worked: Ray's own warnings stay visible
+        elif held.text:
+            logger.debug("while connecting to %r, Ray wrote:\n%s", target, held.text)
+    return True
+
+
+def _endpoint(target: str) -> tuple[str, int] | None:
+    """``(host, port)`` of an address such as ``10.0.0.5:6379``, ``[::1]:6379`` or ``ray://h:10001``.
+
+    None for anything else (``auto``, ``local``, a host without a port): ``ray.init`` resolves
+    and checks those itself.
+    """
+    rest = target.split("://", 1)[-1].rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (host, int(port)) if host and 0 < int(port) < 65536 else None
+
+
+def _unreachable(target: str, why: str) -> str:
+    """The one-line message for a cluster this command could not connect to."""
+    return (
+        f"no Ray cluster at {target!r}: {why}. Check that a cluster is running there (`ray status "
+        f"--address {target}`; start one with `ray start --head`), that --address or RAY_ADDRESS "
+        "names its GCS as HOST:PORT (port 6379 by default), and, for a cluster started with "
+        "`ray start` on Ray 2.60, that RAY_AUTH_MODE=token is set"
+    )
+
+
+class _HeldStderr:
+    """Sends file descriptor 2 to a temporary file while open; ``text`` is what landed there.
+
+    Ray's core (C++) logs a warning to the process's standard error for every failed GCS
+    attempt; redirecting ``sys.stderr`` would not catch those.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._file: Any = None
+        self._saved: int | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> _HeldStderr:
+        sys.stderr.flush()
+        try:
+            self._saved = os.dup(2)
+        except OSError:  # no standard error to hold back
+            return self
+        self._file = tempfile.TemporaryFile()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give file descriptor 2 back and read what was held (once; later calls do nothing)."""
+        with self._lock:
+            if self._saved is None:
+                return
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            self._saved = None
+            self._file.seek(0)
+            self.text = self._file.read().decode(errors="replace")
+            self._file.close()
+
+
+def _no_hub_message(name: str, namespace: str) -> str:
+    import ray
+
+    others: list[str] = []
+    with contextlib.suppress(Exception):
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor.get("namespace") == namespace:
+                others.append(actor["name"])
+    where = f"named actors there: {sorted(others)}" if others else "no named actors there"
+    return (
+        f"no raysync hub named {name!r} in namespace {namespace!r} on this cluster ({where}). "
+        "A hub exists once a trainer called raysync.connect(); pass --name and --namespace for another"
+    )
+
+
+def render_status(
+    status: Mapping[str, Any], *, namespace: str = DEFAULT_NAMESPACE, file: TextIO | None = None
+) -> None:
+    """Print ``hub.status()`` as tables: the hub, its models, its subscribers, their last errors.
+
+    Args:
+        status: what ``HubClient.status()`` (or the hub actor's ``status``) returned.
+        namespace: the hub's namespace, for the title.
+        file: where to write (default: standard output).
+
+    Example:
+        >>> render_status(raysync.connect().status())  # doctest: +SKIP
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    out = file or sys.stdout
+    width = None if out.isatty() else max(160, shutil.get_terminal_size((160, 24)).columns)
+    console = Console(file=out, width=width, highlight=False, soft_wrap=False)
+    now = time.time()
+    console.print(
+        f"[bold]hub {status.get('hub')!r}[/bold] (namespace {namespace!r}): up "
+        f"{_age(status.get('uptime_s'))}, keeps {status.get('keep')} version(s) per model"
+        + (f", restored {status['restored_models']}" if status.get("restored_models") else "")
+    )
+    models = Table(title="models", title_justify="left")
+    for col in ("model", "latest", "kept", "size", "buckets", "pushes", "pushed", "last push", "writer"):
+        models.add_column(col, justify="right" if col not in ("model", "writer") else "left")
+    for model_id, m in status.get("models", {}).items():
+        writer = m.get("writer") or {}
+        models.add_row(
+            model_id,
+            _fmt(m.get("latest")),
+            ",".join(str(v) for v in m.get("versions_kept", [])) or "-",
+            _mib(m.get("bytes_per_version")),
+            _fmt(m.get("buckets")),
+            _fmt(m.get("pushes")),
+            _mib(m.get("bytes_pushed")),
+            f"{_age(m.get('last_push_age_s'))} ago" if m.get("last_push_age_s") is not None else "-",
+            _writer(writer),
+        )
+    if not status.get("models"):
+        models.add_row("(none yet)", *["-"] * 8)
+    console.print(models)
+    subs = Table(title="subscribers", title_justify="left")
+    for col in (
+        "model",
+        "subscriber",
+        "actor",
+        "node",
+        "mode",
+        "applied",
+        "lag",
+        "state",
+        "apply",
+        "applied at",
+        "last error",
+    ):
+        subs.add_column(col, justify="right" if col in ("applied", "lag", "apply", "applied at") else "left")
+    for s in status.get("subscribers", []):
+        lag = s.get("lag")
+        lag_text = _fmt(lag) if not lag else f"[yellow]{lag}[/yellow]"
+        state = str(s.get("state"))
+        subs.add_row(
+            str(s.get("model_id")),
+            str(s.get("subscriber")),
+            str(s.get("class_name") or "-"),
+            str(s.get("node_id") or "-")[:8],
+            f"{s.get('mode')}/{s.get('apply') or 'copy'}",
+            _fmt(s.get("applied")),
+            lag_text,
+            state if state == "live" else f"[red]{state}[/red]",
+            "-" if s.get("last_apply_s") is None else f"{s['last_apply_s'] * 1e3:.1f} ms",
+            "-" if s.get("last_apply_time") is None else f"{_age(now - s['last_apply_time'])} ago",
+            "-" if not s.get("last_error") else f"[red]{_short(s['last_error'], 60)}[/red]",
+        )
+    if not status.get("subscribers"):
+        subs.add_row("-", "(none)", *["-"] * 9)
+    console.print(subs)
+    errors = [s for s in status.get("subscribers", []) if s.get("last_error")]
+    if errors:
+        console.print("[bold]last errors[/bold]")
+        for s in errors:
+            console.print(f"  {s.get('subscriber')} ({s.get('model_id')}): {s['last_error']}", markup=False)
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _mib(nbytes: Any) -> str:
+    if nbytes is None:
+        return "-"
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= MIB:
+        return f"{nbytes / MIB:.2f} MiB"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+def _age(seconds: Any) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _short(text: str, n: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _writer(writer: Mapping[str, Any]) -> str:
+    if not writer:
+        return "-"
+    who = f"actor {str(writer['actor_id'])[:8]}" if writer.get("actor_id") else f"job {writer.get('job_id')}"
+    return f"{who} pid {writer.get('pid')}@{writer.get('host')}"
+
+
+# ---------------------------------------------------------------------- bench
+
+
+def find_bench_script(script: Path | None = None) -> Path:
+    """The fan-out benchmark to run: ``script``, ``$RAYSYNC_BENCH_SCRIPT``, or the checkout's.
+
+    Raises:
+        CliError: none of them exists (``raysync bench`` needs a source checkout).
+
+    Example:
+        >>> find_bench_script()  # doctest: +SKIP
+        PosixPath('/src/raysync/benchmarks/push_fanout.py')
+    """
+    import raysync
+
+    if script is not None:
+        candidates = [script]
+    else:
+        candidates = [Path(os.environ[BENCH_SCRIPT_ENV])] if os.environ.get(BENCH_SCRIPT_ENV) else []
+        candidates.append(Path(raysync.__file__).resolve().parent.parent / "benchmarks" / "push_fanout.py")
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise CliError(
+        f"benchmark script not found (looked for {[str(p) for p in candidates]}): raysync bench runs "
+        f"benchmarks/push_fanout.py of a source checkout; pass --script PATH or set {BENCH_SCRIPT_ENV}"
+    )
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("raysync_bench_push_fanout", path)
+    if spec is None or spec.loader is None:
+        raise CliError(f"cannot import the benchmark script {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    from ray import cloudpickle
+
+    # Ray workers cannot import a module loaded from a path: ship its actor classes by value,
+    # as Ray does for classes defined in a script's __main__.
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+class _StepCounter(logging.Handler):
+    """Moves the progress bar along the benchmark's own log lines ("... : floor", "...: raysync")."""
+
+    def __init__(self, progress: Any, task: Any, total: int) -> None:
+        super().__init__(level=logging.INFO)
+        self.progress, self.task, self.total, self.started = progress, task, total, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.endswith(": floor") or message.endswith(": raysync"):
+            self.started += 1
+            self.progress.update(self.task, completed=min(self.started - 1, self.total), description=message)
+
+
+def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    module = _load(find_bench_script(args.script))
+    argv = [*extra, *(["--quick"] if args.quick else [])]
+    options = module.parse_args(argv)
+    steps = len(options.sizes_mib) * len(options.actors) * (1 + len(options.apply))
+    root = logging.getLogger()
+    quiet = None
+    if not root.handlers:  # keep the benchmark's INFO chatter off the progress bar
+        quiet = logging.StreamHandler(sys.stderr)
+        quiet.setLevel(logging.WARNING)
+        root.addHandler(quiet)
+    bench_logger = logging.getLogger("push_fanout")
+    bench_logger.setLevel(logging.INFO)
+    captured = io.StringIO()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=False,
+    ) as progress:
+        task = progress.add_task("starting Ray", total=steps)
+        counter = _StepCounter(progress, task, steps)
+        bench_logger.addHandler(counter)
+        try:
+            with contextlib.redirect_stdout(captured):
+                code = int(module.main(argv) or 0)
+        finally:
+            bench_logger.removeHandler(counter)
+            if quiet is not None:
+                root.removeHandler(quiet)
+        progress.update(task, completed=steps, description="done")
+    sys.stdout.write(captured.getvalue())
+    results = json.loads(Path(options.json).read_text())
+    plot = args.plot or Path(options.json).with_suffix(".png")
+    plot_fanout(results["rows"], plot, title=_plot_title(results.get("meta", {})))
+    print(f"plot: {plot}")
+    return code
+
+
+def _plot_title(meta: Mapping[str, Any]) -> str:
+    parts = ["raysync push fan-out"]
+    if meta.get("cpus"):
+        parts.append(f"{meta['cpus']} CPUs")
+    if meta.get("ray"):
+        parts.append(f"Ray {meta['ray']}")
+    if meta.get("started"):
+        parts.append(str(meta["started"]))
+    return ", ".join(parts)
+
+
+def plot_fanout(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, title: str = "") -> Path:
+    """Plot push-to-all-applied time against the number of actors, with the copy floor.
+
+    One panel per model size; one line per apply mode (``copy``, ``view``)
+    and a dashed line for the floor measured in the same run. Needs
+    ``matplotlib`` (``pip install "raysync[plot]"``).
+
+    Args:
+        rows: the ``rows`` of ``benchmarks/push_fanout.py``'s JSON (each with
+            ``size_mib``, ``apply``, ``n``, ``push_to_all_applied_s`` and ``floor_s``).
+        path: the PNG to write (its folder is made if missing).
+        title: a title over the panels.
+
+    Returns:
+        The path written.
+
+    Example:
+        >>> rows = json.load(open("benchmarks/results/push_fanout.json"))["rows"]  # doctest: +SKIP
+        >>> plot_fanout(rows, "push_fanout.png")  # doctest: +SKIP
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise CliError('plotting needs matplotlib: pip install "raysync[plot]"') from err
+    if not rows:
+        raise CliError("no benchmark rows to plot")
+    sizes = sorted({int(r["size_mib"]) for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        mine = [r for r in rows if int(r["size_mib"]) == size]
+        for apply in sorted({str(r["apply"]) for r in mine}):
+            pts = sorted((r["n"], r["push_to_all_applied_s"]) for r in mine if r["apply"] == apply)
+            pts = [(n, t) for n, t in pts if t is not None]
+            if pts:
+                ax.plot(
+                    [n for n, _ in pts],
+                    [t * 1e3 for _, t in pts],
+                    marker="o",
+                    label=f"raysync, apply={apply}",
+                )
+        floor = sorted({(r["n"], r["floor_s"]) for r in mine if r.get("floor_s") is not None})
+        if floor:
+            ax.plot(
+                [n for n, _ in floor],
+                [t * 1e3 for _, t in floor],
+                linestyle="--",
+                color="grey",
+                marker="x",
+                label="copy floor (snapshot + N copies)",
+            )
+        ax.set_title(f"{size} MiB model")
+        ax.set_xlabel("receiver actors (N)")
+        ax.set_ylabel("push to all applied (ms)")
+        ax.set_xticks(sorted({int(r["n"]) for r in mine}))
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,1 @@
+"""Receivers: ``@synced_model`` actors and ``RayModuleTransform``, their subscriptions and locks."""

@@ -1,0 +1,163 @@
+"""Joining the hub, staying known to it, telling it what was applied: written once.
+
+``@synced_model`` subscriptions, ``RayModuleTransform`` hosts and adapters are all
+:class:`Member`\\ s of one :class:`Membership` per process: it registers them (waiting
+for the hub while it restarts), checks in for all of them with one heartbeat call per
+hub every :data:`~raysync._protocol.HEARTBEAT_S` seconds, registers again the ones a
+restarted hub does not know, and sends their reports.
+
+Example:
+    >>> membership().join(member)        # registers; member.start_from(newest) applies it
+    >>> membership().report(member, ApplyReport(applied=3))
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+import ray
+
+from raysync import _protocol as proto
+from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration
+from raysync.hub.locate import call_hub, get_hub_actor
+
+__all__ = ["Member", "Membership", "membership"]
+
+logger = logging.getLogger(__name__)
+
+
+class Member(Protocol):
+    """Something that subscribes to a hub (a subscription, an adapter)."""
+
+    @property
+    def sub_id(self) -> str: ...
+
+    @property
+    def hub_name(self) -> str: ...
+
+    @property
+    def hub_namespace(self) -> str | None: ...
+
+    def registration(self) -> Registration:
+        """What to tell the hub when (re-)joining: who it is and the version it holds."""
+        ...
+
+    def start_from(self, newest: Announcement | None) -> None:
+        """Apply the version the hub answered a registration with (and report it)."""
+        ...
+
+
+class _Hub:
+    """One hub as this process sees it: its handle, looked up again after it was re-created."""
+
+    def __init__(self, name: str, namespace: str | None) -> None:
+        self.name = name
+        self.namespace = namespace or DEFAULT_NAMESPACE
+        self._handle: Any = None
+
+    def handle(self, fresh: bool = False) -> Any:
+        if fresh or self._handle is None:
+            self._handle = get_hub_actor(self.name, self.namespace)
+        return self._handle
+
+
+class Membership:
+    """This process's members, by hub; one heartbeat thread for all of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hubs: dict[tuple[str, str | None], _Hub] = {}
+        self._members: dict[str, Member] = {}
+        self._thread: threading.Thread | None = None
+
+    def hub(self, member: Member) -> _Hub:
+        key = (member.hub_name, member.hub_namespace)
+        with self._lock:
+            if key not in self._hubs:
+                self._hubs[key] = _Hub(*key)
+            return self._hubs[key]
+
+    def call(self, member: Member, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.hub.locate.call_hub`)."""
+        return call_hub(self.hub(member).handle, method, *args, timeout=timeout)
+
+    def join(self, member: Member) -> None:
+        """Register ``member`` and start it from the newest version; keep it known from now on."""
+        with self._lock:
+            self._members[member.sub_id] = member
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._heartbeat_loop, name="raysync-heartbeat", daemon=True
+                )
+                self._thread.start()
+        newest = self.call(member, proto.REGISTER, member.registration())
+        member.start_from(newest)
+
+    def leave(self, member: Member, *, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._members.pop(member.sub_id, None)
+        try:
+            self.call(member, proto.UNREGISTER, member.sub_id, timeout=timeout)
+        except Exception as err:  # the hub restarting or gone: it drops the subscriber anyway
+            logger.debug("%s could not unregister: %s", member.sub_id, err)
+
+    def report(self, member: Member, report: ApplyReport) -> None:
+        """Tell the hub what ``member`` applied on its own (fire and forget)."""
+        getattr(self.hub(member).handle(), proto.REPORT).remote(member.sub_id, report)
+
+    def _heartbeat_loop(self) -> None:
+        """Check in with every hub; register again the members it does not know (it restarted)."""
+        while True:
+            time.sleep(proto.HEARTBEAT_S)
+            with self._lock:
+                by_hub: dict[tuple[str, str | None], list[Member]] = {}
+                for m in self._members.values():
+                    by_hub.setdefault((m.hub_name, m.hub_namespace), []).append(m)
+            for members in by_hub.values():
+                self._beat(members)
+
+    def _beat(self, members: list[Member]) -> None:
+        hub = self.hub(members[0])
+        try:
+            unknown = set(
+                ray.get(
+                    getattr(hub.handle(), proto.HEARTBEAT).remote([m.sub_id for m in members]),
+                    timeout=proto.HEARTBEAT_S * 5,
+                )
+            )
+        except ray.exceptions.ActorDiedError:  # killed for good: follow a new hub of that name
+            try:
+                hub.handle(fresh=True)
+            except Exception:
+                return
+            unknown = {m.sub_id for m in members}
+        except Exception:  # restarting or busy: try again next beat
+            return
+        for member in members:
+            if member.sub_id not in unknown:
+                continue
+            logger.warning(
+                "%s: hub %r does not know this subscriber (restarted?); registering again",
+                member.sub_id,
+                hub.name,
+            )
+            try:
+                member.start_from(self.call(member, proto.REGISTER, member.registration()))
+            except Exception as err:
+                logger.warning("%s could not register again: %s", member.sub_id, err)
+
+
+_MEMBERSHIP: Membership | None = None
+_MEMBERSHIP_LOCK = threading.Lock()
+
+
+def membership() -> Membership:
+    """This process's :class:`Membership` (made on first use)."""
+    global _MEMBERSHIP
+    with _MEMBERSHIP_LOCK:
+        if _MEMBERSHIP is None:
+            _MEMBERSHIP = Membership()
+        return _MEMBERSHIP

@@ -1,0 +1,681 @@
+"""One subscription of one actor to one model: the version held, how it is applied.
+
+Fetch (bytes first, no lock), then apply under the actor's write lock: one ``copy_``
+per changed bucket (``apply="copy"``), a pointer swap (``"view"``, prefetched or
+NIXL versions). A failed apply leaves the previous version and is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, ObjectLostError
+
+from raysync import _protocol as proto
+from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
+from raysync.core.bound import BoundModel
+from raysync.core.codec import require_checksums, verify_checksums
+from raysync.core.extract import module_schema
+from raysync.core.layout import Manifest, validate
+from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError
+from raysync.hub.locate import call_hub_async
+from raysync.receivers.membership import membership
+from raysync.transports.nixl import receive_into
+from raysync.transports.store_pages import populate_store_mapping
+
+if TYPE_CHECKING:
+    from raysync.receivers.synced import _ActorSync
+
+__all__ = ["ApplyKind", "Mode", "SyncSpec"]
+
+logger = logging.getLogger(__name__)
+
+
+Mode = Literal["push", "pull"]
+
+
+ApplyKind = Literal["copy", "view"]
+
+
+_HUB_QUERY_S = 10.0  # raysync_sync() without a timeout waits this long for the hub (it may be restarting)
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """One ``@synced_model`` on a class: which attribute, which model, how."""
+
+    attr: str
+    model_id: str
+    hub: str
+    namespace: str | None
+    mode: Mode
+    apply: ApplyKind
+    verify: bool
+    fetch_timeout: float
+    prefetch: bool = False
+
+
+def _ids(refs: list[ray.ObjectRef]) -> list[str | None]:
+    """A bucket's identity is the object it came from: same object, same bytes."""
+    return [r.hex() for r in refs]
+
+
+_Fetched = tuple[int, Manifest, list[ray.ObjectRef], dict[int, Any], list[int], float]
+"""A fetched version waiting for its apply: version, manifest, refs, buckets, their indices, start time."""
+
+
+class _Subscription:
+    """One (actor, model_id): the version held, the binding of the module to a layout."""
+
+    def __init__(self, sync: _ActorSync, spec: SyncSpec) -> None:
+        self.sync = sync
+        self.spec = spec
+        self.version: int | None = None
+        self.bound: BoundModel | None = None
+        self.sub_id = ""
+        self.actor_handle: Any = None  # this actor, for the hub to call
+        self._info: SubscriberInfo | None = None
+        # Guards the spare buffer set (prefetch staging, NIXL receives).
+        self._stage_lock = threading.Lock()
+        self._staged: tuple[int, list[str | None], int] | None = None
+        self._prefetching = False
+        # Held while the binding or the version changes, and while they are checked: an
+        # apply and a check from another thread (heartbeat, raysync_version) never interleave.
+        self._binding_lock = threading.Lock()
+        self._deferred: asyncio.Task[None] | None = None  # an apply waiting for async methods to return
+        # Threaded actors: a delivered version whose apply waits for running methods (see receive).
+        self._defer_lock = threading.Lock()
+        self._pending: _Fetched | None = None
+        self._applier: threading.Thread | None = None
+
+    # -------------------------------------------------------------- registration
+    def module(self) -> torch.nn.Module:
+        module = getattr(self.sync.owner, self.spec.attr, None)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"@synced_model({self.spec.attr!r}) needs self.{self.spec.attr} to be an "
+                f"nn.Module once __init__ returns, found {type(module).__name__}"
+            )
+        return module
+
+    # -------------------------------------------------------------- membership (a Member)
+    @property
+    def hub_name(self) -> str:
+        return self.spec.hub
+
+    @property
+    def hub_namespace(self) -> str | None:
+        return self.spec.namespace
+
+    def join(self, ctx: Any) -> None:
+        """Register with the hub (waiting while it restarts) and apply its newest version."""
+        actor_id = ctx.get_actor_id()
+        self.sub_id = f"{actor_id}:{self.spec.model_id}"
+        self.actor_handle = ctx.current_actor
+        self._info = SubscriberInfo(
+            mode=self.spec.mode,
+            apply=self.spec.apply,
+            actor_id=actor_id,
+            class_name=type(self.sync.owner).__name__,
+            node_id=ctx.get_node_id(),
+            pid=os.getpid(),
+            attr=self.spec.attr,
+        )
+        membership().join(self)
+        if self.spec.prefetch and not self._prefetching:
+            self.start_prefetch()
+
+    def registration(self) -> Registration:
+        assert self._info is not None
+        schema = module_schema(self.module())
+        return Registration(
+            self.sub_id, self.spec.model_id, self.actor_handle, self._info, schema, self.version
+        )
+
+    def start_from(self, newest: Announcement | None) -> None:
+        if newest is not None:
+            self.report(self.receive(newest.version, newest.manifest, list(newest.refs)))
+
+    def report(self, report: ApplyReport) -> None:
+        membership().report(self, report)
+
+    # -------------------------------------------------------------- apply
+    def _bound_for(self, manifest: Manifest) -> BoundModel | None:
+        bound = self.bound
+        if bound is None or bound.module is not self.module() or bound.layout_hash != manifest.layout_hash:
+            return None
+        return bound
+
+    def check_binding(self) -> bool:
+        """Whether the module still holds the version last applied; forget it if not.
+
+        User code can re-point parameters (``load_state_dict(sd, assign=True)``,
+        ``module.double()``, ``module.to(...)``, replacing a submodule); applies
+        would then go into buffers the module no longer uses. When that happened,
+        the subscription holds no version (``raysync_version()`` is ``None``), the
+        next apply binds the module afresh, and in push mode the hub is asked to
+        deliver the newest version again.
+        """
+        with self._binding_lock:
+            bound = self.bound
+            module = getattr(self.sync.owner, self.spec.attr, None)
+            if bound is None or (bound.module is module and bound.intact()):
+                return True
+            held, self.bound, self.version = self.version, None, None
+            self._staged = None
+        logger.warning(
+            "%s: the parameters of self.%s were re-pointed by user code (load_state_dict(assign=True), "
+            ".to(), .double(), a replaced submodule, ...): it no longer holds version %s of %r; %s",
+            self.sub_id,
+            self.spec.attr,
+            held,
+            self.spec.model_id,
+            "the newest is applied again" if self.spec.mode == "push" else "raysync_sync() applies it",
+        )
+        if self._info is not None and held is not None:
+            why = RaySyncError(f"parameters re-pointed by user code: version {held} no longer held")
+            self.report(ApplyReport(reset=True, error=why))
+        return False
+
+    def _plan(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> list[int] | None:
+        """Validate before fetching; the buckets to fetch, or None if the version is not newer."""
+        self.check_binding()
+        if self.version is not None and version <= self.version:
+            return None
+        bound = self._bound_for(manifest)
+        if bound is None:
+            validate(manifest, module_schema(self.module()))
+            return list(range(manifest.num_buckets))
+        return bound.needed(_ids(refs))
+
+    def _fetch(
+        self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int], timeout: float | None = None
+    ) -> dict[int, Any]:
+        timeout = self.spec.fetch_timeout if timeout is None else timeout
+        arrays = ray.get([refs[b] for b in needed], timeout=timeout)
+        return self._fetched(manifest, needed, arrays)
+
+    def _fetched(self, manifest: Manifest, needed: list[int], arrays: list[Any]) -> dict[int, Any]:
+        """The fetched buckets by index, checked (``verify=True``); what every fetch path ends with."""
+        # once per process: later reads take no page faults
+        populate_store_mapping(False, sum(manifest.bucket_nbytes[b] for b in needed))
+        fetched = dict(zip(needed, arrays, strict=True))
+        if self.spec.verify:
+            verify_checksums(manifest, fetched)
+        return fetched
+
+    def _commit(
+        self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], fetched: dict[int, Any]
+    ) -> float:
+        """Apply fetched buckets; return the pause (seconds readers waited). Caller holds the write lock."""
+        t0 = time.perf_counter()
+        with self._binding_lock:
+            if self.version is not None and version <= self.version:
+                return 0.0  # a newer one got in first
+            bound = self._bound_for(manifest)
+            if bound is not None and not bound.intact():  # re-pointed since the fetch was planned
+                bound, self.bound, self.version = None, None, None
+            if bound is None:
+                bound = BoundModel(self.module(), manifest, view=self.spec.apply == "view")
+                self.bound = bound
+            ids = _ids(refs)
+            missing = [b for b in bound.needed(ids) if b not in fetched]
+            if missing:
+                raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
+            bound.apply(fetched, ids, extra_state=manifest.extra_state)
+            self.version = version
+        return time.perf_counter() - t0
+
+    def _reply(
+        self,
+        version: int,
+        t0: float,
+        error: BaseException | None,
+        pause: float = 0.0,
+        fetched: int = 0,
+        fetched_bytes: int = 0,
+    ) -> ApplyReport:
+        elapsed = time.perf_counter() - t0
+        if error is None:
+            logger.debug(
+                "%s applied %r version %d in %.4f s (pause %.4f s)",
+                self.sub_id,
+                self.spec.model_id,
+                version,
+                elapsed,
+                pause,
+            )
+            return ApplyReport(
+                applied=self.version,
+                apply_s=elapsed,
+                pause_s=pause,
+                buckets_fetched=fetched,
+                bytes_fetched=fetched_bytes,
+            )
+        logger.warning(
+            "%s failed to apply %r version %d, keeps version %s: %s",
+            self.sub_id,
+            self.spec.model_id,
+            version,
+            self.version,
+            error,
+        )
+        return ApplyReport(
+            applied=self.version,
+            failed=version,
+            error=_portable(error),
+            timed_out=isinstance(error, TimeoutError),
+            # its bytes are gone (the pusher died): the hub stops offering it
+            lost=version if isinstance(error, ObjectLostError) else None,
+        )
+
+    def _skipped(self, version: int) -> ApplyReport:
+        return ApplyReport(applied=self.version, skipped=version)
+
+    def receive(
+        self,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        *,
+        fetch_timeout: float | None = None,
+        defer: bool = False,
+    ) -> ApplyReport:
+        """Fetch, validate and apply a version (threads and plain actors).
+
+        With ``defer`` (the hub's delivery), a threaded actor whose methods do not
+        end within the lock's priority window gets the apply done by a raysync
+        thread once they end (reported to the hub then), so the delivery call does
+        not hold one of the actor's concurrency slots meanwhile.
+        """
+        t0 = time.perf_counter()
+        if manifest.transport == "nixl":
+            return self._receive_nixl(version, manifest, refs, t0)
+        try:
+            if self.spec.prefetch:
+                swapped = self.swap_if_staged(version)
+                if swapped is not None:
+                    return swapped
+            needed = self._plan(version, manifest, refs)
+            if needed is None:
+                return self._skipped(version)
+            fetched = self._fetch(manifest, refs, needed, fetch_timeout)
+            lock = self.sync.lock
+            if defer and not self.sync.is_async and not lock.held():
+                if not lock.try_write():
+                    self._defer((version, manifest, refs, fetched, needed, t0))
+                    return ApplyReport(applied=self.version, deferred=version)
+                try:
+                    pause = self._commit(version, manifest, refs, fetched)
+                finally:
+                    lock.release_write()
+            else:
+                with self._write_lock():
+                    pause = self._commit(version, manifest, refs, fetched)
+            del fetched
+        except Exception as err:
+            return self._reply(version, t0, err)
+        return self._reply(
+            version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
+        )
+
+    def _defer(self, item: _Fetched) -> None:
+        """Hand an apply to the applier thread (the newest deferred version wins)."""
+        with self._defer_lock:
+            if self._pending is None or item[0] > self._pending[0]:
+                self._pending = item
+            if self._applier is None:
+                self._applier = threading.Thread(
+                    target=self._apply_deferred, name=f"raysync-apply-{self.spec.model_id}", daemon=True
+                )
+                self._applier.start()
+
+    def _apply_deferred(self) -> None:
+        while True:
+            with self._defer_lock:
+                item, self._pending = self._pending, None
+                if item is None:
+                    self._applier = None
+                    return
+            version, manifest, refs, fetched, needed, t0 = item
+            try:
+                with self.sync.lock.write():
+                    pause = self._commit(version, manifest, refs, fetched)
+                reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+            except Exception as err:
+                reply = self._reply(version, t0, err)
+            del item, fetched
+            self.report(reply)
+
+    async def receive_async(
+        self,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        *,
+        fetch_timeout: float | None = None,
+    ) -> ApplyReport:
+        """Same as :meth:`receive` for async actors: waits without blocking the event loop."""
+        t0 = time.perf_counter()
+        self.sync.loop = asyncio.get_running_loop()
+        if manifest.transport == "nixl":
+            return await asyncio.to_thread(self._receive_nixl, version, manifest, refs, t0)
+        try:
+            needed = self._plan(version, manifest, refs)
+            if needed is None:
+                return self._skipped(version)
+            arrays = await asyncio.wait_for(
+                asyncio.gather(*[refs[b] for b in needed]),
+                self.spec.fetch_timeout if fetch_timeout is None else fetch_timeout,
+            )
+            fetched = self._fetched(manifest, needed, arrays)
+            async with self.sync.async_lock.write():
+                pause = self._commit(version, manifest, refs, fetched)
+            del fetched, arrays
+        except Exception as err:
+            return self._reply(version, t0, err)
+        return self._reply(
+            version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
+        )
+
+    def _receive_nixl(
+        self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], t0: float
+    ) -> ApplyReport:
+        """NIXL: receive into the spare buffer set, then swap it in under the write lock."""
+        try:
+            if self.spec.apply != "copy":
+                raise RaySyncError(
+                    f"{self.sub_id}: apply={self.spec.apply!r} needs the object store; this version came "
+                    "over NIXL (push with transport='object_store' or use apply='copy')"
+                )
+            self.check_binding()
+            if self.spec.verify:
+                require_checksums(manifest)  # NIXL versions carry none: refused, not taken unchecked
+            with self._stage_lock:
+                if self.version is not None and version <= self.version:
+                    return self._skipped(version)
+                bound = self._bound_for(manifest)
+                if bound is None:
+                    validate(manifest, module_schema(self.module()))
+                    with self._write_lock(), self._binding_lock:
+                        bound = self.bound = BoundModel(self.module(), manifest)
+                ids = _ids(refs)
+                nbytes = receive_into(
+                    bound, refs, ids, timeout=self.spec.fetch_timeout, extra_state=manifest.extra_state
+                )
+                with self._write_lock(), self._binding_lock:
+                    t1 = time.perf_counter()
+                    if self.bound is bound and (self.version is None or version > self.version):
+                        bound.swap()  # re-points every parameter: whole whatever they pointed at
+                        self.version = version
+                    pause = time.perf_counter() - t1
+        except Exception as err:
+            return self._reply(version, t0, err)
+        return self._reply(version, t0, None, pause, 0, nbytes)
+
+    @contextlib.contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """The actor's write lock, from a worker thread of a threaded or an async actor."""
+        if not self.sync.is_async:
+            with self.sync.lock.write():
+                yield
+            return
+        # Async actors: their user methods hold the asyncio lock; take it on the loop.
+        loop = self.sync.loop
+        if loop is None:  # still in __init__: no method has run on the loop yet
+            yield
+            return
+        entered = threading.Event()
+        release = threading.Event()
+
+        async def hold() -> None:
+            async with self.sync.async_lock.write():
+                entered.set()
+                await asyncio.to_thread(release.wait)
+
+        future = asyncio.run_coroutine_threadsafe(hold(), loop)
+        entered.wait()
+        try:
+            yield
+        finally:
+            release.set()
+            future.result()
+
+    # -------------------------------------------------------------- prefetch
+    def start_prefetch(self) -> None:
+        self._prefetching = True
+        thread = threading.Thread(target=self._prefetch_loop, name=f"raysync-prefetch-{self.spec.model_id}")
+        thread.daemon = True
+        thread.start()
+
+    def _prefetch_loop(self) -> None:
+        """Background: wait for a newer version, copy its changed buckets into the spare buffers."""
+        known = self.version or 0
+        while True:
+            try:
+                info = membership().call(self, proto.WAIT_NEWER, self.spec.model_id, known, 30.0, timeout=90)
+            except UnknownModelError:  # a restarted hub that kept nothing yet
+                time.sleep(1.0)
+                continue
+            except Exception as err:  # hub restarting or unreachable: try again shortly
+                logger.debug(
+                    "%s prefetch of %r after version %d: %s", self.sub_id, self.spec.model_id, known, err
+                )
+                time.sleep(1.0)
+                continue
+            if info is None:
+                continue
+            version, manifest, refs = info.version, info.manifest, list(info.refs)
+            known = max(known, version)
+            if manifest.transport != "object_store":
+                continue  # NIXL versions are received straight into the spare set anyway
+            try:
+                with self._stage_lock:
+                    bound = self._bound_for(manifest)
+                    if bound is None or (self.version is not None and version <= self.version):
+                        continue  # first version or a new layout: the normal path binds it
+                    ids = _ids(refs)
+                    needed = bound.needed(ids, staging=True)
+                    fetched = self._fetch(manifest, refs, needed)
+                    bound.stage(fetched, ids, extra_state=manifest.extra_state)
+                    self._staged = (version, ids, sum(manifest.bucket_nbytes[b] for b in needed))
+                    del fetched
+                    if self.spec.mode == "push":
+                        # The write lock is granted between method calls: that is the safe point.
+                        reply = self._swap_staged()
+                        if reply is not None:
+                            self.report(reply)
+            except Exception as err:
+                logger.warning(
+                    "%s could not prefetch %r version %d: %s", self.sub_id, self.spec.model_id, version, err
+                )
+
+    def _swap_staged(self) -> ApplyReport | None:
+        """Make the staged version current by re-pointing (no copy). Caller holds the stage lock."""
+        staged, bound = self._staged, self.bound
+        if staged is None or bound is None or (self.version is not None and staged[0] <= self.version):
+            return None
+        with self._write_lock(), self._binding_lock:
+            if self.bound is not bound or not bound.intact():
+                self._staged = None  # re-pointed by user code: the normal path binds afresh
+                return None
+            t0 = time.perf_counter()
+            bound.swap()
+            self.version = staged[0]
+            pause = time.perf_counter() - t0
+        self._staged = None
+        return ApplyReport(
+            applied=self.version, apply_s=pause, pause_s=pause, prefetched=True, bytes_fetched=staged[2]
+        )
+
+    def swap_if_staged(self, version: int) -> ApplyReport | None:
+        """Before fetching ``version`` the slow way: take it from the prefetcher if it has it.
+
+        Returns a reply if this subscriber now holds ``version`` (or newer), else None.
+        """
+        # Inside a user method (raysync_sync) the prefetcher may be waiting for our read to
+        # end: never block on it from there.
+        if not self._stage_lock.acquire(blocking=not self.sync.lock.held()):
+            return None
+        try:
+            reply = self._swap_staged()
+        finally:
+            self._stage_lock.release()
+        if self.version is not None and self.version >= version:
+            return reply or self._skipped(version)
+        return None
+
+    # -------------------------------------------------------------- pull mode
+    def _newer(self, timeout: float | None) -> Announcement | None:
+        bound = _HUB_QUERY_S if timeout is None else timeout
+        try:
+            info: Announcement | None = membership().call(
+                self, proto.GET, self.spec.model_id, None, self.version or 0, timeout=bound
+            )
+        except GetTimeoutError:
+            raise self._hub_timeout(timeout) from None
+        except UnknownModelError:
+            return None  # nothing pushed yet (or kept since a hub restart)
+        return info
+
+    def _hub_timeout(self, timeout: float | None) -> SyncTimeoutError:
+        why = (
+            f"the hub did not answer within {_HUB_QUERY_S:.0f} s (restarting?)"
+            if timeout is None
+            else f"raysync_sync(timeout={timeout}) ran out asking the hub"
+        )
+        return SyncTimeoutError(
+            f"{self.sub_id}: {why} for the newest version of {self.spec.model_id!r}; it keeps version "
+            f"{self.version}"
+        )
+
+    def _synced(self, version: int, reply: ApplyReport) -> bool:
+        """Report a raysync_sync apply to the hub; raise if it failed; whether it applied a newer one."""
+        self.report(reply)
+        if reply.error is not None:
+            error = SyncTimeoutError if reply.timed_out else RaySyncError
+            raise error(f"raysync_sync could not apply version {version}: {reply.error_text()}")
+        return reply.skipped is None and reply.deferred is None
+
+    def sync_newest(self, timeout: float | None) -> bool:
+        if self._info is None:
+            return False
+        deadline = _deadline(timeout)
+        info = self._newer(timeout)
+        if info is None:
+            return False
+        reply = self.receive(info.version, info.manifest, list(info.refs), fetch_timeout=_left(deadline))
+        return self._synced(info.version, reply)
+
+    async def sync_newest_async(self, timeout: float | None) -> bool:
+        if self._info is None:
+            return False
+        deadline = _deadline(timeout)
+        try:
+            info = await call_hub_async(
+                membership().hub(self).handle,
+                proto.GET,
+                self.spec.model_id,
+                None,
+                self.version or 0,
+                timeout=_HUB_QUERY_S if timeout is None else timeout,
+            )
+        except asyncio.TimeoutError:
+            raise self._hub_timeout(timeout) from None
+        except UnknownModelError:
+            return False
+        if info is None:
+            return False
+        reply = await self.receive_async(
+            info.version, info.manifest, list(info.refs), fetch_timeout=_left(deadline)
+        )
+        return self._synced(info.version, reply)
+
+    def sync_newest_on_loop(self, timeout: float | None) -> bool:
+        """``raysync_sync`` from a plain method of an async actor (on its event loop, or a thread)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a thread of the actor: the apply takes the write lock through the loop
+            return self.sync_newest(timeout)
+        if self._info is None:
+            return False
+        self.sync.loop = loop
+        deadline = _deadline(timeout)
+        info = self._newer(timeout)
+        if info is None:
+            return False
+        version, manifest, refs = info.version, info.manifest, list(info.refs)
+        t0 = time.perf_counter()
+        try:
+            if manifest.transport != "object_store":
+                raise RaySyncError(
+                    "a NIXL version cannot be applied from a plain method of an async actor: call "
+                    "`await self.raysync_sync()` from an async method"
+                )
+            needed = self._plan(version, manifest, refs)
+            if needed is None:
+                return self._synced(version, self._skipped(version))
+            fetched = self._fetch(manifest, refs, needed, _left(deadline))
+            lock = self.sync.async_lock
+            if not lock.try_write():
+                # Async methods are suspended mid-call: the apply waits for them on the loop.
+                self._deferred = loop.create_task(
+                    self._commit_when_free(version, manifest, refs, fetched, needed, t0)
+                )
+                return False
+            try:
+                pause = self._commit(version, manifest, refs, fetched)
+            finally:
+                lock.release_write()
+            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        except RaySyncError:
+            raise
+        except Exception as err:
+            reply = self._reply(version, t0, err)
+        return self._synced(version, reply)
+
+    async def _commit_when_free(
+        self,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        fetched: dict[int, Any],
+        needed: list[int],
+        t0: float,
+    ) -> None:
+        try:
+            async with self.sync.async_lock.write():
+                pause = self._commit(version, manifest, refs, fetched)
+            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        except Exception as err:
+            reply = self._reply(version, t0, err)
+        self.report(reply)
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error itself if it pickles across Ray (raysync's do), else an ApplyError that says what it was."""
+    if isinstance(error, RaySyncError):
+        return error
+    return ApplyError(f"{type(error).__name__}: {str(error)[:1000]}")
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _nbytes(manifest: Manifest, buckets: list[int]) -> int:
+    return sum(manifest.bucket_nbytes[b] for b in buckets)

@@ -1,0 +1,203 @@
+"""``WeightReceiver``: takes a version from its transport and applies it whole, or refuses it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from raysync.core.extract import extract_tensors
+from raysync.core.layout import Manifest
+from raysync.errors import (
+    RaySyncError,
+    UnknownModelError,
+)
+from raysync.torchrl.strategy import _Target, _target_for, resolve_model
+
+if TYPE_CHECKING:
+    from raysync.torchrl.base import WeightSyncScheme
+    pass
+
+__all__ = ["WeightReceiver", "receiver_for"]
+
+logger = logging.getLogger(__name__)
+
+
+_RECEIVERS: dict[str, WeightReceiver] = {}
+
+
+_RECEIVERS_LOCK = threading.Lock()
+
+
+def receiver_for(model_id: str, instance: Any = None, path: str | None = None) -> WeightReceiver:
+    """The receiver of ``model_id`` registered in this process, else one for ``path`` on ``instance``.
+
+    Used inside Ray actors by :func:`raysync.torchrl.ray_transport.apply_in_actor`.
+
+    Raises:
+        UnknownModelError: no receiver is registered and the path does not resolve.
+    """
+    with _RECEIVERS_LOCK:
+        found = _RECEIVERS.get(model_id)
+    if found is not None and path is None:
+        return found
+    if instance is None:
+        raise UnknownModelError(
+            f"unknown model_id {model_id!r}: this process registered receivers for {sorted(_RECEIVERS)}"
+        )
+    cache = instance.__dict__.setdefault("_raysync_scheme_receivers", {})
+    key = (model_id, path)
+    if key not in cache:
+        model = resolve_model(instance, path or model_id)
+        from raysync.torchrl.schemes import NoWeightSyncScheme  # a scheme is built on receivers
+
+        receiver = WeightReceiver(NoWeightSyncScheme())
+        receiver._model_id = model_id
+        receiver._register_model(model)
+        cache[key] = receiver
+    receiver_found: WeightReceiver = cache[key]
+    return receiver_found
+
+
+class WeightReceiver:
+    """Receives and applies the weights of ONE model in ONE worker.
+
+    Made by a scheme's ``init_on_receiver`` / ``init_on_worker``. A version is
+    validated against the model first and applied whole or not at all; a
+    refused version is acked as an error (the sender raises
+    :class:`raysync.ApplyError`) and the model keeps its previous weights.
+    Versions addressed to another model registered in this process go to that
+    model's receiver; an unknown ``model_id`` is refused with a clear error.
+
+    Example:
+        >>> receiver = scheme.get_receiver()
+        >>> while running:
+        ...     receiver.receive(timeout=0.01)   # applies a version if one arrived
+    """
+
+    def __init__(self, scheme: WeightSyncScheme) -> None:
+        self._scheme = scheme
+        self._transport: Any = None
+        self._model_ref: Any = None
+        self._context_ref: Any = None
+        self._model_id = "policy"
+        self._target: _Target | None = None
+        self.last_error: BaseException | None = None
+        self.version_count = 0
+
+    @property
+    def transport(self) -> Any:
+        """This worker's transport (or ``None`` where the sender calls in, e.g. Ray)."""
+        return self._transport
+
+    @property
+    def model_id(self) -> str:
+        """The model this receiver updates."""
+        return self._model_id
+
+    def _register_model(self, model_ref: Any) -> None:
+        self._model_ref = model_ref
+        self._target = None
+
+    def _register_worker_transport(self, pipe_or_transport: Any) -> None:
+        if hasattr(pipe_or_transport, "receive_weights"):
+            self._transport = pipe_or_transport
+        else:
+            self._transport = self._scheme.create_transport(pipe_or_transport)
+
+    @property
+    def model(self) -> Any:
+        """The model versions are applied to (resolved from the context on first use)."""
+        if isinstance(self._model_ref, str):
+            context = self._context_ref() if self._context_ref is not None else None
+            if context is None:
+                raise UnknownModelError(
+                    f"cannot find model {self._model_ref!r}: no model= was given and the context is gone"
+                )
+            return resolve_model(context, self._model_ref)
+        if self._model_ref is None:
+            raise UnknownModelError(f"no model registered for {self._model_id!r}: pass model=")
+        return self._model_ref
+
+    def _get_target(self) -> _Target:
+        model = self.model
+        if self._target is None or self._target.ref is not model:
+            self._target = _target_for(model)
+        return self._target
+
+    def _route(self, model_id: str) -> WeightReceiver:
+        if model_id == self._model_id:
+            return self
+        with _RECEIVERS_LOCK:
+            other = _RECEIVERS.get(model_id)
+        if other is None:
+            raise UnknownModelError(
+                f"unknown model_id {model_id!r}: this worker has receivers for "
+                f"{sorted(set(_RECEIVERS) | {self._model_id})}"
+            )
+        return other
+
+    def receive(self, timeout: float | None = 0.001) -> bool:
+        """Apply a version if one arrives within ``timeout`` seconds.
+
+        Returns:
+            True if a version was applied; False if none came, or if it was
+            refused (then ``last_error`` says why and the sender got an error ack).
+        """
+        if self._transport is None:
+            return False
+        if hasattr(self._transport, "receive_snapshot"):
+            # Whole versions in flat buckets: point into them (kept) or copy out of them once.
+            snapshot = self._transport.receive_snapshot(timeout=timeout)
+            if snapshot is None:
+                return False
+            model_id, manifest, flat = snapshot
+            if getattr(self._transport, "keeps_snapshot", False):
+                return self._finish(lambda: self._route(model_id)._get_target().adopt(manifest, flat))
+            return self._finish(lambda: self._route(model_id)._get_target().copy_from(manifest, flat))
+        result = self._transport.receive_weights(timeout=timeout)
+        if result is None:
+            return False
+        model_id, tensors = result
+        return self._finish(lambda: self._route(model_id)._get_target().apply(tensors))
+
+    def _finish(self, apply: Any) -> bool:
+        try:
+            apply()
+        except (RaySyncError, ValueError, TypeError, KeyError, RuntimeError) as err:
+            self.last_error = err
+            logger.warning("refused a version of %r: %s", self._model_id, err)
+            self._transport.send_ack(f"error: {type(err).__name__}: {err}")
+            return False
+        self.last_error = None
+        self.version_count += 1
+        self._transport.send_ack("updated")
+        return True
+
+    def apply_weights(self, weights: Any) -> None:
+        """Apply ``weights`` (module, TensorDict, state dict) to the model, whole or not at all.
+
+        Raises:
+            WeightMismatchError: they do not fit the model (nothing changed).
+        """
+        self._get_target().apply(extract_tensors(weights))
+        self.version_count += 1
+
+    def apply_packed(
+        self,
+        model_id: str,
+        manifest: Manifest,
+        buckets: Sequence[Sequence[np.ndarray]],
+        *,
+        ids: Sequence[str | None] | None = None,
+    ) -> None:
+        """Apply a packed version (object-store buckets) whole; used inside Ray actors."""
+        receiver = self._route(model_id)
+        receiver._get_target().apply_packed(manifest, buckets, ids)
+        receiver.version_count += 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a WeightReceiver holds a live transport and model: pickle its scheme instead")

@@ -1,0 +1,116 @@
+"""One writer per model, and a hub that restarts without anyone stepping in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import raysync
+from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests.integration.test_synced import make_collector
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    """A second trainer process."""
+
+    def __init__(self, hub_name: str, takeover: bool) -> None:
+        self.hub = raysync.connect(hub_name, takeover=takeover)
+
+    def push(self, seed: int) -> Any:
+        try:
+            return self.hub.push(small_policy(seed))
+        except raysync.StaleWriterError as err:
+            return f"refused: {err}"
+
+
+def test_one_writer_per_model_until_takeover_or_death(hub: raysync.HubClient, hub_name: str) -> None:
+    assert hub.push(small_policy(1)) == 1  # this driver now holds the lease
+    assert raysync.connect(hub_name).push(small_policy(2)) == 2  # same process, same lease
+    intruder = Trainer.remote(hub_name, False)
+    refused = ray.get(intruder.push.remote(3))
+    assert refused.startswith("refused: model 'policy' is written by driver of job")
+    assert "takeover=True" in refused
+    assert hub.latest() == 2  # nothing interleaved
+    assert hub.push(small_policy(4), "other") == 1  # other models are free
+
+    new_trainer = Trainer.remote(hub_name, True)
+    assert ray.get(new_trainer.push.remote(5)) == 3  # explicit takeover
+    with pytest.raises(raysync.StaleWriterError, match=r"written by actor .*takeover=True"):
+        hub.push(small_policy(6))  # the old writer is now refused
+    with pytest.raises(PermissionError):
+        hub.push(small_policy(6))
+    assert ray.get(new_trainer.push.remote(7)) == 4
+    assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(7).state_dict())
+
+    ray.kill(new_trainer)  # a writer that dies gives up its lease
+    wait_for_condition(lambda: _pushes(hub, 8), timeout=30, what="lease released by the dead writer")
+    assert hub.status()["models"]["policy"]["writer"]["actor_id"] is None  # back to this driver
+
+
+def _pushes(hub: raysync.HubClient, seed: int) -> bool:
+    try:
+        hub.push(small_policy(seed))
+    except raysync.StaleWriterError:
+        return False
+    return True
+
+
+def test_hub_restart_resumes_sync_without_a_manual_step(hub: raysync.HubClient, hub_name: str) -> None:
+    collectors = [make_collector(hub_name).remote() for _ in range(2)]
+    ray.get([c.raysync_version.remote() for c in collectors])
+    for seed in range(3):
+        v = hub.push(small_policy(seed), wait=True, timeout=60)
+    assert v == 3
+    old_pid = ray.get(hub.actor.configure.remote(2))["pid"]
+    ray.kill(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
+
+    # The client retries through the restart; version numbers continue, never repeat.
+    v4 = hub.push(small_policy(10))
+    assert v4 == 4
+
+    def hub_pid() -> int | None:
+        try:
+            pid: int = ray.get(hub.actor.configure.remote(2))["pid"]
+            return pid
+        except ray.exceptions.ActorUnavailableError:
+            return None  # Ray may report the restart to this handle once more: ask again
+
+    assert wait_for_condition(hub_pid, timeout=30, what="the restarted hub answering") != old_pid
+    status = hub.status()
+    assert status["restored_models"] == ["policy"]
+    # Subscribers notice (heartbeat), register again with the version they hold...
+    wait_for_condition(lambda: len(hub.status()["subscribers"]) == 2, timeout=30, what="re-registered")
+    # ...and the next pushes reach them as before.
+    v5 = hub.push(small_policy(11), wait=True, timeout=60)
+    for c in collectors:
+        assert ray.get(c.raysync_version.remote()) == v5
+        assert_same_weights(ray.get(c.weights.remote()), small_policy(11).state_dict())
+
+
+def test_check_finite_refuses_nan_and_inf(hub: raysync.HubClient) -> None:
+    weights = {
+        "ok": torch.ones(3),
+        "bad": torch.tensor([1.0, float("nan")]),
+        "worse": torch.tensor([float("inf")]),
+    }
+    with pytest.raises(raysync.InvalidWeightsError, match=r"NaN or Inf in \['bad', 'worse'\]"):
+        hub.push(weights, check_finite=True)
+    assert hub.latest() is None
+    assert hub.push(weights) == 1  # without the check it is the caller's business
+
+
+def test_version_larger_than_the_object_store_is_refused_before_any_copy(hub: raysync.HubClient) -> None:
+    capacity = next(
+        n["Resources"]["object_store_memory"]
+        for n in ray.nodes()
+        if n["NodeID"] == ray.get_runtime_context().get_node_id()
+    )
+    # A tensor whose storage is never touched: the check happens before any byte is copied.
+    huge = {"w": torch.empty(int(capacity) // 4 + 1024, dtype=torch.float32)}
+    with pytest.raises(raysync.InvalidWeightsError, match=r"GiB, more than this node's object store"):
+        hub.push(huge)
+    assert hub.latest() is None

@@ -1,0 +1,88 @@
+"""The NIXL transport (Ray's tensor transport) on CPU tensors: the same behaviour as the object store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import raysync
+from tests.conftest import assert_same_weights, small_policy
+from tests.integration import test_synced
+from tests.integration.test_synced import make_collector
+
+
+@pytest.fixture
+def nixl_hub(hub_name: str) -> Iterator[raysync.HubClient]:
+    client = raysync.connect(hub_name, transport="nixl")
+    yield client
+    ray.kill(client.actor)
+
+
+SAME_AS_OBJECT_STORE: list[Callable[..., Any]] = [
+    test_synced.test_subscribers_end_bit_equal_for_float32_bfloat16_int64,
+    test_synced.test_late_subscriber_starts_from_newest_version,
+    test_synced.test_mismatched_push_is_refused_and_everyone_keeps_weights,
+    test_synced.test_killed_subscriber_does_not_fail_pushes,
+    test_synced.test_wait_names_the_laggard_and_applies_stay_in_order,
+]
+
+
+@pytest.mark.parametrize("case", SAME_AS_OBJECT_STORE, ids=lambda f: f.__name__.removeprefix("test_"))
+def test_same_behaviour_as_the_object_store(
+    case: Callable[..., Any], nixl_hub: raysync.HubClient, hub_name: str
+) -> None:
+    case(nixl_hub, hub_name)
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["threaded", "async"])
+def test_no_torn_reads_over_nixl(nixl_hub: raysync.HubClient, hub_name: str, is_async: bool) -> None:
+    test_synced.check_no_torn_reads(nixl_hub, hub_name, is_async, batches=8)
+
+
+def test_nixl_versions_skip_the_object_store(nixl_hub: raysync.HubClient, hub_name: str) -> None:
+    collector = make_collector(hub_name).remote()
+    ray.get(collector.raysync_version.remote())
+    model = small_policy(3)
+    for _ in range(6):  # more versions than snapshot buffer sets: buffers are recycled safely
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        v = nixl_hub.push(model, wait=True, timeout=60)
+        assert_same_weights(ray.get(collector.weights.remote()), model.state_dict())
+    assert v == 6
+    assert nixl_hub.last_push["transport"] == "nixl" and nixl_hub.last_push["bytes_put"] == 0
+    row = nixl_hub.status()["subscribers"][0]
+    assert row["last_bytes_fetched"] > 0 and row["last_error"] is None
+    with pytest.raises(ValueError, match="whole versions"):
+        nixl_hub.push(model, delta=True)
+
+
+def test_view_subscribers_refuse_nixl_versions_clearly(nixl_hub: raysync.HubClient, hub_name: str) -> None:
+    viewer = make_collector(hub_name, apply="view").remote()
+    ray.get(viewer.raysync_version.remote())
+    v = nixl_hub.push(small_policy(1))
+    with pytest.raises(raysync.ApplyError, match="needs the object store"):
+        nixl_hub.wait(v, timeout=30)
+    assert ray.get(viewer.raysync_version.remote()) is None
+
+
+def test_case6_verifying_subscribers_refuse_nixl_versions(nixl_hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 6: NIXL versions carry no checksums, so a verify=True subscriber refuses them clearly."""
+    careful = make_collector(hub_name, verify=True).remote()
+    trusting = make_collector(hub_name).remote()
+    ray.get([careful.raysync_version.remote(), trusting.raysync_version.remote()])
+    src = small_policy(4)
+    v = nixl_hub.push(src)
+    with pytest.raises(raysync.ApplyError, match=r"1 subscriber\(s\).*came over NIXL.*checksum=True"):
+        nixl_hub.wait(v, timeout=30)
+    assert ray.get(careful.raysync_version.remote()) is None
+    assert_same_weights(ray.get(trusting.weights.remote()), src.state_dict())
+
+
+def test_case13_extra_state_travels_over_nixl(nixl_hub: raysync.HubClient, hub_name: str) -> None:
+    """Case 13a: a NIXL version carries the module's extra state too; the swap sets it."""
+    test_synced.check_extra_state_travels(nixl_hub, [test_synced._counted_subscriber(hub_name)])

@@ -1,0 +1,322 @@
+"""The raysync command: `status` against a hub in the session cluster, `bench` with a stand-in script."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+import raysync
+from raysync import cli
+from tests.conftest import small_policy, wait_for_condition
+
+
+def _follower(hub_name: str, mode: str) -> Any:
+    @ray.remote(num_cpus=0)
+    @raysync.synced_model("policy", hub=hub_name, mode=mode)  # type: ignore[arg-type]
+    class Follower:
+        def __init__(self) -> None:
+            self.policy = small_policy()
+
+    return Follower.remote()
+
+
+def test_status_shows_models_versions_subscribers_and_lag(
+    hub: raysync.HubClient, hub_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    eager, lazy = _follower(hub_name, "push"), _follower(hub_name, "pull")
+    wait_for_condition(lambda: len(hub.status()["subscribers"]) == 2, what="both followers registered")
+    for seed in range(3):
+        hub.push(small_policy(seed))
+    wait_for_condition(
+        lambda: any(s["applied"] == 3 for s in hub.status()["subscribers"]), what="eager follower on v3"
+    )
+
+    assert cli.main(["status", "--name", hub_name, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["hub"] == hub_name
+    assert status["models"]["policy"]["latest"] == 3
+    assert status["models"]["policy"]["versions_kept"] == [2, 3]
+    rows = {s["mode"]: s for s in status["subscribers"]}
+    assert (rows["push"]["applied"], rows["push"]["lag"]) == (3, 0)
+    assert (rows["pull"]["applied"], rows["pull"]["lag"]) == (None, 3)  # pull mode waits to be asked
+
+    assert cli.main(["status", "--name", hub_name]) == 0
+    table = capsys.readouterr().out
+    assert f"hub '{hub_name}'" in table
+    for header in ("model", "latest", "kept", "subscriber", "applied", "lag", "state", "last error"):
+        assert header in table
+    policy_row = next(
+        line for line in table.splitlines() if line.strip("│ ").startswith("policy") and "2,3" in line
+    )
+    assert " 3 " in policy_row  # latest version
+    for sub in status["subscribers"]:
+        line = next(line for line in table.splitlines() if sub["subscriber"] in line)
+        cells = [c.strip() for c in line.split("│")]
+        assert cells[cells.index(sub["mode"] + "/copy") + 2] == str(sub["lag"])
+    ray.kill(eager)
+    ray.kill(lazy)
+
+
+def test_status_names_the_missing_hub_and_namespace(
+    ray_start_regular: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["status", "--name", "no-such-hub", "--namespace", "elsewhere"]) == 1
+    err = capsys.readouterr().err
+    assert "no raysync hub named 'no-such-hub' in namespace 'elsewhere'" in err
+
+
+@pytest.fixture
+def not_ray() -> Iterator[str]:
+    """The address of a TCP server that accepts connections and never answers: no Ray GCS."""
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))  # every interface: Ray dials this machine's IP, not 127.0.0.1
+    server.listen(16)
+    server.settimeout(0.2)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed again when the block ends
+
+
+def _raysync(*args: str, limit: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the raysync command as a user would; return its result and how long it took."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "raysync", *args], capture_output=True, text=True, timeout=limit + 60
+    )
+    return done, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def allowed_s() -> Callable[[float], float]:
+    """How long ``raysync status --timeout T`` may take: T + 5 s.
+
+    Starting Python and importing raysync (torch, Ray) is not the command's to bound; where that
+    alone takes over 3 s (a loaded 2-core machine), the surplus is allowed on top.
+    """
+    done, startup = _raysync("--help", limit=60)
+    assert done.returncode == 0, done.stderr
+    return lambda timeout: timeout + 5 + max(0.0, startup - 3)
+
+
+def test_status_without_a_cluster_says_so(
+    not_ray: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_cluster(**_: Any) -> None:
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    assert cli.main(["status", "--address", not_ray]) == 1
+    err = capsys.readouterr().err
+    assert f"no Ray cluster at {not_ray!r}" in err and "ray start --head" in err
+    assert "Could not find any running Ray instance" in err
+
+
+def test_case10_status_unreachable_address_honours_timeout(allowed_s: Callable[[float], float]) -> None:
+    """A closed port: exit 1 at once with one message naming the address and what to check."""
+    address = f"127.0.0.1:{_closed_port()}"
+    done, elapsed = _raysync("status", "--address", address, "--timeout", "5", limit=5)
+    assert done.returncode == 1, done.stderr
+    assert elapsed < allowed_s(5), f"took {elapsed:.1f} s"
+    (message,) = done.stderr.strip().splitlines()
+    assert f"no Ray cluster at {address!r}" in message and "cannot open a TCP connection" in message
+    for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
+        assert hint in message
+    assert done.stdout == ""
+
+
+def test_case10_status_address_that_is_not_ray_honours_timeout(
+    not_ray: str, allowed_s: Callable[[float], float]
+) -> None:
+    """A port that accepts TCP but is no GCS: ray.init would retry for minutes; --timeout ends it."""
+    done, elapsed = _raysync("status", "--address", not_ray, "--timeout", "3", limit=3)
+    assert done.returncode == 1, done.stderr
+    assert elapsed < allowed_s(3), f"took {elapsed:.1f} s"
+    (message,) = done.stderr.strip().splitlines()  # none of Ray's per-attempt GCS warnings
+    assert (
+        f"no Ray cluster at {not_ray!r}" in message
+        and "accepts connections, but no Ray GCS answered within --timeout 3 s" in message
+    )
+    for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
+        assert hint in message
+    assert done.stdout == ""
+
+
+def test_case10_status_address_that_does_not_answer_honours_timeout(
+    allowed_s: Callable[[float], float],
+) -> None:
+    """A non-routable address: SYNs go unanswered (or, behind some proxies, TCP opens and no GCS answers)."""
+    address = "10.255.255.1:6379"
+    done, elapsed = _raysync("status", "--address", address, "--timeout", "3", limit=3)
+    assert done.returncode == 1, done.stderr
+    assert elapsed < allowed_s(3), f"took {elapsed:.1f} s"
+    (message,) = done.stderr.strip().splitlines()
+    assert f"no Ray cluster at {address!r}" in message
+    for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
+        assert hint in message
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "soon"])
+def test_case10_status_rejects_a_timeout_that_is_not_a_positive_number(
+    timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["status", "--timeout", timeout])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout" in err and repr(timeout) in err and "seconds" in err
+
+
+def test_status_table_shows_last_errors_and_unhealthy_states() -> None:
+    status = {
+        "hub": "h",
+        "keep": 2,
+        "uptime_s": 75.0,
+        "restored_models": [],
+        "models": {
+            "policy": {
+                "latest": 7,
+                "versions_kept": [6, 7],
+                "bytes_per_version": 3 * 2**20,
+                "buckets": 1,
+                "pushes": 7,
+                "bytes_pushed": 21 * 2**20,
+                "last_push_age_s": 2.0,
+                "writer": {"actor_id": None, "job_id": "01000000", "pid": 42, "host": "node-a"},
+            }
+        },
+        "subscribers": [
+            {
+                "subscriber": "Collector-1/policy",
+                "model_id": "policy",
+                "class_name": "Collector",
+                "node_id": "abcdef0123",
+                "mode": "push",
+                "apply": "copy",
+                "applied": 5,
+                "lag": 2,
+                "state": "unreachable",
+                "last_apply_s": 0.0031,
+                "last_apply_time": None,
+                "last_error": "WeightMismatchError: 'fc.weight' has shape (4, 8), expected (4, 16)",
+            }
+        ],
+    }
+    out = io.StringIO()
+    cli.render_status(status, file=out)
+    text = out.getvalue()
+    assert "unreachable" in text and "3.1 ms" in text and "3.00 MiB" in text and "21.00 MiB" in text
+    assert "last errors" in text
+    assert (
+        "Collector-1/policy (policy): WeightMismatchError: 'fc.weight' has shape (4, 8), expected (4, 16)"
+        in text
+    )
+
+
+def _fake_rows() -> list[dict[str, Any]]:
+    rows = []
+    for size in (16, 64):
+        for apply, factor in (("copy", 1.2), ("view", 0.6)):
+            for n in (1, 2, 4):
+                floor = 0.002 * size / 16 * (1 + n / 2)
+                rows.append(
+                    {
+                        "size_mib": size,
+                        "apply": apply,
+                        "n": n,
+                        "floor_s": floor,
+                        "push_to_all_applied_s": floor * factor,
+                    }
+                )
+    return rows
+
+
+def test_plot_fanout_writes_a_png(tmp_path: Path) -> None:
+    path = cli.plot_fanout(_fake_rows(), tmp_path / "plots" / "fanout.png", title="fake")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_bench_runs_the_script_with_progress_table_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`raysync bench` drives whatever benchmark script it is given the way it drives push_fanout.py."""
+    script = tmp_path / "fake_fanout.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import argparse, json, logging
+            from pathlib import Path
+            logger = logging.getLogger("push_fanout")
+            ROWS = {_fake_rows()!r}
+
+            def parse_args(argv):
+                p = argparse.ArgumentParser()
+                p.add_argument("--quick", action="store_true")
+                p.add_argument("--json", type=Path, default=Path({str(tmp_path / "r.json")!r}))
+                a = p.parse_args(argv)
+                a.sizes_mib, a.actors = ([16], [1, 2]) if a.quick else ([16, 64], [1, 2, 4])
+                a.apply = ["copy", "view"]
+                return a
+
+            def main(argv):
+                a = parse_args(argv)
+                rows = [r for r in ROWS if r["size_mib"] in a.sizes_mib and r["n"] in a.actors]
+                for size in a.sizes_mib:
+                    for n in a.actors:
+                        logger.info("%d MiB, N=%d: floor", size, n)
+                        for apply in a.apply:
+                            logger.info("%d MiB, N=%d, apply=%s: raysync", size, n, apply)
+                print("size apply N | applied_s floor_s")
+                a.json.write_text(json.dumps({{"meta": {{"cpus": 2}}, "rows": rows}}))
+                return 0
+            """
+        )
+    )
+    plot = tmp_path / "quick.png"
+    assert cli.main(["bench", "--quick", "--script", str(script), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "size apply N | applied_s floor_s" in out and f"plot: {plot}" in out
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["bench", "--script", str(tmp_path / "missing.py")]) == 1
+    assert "benchmark script not found" in capsys.readouterr().err
+
+
+def test_installed_as_the_raysync_console_script() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "raysync"]
+    assert script.load() is cli.main

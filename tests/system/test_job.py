@@ -1,0 +1,274 @@
+"""End to end on a real head: `ray start --head`, `ray job submit` the quick start, then read what it left.
+
+One head for the module (its own ports, temp dir and process group, so the session
+cluster and anyone else's Ray on the machine are untouched): the quick start runs as
+a job with token authentication, and the tests read its logs, the metrics the head
+exports for Prometheus, and `raysync status` from another process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for_condition
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, COLLECTORS = 20, 2
+# `python -m ray.scripts.scripts` is the `ray` command, run by this interpreter (a copied
+# virtualenv's `ray` script may point at another one).
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+@dataclass
+class Head:
+    gcs_address: str
+    dashboard_url: str
+    metrics_url: str
+    env: dict[str, str]  # what a client needs: this venv first on PATH, token authentication
+
+
+@dataclass
+class Job:
+    head: Head
+    submission_id: str
+    status: str
+    logs: str
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).read()
+        return True
+    except urllib.error.HTTPError:
+        return True  # up (the dashboard may want a token)
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    """A head of our own: `ray start --head --block` in a new process group, stopped by SIGTERM."""
+    ports = dict(
+        zip(
+            (
+                "port",
+                "dashboard-port",
+                "ray-client-server-port",
+                "metrics-export-port",
+                "dashboard-agent-listen-port",
+                "dashboard-agent-grpc-port",
+                "node-manager-port",
+                "object-manager-port",
+                "runtime-env-agent-port",
+            ),
+            _free_ports(9),
+            strict=True,
+        )
+    )
+    temp_dir = tempfile.mkdtemp(prefix="rsjob-", dir="/tmp")  # short: Ray's socket paths must fit
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    head_env = env | {
+        "RAY_metrics_report_interval_ms": "1000",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once on SIGTERM
+    }
+    cmd = [
+        *RAY,
+        "start",
+        "--head",
+        "--block",
+        *(arg for name, port in ports.items() for arg in (f"--{name}", str(port))),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--num-cpus",
+        "2",
+        "--object-store-memory",
+        str(500 * 2**20),
+        "--temp-dir",
+        temp_dir,
+        "--disable-usage-stats",
+    ]
+    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
+    proc = subprocess.Popen(cmd, env=head_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics_url = f"http://127.0.0.1:{ports['metrics-export-port']}/metrics"
+        dashboard_url = f"http://127.0.0.1:{ports['dashboard-port']}"
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"ray start exited {proc.returncode}: {Path(log.name).read_text()[-3000:]}"
+                )
+            return _answers(metrics_url) and _answers(f"{dashboard_url}/api/version")
+
+        wait_for_condition(up, timeout=180, interval=0.5, what="head, dashboard and its agent up")
+        address_file = Path(temp_dir) / "ray_current_cluster"
+        gcs = address_file.read_text().strip() if address_file.exists() else f"127.0.0.1:{ports['port']}"
+        yield Head(gcs, dashboard_url, metrics_url, env | {"RAY_AUTH_MODE": "token"})
+    finally:
+        # Only what we started: SIGTERM makes `ray start --block` stop its own processes;
+        # then anything left in its process group (ours alone) is killed.
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _ray(head: Head, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RAY, *args], cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def job(head: Head) -> Job:
+    """examples/quickstart.py, submitted as the README says, waited for until it ends."""
+    submission_id = f"raysync-test-{uuid.uuid4().hex[:8]}"
+    submit = [
+        "job",
+        "submit",
+        "--address",
+        head.dashboard_url,
+        "--submission-id",
+        submission_id,
+        "--working-dir",
+        ".",
+        "--",
+        "python",
+        "examples/quickstart.py",
+        "--steps",
+        str(STEPS),
+        "--collectors",
+        str(COLLECTORS),
+    ]
+    done: list[subprocess.CompletedProcess[str]] = []
+
+    def submitted() -> bool:
+        # The job agent may come up a little after the dashboard answers; until then the
+        # submission is refused at once ("No available agent"), and nothing was started.
+        result = _ray(head, *submit, timeout=240)
+        done.append(result)
+        return "No available agent" not in result.stdout + result.stderr
+
+    wait_for_condition(submitted, timeout=60, interval=1.0, what="job accepted")
+    # Without --no-wait, `ray job submit` follows the job until it ends and then prints its
+    # final status; the logs are read again afterwards, as a user would.
+    logs = _ray(head, "job", "logs", "--address", head.dashboard_url, submission_id)
+    assert logs.returncode == 0, logs.stderr[-3000:]
+    return Job(head, submission_id, done[-1].stdout + done[-1].stderr, logs.stdout)
+
+
+def test_quickstart_job_succeeds_and_every_collector_ends_on_the_last_version(job: Job) -> None:
+    # The CLI reports JobStatus.SUCCEEDED as "Job '<id>' succeeded" (FAILED: "... failed").
+    assert f"Job '{job.submission_id}' succeeded" in job.status, job.status[-2000:] + job.logs[-3000:]
+    assert f"trained {STEPS} steps and pushed {STEPS} versions" in job.logs
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+-?[\d.]+\s+-?[\d.]+\s*$", job.logs, re.M)
+    assert len(rows) == COLLECTORS, job.logs[-3000:]
+    for _collector, rollouts, seen, _max_lag, final in rows:
+        assert int(final) == STEPS  # applied versions: every collector ends on the newest
+        assert int(rollouts) >= 1 and int(seen) >= 1
+    assert "all collectors hold the newest version" in job.logs
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {"name{label=value,...}": value}, raysync series only."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "raysync" in sample.name:
+                labels = {
+                    k: v for k, v in sample.labels.items() if k in ("model_id", "state", "transport", "le")
+                }
+                key = sample.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _series(scraped: dict[str, float], name: str, **labels: str) -> float | None:
+    want = [f"{k}={v}" for k, v in labels.items()]
+    hits = [
+        v for key, v in scraped.items() if key.split("{")[0].endswith(name) and all(w in key for w in want)
+    ]
+    return sum(hits) if hits else None
+
+
+def test_metrics_reach_the_heads_prometheus_export(job: Job) -> None:
+    seen: dict[str, float] = {}
+
+    def complete() -> dict[str, float] | None:
+        m = _scrape(job.head.metrics_url)
+        seen.clear()
+        seen.update({k: v for k, v in m.items() if "_bucket" not in k})
+        published = _series(m, "raysync_pushes_total", model_id="policy")
+        latest = _series(m, "raysync_latest_version", model_id="policy")
+        return m if published == STEPS and latest == STEPS else None
+
+    try:
+        m = wait_for_condition(
+            complete, timeout=60, interval=1.0, what="raysync series in the metrics export"
+        )
+    except AssertionError as err:
+        raise AssertionError(f"{err}; raysync series seen: {seen}") from None
+    # Pushes are timed in the trainer (the job's driver): a driver that exits right after its
+    # last push may not get to export that last report interval.
+    timed = _series(m, "raysync_push_duration_seconds_count", model_id="policy", transport="object_store")
+    assert timed is not None and 1 <= timed <= STEPS
+    assert (_series(m, "raysync_push_duration_seconds_sum", model_id="policy") or 0) > 0
+    assert (_series(m, "raysync_push_bytes_total", model_id="policy") or 0) > 0
+    assert (_series(m, "raysync_apply_duration_seconds_count", model_id="policy") or 0) >= COLLECTORS
+    assert (_series(m, "raysync_subscribers", model_id="policy", state="live") or 0) >= 1
+    assert _series(m, "raysync_subscriber_lag", model_id="policy") is not None
+
+
+def test_status_command_reads_the_jobs_hub_from_another_process(job: Job) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "raysync", "status", "--address", job.head.gcs_address, "--json"],
+        cwd=ROOT,
+        env=job.head.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    status = json.loads(result.stdout)
+    assert status["hub"] == "raysync"  # the default hub, found in raysync's namespace
+    assert status["models"]["policy"]["latest"] == STEPS
+    assert status["models"]["policy"]["pushes"] == STEPS

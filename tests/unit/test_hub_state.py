@@ -1,0 +1,181 @@
+"""The hub's rules as plain Python: versions, keep, leases, subscribers, waits (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysync._protocol import ApplyReport, Registration, SubscriberInfo
+from raysync.core.layout import plan_layout
+from raysync.errors import ApplyError, UnknownModelError, WeightMismatchError
+from raysync.hub.state import HubState, Model, Subscriber, Waiter
+
+MANIFEST = plan_layout({"w": torch.zeros(4), "b": torch.zeros(2)})
+TRAINER = {"writer_id": "job:01", "kind": "driver", "job_id": "01", "pid": 1, "host": "h"}
+
+
+def _state(keep: int = 2) -> HubState:
+    return HubState("hub", keep)
+
+
+def _join(
+    state: HubState, name: str, *, mode: str = "push", applied: int | None = None, schema: object = None
+) -> Subscriber:
+    reg = Registration(
+        f"{name}:policy", "policy", object(), SubscriberInfo(mode=mode, class_name=name), schema, applied
+    )
+    sub, _, _ = state.register(reg)
+    return sub
+
+
+def test_versions_are_stamped_in_order_and_only_keep_are_kept() -> None:
+    state = _state(keep=2)
+    versions = [state.stamp("policy", MANIFEST, [f"ref{i}"], TRAINER).version for i in range(1, 5)]
+    assert versions == [1, 2, 3, 4] and state.latest("policy") == 4
+    assert sorted(state.models["policy"].versions) == [3, 4]
+    assert state.get("policy").version == 4
+    assert state.get("policy", newer_than=4) is None
+    with pytest.raises(UnknownModelError, match="not kept"):
+        state.get("policy", 1)
+    with pytest.raises(UnknownModelError, match="no version of model 'other'"):
+        state.get("other")
+
+
+def test_keep_is_raised_never_lowered() -> None:
+    state = _state(keep=3)
+    for i in range(4):
+        state.stamp("policy", MANIFEST, [i], TRAINER)
+    assert state.raise_keep(2) is False and state.keep == 3
+    assert state.raise_keep(None) is False
+    assert state.raise_keep(5) is True and state.keep == 5
+    assert sorted(state.models["policy"].versions) == [2, 3, 4]
+
+
+def test_one_writer_per_model_until_takeover_or_hand_over() -> None:
+    state = _state()
+    other = {**TRAINER, "writer_id": "actor:x", "kind": "actor", "actor_id": "x"}
+    assert state.writer_to_check("policy", TRAINER, False) is None  # first writer takes the lease
+    assert state.writer_to_check("policy", TRAINER, False) is None  # and keeps it
+    current = state.writer_to_check("policy", other, False)
+    assert current is not None and current["writer_id"] == "job:01"  # liveness decides
+    assert "driver of job 01" in str(state.refuse_writer("policy", current, other))
+    state.hand_over("policy", current, other)  # the driver was gone
+    assert state.models["policy"].writer["writer_id"] == "actor:x"
+    assert state.writer_to_check("policy", TRAINER, True) is None  # takeover
+    assert state.models["policy"].writer["writer_id"] == "job:01"
+
+
+def test_a_new_subscriber_starts_from_the_newest_version() -> None:
+    state = _state()
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    reg = Registration("a:policy", "policy", object(), SubscriberInfo(class_name="A"))
+    sub, replaced, newest = state.register(reg)
+    assert replaced is None and newest is not None and newest.version == 1 and sub.sent == 1
+    _, replaced, newest = state.register(
+        Registration("a:policy", "policy", object(), SubscriberInfo(), applied=1)
+    )
+    assert replaced is sub and newest is None  # re-registration holding the newest: nothing to do
+
+
+def test_reports_move_applied_forward_only_and_record_failures() -> None:
+    state = _state()
+    sub = _join(state, "a")
+    state.record(sub, ApplyReport(applied=2, apply_s=0.5))
+    assert sub.applied == 2 and sub.last_apply_s == 0.5
+    state.record(sub, ApplyReport(applied=1))  # an old report never takes it back
+    assert sub.applied == 2
+    state.record(sub, ApplyReport(applied=2, skipped=1, apply_s=9.0))  # skipped: no timings
+    state.record(sub, ApplyReport(applied=2, deferred=3, apply_s=9.0))  # deferred: not applied yet
+    assert sub.last_apply_s == 0.5 and sub.applied == 2
+    state.record(sub, ApplyReport(applied=2, failed=3, error=ApplyError("boom")))
+    assert sub.failed == 3 and sub.last_error == "ApplyError: boom" and sub.applied == 2
+    state.record(sub, ApplyReport(reset=True, error=ApplyError("re-pointed")))
+    assert sub.applied is None and sub.failed == 0 and "re-pointed" in sub.last_error
+
+
+def test_a_report_of_lost_bytes_stops_offering_that_version() -> None:
+    state = _state()
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    sub = _join(state, "a")
+    state.record(sub, ApplyReport(failed=1, lost=1, error=ApplyError("OwnerDiedError")))
+    assert state.models["policy"].versions == {}
+    with pytest.raises(UnknownModelError):
+        state.get("policy")
+
+
+def test_waits_count_push_subscribers_unless_pull_is_asked_for() -> None:
+    state = _state()
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    pusher, puller, failing = _join(state, "push"), _join(state, "pull", mode="pull"), _join(state, "bad")
+    state.record(failing, ApplyReport(failed=1, error=ApplyError("no")))
+    laggards, failures = state.pending("policy", 1, include_pull=False)
+    assert [r.subscriber for r in laggards] == ["push:policy"]
+    assert [r.subscriber for r in failures] == ["bad:policy"]
+    laggards, _ = state.pending("policy", 1, include_pull=True)
+    assert sorted(r.subscriber for r in laggards) == ["pull:policy", "push:policy"]
+    state.record(pusher, ApplyReport(applied=1))
+    assert state.pending("policy", 1, include_pull=False)[0] == []
+    assert puller.applied is None
+
+
+def test_a_waiter_wakes_when_its_last_subscriber_settles_or_goes() -> None:
+    state = _state()
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    a, b = _join(state, "a"), _join(state, "b")
+    waiter = Waiter(1, {a.sub_id, b.sub_id})
+    state.add_waiter("policy", waiter)
+    state.record(a, ApplyReport(applied=1))
+    assert waiter.pending == {b.sub_id} and not waiter.event.is_set()
+    late = _join(state, "late")  # a subscriber that joins while the wait runs is waited for
+    assert late.sub_id in waiter.pending
+    state.drop(b, "actor died")
+    state.record(late, ApplyReport(failed=1, error=ApplyError("bad")))
+    assert waiter.event.is_set() and waiter.pending == set()
+    state.remove_waiter("policy", waiter)
+    assert state.waiters == {}
+
+
+def test_after_a_restart_known_subscribers_are_waited_for_until_they_register() -> None:
+    state = _state()
+    state.models["policy"] = Model(latest=7)
+    sub = Subscriber.restored(
+        "a:policy", {"model_id": "policy", "info": SubscriberInfo(class_name="A").row()}
+    )
+    state.add(sub)
+    laggards, _ = state.pending("policy", 7, include_pull=False)
+    assert [(r.subscriber, r.state) for r in laggards] == [("a:policy", "restoring")]
+    assert not state.kept_from("policy", 7)  # the restart lost version 7: its writer may offer it
+    assert state.offer_again("policy", 7, MANIFEST, ["r7"], TRAINER)
+    assert state.kept_from("policy", 7)
+    assert not state.offer_again("policy", 7, MANIFEST, ["r7"], TRAINER)  # kept already
+    assert not state.offer_again("policy", 6, MANIFEST, ["r6"], TRAINER)  # not the newest
+
+
+def test_mismatches_are_found_once_per_schema() -> None:
+    state = _state()
+    good = {"w": ((4,), "float32"), "b": ((2,), "float32")}
+    bad = {"w": ((5,), "float32"), "b": ((2,), "float32")}
+    for name, schema in (("a", good), ("b", bad), ("c", bad)):
+        _join(state, name, schema=schema)
+    found = state.mismatches("policy", MANIFEST)
+    assert len(found) == 1
+    error, subs = found[0]
+    assert isinstance(error, WeightMismatchError) and sorted(s.sub_id for s in subs) == [
+        "b:policy",
+        "c:policy",
+    ]
+
+
+def test_delivery_goes_to_push_subscribers_that_lack_the_newest() -> None:
+    state = _state()
+    pusher, puller = _join(state, "push"), _join(state, "pull", mode="pull")
+    assert state.due(pusher) is None  # nothing pushed yet
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    assert state.due(pusher).version == 1
+    pusher.sent = 1
+    assert state.due(pusher) is None  # in flight
+    state.stamp("policy", MANIFEST, ["r2"], TRAINER)
+    assert state.due(pusher).version == 2
+    rows = {r["subscriber"]: r for r in state.status()["subscribers"]}
+    assert rows["pull:policy"]["lag"] == 2 and rows["pull:policy"]["mode"] == "pull"
+    assert puller.applied is None
