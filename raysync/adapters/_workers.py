@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from raysync.adapters._broadcast import _BroadcastTransport
+from raysync.channels.broadcast import _BroadcastTransport
 from raysync.errors import RaySyncError
 
 __all__ = []

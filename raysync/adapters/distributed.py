@@ -7,15 +7,13 @@ import functools
 import os
 import pickle
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from raysync.adapters._broadcast import _join_group
 from raysync.adapters._workers import _dist_worker
 from raysync.adapters.base import _Adapter, _Receiver
+from raysync.channels.broadcast import _join_group
+from raysync.core import codec
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError
 
@@ -93,16 +91,15 @@ class DistributedAdapter(_Adapter):
         import torch.distributed as dist
 
         from raysync.channels._p2p import Transfer, wait_until
-        from raysync.channels.distributed import _Pending
 
         numbers = {}
         for r in live:
             message = {"kind": "weights", "model_id": model_id, "manifest": manifest, "tags": [], "src": 0}
-            numbers[r.index] = r.transport._post(message)
+            numbers[r.index] = r.transport.announce(message)
         deadline = time.monotonic() + self.timeout
         ready: list[_Receiver] = []
         for r in live:
-            key = r.transport._key("ready", numbers[r.index])
+            key = r.transport.mailbox_key("ready", numbers[r.index])
             ok = wait_until(functools.partial(self._ready_or_gone, key, r), deadline)
             if ok and self._store.check([key]):
                 self._store.delete_key(key)
@@ -119,21 +116,12 @@ class DistributedAdapter(_Adapter):
             self._members = members
         for rank, r in enumerate(ready, start=1):
             go = {"generation": self._generation, "rank": rank, "world": len(ready) + 1}
-            self._store.set(r.transport._key("go", numbers[r.index]), pickle.dumps(go))  # type: ignore[arg-type]
+            self._store.set(r.transport.mailbox_key("go", numbers[r.index]), pickle.dumps(go))  # type: ignore[arg-type]
         if getattr(self, "_joined", None) != self._generation:
             _join_group(self._store, self._channel, self._generation, 0, len(ready) + 1, self.timeout)
             self._joined = self._generation
-        # One flat buffer per bucket (the one copy on this side), one broadcast each.
-        flats = []
-        for b in range(manifest.num_buckets):
-            flat = torch.empty(manifest.bucket_nbytes[b], dtype=torch.uint8)
-            for entry, arr in zip(manifest.bucket_entries(b), buckets[b], strict=True):
-                if entry.nbytes:
-                    with warnings.catch_warnings():  # read-only object-store buffers: we only read them
-                        warnings.simplefilter("ignore", UserWarning)
-                        src = torch.from_numpy(arr)
-                    flat[entry.offset : entry.offset + entry.nbytes].copy_(src)
-            flats.append(flat)
+        # One broadcast per bucket, straight from the object store (rank 0 only reads them).
+        flats = codec.flats_of(manifest, buckets)
         works = [dist.broadcast(f, src=0, async_op=True) for f in flats if f.numel()]
         try:
             Transfer(works, flats).wait(time.monotonic() + self.timeout, f"broadcast of version {version}")
@@ -143,7 +131,7 @@ class DistributedAdapter(_Adapter):
                 self._check(r, version, err if r.process.is_alive() else RaySyncError(str(err)))
             return
         for r in ready:
-            r.transport._pending = _Pending(numbers[r.index], model_id, Transfer([], []))
+            r.transport.expect_ack(numbers[r.index], model_id)
             try:
                 r.transport.wait_ack(max(deadline - time.monotonic(), 0.01) + self.timeout)
             except RaySyncError as err:

@@ -80,7 +80,7 @@ class PipeAdapter(_Adapter):
                 r.transport.send_weights_async(model_id, snapshot)
                 started.append(r)
             except RaySyncError as err:
-                self._pool.forget(r.transport._reader)
+                self._pool.forget(r.transport.reader)
                 self._check(r, version, err)
         deadline = time.monotonic() + self.timeout
         for r in started:
@@ -89,6 +89,6 @@ class PipeAdapter(_Adapter):
             except RaySyncError as err:
                 self._check(r, version, err)
                 if r.state == "dead":
-                    self._pool.forget(r.transport._reader)
+                    self._pool.forget(r.transport.reader)
                 continue
             self._check(r, version, None)

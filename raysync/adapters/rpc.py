@@ -9,7 +9,8 @@ from typing import Any
 
 from raysync.adapters._workers import _free_port, _join_rpc, _rpc_worker
 from raysync.adapters.base import _Adapter, _Receiver
-from raysync.core.codec import unpack
+from raysync.channels._p2p import Packed
+from raysync.core import codec
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError
 
@@ -73,11 +74,12 @@ class RPCAdapter(_Adapter):
     def _fan_out(
         self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
     ) -> None:
-        tensors = unpack(manifest, buckets)
+        # Packed once: every receiver's sends read the same buckets, straight from the object store.
+        packed = Packed(model_id, manifest, codec.flats_of(manifest, buckets))
         started: list[_Receiver] = []
         for r in live:
             try:
-                r.transport.send_weights_async(model_id, tensors)
+                r.transport.send_weights_async(model_id, packed)
                 started.append(r)
             except Exception as err:
                 self._check(r, version, err if isinstance(err, RaySyncError) else RaySyncError(str(err)))

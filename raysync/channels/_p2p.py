@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from raysync._checks import check_timeout
-from raysync.core.codec import pack, unpack
+from raysync.core import codec
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, plan_layout
 from raysync.errors import RaySyncError, SyncTimeoutError
@@ -33,7 +33,6 @@ __all__ = [
     "pack_version",
     "post_sends",
     "receive_version",
-    "tensors_of",
     "wait_until",
 ]
 
@@ -101,18 +100,12 @@ def pack_version(model_id: str, weights: Any, *, bucket_bytes: int = DEFAULT_BUC
 
     The caller may change its model as soon as this returns.
     """
+    if isinstance(weights, Packed):  # packed once already (a send to many workers)
+        return weights
     tensors = extract_tensors(weights)
     manifest = plan_layout(tensors, bucket_bytes=bucket_bytes)
-    flats = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
-    with torch.no_grad():
-        for b, arrays in enumerate(pack(tensors, manifest)):
-            end = 0
-            for entry, arr in zip(manifest.bucket_entries(b), arrays, strict=True):
-                flats[b][end : entry.offset].zero_()  # alignment padding: zeros, not stale memory
-                if entry.nbytes:
-                    flats[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
-                end = max(end, entry.offset + entry.nbytes)
-            flats[b][end:].zero_()
+    flats = codec.allocate(manifest)
+    codec.write(tensors, manifest, flats)
     return Packed(model_id, manifest, flats)
 
 
@@ -169,7 +162,7 @@ def receive_version(
     import torch.distributed as dist
 
     check_group(group)
-    flats = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+    flats = codec.allocate(manifest)
     works = [
         dist.irecv(flat, src, group=group, tag=tag)
         for flat, tag in zip(flats, tags, strict=True)
@@ -178,15 +171,6 @@ def receive_version(
     # On a timeout the receives stay posted; the transfer's thread keeps their buffers alive.
     Transfer(works, flats).wait(time.monotonic() + timeout, f"the bytes of {what} from rank {src}")
     return flats
-
-
-def tensors_of(manifest: Manifest, flats: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{key: tensor}`` (sorted) viewing received flat buckets, via :func:`raysync.weights.unpack`."""
-    arrays = [
-        [flats[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
-        for b in range(manifest.num_buckets)
-    ]
-    return unpack(manifest, arrays)
 
 
 def wait_until(predicate: Callable[[], bool], deadline: float | None) -> bool:
@@ -289,4 +273,4 @@ class P2PTransport:
         if snapshot is None:
             return None
         model_id, manifest, buckets = snapshot
-        return model_id, tensors_of(manifest, buckets)
+        return model_id, codec.views(manifest, buckets)

@@ -213,6 +213,21 @@ class DistributedTransport(P2PTransport):
         store.set(self._key("in", number), _MAGIC + pickle.dumps(message | {"number": number}))
         return number
 
+    # What a sender that moves the bytes itself (a broadcast) uses: post, signal, expect the ack.
+    def announce(self, message: dict[str, Any]) -> int:
+        """Sender: post a control message (a dict) in the worker's mailbox; returns its number."""
+        return self._post(message)
+
+    def mailbox_key(self, *parts: object) -> str:
+        """The store key of this worker's mailbox entry ``parts`` (``"ready"``, number...)."""
+        return self._key(*parts)
+
+    def expect_ack(self, number: int, model_id: str) -> None:
+        """Sender: message ``number`'s bytes went by other means; :meth:`wait_ack` waits for its ack."""
+        from raysync.channels._p2p import Transfer
+
+        self._pending = _Pending(number, model_id, Transfer([], []))
+
     def wait_ack(self, timeout: float | None = None) -> None:
         """Sender: wait for the worker's ack of the newest send.
 

@@ -40,12 +40,12 @@ import torch
 
 from raysync._checks import check_timeout
 from raysync.channels.base import DEFAULT_TIMEOUT, ack_error, split_send_args
-from raysync.core.codec import pack
+from raysync.core import codec
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest, plan_layout
 from raysync.errors import RaySyncError, SyncTimeoutError
 
-__all__ = ["MPTransport", "Snapshot", "SnapshotPool", "tensors_from_buckets"]
+__all__ = ["MPTransport", "Snapshot", "SnapshotPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +97,9 @@ class SnapshotPool:
                 set_id = free[0]
             else:
                 set_id = uuid.uuid4().hex[:12]
-                self._sets[set_id] = [
-                    torch.empty(n, dtype=torch.uint8).share_memory_() for n in manifest.bucket_nbytes
-                ]
+                self._sets[set_id] = codec.allocate(manifest, shared=True)
             buffers = self._sets[set_id]
-        with torch.no_grad():
-            for b, arrays in enumerate(pack(tensors, manifest)):
-                for entry, arr in zip(manifest.bucket_entries(b), arrays, strict=True):
-                    if entry.nbytes:
-                        buffers[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+        codec.write(tensors, manifest, buffers)
         return Snapshot(manifest, set_id, buffers, self)
 
     def live_sets(self) -> list[str]:
@@ -127,23 +121,6 @@ class SnapshotPool:
         """A worker is gone: its sets may be reused."""
         with self._lock:
             self._in_use.pop(reader, None)
-
-
-def tensors_from_buckets(manifest: Manifest, flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{key: tensor}`` viewing flat uint8 buckets laid out by ``manifest`` (sorted keys, no copy).
-
-    Example:
-        >>> t = {"w": torch.arange(3.0)}
-        >>> m = plan_layout(t)
-        >>> flat = [torch.zeros(n, dtype=torch.uint8) for n in m.bucket_nbytes]
-        >>> tensors_from_buckets(m, flat)["w"].shape
-        torch.Size([3])
-    """
-    out: dict[str, torch.Tensor] = {}
-    for entry in manifest.entries:
-        raw = flat[entry.bucket][entry.offset : entry.offset + entry.nbytes]
-        out[entry.key] = raw.view(entry.torch_dtype).reshape(entry.shape)
-    return dict(sorted(out.items()))
 
 
 _reader_ids = itertools.count()
@@ -196,6 +173,11 @@ class MPTransport:
         )
 
     # ------------------------------------------------------------------ sender
+    @property
+    def reader(self) -> int:
+        """This worker's id in its snapshot pool (what the pool tracks reads by)."""
+        return self._reader
+
     def send_weights(self, *args: Any) -> None:
         """Send ``weights`` or ``(model_id, weights)`` and wait for the worker's ack."""
         self.send_weights_async(*args)
@@ -323,7 +305,7 @@ class MPTransport:
             return None
         model_id, manifest, shared = self._take(message)
         private = [buf.clone() for buf in shared]
-        return model_id, tensors_from_buckets(manifest, private)
+        return model_id, codec.views(manifest, private)
 
     def receive_snapshot(
         self, timeout: float | None = 1.0

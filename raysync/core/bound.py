@@ -9,16 +9,16 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from raysync.core.codec import _span, unpack
+from raysync.core import codec
+from raysync.core.codec import unpack
 from raysync.core.extract import module_schema
-from raysync.core.layout import _EXTRA, Manifest, TensorEntry, _short, validate
+from raysync.core.layout import _EXTRA, Manifest, _short, validate
 from raysync.errors import (
     InvalidWeightsError,
     WeightMismatchError,
@@ -82,12 +82,9 @@ class BoundModel:
         self._spare_extra: list[tuple[str, torch.nn.Module, Any]] = []  # the staged version's extra state
         if not view:
             self._flat = self._allocate()
-            with torch.no_grad():
-                for entry, target in self._views(self._flat):
-                    owner, name, _ = self._slots[entry.key]
-                    current = getattr(owner, name).detach()
-                    if current.device.type != "meta":  # a weightless module: the first apply fills it
-                        target.copy_(current)
+            current = {key: getattr(owner, name) for key, (owner, name, _) in self._slots.items()}
+            if not any(t.device.type == "meta" for t in current.values()):  # weightless: the apply fills it
+                codec.write(current, manifest, self._flat)
             self._point_at(self._flat)
 
     @property
@@ -96,7 +93,7 @@ class BoundModel:
         return self.manifest.layout_hash
 
     def _allocate(self) -> list[torch.Tensor]:
-        return [torch.empty(n, dtype=torch.uint8, device=self.device) for n in self.manifest.bucket_nbytes]
+        return codec.allocate(self.manifest, device=self.device)
 
     def intact(self) -> bool:
         """Whether every parameter and buffer still is the tensor this binding set.
@@ -122,14 +119,9 @@ class BoundModel:
                 assert t is not None
                 self._expected.append((slots, name, t.data_ptr()))
 
-    def _views(self, flat: list[torch.Tensor]) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
-        for entry in self.manifest.entries:
-            target = flat[entry.bucket][entry.offset : entry.offset + entry.nbytes]
-            yield entry, target.view(entry.torch_dtype).reshape(entry.shape)
-
     def _point_at(self, flat: list[torch.Tensor]) -> None:
-        for entry, target in self._views(flat):
-            owner, name, is_param = self._slots[entry.key]
+        for key, target in codec.views(self.manifest, flat).items():
+            owner, name, is_param = self._slots[key]
             if is_param:
                 owner._parameters[name].data = target  # type: ignore[union-attr]
             else:
@@ -275,18 +267,16 @@ class BoundModel:
         self.ids, self.spare_ids = self.spare_ids, self.ids
 
     def _copy_into(self, flat: list[torch.Tensor], buckets: Mapping[int, Sequence[np.ndarray]]) -> None:
+        codec.copy_into(flat, self.manifest, buckets)
+
+    def copy_from(self, flats: Sequence[torch.Tensor]) -> None:
+        """Copy a whole version out of flat bucket buffers (e.g. a shared snapshot): one copy per bucket."""
+        if self.view:
+            raise RuntimeError("copy_from() needs apply='copy'")
         with torch.no_grad():
-            for b, arrays in buckets.items():
-                entries = self.manifest.bucket_entries(b)
-                src = _span(arrays, entries, self.manifest.bucket_nbytes[b])
-                if src is not None:
-                    flat[b].copy_(src)
-                    continue
-                for entry, arr in zip(entries, arrays, strict=True):
-                    if entry.nbytes:
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore", UserWarning)
-                            flat[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+            for live, src in zip(self._flat, flats, strict=True):
+                live.copy_(src)
+        self.ids = [None] * self.manifest.num_buckets
 
 
 def _extra_targets(

@@ -31,7 +31,19 @@ from raysync.errors import (
 if TYPE_CHECKING:
     pass
 
-__all__ = ["bucket_checksums", "pack", "require_checksums", "same_bytes", "unpack", "verify_checksums"]
+__all__ = [
+    "allocate",
+    "bucket_checksums",
+    "copy_into",
+    "flats_of",
+    "pack",
+    "require_checksums",
+    "same_bytes",
+    "unpack",
+    "verify_checksums",
+    "views",
+    "write",
+]
 
 
 def same_bytes(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
@@ -71,15 +83,8 @@ def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[n
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()  # the bytes of a lazy view are not its values
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return t.view(torch.uint8).numpy()
+    flat = _as_uint8(t.detach().cpu())
+    return flat.numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
 
 
 def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]:
@@ -213,3 +218,111 @@ def _span(arrays: Sequence[np.ndarray], entries: Sequence[TensorEntry], nbytes: 
             return None
     raw = (ctypes.c_uint8 * nbytes).from_address(base)
     return torch.from_numpy(np.ctypeslib.as_array(raw))
+
+
+# --------------------------------------------------------------------------- flat buckets
+# The other form of a version: one flat uint8 tensor per bucket (shared memory for pipes,
+# NIXL-registered buffers, what torch.distributed sends, a bound module's storage).
+
+
+def allocate(
+    manifest: Manifest, *, device: torch.device | str | None = None, shared: bool = False
+) -> list[torch.Tensor]:
+    """One empty flat uint8 buffer per bucket (in shared memory with ``shared=True``).
+
+    Example:
+        >>> m = plan_layout({"w": torch.zeros(3)})
+        >>> [b.numel() for b in allocate(m)]
+        [12]
+    """
+    flats = [torch.empty(n, dtype=torch.uint8, device=device) for n in manifest.bucket_nbytes]
+    return [f.share_memory_() for f in flats] if shared else flats
+
+
+def write(tensors: Mapping[str, torch.Tensor], manifest: Manifest, flats: Sequence[torch.Tensor]) -> None:
+    """Copy each tensor into its place in flat bucket buffers (the one copy a snapshot costs).
+
+    Alignment padding is zeroed, so a buffer never carries stale bytes.
+
+    Example:
+        >>> t = {"w": torch.arange(3.0)}
+        >>> m = plan_layout(t)
+        >>> flats = allocate(m)
+        >>> write(t, m, flats)
+        >>> views(m, flats)["w"]
+        tensor([0., 1., 2.])
+    """
+    with torch.no_grad():
+        for b in range(manifest.num_buckets):
+            flat, end = flats[b], 0
+            for entry in manifest.bucket_entries(b):
+                flat[end : entry.offset].zero_()
+                if entry.nbytes:
+                    flat[entry.offset : entry.offset + entry.nbytes].copy_(_as_uint8(tensors[entry.key]))
+                end = max(end, entry.offset + entry.nbytes)
+            flat[end:].zero_()
+
+
+def views(
+    manifest: Manifest, flats: Sequence[torch.Tensor], *, read_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """``{key: tensor}`` (sorted keys) viewing flat uint8 buckets laid out by ``manifest``. No copy.
+
+    Example:
+        >>> m = plan_layout({"w": torch.zeros(3)})
+        >>> views(m, allocate(m))["w"].shape
+        torch.Size([3])
+    """
+    out: dict[str, torch.Tensor] = {}
+    for entry in manifest.entries:
+        t = flats[entry.bucket][entry.offset : entry.offset + entry.nbytes].view(entry.torch_dtype)
+        t = t.reshape(entry.shape)
+        out[entry.key] = t.as_subclass(ReadOnlyTensor) if read_only else t
+    return out
+
+
+def copy_into(
+    flats: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+    manifest: Manifest,
+    buckets: Mapping[int, Sequence[np.ndarray]],
+) -> None:
+    """Copy received buckets (lists of uint8 arrays, by index) into flat buffers.
+
+    One ``copy_`` per bucket when Ray laid the arrays out as planned (it does),
+    else one per tensor.
+    """
+    with torch.no_grad():
+        for b, arrays in buckets.items():
+            entries = manifest.bucket_entries(b)
+            src = _span(arrays, entries, manifest.bucket_nbytes[b])
+            if src is not None:
+                flats[b].copy_(src)
+                continue
+            for entry, arr in zip(entries, arrays, strict=True):
+                if entry.nbytes:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)
+                        flats[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+
+
+def flats_of(manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]]) -> list[torch.Tensor]:
+    """Flat uint8 tensors over received buckets: views of the store when laid out as planned, else copies.
+
+    The views alias read-only object-store memory: send them, never write them.
+    """
+    out = []
+    for b, arrays in enumerate(buckets):
+        src = _span(arrays, manifest.bucket_entries(b), manifest.bucket_nbytes[b])
+        if src is None:
+            src = torch.zeros(manifest.bucket_nbytes[b], dtype=torch.uint8)
+            copy_into({b: src}, manifest, {b: arrays})
+        out.append(src)
+    return out
+
+
+def _as_uint8(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (contiguous; conjugate/negative views resolved)."""
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # the bytes of a lazy view are not its values
+    return t.contiguous().reshape(-1).view(torch.uint8)

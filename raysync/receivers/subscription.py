@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, ObjectLostError
+from ray.exceptions import ObjectLostError
 
 from raysync import _protocol as proto
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
@@ -27,9 +27,9 @@ from raysync.core.bound import BoundModel
 from raysync.core.codec import require_checksums, verify_checksums
 from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest, validate
-from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError
-from raysync.hub.locate import call_hub_async
+from raysync.errors import ApplyError, RaySyncError, UnknownModelError
 from raysync.receivers.membership import membership
+from raysync.receivers.pull import PullSync
 from raysync.transports.nixl import receive_into
 from raysync.transports.store_pages import populate_store_mapping
 
@@ -45,9 +45,6 @@ Mode = Literal["push", "pull"]
 
 
 ApplyKind = Literal["copy", "view"]
-
-
-_HUB_QUERY_S = 10.0  # raysync_sync() without a timeout waits this long for the hub (it may be restarting)
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,7 @@ _Fetched = tuple[int, Manifest, list[ray.ObjectRef], dict[int, Any], list[int], 
 """A fetched version waiting for its apply: version, manifest, refs, buckets, their indices, start time."""
 
 
-class _Subscription:
+class _Subscription(PullSync):
     """One (actor, model_id): the version held, the binding of the module to a layout."""
 
     def __init__(self, sync: _ActorSync, spec: SyncSpec) -> None:
@@ -535,146 +532,12 @@ class _Subscription:
             return reply or self._skipped(version)
         return None
 
-    # -------------------------------------------------------------- pull mode
-    def _newer(self, timeout: float | None) -> Announcement | None:
-        bound = _HUB_QUERY_S if timeout is None else timeout
-        try:
-            info: Announcement | None = membership().call(
-                self, proto.GET, self.spec.model_id, None, self.version or 0, timeout=bound
-            )
-        except GetTimeoutError:
-            raise self._hub_timeout(timeout) from None
-        except UnknownModelError:
-            return None  # nothing pushed yet (or kept since a hub restart)
-        return info
-
-    def _hub_timeout(self, timeout: float | None) -> SyncTimeoutError:
-        why = (
-            f"the hub did not answer within {_HUB_QUERY_S:.0f} s (restarting?)"
-            if timeout is None
-            else f"raysync_sync(timeout={timeout}) ran out asking the hub"
-        )
-        return SyncTimeoutError(
-            f"{self.sub_id}: {why} for the newest version of {self.spec.model_id!r}; it keeps version "
-            f"{self.version}"
-        )
-
-    def _synced(self, version: int, reply: ApplyReport) -> bool:
-        """Report a raysync_sync apply to the hub; raise if it failed; whether it applied a newer one."""
-        self.report(reply)
-        if reply.error is not None:
-            error = SyncTimeoutError if reply.timed_out else RaySyncError
-            raise error(f"raysync_sync could not apply version {version}: {reply.error_text()}")
-        return reply.skipped is None and reply.deferred is None
-
-    def sync_newest(self, timeout: float | None) -> bool:
-        if self._info is None:
-            return False
-        deadline = _deadline(timeout)
-        info = self._newer(timeout)
-        if info is None:
-            return False
-        reply = self.receive(info.version, info.manifest, list(info.refs), fetch_timeout=_left(deadline))
-        return self._synced(info.version, reply)
-
-    async def sync_newest_async(self, timeout: float | None) -> bool:
-        if self._info is None:
-            return False
-        deadline = _deadline(timeout)
-        try:
-            info = await call_hub_async(
-                membership().hub(self).handle,
-                proto.GET,
-                self.spec.model_id,
-                None,
-                self.version or 0,
-                timeout=_HUB_QUERY_S if timeout is None else timeout,
-            )
-        except asyncio.TimeoutError:
-            raise self._hub_timeout(timeout) from None
-        except UnknownModelError:
-            return False
-        if info is None:
-            return False
-        reply = await self.receive_async(
-            info.version, info.manifest, list(info.refs), fetch_timeout=_left(deadline)
-        )
-        return self._synced(info.version, reply)
-
-    def sync_newest_on_loop(self, timeout: float | None) -> bool:
-        """``raysync_sync`` from a plain method of an async actor (on its event loop, or a thread)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a thread of the actor: the apply takes the write lock through the loop
-            return self.sync_newest(timeout)
-        if self._info is None:
-            return False
-        self.sync.loop = loop
-        deadline = _deadline(timeout)
-        info = self._newer(timeout)
-        if info is None:
-            return False
-        version, manifest, refs = info.version, info.manifest, list(info.refs)
-        t0 = time.perf_counter()
-        try:
-            if manifest.transport != "object_store":
-                raise RaySyncError(
-                    "a NIXL version cannot be applied from a plain method of an async actor: call "
-                    "`await self.raysync_sync()` from an async method"
-                )
-            needed = self._plan(version, manifest, refs)
-            if needed is None:
-                return self._synced(version, self._skipped(version))
-            fetched = self._fetch(manifest, refs, needed, _left(deadline))
-            lock = self.sync.async_lock
-            if not lock.try_write():
-                # Async methods are suspended mid-call: the apply waits for them on the loop.
-                self._deferred = loop.create_task(
-                    self._commit_when_free(version, manifest, refs, fetched, needed, t0)
-                )
-                return False
-            try:
-                pause = self._commit(version, manifest, refs, fetched)
-            finally:
-                lock.release_write()
-            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
-        except RaySyncError:
-            raise
-        except Exception as err:
-            reply = self._reply(version, t0, err)
-        return self._synced(version, reply)
-
-    async def _commit_when_free(
-        self,
-        version: int,
-        manifest: Manifest,
-        refs: list[ray.ObjectRef],
-        fetched: dict[int, Any],
-        needed: list[int],
-        t0: float,
-    ) -> None:
-        try:
-            async with self.sync.async_lock.write():
-                pause = self._commit(version, manifest, refs, fetched)
-            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
-        except Exception as err:
-            reply = self._reply(version, t0, err)
-        self.report(reply)
-
 
 def _portable(error: BaseException) -> BaseException:
     """The error itself if it pickles across Ray (raysync's do), else an ApplyError that says what it was."""
     if isinstance(error, RaySyncError):
         return error
     return ApplyError(f"{type(error).__name__}: {str(error)[:1000]}")
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _nbytes(manifest: Manifest, buckets: list[int]) -> int:

@@ -11,6 +11,7 @@ import torch
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.channels.pipe import MPTransport, SnapshotPool
 from raysync.channels.shared_mem import SharedMemTransport
+from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.torchrl.base import WeightSyncScheme, _endpoints, _NoOpTransport
 from raysync.torchrl.sender import WeightSender
 from raysync.torchrl.strategy import ExtractAs
@@ -217,6 +218,13 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         from raysync.channels.rpc import RPCTransport
 
         return RPCTransport
+
+    def _payload(self, sender: WeightSender, tensors: dict[str, torch.Tensor]) -> Any:
+        from raysync.channels._p2p import pack_version
+
+        # Packed once per push; every worker's transport sends the same flat buckets.
+        bucket_bytes = int(self.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+        return pack_version(sender.model_id, tensors, bucket_bytes=bucket_bytes)
 
     def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> Any:
         """The transport for one worker, built from ``pipe_or_context`` (dict or tuple) and kwargs."""

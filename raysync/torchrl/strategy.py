@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from raysync.channels.pipe import tensors_from_buckets
+from raysync.core import codec
 from raysync.core.bound import BoundModel
 from raysync.core.codec import pack
 from raysync.core.extract import extract_tensors, module_schema, to_tensordict
@@ -161,32 +161,22 @@ class _Target:
         if self.is_module:
             self._binding(manifest).apply(buckets, ids)
             return
-        self.apply({k: v.clone() for k, v in _unpack(manifest, buckets).items()})
+        self.apply({k: v.clone() for k, v in codec.unpack(manifest, buckets).items()})
 
     def copy_from(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
         """Copy a version straight out of flat buckets (e.g. a shared snapshot): one copy per bucket."""
         validate(manifest, self.schema())
         if not self.is_module:
-            self.apply(tensors_from_buckets(manifest, flat))
+            self.apply(codec.views(manifest, flat))
             return
-        buckets = [
-            [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
-            for b in range(manifest.num_buckets)
-        ]
-        self._binding(manifest).apply(buckets)
+        self._binding(manifest).copy_from(flat)
 
     def adopt(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
         validate(manifest, self.schema())
         if not self.is_module:
-            self.apply(tensors_from_buckets(manifest, flat))
+            self.apply(codec.views(manifest, flat))
             return
         self._binding(manifest).adopt(flat)
-
-
-def _unpack(manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]]) -> dict[str, torch.Tensor]:
-    from raysync.core.codec import unpack
-
-    return unpack(manifest, buckets)
 
 
 _TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()

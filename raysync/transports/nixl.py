@@ -35,6 +35,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync.core import codec
 from raysync.core.bound import BoundModel
 from raysync.core.layout import Manifest
 from raysync.errors import SyncTimeoutError
@@ -100,7 +101,7 @@ class NixlSnapshotPool:
                     ) from err
             self._sets.append(self._sets.pop(0))
             return oldest
-        buffers = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+        buffers = codec.allocate(manifest)
         for buffer in buffers:
             register_nixl_memory(buffer)  # once per buffer: later puts skip registration
         self._sets.append((manifest.layout_hash, buffers))
@@ -112,11 +113,7 @@ class NixlSnapshotPool:
     def put(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[ray.ObjectRef]:
         """Copy ``tensors`` into a free buffer set and send one NIXL object per bucket."""
         buffers = self._free_set(manifest)
-        with torch.no_grad():
-            for entry in manifest.entries:
-                if entry.nbytes:
-                    src = tensors[entry.key].detach().contiguous().reshape(-1).view(torch.uint8)
-                    buffers[entry.bucket][entry.offset : entry.offset + entry.nbytes].copy_(src)
+        codec.write(tensors, manifest, buffers)
         return [ray.put([buffer], _tensor_transport="nixl") for buffer in buffers]
 
 

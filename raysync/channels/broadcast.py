@@ -1,4 +1,8 @@
-"""The broadcast channel a ``DistributedAdapter`` and its ranks share (gloo ``broadcast`` per bucket)."""
+"""One-to-many over a gloo group: the worker side of a broadcast (``DistributedAdapter``'s ranks).
+
+Built on :class:`~raysync.channels.distributed.DistributedTransport`'s mailboxes for the
+signals (message, ready, go, ack); the bytes move with one ``broadcast`` per bucket from rank 0.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 
 import torch
 
+from raysync.core import codec
 from raysync.core.layout import Manifest
 from raysync.errors import SyncTimeoutError
 
@@ -65,7 +70,7 @@ def _broadcast_transport_class() -> type:
                 _join_group(store, self.channel, go["generation"], go["rank"], go["world"], self.timeout)
                 self.generation = go["generation"]
             manifest: Manifest = payload["manifest"]
-            flats = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_nbytes]
+            flats = codec.allocate(manifest)
             works = [dist.broadcast(f, src=0, async_op=True) for f in flats if f.numel()]
             Transfer(works, flats).wait(time.monotonic() + self.timeout, f"broadcast of message {number}")
             self._last = number

@@ -1,0 +1,229 @@
+"""Pull mode: ``raysync_sync()`` takes the newest version when the actor asks.
+
+From a plain method (threads), an async method (the event loop), or a plain method
+of an async actor (on the loop: the apply waits for suspended async methods). Its
+``timeout`` bounds asking the hub and the fetch (``SyncTimeoutError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import ray
+from ray.exceptions import GetTimeoutError
+
+from raysync import _protocol as proto
+from raysync._protocol import Announcement, ApplyReport
+from raysync.core.layout import Manifest
+from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
+from raysync.hub.locate import call_hub_async
+from raysync.receivers.membership import membership
+
+if TYPE_CHECKING:
+    from raysync.receivers.membership import Member
+    from raysync.receivers.subscription import SyncSpec
+    from raysync.receivers.synced import _ActorSync
+
+__all__ = ["PullSync", "deadline_of", "left_of"]
+
+_HUB_QUERY_S = 10.0  # raysync_sync() without a timeout waits this long for the hub (it may be restarting)
+
+
+class PullSync:
+    """The pull-mode half of a subscription (mixed into it)."""
+
+    if TYPE_CHECKING:
+        spec: SyncSpec
+        sync: _ActorSync
+        version: int | None
+        sub_id: str
+        _info: Any
+        _deferred: asyncio.Task[None] | None
+
+        def receive(
+            self,
+            version: int,
+            manifest: Manifest,
+            refs: list[ray.ObjectRef],
+            *,
+            fetch_timeout: float | None = None,
+        ) -> ApplyReport: ...
+
+        async def receive_async(
+            self,
+            version: int,
+            manifest: Manifest,
+            refs: list[ray.ObjectRef],
+            *,
+            fetch_timeout: float | None = None,
+        ) -> ApplyReport: ...
+
+        def report(self, report: ApplyReport) -> None: ...
+
+        def _skipped(self, version: int) -> ApplyReport: ...
+
+        def _plan(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> list[int] | None: ...
+
+        def _fetch(
+            self,
+            manifest: Manifest,
+            refs: list[ray.ObjectRef],
+            needed: list[int],
+            timeout: float | None = None,
+        ) -> dict[int, Any]: ...
+
+        def _commit(
+            self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], fetched: dict[int, Any]
+        ) -> float: ...
+
+        def _reply(
+            self,
+            version: int,
+            t0: float,
+            error: BaseException | None,
+            pause: float = 0.0,
+            fetched: int = 0,
+            fetched_bytes: int = 0,
+        ) -> ApplyReport: ...
+
+    def _member(self) -> Member:
+        return cast("Member", self)  # the subscription this is mixed into is one
+
+    def _newer(self, timeout: float | None) -> Announcement | None:
+        bound = _HUB_QUERY_S if timeout is None else timeout
+        try:
+            info: Announcement | None = membership().call(
+                self._member(), proto.GET, self.spec.model_id, None, self.version or 0, timeout=bound
+            )
+        except GetTimeoutError:
+            raise self._hub_timeout(timeout) from None
+        except UnknownModelError:
+            return None  # nothing pushed yet (or kept since a hub restart)
+        return info
+
+    def _hub_timeout(self, timeout: float | None) -> SyncTimeoutError:
+        why = (
+            f"the hub did not answer within {_HUB_QUERY_S:.0f} s (restarting?)"
+            if timeout is None
+            else f"raysync_sync(timeout={timeout}) ran out asking the hub"
+        )
+        return SyncTimeoutError(
+            f"{self.sub_id}: {why} for the newest version of {self.spec.model_id!r}; it keeps version "
+            f"{self.version}"
+        )
+
+    def _synced(self, version: int, reply: ApplyReport) -> bool:
+        """Report a raysync_sync apply to the hub; raise if it failed; whether it applied a newer one."""
+        self.report(reply)
+        if reply.error is not None:
+            error = SyncTimeoutError if reply.timed_out else RaySyncError
+            raise error(f"raysync_sync could not apply version {version}: {reply.error_text()}")
+        return reply.skipped is None and reply.deferred is None
+
+    def sync_newest(self, timeout: float | None) -> bool:
+        if self._info is None:
+            return False
+        deadline = deadline_of(timeout)
+        info = self._newer(timeout)
+        if info is None:
+            return False
+        reply = self.receive(info.version, info.manifest, list(info.refs), fetch_timeout=left_of(deadline))
+        return self._synced(info.version, reply)
+
+    async def sync_newest_async(self, timeout: float | None) -> bool:
+        if self._info is None:
+            return False
+        deadline = deadline_of(timeout)
+        try:
+            info = await call_hub_async(
+                membership().hub(self._member()).handle,
+                proto.GET,
+                self.spec.model_id,
+                None,
+                self.version or 0,
+                timeout=_HUB_QUERY_S if timeout is None else timeout,
+            )
+        except asyncio.TimeoutError:
+            raise self._hub_timeout(timeout) from None
+        except UnknownModelError:
+            return False
+        if info is None:
+            return False
+        reply = await self.receive_async(
+            info.version, info.manifest, list(info.refs), fetch_timeout=left_of(deadline)
+        )
+        return self._synced(info.version, reply)
+
+    def sync_newest_on_loop(self, timeout: float | None) -> bool:
+        """``raysync_sync`` from a plain method of an async actor (on its event loop, or a thread)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a thread of the actor: the apply takes the write lock through the loop
+            return self.sync_newest(timeout)
+        if self._info is None:
+            return False
+        self.sync.loop = loop
+        deadline = deadline_of(timeout)
+        info = self._newer(timeout)
+        if info is None:
+            return False
+        version, manifest, refs = info.version, info.manifest, list(info.refs)
+        t0 = time.perf_counter()
+        try:
+            if manifest.transport != "object_store":
+                raise RaySyncError(
+                    "a NIXL version cannot be applied from a plain method of an async actor: call "
+                    "`await self.raysync_sync()` from an async method"
+                )
+            needed = self._plan(version, manifest, refs)
+            if needed is None:
+                return self._synced(version, self._skipped(version))
+            fetched = self._fetch(manifest, refs, needed, left_of(deadline))
+            lock = self.sync.async_lock
+            if not lock.try_write():
+                # Async methods are suspended mid-call: the apply waits for them on the loop.
+                self._deferred = loop.create_task(
+                    self._commit_when_free(version, manifest, refs, fetched, needed, t0)
+                )
+                return False
+            try:
+                pause = self._commit(version, manifest, refs, fetched)
+            finally:
+                lock.release_write()
+            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        except RaySyncError:
+            raise
+        except Exception as err:
+            reply = self._reply(version, t0, err)
+        return self._synced(version, reply)
+
+    async def _commit_when_free(
+        self,
+        version: int,
+        manifest: Manifest,
+        refs: list[ray.ObjectRef],
+        fetched: dict[int, Any],
+        needed: list[int],
+        t0: float,
+    ) -> None:
+        try:
+            async with self.sync.async_lock.write():
+                pause = self._commit(version, manifest, refs, fetched)
+            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        except Exception as err:
+            reply = self._reply(version, t0, err)
+        self.report(reply)
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def left_of(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _nbytes(manifest: Manifest, buckets: list[int]) -> int:
+    return sum(manifest.bucket_nbytes[b] for b in buckets)
