@@ -228,6 +228,30 @@ class _Adapter:
         else:
             r.error = f"{type(err).__name__}: {str(err)[:500]}"
 
+    def _send_all(self, model_id: str, version: int, payload: Any, live: list[_Receiver]) -> None:
+        """Start the send to every live receiver, then wait for each one's ack (one deadline for all)."""
+        started: list[_Receiver] = []
+        for r in live:
+            try:
+                r.transport.send_weights_async(model_id, payload)
+                started.append(r)
+            except Exception as err:
+                self._failed(
+                    r, version, err if isinstance(err, RaySyncError) else RaySyncError(str(err)), sent=False
+                )
+        deadline = time.monotonic() + self.timeout
+        for r in started:
+            try:
+                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01))
+            except RaySyncError as err:
+                self._failed(r, version, err, sent=True)
+                continue
+            self._check(r, version, None)
+
+    def _failed(self, r: _Receiver, version: int, err: RaySyncError, *, sent: bool) -> None:
+        """A receiver's send (``sent=False``) or ack (``sent=True``) failed."""
+        self._check(r, version, err)
+
     def _start_receivers(
         self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
     ) -> None:

@@ -20,8 +20,6 @@ from raysync.errors import RaySyncError
 __all__ = ["DistributedAdapter"]
 
 
-
-
 class DistributedAdapter(_Adapter):
     """Rank 0 of a gloo group with K worker processes: one broadcast per bucket per version.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -74,21 +73,9 @@ class PipeAdapter(_Adapter):
         if self._pool is None:
             self._pool = SnapshotPool()
         snapshot = self._pool.write(unpack(manifest, buckets), manifest)
-        started: list[_Receiver] = []
-        for r in live:
-            try:
-                r.transport.send_weights_async(model_id, snapshot)
-                started.append(r)
-            except RaySyncError as err:
-                self._pool.forget(r.transport.reader)
-                self._check(r, version, err)
-        deadline = time.monotonic() + self.timeout
-        for r in started:
-            try:
-                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01))
-            except RaySyncError as err:
-                self._check(r, version, err)
-                if r.state == "dead":
-                    self._pool.forget(r.transport.reader)
-                continue
-            self._check(r, version, None)
+        self._send_all(model_id, version, snapshot, live)
+
+    def _failed(self, r: _Receiver, version: int, err: RaySyncError, *, sent: bool) -> None:
+        self._check(r, version, err)
+        if self._pool is not None and (not sent or r.state == "dead"):
+            self._pool.forget(r.transport.reader)  # the snapshot sets it held may be reused

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -76,22 +75,11 @@ class RPCAdapter(_Adapter):
     ) -> None:
         # Packed once: every receiver's sends read the same buckets, straight from the object store.
         packed = Packed(model_id, manifest, codec.flats_of(manifest, buckets))
-        started: list[_Receiver] = []
-        for r in live:
-            try:
-                r.transport.send_weights_async(model_id, packed)
-                started.append(r)
-            except Exception as err:
-                self._check(r, version, err if isinstance(err, RaySyncError) else RaySyncError(str(err)))
-        deadline = time.monotonic() + self.timeout
-        for r in started:
-            try:
-                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01))
-            except RaySyncError as err:
-                if not r.process.is_alive() or "failed to receive" in str(err):
-                    r.process.join(timeout=1.0)
-                    self._drop(r, f"RPC worker unreachable (exit code {r.process.exitcode}): {err}"[:500])
-                else:
-                    self._check(r, version, err)
-                continue
-            self._check(r, version, None)
+        self._send_all(model_id, version, packed, live)
+
+    def _failed(self, r: _Receiver, version: int, err: RaySyncError, *, sent: bool) -> None:
+        if sent and (not r.process.is_alive() or "failed to receive" in str(err)):
+            r.process.join(timeout=1.0)
+            self._drop(r, f"RPC worker unreachable (exit code {r.process.exitcode}): {err}"[:500])
+        else:
+            self._check(r, version, err)

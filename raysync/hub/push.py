@@ -162,14 +162,18 @@ class PushPipeline:
         return tensors
 
     def _previous(self, model_id: str, *, partial: bool) -> tuple[Version | None, list[Any] | None]:
-        """The model's newest version (this client's own if it pushed it) and its buckets.
+        """The model's newest version (this client's own if it pushed one) and its buckets.
 
-        ``(None, None)`` for a delta push whose previous bytes are gone (its pusher died).
+        A delta push re-uses only buckets whose bytes equal this client's last version,
+        so it needs no hub call; a partial push fills the other keys from the newest
+        version, so it asks the hub unless that is this client's. ``(None, None)`` for
+        a delta push whose previous bytes are gone (its pusher died).
         """
-        prev = self._previous_of(model_id) if self._previous_of is not None else None
-        mine = self.last.get(model_id)
-        if mine is not None and (prev is None or prev.version == mine.version):
-            prev = mine
+        prev = self.last.get(model_id)
+        if self._previous_of is not None and (prev is None or partial):
+            newest = self._previous_of(model_id)
+            if newest is not None and (prev is None or newest.version != prev.version):
+                prev = newest
         if prev is None:
             return None, None
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
@@ -42,51 +43,15 @@ class PullSync:
         _info: Any
         _deferred: asyncio.Task[None] | None
 
-        def receive(
-            self,
-            version: int,
-            manifest: Manifest,
-            refs: list[ray.ObjectRef],
-            *,
-            fetch_timeout: float | None = None,
-        ) -> ApplyReport: ...
-
-        async def receive_async(
-            self,
-            version: int,
-            manifest: Manifest,
-            refs: list[ray.ObjectRef],
-            *,
-            fetch_timeout: float | None = None,
-        ) -> ApplyReport: ...
-
-        def report(self, report: ApplyReport) -> None: ...
-
-        def _skipped(self, version: int) -> ApplyReport: ...
-
-        def _plan(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> list[int] | None: ...
-
-        def _fetch(
-            self,
-            manifest: Manifest,
-            refs: list[ray.ObjectRef],
-            needed: list[int],
-            timeout: float | None = None,
-        ) -> dict[int, Any]: ...
-
-        def _commit(
-            self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], fetched: dict[int, Any]
-        ) -> float: ...
-
-        def _reply(
-            self,
-            version: int,
-            t0: float,
-            error: BaseException | None,
-            pause: float = 0.0,
-            fetched: int = 0,
-            fetched_bytes: int = 0,
-        ) -> ApplyReport: ...
+        # Provided by the subscription (see raysync.receivers.subscription).
+        receive: Callable[..., ApplyReport]
+        receive_async: Callable[..., Awaitable[ApplyReport]]
+        report: Callable[[ApplyReport], None]
+        _skipped: Callable[[int], ApplyReport]
+        _plan: Callable[..., list[int] | None]
+        _fetch: Callable[..., dict[int, Any]]
+        _commit: Callable[..., float]
+        _reply: Callable[..., ApplyReport]
 
     def _member(self) -> Member:
         return cast("Member", self)  # the subscription this is mixed into is one
