@@ -29,7 +29,7 @@ small model ``--pushes`` times and reports, medians over the pushes:
 
 Modes (``--mode``): ``single``: each subscription gets its own notification
 call (what N separate ``@synced_model`` actors cost the hub); ``batch``: the
-subscriptions register with ``info["batch"] = True`` and the hub sends one
+subscriptions register with ``SubscriberInfo(batch=True)`` and the hub sends one
 call per actor carrying all of that actor's subscriptions (what a per-node
 adapter holding many subscriptions would cost).
 

@@ -94,7 +94,7 @@ class InvalidWeightsError(RaySyncError, TypeError):
     """What was given is not a set of weights raysync can carry.
 
     Example:
-        >>> raysync.weights.extract_tensors({})  # doctest: +SKIP
+        >>> raysync.core.extract.extract_tensors({})  # doctest: +SKIP
         raysync.InvalidWeightsError: no tensors to push: the weights are empty ...
     """
 

@@ -1,4 +1,4 @@
-"""The torchrl-style API under its earlier name: everything here is :mod:`raysync.torchrl`.
+"""The torchrl-style API under its earlier name: every name here is :mod:`raysync.torchrl`'s.
 
 Example:
     >>> from raysync import schemes
@@ -6,5 +6,14 @@ Example:
     True
 """
 
-from raysync.torchrl import *  # noqa: F403  (the same names, one layer)
-from raysync.torchrl import __all__ as __all__
+from typing import Any
+
+from raysync import torchrl as _torchrl
+
+__all__ = list(_torchrl.__all__)
+
+
+def __getattr__(name: str) -> Any:
+    # The same objects, one layer: raysync.torchrl (torchrl itself is imported only for
+    # HubWeightSyncScheme, on first use).
+    return getattr(_torchrl, name)

@@ -22,7 +22,7 @@ class PipeAdapter(_Adapter):
     :class:`raysync.schemes.WeightReceiver` whose model is ``model_factory()``
     (reach it as ``receiver.model``); call ``receiver.receive(timeout)`` in the
     worker's loop to apply a version whole when one has arrived. ``fn``,
-    ``args`` and ``model_factory`` must pickle (the workers are spawned).
+    ``args`` and ``model_factory`` must pickle with ``start_method="spawn"`` (the default forks).
 
     Args:
         fn: the worker loop, ``fn(receiver, *args)``.

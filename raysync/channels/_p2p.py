@@ -1,8 +1,8 @@
 """Shared plumbing of the torch.distributed transports (:mod:`.rpc`, :mod:`.distributed`).
 
 Bytes travel as one flat uint8 tensor per bucket, laid out exactly as
-:func:`raysync.weights.plan_layout` says (so a receiver allocates each bucket
-from the manifest and rebuilds tensors with :func:`raysync.weights.unpack`).
+:func:`raysync.core.layout.plan_layout` says (so a receiver allocates each bucket
+from the manifest and rebuilds tensors with :func:`raysync.core.codec.unpack`).
 Every wait has a deadline (see :class:`Transfer`).
 """
 

@@ -2,7 +2,7 @@
 
 A transport moves one version of one model from a sender to ONE worker and
 carries the worker's acknowledgement back. Packing (``extract_tensors`` ->
-``plan_layout`` -> bucket bytes) comes from :mod:`raysync.weights`; validation
+``plan_layout`` -> bucket bytes) comes from :mod:`raysync.core`; validation
 against the worker's model and the whole-or-nothing apply happen in
 :class:`raysync.schemes.WeightReceiver`, never in a transport.
 
@@ -22,7 +22,7 @@ Lifecycle (which side runs each method):
   so a mismatch never leaves the sender blocked. ``send_ack(message)``
   acknowledges the last version (``"error: <text>"`` for a failed apply).
 
-The manifest (:class:`raysync.weights.Manifest`, small and picklable) is sent
+The manifest (:class:`raysync.core.layout.Manifest`, small and picklable) is sent
 before the bytes so the worker can allocate exactly the buckets.
 
 Example:

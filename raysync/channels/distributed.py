@@ -14,9 +14,9 @@ message is ever overwritten or lost:
 Lifecycle of one version, and which side runs what:
 
 1. **sender** ``send_weights_async(model_id, weights)``: snapshots the weights
-   into flat uint8 buckets laid out by :func:`raysync.weights.plan_layout`
+   into flat uint8 buckets laid out by :func:`raysync.core.layout.plan_layout`
    (the trainer may change its model as soon as this returns), posts the
-   :class:`~raysync.weights.Manifest` and the buckets' tags as message n, then
+   :class:`~raysync.core.layout.Manifest` and the buckets' tags as message n, then
    one ``isend`` per bucket.
 2. **worker** ``receive_weights(timeout)``: takes the messages in order. A
    weights message makes it allocate the buckets from the manifest, receive
@@ -102,7 +102,7 @@ class DistributedTransport(P2PTransport):
         timeout: seconds any wait may take (``wait_ack``'s default, receiving
             a version's bytes).
         channel: names the mailboxes; sender and worker must agree.
-        bucket_bytes: target bucket size (see :func:`raysync.weights.plan_layout`).
+        bucket_bytes: target bucket size (see :func:`raysync.core.layout.plan_layout`).
 
     Example:
         >>> sender = DistributedTransport(store, 1, timeout=10)  # doctest: +SKIP

@@ -4,7 +4,7 @@ Lifecycle of one version (which side runs what):
 
 - **sender** (:class:`SnapshotPool`, owned by a ``WeightSender`` and shared by
   all its transports): copy the weights once into a set of flat uint8 buckets
-  in shared memory laid out by :func:`raysync.weights.plan_layout` (the trainer
+  in shared memory laid out by :func:`raysync.core.layout.plan_layout` (the trainer
   may change its model right after). A set that any worker may still read is
   never written: a new one is allocated instead.
 - **sender** (:class:`MPTransport`, one per worker): send a small message over

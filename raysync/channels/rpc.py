@@ -7,11 +7,11 @@ processes must already have joined a default process group
 runs what:
 
 1. **sender** ``send_weights_async(model_id, weights)``: snapshots the weights
-   into flat uint8 buckets laid out by :func:`raysync.weights.plan_layout`
+   into flat uint8 buckets laid out by :func:`raysync.core.layout.plan_layout`
    (the trainer may change its model as soon as this returns), then, in the
    deadlock-free order torchrl documents, (a) signals the worker with a
    non-blocking ``rpc_async`` that carries the
-   :class:`~raysync.weights.Manifest` and one tag per bucket, and (b) posts
+   :class:`~raysync.core.layout.Manifest` and one tag per bucket, and (b) posts
    one ``isend`` per bucket.
 2. **worker, RPC thread** (no user code): the signal allocates the buckets
    from the manifest, receives them (bounded by the sender's ``timeout``) and
@@ -174,7 +174,7 @@ class RPCTransport(P2PTransport):
         timeout: seconds any wait may take (``wait_ack``'s default, the
             worker's receive of the bytes, the ack RPC).
         channel: the inbox on the worker; sender and worker must agree.
-        bucket_bytes: target bucket size (see :func:`raysync.weights.plan_layout`).
+        bucket_bytes: target bucket size (see :func:`raysync.core.layout.plan_layout`).
 
     Example:
         >>> sender = RPCTransport("worker1", worker_rank=1, timeout=10)  # doctest: +SKIP

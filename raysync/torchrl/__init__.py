@@ -11,11 +11,12 @@ Example:
     >>> scheme.init_on_sender(model_id="policy", pipes=[p0, p1])
 """
 
+from typing import Any
+
 from raysync.channels.base import TransportBackend
 from raysync.channels.pipe import MPTransport
 from raysync.channels.shared_mem import SharedMemTransport
 from raysync.torchrl.base import WeightSyncScheme
-from raysync.torchrl.integration import HubWeightSyncScheme
 from raysync.torchrl.legacy import MultiProcessedRemoteWeightUpdate
 from raysync.torchrl.module_transform import (
     RayModuleTransformReceiver,
@@ -34,6 +35,17 @@ from raysync.torchrl.schemes import (
 )
 from raysync.torchrl.sender import WeightSender
 from raysync.torchrl.strategy import WeightStrategy, resolve_model
+
+
+def __getattr__(name: str) -> Any:
+    # HubWeightSyncScheme subclasses torchrl's own WeightSyncScheme: torchrl (optional) is
+    # imported only when it is asked for.
+    if name == "HubWeightSyncScheme":
+        from raysync.torchrl.integration import HubWeightSyncScheme
+
+        return HubWeightSyncScheme
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DistributedWeightSyncScheme",

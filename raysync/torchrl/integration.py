@@ -7,7 +7,7 @@ Every version goes through the hub: ``send`` is one ``hub.push`` (one copy in
 Ray's object store, whatever the number of subscribers; ``@raysync.synced_model``
 actors apply it as it arrives) and the collector's own policy, or any receiver
 of the scheme, takes it from the hub (``hub.pull``), validated and applied
-whole by :mod:`raysync.weights`.
+whole by :mod:`raysync.core`.
 
 Needs torchrl (the ``torchrl`` extra) and a connected Ray.
 

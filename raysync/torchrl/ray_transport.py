@@ -4,7 +4,7 @@ Lifecycle of one version (which side runs what):
 
 - **sender** (:func:`put_version`, called once per version by a
   ``WeightSender`` whatever the number of workers): pack the weights into
-  buckets with :mod:`raysync.weights` and ``ray.put`` each bucket once.
+  buckets with :mod:`raysync.core` and ``ray.put`` each bucket once.
 - **sender** (:class:`RayTransport` / :class:`RayActorTransport`, one per
   actor): ask the actor to apply ``(model_id, manifest, refs)``; the refs
   travel nested, so only the tiny call goes to each actor. ``wait_ack`` waits
@@ -12,7 +12,7 @@ Lifecycle of one version (which side runs what):
 - **actor** (:func:`apply_in_actor`, run through Ray's ``__ray_call__``, so any
   actor works, no method to add): ``ray.get`` the buckets (zero-copy on the
   same node), validate against the actor's model and apply the version whole
-  with :class:`raysync.weights.BoundModel`. The model is the receiver that
+  with :class:`raysync.core.bound.BoundModel`. The model is the receiver that
   ``scheme.init_on_receiver(model_id=..., model=...)`` registered in that
   actor, else the attribute path (``"policy"``, ``"env.transform[0]"``) on the
   actor instance.

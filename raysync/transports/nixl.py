@@ -16,8 +16,10 @@ Lifecycle of one version (which side runs what):
   straight into the spare set (receiving is the copy) and then swapped in
   under the actor's write lock, so readers never see a partial version.
 
-Receivers need no ``enable_tensor_transport``; buffers are CPU tensors here and
-device tensors where the weights live on a GPU.
+Receivers need no ``enable_tensor_transport``. The trainer's snapshot buffers are
+CPU tensors; a receiver's buffers live where its module does (a GPU module receives
+into device memory). Each subscriber receives its own copy (no per-node sharing).
+Tested on CPU tensors only: no GPU run has shown the device path yet.
 
 Example:
     >>> hub = raysync.connect(transport="nixl")
@@ -68,7 +70,7 @@ class NixlSnapshotPool:
         timeout: seconds to wait for a buffer set to be freed.
 
     Example:
-        >>> pool = SnapshotPool(max_sets=4)
+        >>> pool = NixlSnapshotPool(max_sets=4)
         >>> refs = pool.put(tensors, manifest)
     """
 
