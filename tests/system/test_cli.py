@@ -18,7 +18,7 @@ import pytest
 import ray
 
 import raysync
-from raysync import cli
+from raysync.ops import cli
 from tests.conftest import small_policy, wait_for_condition
 
 
