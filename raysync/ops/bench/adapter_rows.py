@@ -186,6 +186,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
         0
     """
     args = parse_args(argv, results_dir=results_dir)
+    t_start = time.time()
     with harness.local_cluster(num_cpus=4, object_store_bytes=max(2**30, 4 * max(args.sizes_mib) * MIB)):
         rows = [
             measure(k, s, args.receivers, tensors=args.tensors, repeats=args.repeats, timeout=args.timeout)
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
             for k in args.kinds
         ]
     print_table(rows)
-    meta = harness.run_meta("raysync.ops.bench.adapter_rows", sys.argv[1:] if argv is None else argv)
+    meta = harness.run_meta("raysync.ops.bench.adapter_rows", argv, started=t_start)
     print(f"\nJSON: {harness.write_json(args.json, {'meta': meta, 'args': args, 'rows': rows}, indent=1)}")
     return 0
 

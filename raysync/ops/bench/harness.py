@@ -42,6 +42,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -405,14 +406,15 @@ def raysync_fingerprint() -> str:
 
 
 def run_meta(
-    scenario: str, argv: Sequence[str], *, started: float | None = None, **extra: Any
+    scenario: str, argv: Sequence[str] | None = None, *, started: float | None = None, **extra: Any
 ) -> dict[str, Any]:
     """What a result file says about its run: scenario, options, machine, versions, checkout.
 
     Args:
         scenario: what ran (``"raysync.ops.bench.fanout"``, ``"benchmarks/soak.py"``).
-        argv: its command line.
-        started: when it started (``time.time()``; default now); ``duration_s`` is measured from it.
+        argv: its command line (default: ``sys.argv[1:]``).
+        started: when it started (``time.time()``; default now); ``duration_s`` is measured from
+            it (None without it).
         extra: more keys (the scenario's options, the object store's size, ...).
 
     Example:
@@ -424,12 +426,13 @@ def run_meta(
 
     import raysync
 
-    t_start = time.time() if started is None else started
+    now = time.time()
+    t_start = now if started is None else started
     meta: dict[str, Any] = {
         "scenario": scenario,
-        "argv": list(argv),
+        "argv": list(sys.argv[1:] if argv is None else argv),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
-        "duration_s": time.time() - t_start,
+        "duration_s": None if started is None else now - started,
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
