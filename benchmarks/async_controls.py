@@ -31,7 +31,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -44,10 +43,12 @@ import ray
 import torch
 
 import raysync
+from raysync.ops.bench import harness
+from raysync.ops.bench.harness import MIB as MiB
 
 logger = logging.getLogger("async_controls")
-MiB = 2**20
 TENSORS = 16
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class Policy(torch.nn.Module):
@@ -164,20 +165,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         nargs="+",
         default=["full", "partial", "cast", "delta", "prefetch-off", "prefetch-on"],
     )
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/async_controls.json"))
+    harness.add_options(parser, json=RESULTS / "async_controls.json")
     args = parser.parse_args(argv)
+    t_start = time.time()
     args.bucket_mib = args.bucket_mib or max(1, args.size_mib // 8)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ray.init(
-        num_cpus=4,
-        object_store_memory=max(1024, 6 * args.size_mib) * MiB,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
+    with harness.local_cluster(num_cpus=4, object_store_bytes=max(1024, 6 * args.size_mib) * MiB):
         rows = [run_scenario(name, args) for name in args.scenarios]
-    finally:
-        ray.shutdown()
     print(
         f"\nmodel {args.size_mib} MiB fp32 + adapters, buckets {args.bucket_mib} MiB, "
         f"{args.versions} versions per scenario, medians"
@@ -188,11 +182,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"{r['scenario']:>13} {r['bytes_put'] / MiB:>9.2f} {r['bytes_fetched'] / MiB:>12.2f} "
             f"{r['pause_ms']:>9.2f} {r['e2e_ms']:>17.1f}"
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
-    )
-    print(f"\nJSON: {args.json}")
+    meta = harness.run_meta("benchmarks/async_controls.py", argv, started=t_start)
+    print(f"\nJSON: {harness.write_json(args.json, {'meta': meta, 'config': args, 'rows': rows}, indent=1)}")
     return rows
 
 

@@ -1,6 +1,7 @@
 """The cost curve: push-to-all-applied time against model size and number of actors.
 
-Reuses ``push_fanout.py``'s measurement (``measure_raysync``: a fresh hub and N
+Reuses the fan-out scenario's measurement
+(:func:`raysync.ops.bench.fanout.measure_raysync`: a fresh hub and N
 fresh ``@raysync.synced_model`` receivers per configuration, warm-up pushes,
 then ``--repeats`` timed ones) over a grid of model sizes (``--sizes-mib``,
 fp32 state dicts of 16 equal tensors) x receiver counts (``--actors``) x
@@ -33,7 +34,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -41,33 +41,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import ray
-import ray.cloudpickle
+from raysync.ops.bench import harness
+from raysync.ops.bench.fanout import SnapshotLogCapture, measure_raysync
+from raysync.ops.bench.floor import ObjectStoreGauge, prefault_object_store
+from raysync.ops.bench.harness import MIB, fmt
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import push_fanout as pf  # noqa: E402
-
-ray.cloudpickle.register_pickle_by_value(pf)  # its actor classes travel by value to the workers
-
-MIB = 2**20
+RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("cost_curve")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--actors", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    harness.add_options(p, sizes_mib=[64, 256, 1024], actors=[1, 2, 4, 8, 16])
     p.add_argument("--apply", nargs="+", choices=["copy", "view"], default=["view", "copy"])
-    p.add_argument("--repeats", type=int, default=3, help="timed pushes per configuration (medians)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed pushes per configuration")
-    p.add_argument("--tensors", type=int, default=16)
-    p.add_argument("--keep", type=int, default=1, help="versions the hub keeps")
-    p.add_argument("--timeout", type=float, default=300.0)
+    harness.add_options(p, repeats=3, warmup=2, tensors=16)
+    p.add_argument("--keep", type=int, default=1, help="versions the hub keeps (default: 1)")
+    harness.add_options(p, timeout=300.0)
     p.add_argument("--max-copy-gib", type=float, default=4.0, help="skip copy configs holding more than this")
-    p.add_argument("--object-store-mib", type=int, default=None, help="default: (keep + 1.5) x largest size")
-    p.add_argument("--json", type=Path, default=HERE / "results" / "cost_curve.json")
-    p.add_argument("--png", type=Path, default=HERE / "results" / "cost_curve.png")
+    harness.add_options(p, object_store_mib=None)  # default: (keep + 1.5) x largest size
+    harness.add_options(p, json=RESULTS / "cost_curve.json", png=RESULTS / "cost_curve.png")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG from --json, measure nothing")
     return p.parse_args(argv)
@@ -78,20 +70,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['size_mib']} | {r['apply']} | {r['n']} | {pf.fmt(r['push_to_all_applied_s'])} | "
-            f"{pf.fmt(r['trainer_block_s'])} | {pf.fmt(r['receiver_apply_max_s'])} | "
-            f"{pf.fmt((r['store_bytes_per_version'] or 0) / MIB, '.0f')} | "
-            f"{pf.fmt(r['store_copies_per_version'], '.2f')} | {'yes' if r['verified'] else 'NO'} |"
+            f"| {r['size_mib']} | {r['apply']} | {r['n']} | {fmt(r['push_to_all_applied_s'])} | "
+            f"{fmt(r['trainer_block_s'])} | {fmt(r['receiver_apply_max_s'])} | "
+            f"{fmt((r['store_bytes_per_version'] or 0) / MIB, '.0f')} | "
+            f"{fmt(r['store_copies_per_version'], '.2f')} | {'yes' if r['verified'] else 'NO'} |"
         )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     sizes = sorted({r["size_mib"] for r in rows})
     colors = dict(zip(sizes, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"], strict=False))
@@ -117,52 +105,55 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
+    harness.save_figure(fig, path, dpi=80)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.plot_only:
+        import json
+
         rows = json.loads(args.json.read_text())["rows"]
         plot(rows, args.png)
         print(table(rows))
         return 0
-    capture = pf.SnapshotLogCapture()
+    harness.pyplot()  # fail now, not after the run, without matplotlib
+    capture = SnapshotLogCapture()
     logging.getLogger("raysync.hub").addHandler(capture)
     max_bytes = max(args.sizes_mib) * MIB
     store = args.object_store_mib * MIB if args.object_store_mib else int((args.keep + 1.5) * max_bytes)
-    ray.init(
-        num_cpus=max(args.actors) + 2,
-        object_store_memory=max(store, 256 * MIB),
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
-    gauge = pf.ObjectStoreGauge()
-    pf.prefault_object_store(store)
-    gauge.settle(at_most=MIB, timeout=30)
     rows: list[dict[str, Any]] = []
-    fargs = argparse.Namespace(keep=args.keep, warmup=args.warmup, repeats=args.repeats, timeout=args.timeout)
     t_start = time.time()
-    try:
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    store = max(store, 256 * MIB)
+    with harness.local_cluster(num_cpus=max(args.actors) + 2, object_store_bytes=store):
+        gauge = ObjectStoreGauge()
+        prefault_object_store(store)
+        gauge.settle(at_most=MIB, timeout=30)
         for size in args.sizes_mib:
-            sd = pf.make_state_dict(size * MIB, args.tensors)
+            sd = harness.make_state_dict(size * MIB, args.tensors)
             for apply in args.apply:
                 for n in args.actors:
                     if apply == "copy" and n * size > args.max_copy_gib * 1024:
                         logger.info("skip %d MiB x %d copy (over --max-copy-gib)", size, n)
                         continue
                     logger.info("measuring %d MiB, apply=%s, N=%d", size, apply, n)
-                    res = pf.measure_raysync(sd, apply=apply, n=n, args=fargs, gauge=gauge, capture=capture)
+                    res = measure_raysync(
+                        sd,
+                        apply=apply,
+                        n=n,
+                        keep=args.keep,
+                        warmup=args.warmup,
+                        repeats=args.repeats,
+                        timeout=args.timeout,
+                        gauge=gauge,
+                        capture=capture,
+                    )
                     rows.append({"size_mib": size, "apply": apply, "n": n, **res})
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    meta = {"started": t_start, "argv": sys.argv[1:], "git": pf.git_state(), "store": store}
-                    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                    meta = harness.run_meta("benchmarks/cost_curve.py", argv_used, started=t_start)
+                    harness.write_json(args.json, {"meta": {**meta, "store": store}, "rows": rows}, indent=1)
             del sd
-    finally:
-        ray.shutdown()
     text = table(rows)
     print(text)
     if args.markdown:

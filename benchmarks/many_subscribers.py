@@ -57,10 +57,10 @@ from typing import Any
 
 import psutil
 import ray
-import torch
 
 import raysync
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
+from raysync.ops.bench import harness
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "many_subscribers.json"
 
@@ -88,11 +88,6 @@ class LightSubscribers:
 
     async def stats(self) -> dict[str, int]:
         return {"calls": self.calls, "newest": self.newest}
-
-
-def small_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
 def register_light(
@@ -129,7 +124,7 @@ def measure(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     proc = psutil.Process(pid)
     rss0 = proc.memory_info().rss
     actors = [LightSubscribers.options(max_concurrency=10_000).remote() for _ in range(args.actors)]  # type: ignore[attr-defined]
-    model = small_model()
+    model = harness.small_policy()
     try:
         t = time.perf_counter()
         register_light(hub, "policy", n, actors, batch=mode == "batch")
@@ -174,9 +169,7 @@ def measure(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "notify_calls_per_push": calls / (args.pushes + 1),
         }
     finally:
-        for a in actors:
-            ray.kill(a)
-        ray.kill(hub.actor)
+        harness.kill_all([*actors, hub.actor])
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -204,34 +197,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", nargs="+", choices=["single", "batch"], default=["single", "batch"])
     p.add_argument("--actors", type=int, default=4, help="light actors holding the subscriptions")
     p.add_argument("--pushes", type=int, default=5, help="timed pushes per configuration (medians)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for any one wait")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    harness.add_options(p, timeout=600.0, json=DEFAULT_JSON)
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    t_start = time.time()
     logging.basicConfig(level=logging.WARNING)
-    ray.init(
-        num_cpus=2,
-        object_store_memory=256 * 2**20,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
     rows = []
-    try:
+    with harness.local_cluster(num_cpus=2, object_store_bytes=256 * harness.MIB):
         for mode in args.mode:
             for n in args.subscribers:
                 row = measure(n, mode, args)
                 print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
                 rows.append(row)
-    finally:
-        ray.shutdown()
     print_table(rows)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"time": time.time(), "argv": sys.argv[1:], "cpus": psutil.cpu_count()}
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = harness.run_meta("benchmarks/many_subscribers.py", argv, started=t_start)
+    harness.write_json(args.json, {"meta": {**meta, "time": time.time()}, "rows": rows}, indent=1)
     return 0
 
 

@@ -40,7 +40,6 @@ converge or a node created more than ``--max-ratio`` x a version's bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -55,20 +54,16 @@ from ray._private import internal_api
 from ray.cluster_utils import Cluster
 
 import raysync
+from raysync.ops.bench import harness
+from raysync.ops.bench.harness import MIB
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "multinode.json"
-MIB = 2**20
+TENSORS = 4
 
 
-class Blob(torch.nn.Module):
-    """A model of ``total_bytes`` fp32 bytes in ``num_tensors`` equal parameters."""
-
-    def __init__(self, total_bytes: int, num_tensors: int = 4) -> None:
-        super().__init__()
-        numel = total_bytes // 4 // num_tensors
-        self.params = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.zeros(numel)) for _ in range(num_tensors)
-        )
+def flat_model(nbytes: int) -> torch.nn.Module:
+    """The model: ``nbytes`` of fp32 zeros in :data:`TENSORS` equal parameters."""
+    return harness.FlatModel(nbytes, TENSORS, fill=0.0)
 
 
 def checksum(module: torch.nn.Module) -> float:
@@ -80,7 +75,7 @@ def subscriber_class(hub_name: str, nbytes: int) -> Any:
     @raysync.synced_model("policy", hub=hub_name)
     class Subscriber:
         def __init__(self) -> None:
-            self.policy = Blob(nbytes)
+            self.policy = flat_model(nbytes)
 
         def probe(self) -> tuple[int | None, float, str]:
             return self.raysync_version(), checksum(self.policy), ray.get_runtime_context().get_node_id()
@@ -148,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             subs += [(tag, cls.options(resources={tag: 1}).remote()) for _ in range(n)]
         ray.get([s.probe.remote() for _, s in subs])  # every subscriber registered
         phases["subscribers_s"] = time.perf_counter() - t_phase - phases["cluster_s"]
-        model = Blob(nbytes)
+        model = flat_model(nbytes)
         versions = []
         converged = True
         for k in range(args.pushes):
@@ -211,10 +206,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=int, default=64, help="model size (fp32, 4 tensors)")
     p.add_argument("--store-mib", type=int, default=400, help="object store of each node")
     p.add_argument("--pushes", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=120.0)
+    harness.add_options(p, timeout=120.0)
     p.add_argument("--max-ratio", type=float, default=1.2, help="fail above this many copies per node")
     p.add_argument("--quick", action="store_true", help="2 workers with 2 and 3 subscribers, 8 MiB, 2 pushes")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    harness.add_options(p, json=DEFAULT_JSON)
     args = p.parse_args(argv)
     if args.quick:
         args.subs_per_node, args.head_subs, args.size_mib, args.store_mib, args.pushes = [2, 3], 1, 8, 100, 2
@@ -223,12 +218,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    t_start = time.time()
     logging.basicConfig(level=logging.WARNING)
     result = run(args)
-    result["meta"] = {"time": time.time(), "argv": sys.argv[1:]}
+    meta = harness.run_meta("benchmarks/multinode.py", argv, started=t_start)
+    result["meta"] = {**meta, "time": time.time()}
     print_table(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    harness.write_json(args.json, result, indent=1)
     worst = max(n["x_version"] for row in result["versions"] for n in row["nodes"].values())
     print(f"converged: {result['converged']}; most bytes created on one node per version: {worst:.2f}x")
     return 0 if result["converged"] and worst <= args.max_ratio else 1

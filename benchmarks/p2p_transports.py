@@ -6,7 +6,7 @@ state dict of 16 equal tensors), the sender times ``--repeats`` versions (after
 one untimed warm-up) from ``send_weights_async`` to every worker until the last
 ``wait_ack`` returned; each worker loops ``receive_weights`` + ``send_ack``.
 Medians are printed with the effective rate (model bytes x N / time); every
-sample goes to ``benchmarks/results/p2p_transports.json``.
+sample goes to ``--json`` (default ``benchmarks/results/p2p_transports.json``).
 
 Usage:
     python benchmarks/p2p_transports.py --mib 16 64 --workers 2 --repeats 5
@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
-import pathlib
 import socket
-import statistics
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from raysync.ops.bench import harness
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _free_port() -> int:
@@ -35,8 +38,7 @@ def _free_port() -> int:
 
 
 def _model(mib: int) -> dict[str, torch.Tensor]:
-    n = mib * 2**20 // 4 // 16
-    return {f"layer{i:02d}.weight": torch.randn(n) for i in range(16)}
+    return harness.make_state_dict(mib * harness.MIB, 16, name="layer{i:02d}.weight", random=True)
 
 
 def _child(rank: int, world: int, ports: tuple[int, int], args: Any, conn: Connection) -> None:
@@ -84,12 +86,13 @@ def _child(rank: int, world: int, ports: tuple[int, int], args: Any, conn: Conne
         conn.send(rows)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--mib", type=int, nargs="+", default=[16, 64], help="model sizes in MiB")
+    parser.add_argument("--workers", type=int, default=2, help="worker ranks N")
+    harness.add_options(parser, repeats=5, json=RESULTS / "p2p_transports.json")
+    args = parser.parse_args(argv)
+    t_start = time.time()
     ctx = mp.get_context("spawn")
     world = args.workers + 1
     ports = (_free_port(), _free_port())
@@ -104,12 +107,11 @@ def main() -> None:
     print("| transport | MiB | N | ms per version (median) | GiB/s (bytes x N) |")
     print("| --- | --- | --- | --- | --- |")
     for row in rows:
-        median = statistics.median(row["samples_s"])
+        median = harness.median(row["samples_s"]) or float("nan")
         rate = row["mib"] * row["workers"] / 1024 / median
         print(f"| {row['transport']} | {row['mib']} | {row['workers']} | {median * 1e3:.1f} | {rate:.2f} |")
-    out = pathlib.Path(__file__).parent / "results" / "p2p_transports.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    meta = harness.run_meta("benchmarks/p2p_transports.py", argv, started=t_start)
+    harness.write_json(args.json, {"meta": meta, "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ Both write JSON to ``benchmarks/results/soak.json`` / ``soak_resources.json``.
 from __future__ import annotations
 
 import argparse
-import json
+import gc
 import logging
 import os
 import random
@@ -100,9 +100,12 @@ import ray
 import torch
 
 import raysync
+from raysync.ops.bench import harness
+from raysync.ops.bench.floor import ObjectStoreGauge, process_memory
+from raysync.ops.bench.harness import MIB as MiB
 
 logger = logging.getLogger("soak")
-MiB = 2**20
+RESULTS = Path(__file__).resolve().parent / "results"
 UNSET = -1.0  # what a subscriber's tensors hold before its first version
 PUSH_KINDS = ("copy", "threaded", "view", "prefetch", "pool", "long", "async")
 PULL_KINDS = ("pull", "pull-async")
@@ -115,14 +118,11 @@ _DELIVERY_ERRORS = ("ActorDiedError", "ActorUnavailableError", "RayActorError")
 _MAX_EVENTS = 500
 
 
-class Filled(torch.nn.Module):
-    """``tensors`` float32 parameters of equal size, all filled with one value."""
+class Filled(harness.FlatModel):
+    """``tensors`` float32 parameters ``p0``, ``p1``, ... of equal size, all :data:`UNSET` at first."""
 
     def __init__(self, size_mib: float, tensors: int = 4) -> None:
-        super().__init__()
-        n = max(1, int(size_mib * MiB) // tensors // 4)
-        for i in range(tensors):
-            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.full((n,), UNSET)))
+        super().__init__(int(size_mib * MiB), tensors, fill=UNSET, name="p{i}", requires_grad=True)
 
 
 def fill(model: torch.nn.Module, value: float) -> None:
@@ -356,10 +356,7 @@ def subscriber_class(hub_name: str, kind: str, size_mib: float, tensors: int) ->
                 return held_report(self, "check")
 
             def memory(self) -> dict[str, int]:
-                import psutil  # shipped inside ray (ray/thirdparty_files), importable once ray is
-
-                info = psutil.Process().memory_info()
-                return {"rss": int(info.rss), "private": int(info.rss - info.shared)}
+                return process_memory()
 
             def _stacks(self) -> list[str]:
                 return _stack_dump()
@@ -1368,28 +1365,6 @@ def print_soak(r: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- resources
 
 
-class StoreGauge:
-    """Object-store bytes in use, as the raylet reports them (``ray memory --stats-only``)."""
-
-    def __init__(self) -> None:
-        from ray._private import internal_api
-
-        self._api = internal_api
-        self._state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
-
-    def used(self) -> int:
-        return int(self._api.get_memory_info_reply(self._state).store_stats.object_store_bytes_used)
-
-    def settle(self, at_most: int, timeout: float = 10.0) -> int:
-        """Used bytes once Ray's batched frees landed (``<= at_most``), or the last read."""
-        deadline = time.monotonic() + timeout
-        used = self.used()
-        while used > at_most and time.monotonic() < deadline:
-            time.sleep(0.05)
-            used = self.used()
-        return used
-
-
 def run_resources(
     *,
     size_mib: float = 256.0,
@@ -1409,7 +1384,7 @@ def run_resources(
     """
     hub_name = f"soak-res-{uuid.uuid4().hex[:8]}"
     hub = raysync.connect(hub_name, keep=keep)
-    gauge = StoreGauge()
+    gauge = ObjectStoreGauge()
     kinds_used = [kinds[i % len(kinds)] for i in range(subscribers)]
     actors = [subscriber_class(hub_name, k, size_mib, tensors).remote() for k in kinds_used]
     ray.get([a.check.remote() for a in actors])
@@ -1428,17 +1403,20 @@ def run_resources(
             continue
         # Ray frees released objects in batches (about once a second): once they
         # landed, the kept versions and at most one retiring.
-        settled.append(gauge.settle(baseline + (keep + 1) * size) - baseline)
+        settled.append(gauge.settle(baseline + (keep + 1) * size, poll=0.05) - baseline)
         memory.append(ray.get([a.memory.remote() for a in actors]))
     elapsed = time.monotonic() - t0
     finals = ray.get([a.check.remote() for a in actors])
     torn_count = sum(torn(r) or r["version"] != pushes for r in finals)
-    end = gauge.settle(baseline + keep * size) - baseline
+    end = gauge.settle(baseline + keep * size, poll=0.05) - baseline
     for a in actors:
         ray.kill(a)
     ray.kill(hub.actor)
-    del hub  # the trainer's client holds its newest version (to offer a restarted hub) until it goes
-    released = gauge.settle(baseline + size // 8) - baseline
+    # The trainer's client holds its newest version (to offer a restarted hub) until it goes; it
+    # is in a reference cycle with its push pipeline, so only the collector frees it.
+    del hub
+    gc.collect()
+    released = gauge.settle(baseline + size // 8, poll=0.05) - baseline
     per_sub = []
     for i, kind in enumerate(kinds_used):
         rows = [m[i] for m in memory]
@@ -1492,20 +1470,6 @@ def print_resources(r: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- main
 
 
-def _ensure_ray(object_store_mib: int) -> bool:
-    if ray.is_initialized():
-        return False
-    ray.init(
-        address="local",  # a cluster of our own, never one another process started on the machine
-        num_cpus=4,
-        object_store_memory=object_store_mib * MiB,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
-    return True
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=300.0, help="how long to push under faults (soak)")
@@ -1532,16 +1496,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--resources", action="store_true", help="the keep=2 resource check instead")
     p.add_argument("--pushes", type=int, default=50, help="pushes (resources)")
-    p.add_argument("--object-store-mib", type=int, default=1536, help="if this script starts Ray")
-    p.add_argument("--json", type=Path, default=None, help="where to write the figures")
+    harness.add_options(p, object_store_mib=1536)  # if this script starts Ray
+    harness.add_options(p, json=None)  # default: results/soak.json or results/soak_resources.json
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the soak (or ``--resources``), print the figures, write JSON; return the figures."""
     args = parse_args(argv)
-    started = _ensure_ray(args.object_store_mib)
-    try:
+    # A cluster of our own (never one another process started on the machine), unless this
+    # process is already connected (a test's).
+    with harness.local_cluster(num_cpus=4, object_store_bytes=args.object_store_mib * MiB, reuse=True):
         if args.resources:
             result = run_resources(
                 size_mib=args.size_mib or 256.0,
@@ -1571,12 +1536,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
             print_soak(result)
             default_json = "soak.json"
-    finally:
-        if started:
-            ray.shutdown()
-    path = args.json or Path(__file__).resolve().parent / "results" / default_json
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str))
+    harness.write_json(args.json or RESULTS / default_json, result)
     return result
 
 

@@ -1,1 +1,1 @@
-"""Operations: the ``raysync`` command (status, bench) and metrics."""
+"""Operations: the ``raysync`` command (status, bench), metrics and the benchmarks (``ops.bench``)."""

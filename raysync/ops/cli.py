@@ -5,10 +5,11 @@ default ``raysync`` in Ray namespace ``raysync``, where every driver and job
 puts it) and prints its models, versions, subscribers, lag and last errors as
 tables (``--json`` for the raw ``hub.status()``).
 
-``raysync bench`` runs the fan-out benchmark (``benchmarks/push_fanout.py`` of
-a source checkout) on a local Ray of its own, with a progress bar; it prints
-the benchmark's table and writes a PNG plot of push-to-all-applied time
-against the number of actors, with the copy floor.
+``raysync bench`` runs the push fan-out scenario (:mod:`raysync.ops.bench.fanout`,
+part of the package: no source checkout needed) on a local Ray of its own,
+with a progress bar; it prints the scenario's table and target checks and
+writes a PNG plot of push-to-all-applied time against the number of actors,
+with the copy floor.
 
 Installed as the console script ``raysync``; ``python -m raysync`` is the same.
 
@@ -17,14 +18,14 @@ Example:
 
         raysync status                         # RAY_ADDRESS, or the local cluster
         raysync status --address 10.0.0.5:6379 --name my-hub --json
-        raysync bench --quick                  # about a minute; writes push_fanout.png
+        raysync bench --quick                  # about a minute; raysync-bench/push_fanout.{json,png}
+        raysync bench --sizes-mib 64 --actors 1 4 --apply view --plot fanout.png
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import json
 import logging
@@ -38,18 +39,15 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO, cast
 
 from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE
 
-__all__ = ["find_bench_script", "main", "plot_fanout", "render_status"]
+__all__ = ["main", "render_status"]
 
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
-BENCH_SCRIPT_ENV = "RAYSYNC_BENCH_SCRIPT"
-"""Environment variable naming the fan-out benchmark script (default: the checkout's)."""
 
 
 class CliError(Exception):
@@ -127,20 +125,15 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="run the push fan-out benchmark and plot it",
-        description="Run benchmarks/push_fanout.py with a progress bar, print its table and write "
-        "a PNG plot (push-to-all-applied time against the number of actors, with the copy floor). "
-        "Any other option is passed to the benchmark (see python benchmarks/push_fanout.py --help).",
+        description="Run the push fan-out scenario (raysync.ops.bench.fanout) on a local Ray of its "
+        "own with a progress bar, print its table and target checks and write a PNG plot "
+        "(push-to-all-applied time against the number of actors, with the copy floor). Any other "
+        "option goes to the scenario: --sizes-mib, --actors, --apply, --repeats, --json, ... "
+        "(python -m raysync.ops.bench.fanout --help lists them).",
     )
     bench.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats")
     bench.add_argument(
         "--plot", type=Path, default=None, help="PNG to write (default: next to the JSON, .png)"
-    )
-    bench.add_argument(
-        "--script",
-        type=Path,
-        default=None,
-        help=f"the benchmark script (default: ${BENCH_SCRIPT_ENV}, else benchmarks/push_fanout.py "
-        "of the checkout raysync runs from)",
     )
     return parser
 
@@ -461,49 +454,8 @@ def _writer(writer: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------- bench
 
 
-def find_bench_script(script: Path | None = None) -> Path:
-    """The fan-out benchmark to run: ``script``, ``$RAYSYNC_BENCH_SCRIPT``, or the checkout's.
-
-    Raises:
-        CliError: none of them exists (``raysync bench`` needs a source checkout).
-
-    Example:
-        >>> find_bench_script()  # doctest: +SKIP
-        PosixPath('/src/raysync/benchmarks/push_fanout.py')
-    """
-    import raysync
-
-    if script is not None:
-        candidates = [script]
-    else:
-        candidates = [Path(os.environ[BENCH_SCRIPT_ENV])] if os.environ.get(BENCH_SCRIPT_ENV) else []
-        candidates.append(Path(raysync.__file__).resolve().parent.parent / "benchmarks" / "push_fanout.py")
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise CliError(
-        f"benchmark script not found (looked for {[str(p) for p in candidates]}): raysync bench runs "
-        f"benchmarks/push_fanout.py of a source checkout; pass --script PATH or set {BENCH_SCRIPT_ENV}"
-    )
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("raysync_bench_push_fanout", path)
-    if spec is None or spec.loader is None:
-        raise CliError(f"cannot import the benchmark script {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
-    spec.loader.exec_module(module)
-    from ray import cloudpickle
-
-    # Ray workers cannot import a module loaded from a path: ship its actor classes by value,
-    # as Ray does for classes defined in a script's __main__.
-    cloudpickle.register_pickle_by_value(module)
-    return module
-
-
 class _StepCounter(logging.Handler):
-    """Moves the progress bar along the benchmark's own log lines ("... : floor", "...: raysync")."""
+    """Moves the progress bar along the scenario's own log lines ("... : floor", "...: raysync")."""
 
     def __init__(self, progress: Any, task: Any, total: int) -> None:
         super().__init__(level=logging.INFO)
@@ -519,17 +471,26 @@ class _StepCounter(logging.Handler):
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    module = _load(find_bench_script(args.script))
+    from raysync.ops.bench import fanout, fanout_report
+    from raysync.ops.bench.harness import BenchError, pyplot
+
     argv = [*extra, *(["--quick"] if args.quick else [])]
-    options = module.parse_args(argv)
+    options = fanout.parse_args(argv, prog="raysync bench")
+    plot = args.plot or Path(options.json).with_suffix(".png")
+    try:
+        pyplot()  # before a run of minutes, not after it
+    except BenchError as err:
+        raise CliError(f"{err}; the run was not started") from None
     steps = len(options.sizes_mib) * len(options.actors) * (1 + len(options.apply))
+    if options.schemes_only:
+        steps = 0
     root = logging.getLogger()
     quiet = None
-    if not root.handlers:  # keep the benchmark's INFO chatter off the progress bar
+    if not root.handlers:  # keep the scenario's INFO chatter off the progress bar
         quiet = logging.StreamHandler(sys.stderr)
         quiet.setLevel(logging.WARNING)
         root.addHandler(quiet)
-    bench_logger = logging.getLogger("push_fanout")
+    bench_logger = logging.getLogger(fanout.__name__)
     bench_logger.setLevel(logging.INFO)
     captured = io.StringIO()
     with Progress(
@@ -544,7 +505,7 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
         bench_logger.addHandler(counter)
         try:
             with contextlib.redirect_stdout(captured):
-                code = int(module.main(argv) or 0)
+                code = int(fanout.main(argv) or 0)
         finally:
             bench_logger.removeHandler(counter)
             if quiet is not None:
@@ -552,88 +513,9 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
         progress.update(task, completed=steps, description="done")
     sys.stdout.write(captured.getvalue())
     results = json.loads(Path(options.json).read_text())
-    plot = args.plot or Path(options.json).with_suffix(".png")
-    plot_fanout(results["rows"], plot, title=_plot_title(results.get("meta", {})))
-    print(f"plot: {plot}")
+    if results.get("rows"):
+        fanout_report.plot_fanout(
+            results["rows"], plot, title=fanout_report.plot_title(results.get("meta", {}))
+        )
+        print(f"plot: {plot}")
     return code
-
-
-def _plot_title(meta: Mapping[str, Any]) -> str:
-    parts = ["raysync push fan-out"]
-    if meta.get("cpus"):
-        parts.append(f"{meta['cpus']} CPUs")
-    if meta.get("ray"):
-        parts.append(f"Ray {meta['ray']}")
-    if meta.get("started"):
-        parts.append(str(meta["started"]))
-    return ", ".join(parts)
-
-
-def plot_fanout(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, title: str = "") -> Path:
-    """Plot push-to-all-applied time against the number of actors, with the copy floor.
-
-    One panel per model size; one line per apply mode (``copy``, ``view``)
-    and a dashed line for the floor measured in the same run. Needs
-    ``matplotlib`` (``pip install "raysync[plot]"``).
-
-    Args:
-        rows: the ``rows`` of ``benchmarks/push_fanout.py``'s JSON (each with
-            ``size_mib``, ``apply``, ``n``, ``push_to_all_applied_s`` and ``floor_s``).
-        path: the PNG to write (its folder is made if missing).
-        title: a title over the panels.
-
-    Returns:
-        The path written.
-
-    Example:
-        >>> rows = json.load(open("benchmarks/results/push_fanout.json"))["rows"]  # doctest: +SKIP
-        >>> plot_fanout(rows, "push_fanout.png")  # doctest: +SKIP
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise CliError('plotting needs matplotlib: pip install "raysync[plot]"') from err
-    if not rows:
-        raise CliError("no benchmark rows to plot")
-    sizes = sorted({int(r["size_mib"]) for r in rows})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
-    for ax, size in zip(axes[0], sizes, strict=True):
-        mine = [r for r in rows if int(r["size_mib"]) == size]
-        for apply in sorted({str(r["apply"]) for r in mine}):
-            pts = sorted((r["n"], r["push_to_all_applied_s"]) for r in mine if r["apply"] == apply)
-            pts = [(n, t) for n, t in pts if t is not None]
-            if pts:
-                ax.plot(
-                    [n for n, _ in pts],
-                    [t * 1e3 for _, t in pts],
-                    marker="o",
-                    label=f"raysync, apply={apply}",
-                )
-        floor = sorted({(r["n"], r["floor_s"]) for r in mine if r.get("floor_s") is not None})
-        if floor:
-            ax.plot(
-                [n for n, _ in floor],
-                [t * 1e3 for _, t in floor],
-                linestyle="--",
-                color="grey",
-                marker="x",
-                label="copy floor (snapshot + N copies)",
-            )
-        ax.set_title(f"{size} MiB model")
-        ax.set_xlabel("receiver actors (N)")
-        ax.set_ylabel("push to all applied (ms)")
-        ax.set_xticks(sorted({int(r["n"]) for r in mine}))
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title, fontsize="medium")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

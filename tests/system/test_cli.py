@@ -1,13 +1,14 @@
-"""The raysync command: `status` against a hub in the session cluster, `bench` with a stand-in script."""
+"""The raysync command: `status` against a hub in the session cluster; `bench` with a stand-in
+scenario, and for real (tiny) from a directory outside the checkout."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import ray
 
 import raysync
 from raysync.ops import cli
+from raysync.ops.bench import fanout, fanout_report
 from tests.conftest import small_policy, wait_for_condition
 
 
@@ -265,54 +267,75 @@ def _fake_rows() -> list[dict[str, Any]]:
 
 
 def test_plot_fanout_writes_a_png(tmp_path: Path) -> None:
-    path = cli.plot_fanout(_fake_rows(), tmp_path / "plots" / "fanout.png", title="fake")
+    path = fanout_report.plot_fanout(_fake_rows(), tmp_path / "plots" / "fanout.png", title="fake")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-def test_bench_runs_the_script_with_progress_table_and_plot(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_bench_drives_the_scenario_with_progress_table_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`raysync bench` drives whatever benchmark script it is given the way it drives push_fanout.py."""
-    script = tmp_path / "fake_fanout.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import argparse, json, logging
-            from pathlib import Path
-            logger = logging.getLogger("push_fanout")
-            ROWS = {_fake_rows()!r}
+    """`raysync bench` parses the scenario's options, follows its log lines, prints its table, plots."""
+    calls: list[list[str]] = []
 
-            def parse_args(argv):
-                p = argparse.ArgumentParser()
-                p.add_argument("--quick", action="store_true")
-                p.add_argument("--json", type=Path, default=Path({str(tmp_path / "r.json")!r}))
-                a = p.parse_args(argv)
-                a.sizes_mib, a.actors = ([16], [1, 2]) if a.quick else ([16, 64], [1, 2, 4])
-                a.apply = ["copy", "view"]
-                return a
+    def fake_main(argv: list[str]) -> int:  # the scenario's logging and output, no Ray
+        calls.append(list(argv))
+        a = fanout.parse_args(argv)
+        for size in a.sizes_mib:
+            for n in a.actors:
+                fanout.logger.info("%d MiB, N=%d: floor", size, n)
+                for apply in a.apply:
+                    fanout.logger.info("%d MiB, N=%d, apply=%s: raysync", size, n, apply)
+        print("size apply N | applied_s floor_s")
+        rows = [r for r in _fake_rows() if r["size_mib"] in a.sizes_mib and r["n"] in a.actors]
+        a.json.write_text(json.dumps({"meta": {"cpus": 2}, "rows": rows}))
+        return 0
 
-            def main(argv):
-                a = parse_args(argv)
-                rows = [r for r in ROWS if r["size_mib"] in a.sizes_mib and r["n"] in a.actors]
-                for size in a.sizes_mib:
-                    for n in a.actors:
-                        logger.info("%d MiB, N=%d: floor", size, n)
-                        for apply in a.apply:
-                            logger.info("%d MiB, N=%d, apply=%s: raysync", size, n, apply)
-                print("size apply N | applied_s floor_s")
-                a.json.write_text(json.dumps({{"meta": {{"cpus": 2}}, "rows": rows}}))
-                return 0
-            """
-        )
-    )
-    plot = tmp_path / "quick.png"
-    assert cli.main(["bench", "--quick", "--script", str(script), "--plot", str(plot)]) == 0
+    monkeypatch.setattr(fanout, "main", fake_main)
+    plot, results = tmp_path / "quick.png", tmp_path / "r.json"
+    assert cli.main(["bench", "--quick", "--json", str(results), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "size apply N | applied_s floor_s" in out and f"plot: {plot}" in out
     assert plot.read_bytes()[:4] == b"\x89PNG"
-    assert cli.main(["bench", "--script", str(tmp_path / "missing.py")]) == 1
-    assert "benchmark script not found" in capsys.readouterr().err
+    assert calls == [["--json", str(results), "--quick"]]
+    assert {r["size_mib"] for r in json.loads(results.read_text())["rows"]} == {16}  # --quick: 16 MiB
+
+    assert cli.main(["bench", "--sizes-mib", "64", "--actors", "1", "2", "--json", str(results)]) == 0
+    assert "plot: " + str(results.with_suffix(".png")) in capsys.readouterr().out
+
+
+def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> None:
+    """`python -m raysync bench` runs the scenario installed with raysync, not benchmarks/ of a checkout.
+
+    A real run, tiny (1 MiB, one view receiver, two timed pushes), in a working directory with
+    no benchmarks/ and nothing of the checkout on the path but the raysync package itself.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    checkout = Path(raysync.__file__).resolve().parent.parent
+    probe = (  # is the checkout, or a push_fanout.py in some `benchmarks` package, importable there?
+        "import importlib.util as u, pathlib, sys; b = u.find_spec('benchmarks'); "
+        "print(sorted({str(pathlib.Path(p or '.').resolve()) for p in sys.path}), "
+        "u.find_spec('push_fanout'), [p for p in (b.submodule_search_locations if b else []) "
+        "if (pathlib.Path(p) / 'push_fanout.py').exists()])"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert f"'{checkout}'" not in found.stdout and found.stdout.endswith(" None []\n"), found
+    assert Path(fanout.__file__).resolve().parent.parent.parent == Path(raysync.__file__).resolve().parent
+
+    argv = [sys.executable, "-m", "raysync", "bench", "--quick", "--sizes-mib", "1", "--actors", "1"]
+    argv += ["--apply", "view", "--object-store-mib", "128", "--no-prefault", "--quiet-timeout", "0"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    tail = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, tail
+    results = json.loads((tmp_path / "raysync-bench" / "push_fanout.json").read_text())
+    (row,) = results["rows"]
+    assert (row["size_mib"], row["n"], row["apply"], row["verified"]) == (1, 1, "view", True), row
+    assert len(row["push_to_all_applied_samples"]) == 2  # --quick's 2 repeats
+    assert results["meta"]["scenario"] == "raysync.ops.bench.fanout"
+    assert "applied_s" in done.stdout and "/3 met" in done.stdout and "plot: " in done.stdout, tail
+    assert (tmp_path / "raysync-bench" / "push_fanout.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_installed_as_the_raysync_console_script() -> None:

@@ -1,4 +1,4 @@
-"""Rows for ``push_fanout.py --schemes``: torchrl 0.14's weight-sync schemes beside raysync's.
+"""Rows for the fan-out's ``--schemes``: torchrl 0.14's weight-sync schemes beside raysync's.
 
 Measured in the same run, on the same state dict and N as the main table:
 
@@ -19,7 +19,17 @@ torchrl MultiProcessWeightSyncScheme (CPU), N spawned processes
     it once; ``SharedMemWeightSyncScheme``: workers point into it).
 
 Every row is the median of ``repeats`` timed sends after ``warmup`` untimed ones,
-and every actor's marker value is checked after the last send.
+and every actor's marker value is checked after the last send. torchrl is
+optional: without it its rows are skipped (with a warning).
+
+Example:
+    >>> from raysync.ops.bench.fanout import receiver_class
+    >>> sd = harness.make_state_dict(64 * harness.MIB)
+    >>> rows = measure_scheme_rows(sd, n=8, repeats=5, warmup=2, receiver_class=receiver_class)
+    >>> rows += measure_mp_rows(sd, n=8, repeats=5, warmup=2)  # doctest: +SKIP
+    >>> for row in rows:  # doctest: +SKIP
+    ...     row["size_mib"] = 64
+    >>> print_scheme_table(rows); print_scheme_checks(scheme_checks(rows))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -29,15 +39,33 @@ import multiprocessing
 import statistics
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
 
 import raysync
 from raysync import schemes
+from raysync.ops.bench import harness
 
-logger = logging.getLogger("push_fanout.schemes")
+__all__ = [
+    "FLOOR_PATH",
+    "TARGETS",
+    "PlainReceiver",
+    "TorchRLReceiver",
+    "measure_mp_rows",
+    "measure_raysync_hub",
+    "measure_raysync_mp",
+    "measure_raysync_scheme",
+    "measure_scheme_rows",
+    "measure_torchrl_mp",
+    "measure_torchrl_ray",
+    "print_scheme_checks",
+    "print_scheme_table",
+    "scheme_checks",
+]
+
+logger = logging.getLogger(__name__)
 
 
 class _Blob(torch.nn.Module):
@@ -52,7 +80,11 @@ class _Blob(torch.nn.Module):
 
 @ray.remote(num_cpus=1)
 class PlainReceiver:
-    """Any actor with ``self.policy``: what raysync's direct Ray scheme updates."""
+    """Any actor with ``self.policy``: what raysync's direct Ray scheme updates.
+
+    Example:
+        >>> actor = PlainReceiver.remote({"w00": 1024})  # doctest: +SKIP
+    """
 
     def __init__(self, shapes: dict[str, int]) -> None:
         self.policy = _Blob(shapes=shapes)
@@ -63,7 +95,12 @@ class PlainReceiver:
 
 @ray.remote(num_cpus=1)
 class TorchRLReceiver:
-    """A torchrl receiver: joins the scheme's gloo group; ``_receive_weights_scheme`` is torchrl's call."""
+    """A torchrl receiver: joins the scheme's gloo group; ``_receive_weights_scheme`` is torchrl's call.
+
+    Example:
+        >>> actor = TorchRLReceiver.remote({"w00": 1024})  # doctest: +SKIP
+        >>> ray.get(actor.setup.remote(receiver_scheme, 0))  # doctest: +SKIP
+    """
 
     def __init__(self, shapes: dict[str, int]) -> None:
         self.policy = _Blob(shapes=shapes)
@@ -132,19 +169,18 @@ def _bounded(fn: Any, what: str) -> None:
         raise errors[0]
 
 
-def _kill(actors: list[Any]) -> None:
-    for actor in actors:
-        ray.kill(actor)
-
-
 def measure_torchrl_ray(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup: int) -> dict[str, Any]:
-    """torchrl 0.14.1 RayWeightSyncScheme (gloo) to N actors."""
+    """torchrl 0.14.1 RayWeightSyncScheme (gloo) to N actors.
+
+    Example:
+        >>> measure_torchrl_ray(sd, 8, repeats=5, warmup=2)["send_s"]  # doctest: +SKIP
+    """
     from tensordict import TensorDict
     from torchrl.weight_update import RayWeightSyncScheme
 
     shapes = {k: v.numel() for k, v in sd.items()}
     src = _Blob({k: v.clone() for k, v in sd.items()})
-    actors = [TorchRLReceiver.remote(shapes) for _ in range(n)]
+    actors = [cast(Any, TorchRLReceiver).remote(shapes) for _ in range(n)]
     scheme = RayWeightSyncScheme()
     receiver_scheme = RayWeightSyncScheme.__new__(RayWeightSyncScheme)
     receiver_scheme.__setstate__(scheme.__getstate__())  # same rendezvous id, no runtime state
@@ -172,13 +208,18 @@ def measure_torchrl_ray(sd: dict[str, torch.Tensor], n: int, repeats: int, warmu
         }
     finally:
         scheme.shutdown()
-        _kill(actors)
+        harness.kill_all(actors)
 
 
 def measure_raysync_scheme(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup: int) -> dict[str, Any]:
-    """raysync.schemes.RayWeightSyncScheme (direct: one ray.put per version) to N actors."""
+    """raysync.schemes.RayWeightSyncScheme (direct: one ray.put per version) to N actors.
+
+    Example:
+        >>> measure_raysync_scheme(sd, 8, repeats=5, warmup=2)["verified"]  # doctest: +SKIP
+        True
+    """
     shapes = {k: v.numel() for k, v in sd.items()}
-    actors = [PlainReceiver.remote(shapes) for _ in range(n)]
+    actors = [cast(Any, PlainReceiver).remote(shapes) for _ in range(n)]
     try:
         ray.get([a.marker.remote() for a in actors])
         scheme = schemes.RayWeightSyncScheme(timeout=600)
@@ -195,13 +236,19 @@ def measure_raysync_scheme(sd: dict[str, torch.Tensor], n: int, repeats: int, wa
             "verified": all(g == markers[-1] for g in got),
         }
     finally:
-        _kill(actors)
+        harness.kill_all(actors)
 
 
 def measure_raysync_hub(
     sd: dict[str, torch.Tensor], n: int, repeats: int, warmup: int, apply: str, receiver_class: Any
 ) -> dict[str, Any]:
-    """raysync through the hub (``RayWeightSyncScheme(hub=...)``) to N @synced_model actors."""
+    """raysync through the hub (``RayWeightSyncScheme(hub=...)``) to N @synced_model actors.
+
+    Example:
+        >>> from raysync.ops.bench.fanout import receiver_class
+        >>> measure_raysync_hub(sd, 8, 5, 2, "view", receiver_class)["path"]  # doctest: +SKIP
+        'raysync hub, apply=view'
+    """
     hub_name = f"bench-schemes-{uuid.uuid4().hex[:8]}"
     hub = raysync.connect(hub_name)
     total = sum(t.numel() * t.element_size() for t in sd.values())
@@ -225,8 +272,7 @@ def measure_raysync_hub(
             "verified": all(m == markers[-1] for _, m in got),
         }
     finally:
-        _kill(actors)
-        ray.kill(hub.actor)
+        harness.kill_all([*actors, hub.actor])
 
 
 FLOOR_PATH = "copy floor (snapshot + N copy_, no Ray)"
@@ -246,6 +292,10 @@ def measure_scheme_rows(
 
     ``floor_s`` (one snapshot copy plus N simultaneous private copies, measured
     by the caller in the same run) adds a row: no copy path can beat it here.
+
+    Example:
+        >>> from raysync.ops.bench.fanout import receiver_class
+        >>> rows = measure_scheme_rows(sd, n=8, repeats=5, warmup=2, receiver_class=receiver_class)
     """
     rows = []
     try:
@@ -288,7 +338,12 @@ def _raysync_mp_worker(scheme: Any, pipe: Any, shapes: dict[str, int]) -> None:
 
 
 def measure_torchrl_mp(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup: int) -> dict[str, Any]:
-    """torchrl 0.14.1 MultiProcessWeightSyncScheme to N spawned processes (aliases trainer memory)."""
+    """torchrl 0.14.1 MultiProcessWeightSyncScheme to N spawned processes (aliases trainer memory).
+
+    Example:
+        >>> measure_torchrl_mp(sd, 4, repeats=5, warmup=2)["verified"] is None  # doctest: +SKIP
+        True
+    """
     from tensordict import TensorDict
     from torchrl.weight_update import MultiProcessWeightSyncScheme
 
@@ -339,7 +394,12 @@ def measure_torchrl_mp(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup
 def measure_raysync_mp(
     sd: dict[str, torch.Tensor], n: int, repeats: int, warmup: int, shared: bool
 ) -> dict[str, Any]:
-    """raysync's MultiProcess (copy out of one snapshot) or SharedMem (point into it) scheme, N processes."""
+    """raysync's MultiProcess (copy out of one snapshot) or SharedMem (point into it) scheme, N processes.
+
+    Example:
+        >>> measure_raysync_mp(sd, 4, 5, 2, shared=True)["path"]  # doctest: +SKIP
+        'raysync SharedMemWeightSyncScheme'
+    """
     ctx = multiprocessing.get_context("spawn")
     shapes = {k: v.numel() for k, v in sd.items()}
     cls = schemes.SharedMemWeightSyncScheme if shared else schemes.MultiProcessWeightSyncScheme
@@ -383,7 +443,11 @@ def measure_raysync_mp(
 def measure_mp_rows(
     sd: dict[str, torch.Tensor], *, n: int, repeats: int, warmup: int
 ) -> list[dict[str, Any]]:
-    """torchrl's and raysync's process schemes, N spawned workers, with ratios to torchrl's."""
+    """torchrl's and raysync's process schemes, N spawned workers, with ratios to torchrl's.
+
+    Example:
+        >>> [r["path"] for r in measure_mp_rows(sd, n=4, repeats=5, warmup=2)]  # doctest: +SKIP
+    """
     rows = []
     try:
         rows.append(measure_torchrl_mp(sd, n, repeats, warmup))
@@ -402,7 +466,11 @@ def measure_mp_rows(
 
 
 def print_scheme_table(rows: list[dict[str, Any]]) -> None:
-    """The torchrl-vs-raysync table."""
+    """The torchrl-vs-raysync table, on stdout (rows need ``size_mib``).
+
+    Example:
+        >>> print_scheme_table(rows)  # doctest: +SKIP
+    """
     print("\nSchemes (send to all applied, median), torchrl 0.14 vs raysync, same run:")
     print(f"{'MiB':>5} {'N':>3}  {'path':<46} {'send s':>8} {'x torchrl':>9} {'connect s':>9}  ok")
     for r in rows:
@@ -426,6 +494,10 @@ def scheme_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (torchrl's time over the target factor) and, for copy, the copy floor's
     own speedup: when the floor is above the bound no copy path can meet it
     on this machine.
+
+    Example:
+        >>> [c["met"] for c in scheme_checks(rows)]  # doctest: +SKIP
+        [False, True]
     """
     checks = []
     for key in sorted({(r["size_mib"], r["n"]) for r in rows}):
@@ -461,7 +533,11 @@ def scheme_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_scheme_checks(checks: list[dict[str, Any]]) -> None:
-    """One line per target; for copy, what the copy floor itself reaches."""
+    """One line per target; for copy, what the copy floor itself reaches.
+
+    Example:
+        >>> print_scheme_checks(scheme_checks(rows))  # doctest: +SKIP
+    """
     if not checks:
         return
     print("\nTargets (ANCHORS.md): x torchrl RayWeightSyncScheme, 3x with apply=copy, 5x with apply=view:")

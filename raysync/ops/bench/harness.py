@@ -1,0 +1,573 @@
+"""The benchmark harness: models, a local cluster, timing, the object-store gauge, JSON/PNG, options.
+
+Every benchmark (:mod:`raysync.ops.bench.fanout`, the scripts in a source
+checkout's ``benchmarks/``) builds on these pieces instead of repeating them
+(and on :mod:`raysync.ops.bench.floor` for the copy floor, the object-store
+gauge and process memory):
+
+models
+    :class:`FlatModel` (an fp32 model of N bytes in K equal tensors),
+    :func:`make_state_dict` (the trainer's weights, every page written),
+    :class:`FlatModelFactory` (a picklable factory for receivers) and
+    :func:`small_policy` (a tiny MLP).
+clusters
+    :func:`local_cluster`: a Ray cluster of the benchmark's own
+    (``address="local"``, a sized object store, no dashboard), shut down on exit.
+timing
+    :func:`median`, :func:`ratio`, :func:`timed`, :func:`repeat` (warm-up, then
+    timed samples), :func:`wait_until_quiet`, :func:`kill_all`.
+output
+    :func:`run_meta` (machine, versions, checkout), :func:`write_json`,
+    :func:`pyplot` (matplotlib, or a clear :class:`BenchError`), :func:`save_figure`.
+options
+    :func:`add_options` (the options every scenario shares, each with the
+    scenario's default) and :func:`results_path`.
+
+Example:
+    >>> from raysync.ops.bench import harness
+    >>> with harness.local_cluster(num_cpus=4, object_store_bytes=2**30):  # doctest: +SKIP
+    ...     sd = harness.make_state_dict(16 * harness.MIB, 16)
+    ...     samples = harness.repeat(lambda: hub.push(sd, wait=True), repeats=5, warmup=2)
+    ...     print(harness.median(samples))
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "DEFAULT_RESULTS_DIR",
+    "MIB",
+    "BenchError",
+    "FlatModel",
+    "FlatModelFactory",
+    "add_options",
+    "fmt",
+    "git_state",
+    "kill_all",
+    "local_cluster",
+    "make_state_dict",
+    "median",
+    "model_bytes",
+    "pyplot",
+    "ratio",
+    "raysync_fingerprint",
+    "repeat",
+    "results_path",
+    "run_meta",
+    "save_figure",
+    "small_policy",
+    "tensor_numel",
+    "timed",
+    "wait_until_quiet",
+    "write_json",
+]
+
+logger = logging.getLogger(__name__)
+
+MIB = 2**20
+DEFAULT_RESULTS_DIR = Path("raysync-bench")
+"""Where results go when a scenario is run from the package (relative to the working directory)."""
+
+T = TypeVar("T")
+
+
+class BenchError(RuntimeError):
+    """A benchmark cannot do what it was asked (a missing optional package, nothing to plot).
+
+    Example:
+        >>> try:
+        ...     pyplot()
+        ... except BenchError as err:  # doctest: +SKIP
+        ...     print(err)
+        plotting needs matplotlib: pip install "raysync[plot]"
+    """
+
+
+# ---------------------------------------------------------------------- models
+
+
+def tensor_numel(total_bytes: int, num_tensors: int) -> int:
+    """Elements per fp32 tensor so that ``num_tensors`` of them make ``total_bytes`` (at least 1).
+
+    Example:
+        >>> tensor_numel(16 * MIB, 16)
+        262144
+    """
+    if num_tensors < 1:
+        raise ValueError(f"num_tensors must be >= 1, got {num_tensors}")
+    return max(1, total_bytes // 4 // num_tensors)
+
+
+class FlatModel(torch.nn.Module):
+    """A model that is only weights: ``num_tensors`` equal fp32 parameters of ``total_bytes`` in all.
+
+    Args:
+        total_bytes: the model's size (rounded down to whole fp32 elements per tensor).
+        num_tensors: how many parameters.
+        fill: the value every element starts at; None leaves them ``torch.empty``
+            (not touched, so not resident until written: a receiver that only
+            ever holds pushed weights pays no memory for its initial ones).
+        name: the parameter names, formatted with ``i`` (``"w{i:02d}"``: ``w00``, ``w01``, ...).
+        requires_grad: whether the parameters need gradients.
+
+    Example:
+        >>> m = FlatModel(4 * MIB, 4, fill=0.0)
+        >>> [n for n, _ in m.named_parameters()], model_bytes(m) == 4 * MIB
+        (['w00', 'w01', 'w02', 'w03'], True)
+    """
+
+    def __init__(
+        self,
+        total_bytes: int,
+        num_tensors: int = 16,
+        *,
+        fill: float | None = None,
+        name: str = "w{i:02d}",
+        requires_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        numel = tensor_numel(total_bytes, num_tensors)
+        for i in range(num_tensors):
+            data = torch.empty(numel) if fill is None else torch.full((numel,), float(fill))
+            self.register_parameter(name.format(i=i), torch.nn.Parameter(data, requires_grad=requires_grad))
+
+
+@dataclass(frozen=True)
+class FlatModelFactory:
+    """A picklable factory of :class:`FlatModel` (for receivers that build their own model).
+
+    Example:
+        >>> factory = FlatModelFactory(MIB, 4, fill=0.0)
+        >>> model_bytes(factory()) == MIB
+        True
+    """
+
+    total_bytes: int
+    num_tensors: int = 16
+    fill: float | None = 0.0
+    name: str = "w{i:02d}"
+
+    def __call__(self) -> torch.nn.Module:
+        return FlatModel(self.total_bytes, self.num_tensors, fill=self.fill, name=self.name)
+
+
+def make_state_dict(
+    total_bytes: int, num_tensors: int = 16, *, name: str = "w{i:02d}", random: bool = False
+) -> dict[str, torch.Tensor]:
+    """The trainer's weights: a plain fp32 state dict with every page written (resident).
+
+    Tensor ``i`` is filled with ``float(i)``, or with ``torch.randn`` if ``random``.
+
+    Example:
+        >>> sd = make_state_dict(MIB, 4)
+        >>> sorted(sd), float(sd["w03"][0])
+        (['w00', 'w01', 'w02', 'w03'], 3.0)
+    """
+    numel = tensor_numel(total_bytes, num_tensors)
+    return {
+        name.format(i=i): torch.randn(numel) if random else torch.full((numel,), float(i))
+        for i in range(num_tensors)
+    }
+
+
+def model_bytes(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a module's parameters or of a state dict's tensors.
+
+    Example:
+        >>> model_bytes(make_state_dict(MIB, 2)) == MIB
+        True
+    """
+    tensors = weights.parameters() if isinstance(weights, torch.nn.Module) else weights.values()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def small_policy(seed: int = 0, *, hidden: int = 16) -> torch.nn.Module:
+    """A tiny MLP (8 -> ``hidden`` -> 4), the same weights for the same seed.
+
+    Example:
+        >>> sum(p.numel() for p in small_policy().parameters())
+        212
+    """
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 4))
+
+
+# ---------------------------------------------------------------------- cluster
+
+
+@contextlib.contextmanager
+def local_cluster(
+    *,
+    num_cpus: int,
+    object_store_bytes: int,
+    log_to_driver: bool = False,
+    logging_level: int = logging.WARNING,
+    reuse: bool = False,
+) -> Iterator[bool]:
+    """A Ray cluster of the benchmark's own on this machine, shut down on exit.
+
+    ``address="local"`` starts a new cluster even when another one runs on the
+    machine or ``RAY_ADDRESS`` names one: a benchmark never measures (or
+    disturbs) someone else's. No dashboard.
+
+    Args:
+        num_cpus: CPUs the cluster advertises (actors ask for them, not the machine).
+        object_store_bytes: the object store's size (at least 80 MiB, Ray's minimum).
+        log_to_driver: show the workers' logs.
+        logging_level: Ray's own log level in this process.
+        reuse: if this process is already connected to a cluster, use it and leave it
+            running (a test's cluster, say) instead of failing.
+
+    Yields:
+        Whether this call started the cluster (and will shut it down).
+
+    Example:
+        >>> with local_cluster(num_cpus=4, object_store_bytes=512 * MIB) as started:  # doctest: +SKIP
+        ...     run_scenario()
+    """
+    import ray
+
+    if reuse and ray.is_initialized():
+        yield False
+        return
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        object_store_memory=max(int(object_store_bytes), 80 * MIB),
+        include_dashboard=False,
+        logging_level=logging_level,
+        log_to_driver=log_to_driver,
+    )
+    try:
+        yield True
+    finally:
+        ray.shutdown()
+
+
+def kill_all(actors: Iterable[Any]) -> None:
+    """``ray.kill`` every actor, ignoring the ones already gone.
+
+    Example:
+        >>> kill_all([])
+    """
+    import ray
+
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+
+
+# ---------------------------------------------------------------------- timing
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None; None if there are none.
+
+    Example:
+        >>> median([3.0, None, 1.0, 2.0]), median([None])
+        (2.0, None)
+    """
+    clean = [v for v in values if v is not None]
+    return statistics.median(clean) if clean else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None when either is missing or ``b`` is 0.
+
+    Example:
+        >>> ratio(3.0, 2.0), ratio(1.0, 0.0)
+        (1.5, None)
+    """
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """Call ``fn``; return its result and the seconds it took (``time.perf_counter``).
+
+    Example:
+        >>> result, seconds = timed(lambda: sum(range(1000)))
+        >>> result
+        499500
+    """
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def repeat(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> list[float]:
+    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed; return the timed seconds.
+
+    Example:
+        >>> samples = repeat(lambda: sum(range(1000)), repeats=5, warmup=2)
+        >>> len(samples)
+        5
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    for _ in range(warmup):
+        fn()
+    return [timed(fn)[1] for _ in range(repeats)]
+
+
+def wait_until_quiet(busy_below: float = 50.0, timeout: float = 5.0) -> float:
+    """Wait (bounded) until the machine's CPUs are mostly idle, e.g. after actors started.
+
+    Returns the last CPU utilisation seen, in percent of all cores (a noise indicator).
+
+    Example:
+        >>> busy = wait_until_quiet(timeout=1.0)  # doctest: +SKIP
+    """
+    import psutil  # a dependency of ray[default]; also in ray/thirdparty_files inside actors
+
+    deadline = time.monotonic() + timeout
+    busy = float(psutil.cpu_percent(interval=0.2))
+    while busy >= busy_below and time.monotonic() < deadline:
+        busy = float(psutil.cpu_percent(interval=0.2))
+    if busy >= busy_below:
+        logger.info("CPUs still %.0f%% busy (other processes?): timings will be noisy", busy)
+    return busy
+
+
+# ---------------------------------------------------------------------- output
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    """``format(value, spec)``, or ``-`` for None (a table cell).
+
+    Example:
+        >>> fmt(0.12345), fmt(None), fmt(2.5, ".1f")
+        ('0.123', '-', '2.5')
+    """
+    return "-" if value is None else format(value, spec)
+
+
+def git_state() -> dict[str, Any]:
+    """The checkout raysync runs from, if it runs from one: HEAD and whether ``raysync/`` had changes.
+
+    Both None for an installed wheel (no checkout around the package).
+
+    Example:
+        >>> sorted(git_state())
+        ['commit', 'raysync_dirty']
+    """
+    import raysync
+
+    root = Path(raysync.__file__).resolve().parent.parent
+    out: dict[str, Any] = {"commit": None, "raysync_dirty": None}
+    if not (root / ".git").exists() or not (root / "pyproject.toml").is_file():
+        return out  # site-packages: a repository further up is not raysync's
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(
+            ["git", *argv], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        )
+        return done.stdout.strip()
+
+    with contextlib.suppress(Exception):
+        out["commit"] = git("rev-parse", "HEAD")
+        out["raysync_dirty"] = bool(git("status", "--porcelain", "--", "raysync"))
+    return out
+
+
+def raysync_fingerprint() -> str:
+    """A hash of raysync's source files as they are on disk now.
+
+    Actors import raysync from disk when they start, the driver once at start-up:
+    if the source changes during a run, later configurations mix two versions.
+
+    Example:
+        >>> len(raysync_fingerprint())
+        16
+    """
+    import raysync
+
+    digest = hashlib.sha1()
+    for path in sorted(Path(raysync.__file__).resolve().parent.rglob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def run_meta(
+    scenario: str, argv: Sequence[str] | None = None, *, started: float | None = None, **extra: Any
+) -> dict[str, Any]:
+    """What a result file says about its run: scenario, options, machine, versions, checkout.
+
+    Args:
+        scenario: what ran (``"raysync.ops.bench.fanout"``, ``"benchmarks/soak.py"``).
+        argv: its command line (default: ``sys.argv[1:]``).
+        started: when it started (``time.time()``; default now); ``duration_s`` is measured from
+            it (None without it).
+        extra: more keys (the scenario's options, the object store's size, ...).
+
+    Example:
+        >>> meta = run_meta("doc", ["--quick"], cpus_used=2)
+        >>> meta["scenario"], meta["argv"], meta["cpus_used"]
+        ('doc', ['--quick'], 2)
+    """
+    import ray
+
+    import raysync
+
+    now = time.time()
+    t_start = now if started is None else started
+    meta: dict[str, Any] = {
+        "scenario": scenario,
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t_start)),
+        "duration_s": None if started is None else now - started,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+        "torch": torch.__version__,
+        "raysync": raysync.__version__,
+        "git": git_state(),
+    }
+    meta.update(extra)
+    return meta
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, argparse.Namespace):
+        return vars(value)  # its values come back here as needed
+    return str(value)
+
+
+def write_json(
+    path: str | os.PathLike[str], payload: Mapping[str, Any] | Sequence[Any], *, indent: int = 2
+) -> Path:
+    """Write ``payload`` as JSON to ``path`` (its folder made if missing); paths and others as text.
+
+    Example:
+        >>> config = argparse.Namespace(json=Path("r.json"))
+        >>> write_json(tmp / "r.json", {"rows": [], "config": config})  # doctest: +SKIP
+        PosixPath('.../r.json')
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=indent, default=_jsonable))
+    return out
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend.
+
+    Raises:
+        BenchError: matplotlib is not installed (the message says how to get it).
+
+    Example:
+        >>> plt = pyplot()  # doctest: +SKIP
+        >>> fig, ax = plt.subplots()  # doctest: +SKIP
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise BenchError(
+            'plotting needs matplotlib: pip install "raysync[plot]" (or pass no --png/--plot)'
+        ) from err
+    return plt
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 110) -> Path:
+    """Save a matplotlib figure as PNG (its folder made if missing) and close it.
+
+    Example:
+        >>> fig, ax = pyplot().subplots()  # doctest: +SKIP
+        >>> save_figure(fig, "plots/x.png")  # doctest: +SKIP
+        PosixPath('plots/x.png')
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    pyplot().close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------- options
+
+
+def results_path(name: str, results_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where a scenario writes ``name`` by default: ``results_dir``, else :data:`DEFAULT_RESULTS_DIR`.
+
+    The scripts of a source checkout pass their own ``benchmarks/results``.
+
+    Example:
+        >>> results_path("push_fanout.json")
+        PosixPath('raysync-bench/push_fanout.json')
+    """
+    return Path(results_dir if results_dir is not None else DEFAULT_RESULTS_DIR) / name
+
+
+_OPTIONS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "sizes_mib": ("--sizes-mib", {"type": int, "nargs": "+"}, "model sizes in MiB"),
+    "actors": ("--actors", {"type": int, "nargs": "+"}, "receiver counts N"),
+    "repeats": ("--repeats", {"type": int}, "timed repeats per configuration (medians)"),
+    "warmup": ("--warmup", {"type": int}, "untimed repeats per configuration, first"),
+    "tensors": ("--tensors", {"type": int}, "equal fp32 tensors per model"),
+    "timeout": ("--timeout", {"type": float}, "seconds for any one wait"),
+    "object_store_mib": ("--object-store-mib", {"type": int}, "object store size in MiB"),
+    "json": ("--json", {"type": Path}, "where to write the results"),
+    "png": ("--png", {"type": Path}, "where to write the plot"),
+}
+
+
+def add_options(
+    parser: argparse.ArgumentParser, *, verbose: bool = False, **defaults: Any
+) -> argparse.ArgumentParser:
+    """Add the options benchmarks share, each one named in ``defaults``, with that default.
+
+    Names: ``sizes_mib`` (``--sizes-mib``, model sizes), ``actors`` (receiver
+    counts N), ``repeats`` (timed repeats, medians reported), ``warmup`` (untimed
+    ones first), ``tensors`` (equal fp32 tensors per model), ``timeout`` (seconds
+    for any one wait), ``object_store_mib``, ``json`` (results) and ``png``
+    (plot); ``verbose=True`` adds ``--verbose``. A default of None means "the
+    scenario decides" (say, after ``--quick``).
+
+    Raises:
+        TypeError: a name that is not one of these.
+
+    Example:
+        >>> p = add_options(argparse.ArgumentParser(), sizes_mib=[16, 64], repeats=3, json=Path("r.json"))
+        >>> p.parse_args(["--sizes-mib", "8"]).sizes_mib, p.parse_args([]).repeats
+        ([8], 3)
+    """
+    unknown = sorted(set(defaults) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"add_options() got unknown options {unknown}; known: {sorted(_OPTIONS)}")
+    for name, default in defaults.items():
+        flag, kwargs, text = _OPTIONS[name]
+        parser.add_argument(flag, default=default, help=_default(text, default), **kwargs)
+    if verbose:
+        parser.add_argument("--verbose", action="store_true", help="debug logging, Ray worker logs shown")
+    return parser
+
+
+def _default(text: str, value: Any) -> str:
+    if value is None:
+        return text
+    shown = " ".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    return f"{text} (default: {shown})"
