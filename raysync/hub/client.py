@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -119,7 +120,14 @@ class HubClient:
         self.takeover = takeover
         self.retry_s = RETRY_S
         self._handle: Any = None
-        self._pipeline = PushPipeline(self._publish, previous=self._hub_newest, lost=self._lost)
+        # The pipeline calls back through a weak reference: no cycle, so the version it keeps
+        # leaves the object store as soon as the client is dropped (not at the next GC).
+        me = weakref.ref(self)
+        self._pipeline = PushPipeline(
+            lambda *args: _alive(me)._publish(*args),
+            previous=lambda model_id: _alive(me)._hub_newest(model_id),
+            lost=lambda model_id, version: _alive(me)._lost(model_id, version),
+        )
         self.last_push: dict[str, Any] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -372,6 +380,12 @@ class HubClient:
         """
         result: dict[str, Any] = self._call("status")
         return result
+
+
+def _alive(ref: weakref.ReferenceType[HubClient]) -> HubClient:
+    client = ref()
+    assert client is not None, "a HubClient's pipeline outlived it"
+    return client
 
 
 def _restore_client(

@@ -79,8 +79,8 @@ def test_each_adapter_runs_in_its_bundle(setup: dict[str, Any]) -> None:
     rows = _rows(setup["hub"])
     assert set(rows) == {"PipeAdapter", "DistributedAdapter", "RPCAdapter"}  # one subscriber each
     assert [rows[c]["placement"]["bundle_index"] for c in ("PipeAdapter", "DistributedAdapter")] == [0, 1]
-    assert adapters._choose_bundles(pg, None, "node") == [0]  # every bundle is on this one node
-    assert adapters._choose_bundles(pg, [2, 1], "bundle") == [2, 1]
+    assert adapters.placement._choose_bundles(pg, None, "node") == [0]  # every bundle is on this one node
+    assert adapters.placement._choose_bundles(pg, [2, 1], "bundle") == [2, 1]
 
 
 def test_every_receiver_bit_equal_and_bytes_fetched_once_per_adapter(setup: dict[str, Any]) -> None:

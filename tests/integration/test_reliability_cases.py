@@ -365,7 +365,10 @@ def test_case08_a_killed_subscriber_that_failed_is_reaped_without_a_waiter(
 
     sub = ray.remote(num_cpus=0)(Mismatched).remote()
     ray.get(sub.ready.remote(), timeout=CALL_S)
-    assert "WeightMismatchError" in (_status_row(hub, sub) or {}).get("last_error", "")
+    wait_for_condition(
+        lambda: "WeightMismatchError" in ((_status_row(hub, sub) or {}).get("last_error") or ""),
+        what="its start-up apply failed and was reported",
+    )
     ray.kill(sub)
     # Nobody waits and nobody pushes: the hub notices by itself that it stopped checking in.
     wait_for_condition(
