@@ -59,8 +59,18 @@ class _Hub:
         self._handle: Any = None
 
     def handle(self, fresh: bool = False) -> Any:
-        if fresh or self._handle is None:
+        """The hub's handle: made (or found) on first use; after it died, found again by name only.
+
+        A subscriber never re-creates a hub that was killed for good: the next client
+        call does, and the subscriber then finds it.
+        """
+        if self._handle is None:
             self._handle = get_hub_actor(self.name, self.namespace)
+        elif fresh:
+            try:
+                self._handle = ray.get_actor(self.name, namespace=self.namespace)
+            except ValueError:  # none by that name (yet): keep asking the old one
+                pass
         return self._handle
 
 
@@ -128,10 +138,9 @@ class Membership:
                     timeout=proto.HEARTBEAT_S * 5,
                 )
             )
-        except ray.exceptions.ActorDiedError:  # killed for good: follow a new hub of that name
-            try:
-                hub.handle(fresh=True)
-            except Exception:
+        except ray.exceptions.ActorDiedError:  # killed for good: follow a new hub of that name, if any
+            before = hub.handle()
+            if hub.handle(fresh=True) is before:
                 return
             unknown = {m.sub_id for m in members}
         except Exception:  # restarting or busy: try again next beat
