@@ -87,9 +87,15 @@ def connect(
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep must be None or an integer >= 1 (versions kept per model), got {keep!r}")
     client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
-    handle = get_hub_actor(name, namespace, keep=keep)
-    ray.get(handle.configure.remote(keep))
-    client._handle = handle
+    # While the hub restarts, wait for it (as every other call does) instead of failing.
+    handles: list[Any] = []
+
+    def handle(fresh: bool) -> Any:
+        handles.append(get_hub_actor(name, namespace, keep=keep))
+        return handles[-1]
+
+    call_hub(handle, "configure", keep, retry_s=client.retry_s)
+    client._handle = handles[-1]
     return client
 
 

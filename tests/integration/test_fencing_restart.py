@@ -91,6 +91,16 @@ def test_hub_restart_resumes_sync_without_a_manual_step(hub: raysync.HubClient, 
         assert_same_weights(ray.get(c.weights.remote()), small_policy(11).state_dict())
 
 
+def test_connect_while_the_hub_restarts_waits_for_it(hub: raysync.HubClient, hub_name: str) -> None:
+    """A trainer restarting at the same time as the hub (connect() first) gets a working client."""
+    assert hub.push(small_policy(0)) == 1
+    for i in range(2):
+        ray.kill(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
+        client = raysync.connect(hub_name, keep=3)  # must not raise ActorUnavailableError
+        assert client.push(small_policy(i + 1)) == i + 2  # numbers continue across the restart
+    assert ray.get(client.actor.configure.remote())["keep"] == 3
+
+
 def test_check_finite_refuses_nan_and_inf(hub: raysync.HubClient) -> None:
     weights = {
         "ok": torch.ones(3),
