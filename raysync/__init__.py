@@ -14,6 +14,8 @@ Example:
     1
 """
 
+from typing import TYPE_CHECKING, Any
+
 from raysync.core.layout import Manifest, TensorEntry
 from raysync.errors import (
     ApplyError,
@@ -26,9 +28,36 @@ from raysync.errors import (
     UnknownModelError,
     WeightMismatchError,
 )
-from raysync.hub.client import HubClient, connect
-from raysync.receivers.module_transform import RayModuleTransform
-from raysync.receivers.synced import synced_model
+
+if TYPE_CHECKING:
+    from raysync.hub.client import HubClient, connect
+    from raysync.receivers.module_transform import RayModuleTransform
+    from raysync.receivers.synced import synced_model
+
+# Loaded on first use, so that a process that only hosts the hub (raysync.hub.actor)
+# starts without importing torch: a hub restart then takes about a second, not four.
+_LAZY = {
+    "HubClient": "raysync.hub.client",
+    "connect": "raysync.hub.client",
+    "RayModuleTransform": "raysync.receivers.module_transform",
+    "synced_model": "raysync.receivers.synced",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raysync' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -23,15 +23,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from raysync.errors import (
     InvalidWeightsError,
     WeightMismatchError,
 )
 
-if TYPE_CHECKING:
-    pass
+if TYPE_CHECKING:  # torch is imported where it is used: the hub process never loads it
+    import torch
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -284,6 +282,8 @@ def cast_floating(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> di
         >>> cast["w"].dtype, cast["n"].dtype
         (torch.bfloat16, torch.int64)
     """
+    import torch
+
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     return {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
@@ -342,6 +342,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _dtype_from_name(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise InvalidWeightsError(f"unknown dtype {name!r} in a manifest")

@@ -179,3 +179,14 @@ def test_delivery_goes_to_push_subscribers_that_lack_the_newest() -> None:
     rows = {r["subscriber"]: r for r in state.status()["subscribers"]}
     assert rows["pull:policy"]["lag"] == 2 and rows["pull:policy"]["mode"] == "pull"
     assert puller.applied is None
+
+
+def test_the_hub_process_starts_without_torch() -> None:
+    """A hub restart only loads Ray and the hub's rules (about a second on 2 cores, torch is ~3 s)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, raysync.hub.actor, raysync; print(sorted(m for m in ('torch',) if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch" not in done.stdout, done.stdout
