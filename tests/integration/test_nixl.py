@@ -40,7 +40,7 @@ def test_same_behaviour_as_the_object_store(
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["threaded", "async"])
 def test_no_torn_reads_over_nixl(nixl_hub: raysync.HubClient, hub_name: str, is_async: bool) -> None:
-    test_synced.check_no_torn_reads(nixl_hub, hub_name, is_async, batches=5)
+    test_synced.check_no_torn_reads(nixl_hub, hub_name, is_async, batches=8)
 
 
 def test_nixl_versions_skip_the_object_store(nixl_hub: raysync.HubClient, hub_name: str) -> None:

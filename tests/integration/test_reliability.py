@@ -171,8 +171,11 @@ def test_hub_killed_for_good_comes_back_by_name_and_sync_resumes(
     with pytest.raises(raysync.UnknownModelError, match="no version of model 'policy'"):
         hub.pull()
     # Subscribers find the new hub by name and register again with what they hold.
+    # (until they do, the new hub lists them as "restoring": known from the GCS, holding nothing)
     rows = wait_for_condition(
-        lambda: len(s := hub.status()["subscribers"]) == 2 and s, timeout=30, what="re-registered"
+        lambda: len(s := hub.status()["subscribers"]) == 2 and all(r["state"] == "live" for r in s) and s,
+        timeout=30,
+        what="re-registered",
     )
     assert {r["applied"] for r in rows} == {2}
     push(hub, 3, wait=True, timeout=60)
