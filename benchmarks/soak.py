@@ -981,12 +981,16 @@ class _Soak:
         lost: list[str] = []
         self.rollouts = False
         ray.get(self.ledger.stop.remote())
-        # The trainer loop notices at its next push.
-        if not self.pump_until(lambda: bool(self.ledger_state["loop_exits"]), self.call_timeout + 5):
+        # The trainer loop notices at its next push; a trainer killed last whose new process
+        # has not started yet gets as long as Ray may take to restart a process.
+        self.refresh_ledger()
+        restarting = len(self.ledger_state["pids"]) <= self.trainer_kills
+        bound = self.restart_bound if restarting else self.call_timeout + 5
+        if not self.pump_until(lambda: bool(self.ledger_state["loop_exits"]), bound):
             self.watch_trainer()
             self.event(
                 "stuck",
-                f"trainer: push loop did not stop within {self.call_timeout + 5:.0f} s: {self.ledger_state}",
+                f"trainer: push loop did not stop within {bound:.0f} s: {self.ledger_state}",
             )
             self.trainer_stuck += 1
         # Every subscriber answers again (a restarted one has registered by then).

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
 from raysync.errors import RaySyncError
@@ -87,11 +87,14 @@ def call_hub(
         except RayTaskError as err:
             raise _unwrapped(err) from None
         except _RESTARTING as err:
+            if deadline is not None and time.monotonic() >= deadline:
+                why = f"the hub did not answer {method} within {timeout} s (restarting)"
+                raise GetTimeoutError(why) from err
             if time.monotonic() >= give_up:
                 raise
             logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
             fresh = True
-            time.sleep(delay)
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 1.0)
 
 
@@ -110,9 +113,12 @@ async def call_hub_async(
         except RayTaskError as err:
             raise _unwrapped(err) from None
         except _RESTARTING as err:
+            if deadline is not None and loop.time() >= deadline:
+                why = f"the hub did not answer {method} within {timeout} s (restarting)"
+                raise asyncio.TimeoutError(why) from err
             if loop.time() >= give_up:
                 raise
             logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
             fresh = True
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay if deadline is None else min(delay, max(0.0, deadline - loop.time())))
             delay = min(delay * 2, 1.0)
