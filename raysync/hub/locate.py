@@ -57,6 +57,34 @@ def _unwrapped(err: RayTaskError) -> BaseException:
     return cause if isinstance(cause, RaySyncError) else err
 
 
+class _Retries:
+    """The retry rule of every hub call: back off while the hub restarts, within the caller's time."""
+
+    def __init__(self, method: str, timeout: float | None, retry_s: float, timeout_error: type[Exception]):
+        now = time.monotonic()
+        self.method, self.timeout, self.timeout_error = method, timeout, timeout_error
+        self.deadline = None if timeout is None else now + timeout
+        self.give_up = now + (retry_s if timeout is None else min(retry_s, timeout))
+        self.delay = 0.05
+
+    def left(self) -> float | None:
+        """Seconds left of the caller's timeout (``None``: no timeout)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def after(self, err: Exception) -> float:
+        """Seconds to wait before trying again after ``err`` (the hub restarting); raise when out of time."""
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            why = f"the hub did not answer {self.method} within {self.timeout} s (restarting)"
+            raise self.timeout_error(why) from err
+        if now >= self.give_up:
+            raise err
+        logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, self.method)
+        wait = self.delay if self.deadline is None else min(self.delay, self.deadline - now)
+        self.delay = min(self.delay * 2, 1.0)
+        return wait
+
+
 def call_hub(
     handle: Callable[[bool], Any],
     method: str,
@@ -76,49 +104,27 @@ def call_hub(
     Raises:
         RaySyncError: what the hub raised (``StaleWriterError``, ``UnknownModelError``, ...).
     """
-    now = time.monotonic()
-    give_up = now + retry_s if timeout is None else now + min(retry_s, timeout)
-    deadline = None if timeout is None else now + timeout
-    delay, fresh = 0.05, False
+    retries, fresh = _Retries(method, timeout, retry_s, GetTimeoutError), False
     while True:
         try:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return ray.get(getattr(handle(fresh), method).remote(*args), timeout=left)
+            return ray.get(getattr(handle(fresh), method).remote(*args), timeout=retries.left())
         except RayTaskError as err:
             raise _unwrapped(err) from None
         except _RESTARTING as err:
-            if deadline is not None and time.monotonic() >= deadline:
-                why = f"the hub did not answer {method} within {timeout} s (restarting)"
-                raise GetTimeoutError(why) from err
-            if time.monotonic() >= give_up:
-                raise
-            logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
+            time.sleep(retries.after(err))
             fresh = True
-            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 1.0)
 
 
 async def call_hub_async(
     handle: Callable[[bool], Any], method: str, *args: Any, timeout: float | None = None
 ) -> Any:
     """:func:`call_hub` for event loops (``asyncio.TimeoutError`` after ``timeout``)."""
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
-    give_up = loop.time() + (RETRY_S if timeout is None else min(RETRY_S, timeout))
-    delay, fresh = 0.05, False
+    retries, fresh = _Retries(method, timeout, RETRY_S, asyncio.TimeoutError), False
     while True:
         try:
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            return await asyncio.wait_for(getattr(handle(fresh), method).remote(*args), left)
+            return await asyncio.wait_for(getattr(handle(fresh), method).remote(*args), retries.left())
         except RayTaskError as err:
             raise _unwrapped(err) from None
         except _RESTARTING as err:
-            if deadline is not None and loop.time() >= deadline:
-                why = f"the hub did not answer {method} within {timeout} s (restarting)"
-                raise asyncio.TimeoutError(why) from err
-            if loop.time() >= give_up:
-                raise
-            logger.warning("hub unavailable (%s); retrying %s", type(err).__name__, method)
+            await asyncio.sleep(retries.after(err))
             fresh = True
-            await asyncio.sleep(delay if deadline is None else min(delay, max(0.0, deadline - loop.time())))
-            delay = min(delay * 2, 1.0)
