@@ -87,15 +87,8 @@ def connect(
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep must be None or an integer >= 1 (versions kept per model), got {keep!r}")
     client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
-    # While the hub restarts, wait for it (as every other call does) instead of failing.
-    handles: list[Any] = []
-
-    def handle(fresh: bool) -> Any:
-        handles.append(get_hub_actor(name, namespace, keep=keep))
-        return handles[-1]
-
-    call_hub(handle, "configure", keep, retry_s=client.retry_s)
-    client._handle = handles[-1]
+    client._handle = get_hub_actor(name, namespace, keep=keep)  # a new hub starts with `keep`
+    client._call("configure", keep)  # waits through a hub restart, as every call does
     return client
 
 
