@@ -119,6 +119,11 @@ class TorchRLReceiver:
         return float(next(iter(self.policy.parameters()))[0])
 
 
+
+def _row(path: str, times: list[float], connect_s: float, verified: bool | None) -> dict[str, Any]:
+    """One scheme row: the median send, the connect time, whether every receiver held the last marker."""
+    return {"path": path, "send_s": statistics.median(times), "connect_s": connect_s, "verified": verified}
+
 def _timed(send: Any, mark: Any, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
     times = []
     markers = []
@@ -200,12 +205,8 @@ def measure_torchrl_ray(sd: dict[str, torch.Tensor], n: int, repeats: int, warmu
 
         times, markers = _timed(lambda: scheme.send(weights), mark, repeats, warmup)
         got = ray.get([a.marker.remote() for a in actors])
-        return {
-            "path": "torchrl RayWeightSyncScheme (gloo)",
-            "send_s": statistics.median(times),
-            "connect_s": connect_s,
-            "verified": all(g == markers[-1] for g in got),
-        }
+        verified = all(g == markers[-1] for g in got)
+        return _row("torchrl RayWeightSyncScheme (gloo)", times, connect_s, verified)
     finally:
         scheme.shutdown()
         harness.kill_all(actors)
@@ -229,12 +230,8 @@ def measure_raysync_scheme(sd: dict[str, torch.Tensor], n: int, repeats: int, wa
         connect_s = time.perf_counter() - t0
         times, markers = _timed_sends(scheme, sd, repeats, warmup)
         got = ray.get([a.marker.remote() for a in actors])
-        return {
-            "path": "raysync schemes.RayWeightSyncScheme",
-            "send_s": statistics.median(times),
-            "connect_s": connect_s,
-            "verified": all(g == markers[-1] for g in got),
-        }
+        verified = all(g == markers[-1] for g in got)
+        return _row("raysync schemes.RayWeightSyncScheme", times, connect_s, verified)
     finally:
         harness.kill_all(actors)
 
@@ -265,12 +262,7 @@ def measure_raysync_hub(
         connect_s = time.perf_counter() - t0
         times, markers = _timed_sends(scheme, sd, repeats, warmup)
         got = ray.get([a.probe.remote() for a in actors])
-        return {
-            "path": f"raysync hub, apply={apply}",
-            "send_s": statistics.median(times),
-            "connect_s": connect_s,
-            "verified": all(m == markers[-1] for _, m in got),
-        }
+        return _row(f"raysync hub, apply={apply}", times, connect_s, all(m == markers[-1] for _, m in got))
     finally:
         harness.kill_all([*actors, hub.actor])
 
@@ -376,12 +368,7 @@ def measure_torchrl_mp(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup
             repeats,
             warmup,
         )
-        return {
-            "path": "torchrl MultiProcessWeightSyncScheme (aliases)",
-            "send_s": statistics.median(times),
-            "connect_s": connect_s,
-            "verified": None,
-        }
+        return _row("torchrl MultiProcessWeightSyncScheme (aliases)", times, connect_s, None)
     finally:
         stop.set()
         for proc in procs:
@@ -421,12 +408,7 @@ def measure_raysync_mp(
         for _, transport in sorted(scheme.get_sender().transports.items()):
             transport.send_message("marker")
             got.append(transport.next_message(timeout=60))
-        return {
-            "path": f"raysync {cls.__name__}",
-            "send_s": statistics.median(times),
-            "connect_s": connect_s,
-            "verified": all(g == markers[-1] for g in got),
-        }
+        return _row(f"raysync {cls.__name__}", times, connect_s, all(g == markers[-1] for g in got))
     finally:
         for parent, _ in pipes:
             try:
