@@ -83,7 +83,9 @@ class SubscriberInfo:
     """Who a subscriber is, for ``status()`` and for the hub's rules.
 
     Attributes:
-        mode: ``"push"`` (the hub delivers) or ``"pull"`` (it asks).
+        mode: ``"push"`` (the hub delivers), ``"pull"`` (it asks when its user asks) or
+            ``"follow"`` (a process the hub cannot call that long-polls on its own and
+            acknowledges each apply: waits count it, as they count push subscribers).
         apply: ``"copy"``, ``"view"``, or the adapter's kind.
         actor_id: its Ray actor (``None``: a plain process).
         class_name: the user's class, or the adapter's.
@@ -92,6 +94,7 @@ class SubscriberInfo:
         attr: the attribute that holds the module.
         placement: where an adapter runs (placement group, bundle).
         batch: subscriptions of one actor share one notification call.
+        job_id: the Ray job of a plain process (the hub drops it when that job ends).
     """
 
     mode: str = "push"
@@ -103,6 +106,7 @@ class SubscriberInfo:
     attr: str | None = None
     placement: dict[str, Any] | None = None
     batch: bool = False
+    job_id: str | None = None
 
     def row(self) -> dict[str, Any]:
         """The fields as a plain dict (persisted, shown in status)."""

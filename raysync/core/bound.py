@@ -123,7 +123,12 @@ class BoundModel:
         for key, target in codec.views(self.manifest, flat).items():
             owner, name, is_param = self._slots[key]
             if is_param:
-                owner._parameters[name].data = target  # type: ignore[union-attr]
+                param = owner._parameters[name]
+                assert param is not None
+                if param.device.type == "meta":  # a weightless module: a real parameter in its place
+                    owner._parameters[name] = torch.nn.Parameter(target, requires_grad=param.requires_grad)
+                else:
+                    param.data = target
             else:
                 owner._buffers[name] = target
         self._expect()

@@ -26,7 +26,7 @@ from raysync import _protocol as proto
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, Announcement, ApplyReport, Registration, WaitResult
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
-from raysync.hub.persistence import HubStore, actor_alive, writer_alive
+from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
 from raysync.hub.state import Group, HubState, Subscriber, Waiter
 from raysync.ops import metrics
 
@@ -120,7 +120,9 @@ class WeightHub:
 
     async def _alive(self, sub: Subscriber) -> bool:
         """Whether a subscriber's actor may still run (a dead actor answers a ping at once)."""
-        if sub.handle is None:  # known from before a restart: ask the GCS
+        if sub.handle is None:  # known from before a restart, or one the hub cannot call: ask the GCS
+            if sub.info.actor_id is None and sub.info.job_id is not None:  # a plain process: its job
+                return await asyncio.to_thread(job_alive, sub.info.job_id)
             return await asyncio.to_thread(actor_alive, sub.info.actor_id)
         try:
             await asyncio.wait_for(getattr(sub.handle, proto.PING).remote(), _PING_TIMEOUT_S)
@@ -346,7 +348,7 @@ class WeightHub:
         now = time.monotonic()
         for sub_id in sub_ids:
             sub = self._state.subs.get(sub_id)
-            if sub is None or sub.handle is None:  # unknown, or known from before a restart only
+            if sub is None or sub.state == "restoring":  # unknown, or known from before a restart only
                 unknown.append(sub_id)
                 continue
             sub.last_seen = now

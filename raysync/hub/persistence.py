@@ -116,16 +116,21 @@ def actor_alive(actor_id: str | None) -> bool:
         return True
 
 
-def writer_alive(writer: dict[str, Any]) -> bool:
-    """Whether the process holding a lease still runs: its actor, or its job (unsure means alive)."""
-    if writer.get("actor_id"):
-        return actor_alive(writer["actor_id"])
+def job_alive(job_id: str | None) -> bool:
+    """Whether a Ray job (a driver process) still runs, asked of the GCS (unsure means alive)."""
     from ray._private import state
 
     try:
         for job in state.jobs():
-            if job.get("JobID") == writer.get("job_id"):
+            if job.get("JobID") == job_id:
                 return not job.get("IsDead", False)
         return False
     except Exception:
         return True
+
+
+def writer_alive(writer: dict[str, Any]) -> bool:
+    """Whether the process holding a lease still runs: its actor, or its job (unsure means alive)."""
+    if writer.get("actor_id"):
+        return actor_alive(writer["actor_id"])
+    return job_alive(writer.get("job_id"))

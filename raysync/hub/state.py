@@ -86,6 +86,11 @@ class Subscriber:
         return self.info.mode
 
     @property
+    def waited_for(self) -> bool:
+        """Whether a wait counts it without ``include_pull``: push and follow subscribers."""
+        return self.info.mode != "pull"
+
+    @property
     def schema_key(self) -> Any:
         """Subscribers with equal schemas are validated once per publish."""
         if self.schema is None:
@@ -126,7 +131,7 @@ class Waiter:
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def counts(self, sub: Subscriber) -> bool:
-        return self.include_pull or sub.mode == "push"
+        return self.include_pull or sub.waited_for
 
 
 @dataclass(eq=False)
@@ -479,7 +484,7 @@ class HubState:
         laggards: list[Laggard] = []
         failures: list[Laggard] = []
         for sub in self.subscribers(model_id):
-            if not (include_pull or sub.mode == "push"):
+            if not (include_pull or sub.waited_for):
                 continue
             if sub.applied is not None and sub.applied >= version:
                 continue

@@ -21,17 +21,23 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import time
+import uuid
 import weakref
 from typing import Any
 
+import ray
 import torch
 from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme as _TorchRLScheme
 
 from raysync._checks import check_timeout
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import extract_tensors
-from raysync.errors import SyncTimeoutError
+from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.receivers.follower import Follower
 from raysync.torchrl.strategy import _target_for, resolve_model
 
 __all__ = ["HubWeightSyncScheme"]
@@ -42,25 +48,42 @@ logger = logging.getLogger(__name__)
 class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
     """A torchrl weight-sync scheme that delivers through a raysync WeightHub.
 
+    Hand it to any torchrl 0.14 collector as torchrl's docs hand a scheme
+    (``weight_sync_schemes={"policy": scheme}``, with ``policy`` or ``policy_factory``):
+    ``Collector``, ``AsyncCollector``, ``MultiSyncCollector``, ``MultiAsyncCollector``
+    and ``torchrl.collectors.distributed.RayCollector``.
+
     Args:
         hub: the hub's name (see :func:`raysync.connect`).
         namespace: the hub's Ray namespace (``None``: raysync's own).
-        timeout: seconds ``send`` waits for the hub's subscribers to apply a version.
+        timeout: seconds ``send`` waits for every worker to apply a version (and a
+            worker with a weightless policy waits for its first version).
         strategy: ``"tensordict"`` or ``"state_dict"`` (torchrl's meaning).
-        apply_locally: on the sender, also apply each version to the context's
-            model (the collector's own policy) from the hub.
+        apply_locally: on the sender, also apply each version to the collector's own
+            policy when it was sent from other weights.
 
-    Sender side (``init_on_sender``, called by the collector): ``send(weights)``
-    pushes to the hub, waits for every subscriber, then applies the version to
-    the collector's model. Receiver side (``init_on_receiver``):
-    ``receive()`` applies the hub's newest version if it is newer than the one
-    held, whole or not at all.
+    Sender side (the collector's process): ``init_on_sender`` pushes the collector's
+    policy as the first version (so workers that got a weightless, meta-device copy of
+    it start from its weights); ``send(weights)`` is one ``hub.push`` that returns once
+    every worker of this collector holds the version, else raises
+    :class:`~raysync.SyncTimeoutError` or :class:`~raysync.ApplyError` naming the
+    workers. Worker side (torchrl's worker processes, which join the Ray cluster of the
+    sender by themselves, and RayCollector's actors): a :class:`raysync.Follower`
+    registers with the hub (``raysync status`` lists it as ``torchrl worker <i>``),
+    applies the newest version, then follows in a background thread, applying each
+    version whole between two forward calls of the policy, and acknowledging it.
+
+    When a worker acts with a version: sync collectors (``Collector``,
+    ``MultiSyncCollector``, sync ``RayCollector``) from their next batch on; async
+    ones (``AsyncCollector``, ``MultiAsyncCollector``, async ``RayCollector``) may
+    deliver the batch each worker was collecting during the update (at most one per
+    worker) before batches of the new version.
 
     Example:
         >>> scheme = HubWeightSyncScheme(hub="raysync", timeout=30)
-        >>> collector = Collector(env, policy, frames_per_batch=8, total_frames=-1,
-        ...                       weight_sync_schemes={"policy": scheme})
-        >>> collector.update_policy_weights_(trained)
+        >>> collector = MultiSyncCollector([make_env] * 4, policy, frames_per_batch=64,
+        ...                                total_frames=-1, weight_sync_schemes={"policy": scheme})
+        >>> collector.update_policy_weights_()   # every worker acts with the policy's weights now
     """
 
     def __init__(
@@ -78,16 +101,19 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         self.namespace = namespace
         self.timeout = float(timeout)
         self.apply_locally = apply_locally
+        self._uid = uuid.uuid4().hex[:8]  # names this scheme's workers on the hub
+        self._ray_address: str | None = None  # the sender's cluster, for workers to join
+        self._expected = 0  # workers the sender waits for (0: none, a single-process collector)
         self._applied: int | None = None
         self._client: Any = None
-        self._explicit_model: Any = None
+        self._follower: Follower | None = None
 
     # ------------------------------------------------------------------ plumbing
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
         state["_client"] = None
-        state["_explicit_model"] = None
         state["_applied"] = None
+        state["_follower"] = None
         return state
 
     @property
@@ -99,6 +125,11 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             self._client = connect(self.hub, namespace=self.namespace)
         return self._client
 
+    @property
+    def follower(self) -> Follower | None:
+        """On a worker: the :class:`raysync.Follower` that keeps its policy in step."""
+        return self._follower
+
     def create_transport(self, **kwargs: Any) -> Any:
         """No per-worker transport: the hub is the transport."""
         return None
@@ -106,13 +137,24 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
     def _init_on_sender_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
         self._model_id = model_id
         self.context = context
-        self._explicit_model = kwargs.get("model")
+        if kwargs.get("model") is not None:
+            self.model = kwargs["model"]
+        _ = self.client  # connects Ray (and the hub) in this process
+        self._ray_address = ray.get_runtime_context().gcs_address
+        self._expected = _expected_workers(context, kwargs)
+        local = self._local_model()
+        if local is not None and extract_tensors(local) and not _weightless(local):
+            # The first version: workers get weightless (meta) copies of the policy.
+            self._applied = self.client.push(self._tensors(local), model_id)
 
     def _init_on_receiver_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
         self._model_id = model_id
         self.context = context
-        self._explicit_model = kwargs.get("model")
-        self._worker_idx = kwargs.get("worker_idx")
+        if kwargs.get("model") is not None:
+            self.model = kwargs["model"]
+        if kwargs.get("worker_idx") is not None:
+            self._worker_idx = kwargs["worker_idx"]
+        _join_cluster(self._ray_address)
 
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any | None = None
@@ -121,38 +163,116 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             self.send(weights)
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
-        self.receive()
+        if worker_idx is not None:
+            self._worker_idx = worker_idx
+        if self._follower is not None:
+            return
+        if self._ray_address is None:  # a receiver made by hand (not by a collector): pull on receive()
+            self.receive()
+            return
+        idx = self._worker_idx
+        who = (
+            f"worker{idx}"
+            if idx is not None
+            else (ray.get_runtime_context().get_actor_id() or f"pid{os.getpid()}")
+        )
+        self._follower = Follower(
+            self._local_model,
+            self._model_id or "policy",
+            hub=self.hub,
+            namespace=self.namespace,
+            sub_id=f"{_SUB_PREFIX}{self._uid}-{who}:{self._model_id or 'policy'}",
+            label=f"torchrl {who.replace('worker', 'worker ')}",
+            timeout=self.timeout,
+            on_apply=self._on_apply,
+        ).start()
+
+    def _on_apply(self, version: int) -> None:
+        self._applied = version
+        setter = getattr(self.context, "_set_received_policy_version", None)
+        if setter is not None:
+            setter(version)
 
     def _local_model(self) -> Any:
-        if self._explicit_model is not None:
-            return self._explicit_model
+        if self._model_ref is not None:
+            model = self._model_ref()
+            if model is not None:
+                return model
         context = self.context
         if context is None or self._model_id is None:
             return None
-        return resolve_model(context, self._model_id)
+        try:
+            return resolve_model(context, self._model_id)
+        except Exception:
+            return None
+
+    def _tensors(self, source: Any) -> dict[str, torch.Tensor]:
+        """The tensors to push, keyed like the collector's policy (a wrapper's prefix added or dropped)."""
+        if isinstance(source, weakref.ref):
+            source = source()
+        tensors = {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(source).items()}
+        local = self._local_model()
+        if local is not None and local is not source:
+            target_keys = set(extract_tensors(local))
+            if target_keys and set(tensors) != target_keys:
+                tensors = _match_prefix(tensors, target_keys)
+        return tensors
 
     # ------------------------------------------------------------------ use
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
-        """Push a version through the hub and wait until its subscribers (and the collector) hold it.
+        """Push a version through the hub; return once every worker (and the collector) holds it.
 
         Raises:
-            SyncTimeoutError / ApplyError: from :meth:`raysync.HubClient.wait`.
+            SyncTimeoutError: a worker did not apply it within ``timeout`` (or is gone).
+            ApplyError: a worker failed to apply it (its error in the message).
         """
         if worker_ids is not None:
             raise ValueError("HubWeightSyncScheme delivers to every subscriber of the hub: drop worker_ids")
         model_id = self._model_id or "policy"
         source = weights if weights is not None else self._local_model()
         if source is None:
-            raise ValueError(f"no weights to send for {model_id!r}")
-        if isinstance(source, weakref.ref):
-            source = source()
-        tensors = extract_tensors(source)
+            raise ValueError(
+                f"no weights to send for {model_id!r}: pass weights, or give the collector a policy"
+            )
+        tensors = self._tensors(source)
+        t0 = time.monotonic()
         version = self.client.push(tensors, model_id, wait=True, timeout=self.timeout)
+        self._check_workers(version, t0 + self.timeout)
         if self.apply_locally:
             local = self._local_model()
-            if local is not None and local is not source:
+            if local is not None and not _same_storage(local, tensors):
                 self._apply_from_hub(local, version)
         self._applied = version
+
+    def _check_workers(self, version: int, deadline: float) -> None:
+        """Every worker of this collector holds ``version``: none is missing from the hub."""
+        if not self._expected:
+            return
+        prefix = f"{_SUB_PREFIX}{self._uid}-"
+        while True:
+            rows = [
+                r
+                for r in self.client.status()["subscribers"]
+                if r["subscriber"].startswith(prefix) and r["model_id"] == (self._model_id or "policy")
+            ]
+            holding = [r for r in rows if r["state"] != "dead" and (r["applied"] or 0) >= version]
+            if len(holding) >= self._expected:
+                return
+            if time.monotonic() >= deadline:
+                behind = ", ".join(
+                    f"{r['class_name']} (pid {r['pid']}, holds {r['applied']}, {r['state']}"
+                    + (f", {r['last_error']}" if r["last_error"] else "")
+                    + ")"
+                    for r in rows
+                    if r not in holding
+                )
+                raise SyncTimeoutError(
+                    f"{len(holding)} of the collector's {self._expected} workers hold version {version} of "
+                    f"{self._model_id!r} after {self.timeout:.0f} s; "
+                    + (f"behind: {behind}; " if behind else "")
+                    + f"{self._expected - len(rows)} not on to hub {self.hub!r} (dead or never joined)"
+                )
+            time.sleep(0.05)
 
     def _apply_from_hub(self, model: Any, version: int) -> Any:
         model_id = self._model_id or "policy"
@@ -167,10 +287,17 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         return pulled
 
     def receive(self, timeout: float | None = None) -> Any:
-        """Apply the hub's newest version if newer than the one held; return it (or ``None``)."""
+        """Apply the hub's newest version if newer than the one held; return it (or ``None``).
+
+        On a worker that follows the hub, wait (up to ``timeout``) until its follower
+        holds the newest version instead.
+        """
         model_id = self._model_id or "policy"
         latest = self.client.latest(model_id)
         if latest is None or (self._applied is not None and latest <= self._applied):
+            return None
+        if self._follower is not None:
+            self._follower.wait_for(latest, self.timeout if timeout is None else timeout)
             return None
         model = self._local_model()
         if model is None:
@@ -181,6 +308,50 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         """Apply ``weights`` to the registered model, whole or not at all."""
         model = self._local_model()
         _target_for(model).apply(extract_tensors(weights))
+
+    def shutdown(self) -> None:
+        """Stop following the hub (a worker), then torchrl's own clean-up."""
+        follower, self._follower = getattr(self, "_follower", None), None
+        if follower is not None:
+            with contextlib.suppress(Exception):
+                follower.stop(timeout=2.0)
+        super().shutdown()
+
+
+_SUB_PREFIX = "torchrl-"
+
+
+def _expected_workers(context: Any, kwargs: dict[str, Any]) -> int:
+    """How many workers a collector runs that follow the hub (0: it acts in this process)."""
+    remote = kwargs.get("remote_collectors")
+    if remote is not None:
+        return len(remote)
+    if context is not None and (hasattr(context, "procs") or hasattr(context, "pipes")):
+        return int(getattr(context, "num_workers", 0) or 0)
+    return 0
+
+
+def _weightless(module: Any) -> bool:
+    return any(t.device.type == "meta" for t in extract_tensors(module).values())
+
+
+def _same_storage(model: Any, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether ``tensors`` are the model's own (sending its weights: nothing to apply back)."""
+    own = extract_tensors(model)
+    ptrs = {t.data_ptr() for t in own.values()}
+    return bool(tensors) and all(t.data_ptr() in ptrs for t in tensors.values())
+
+
+def _join_cluster(address: str | None) -> None:
+    """Connect this process (a torchrl worker) to the sender's Ray cluster, if not connected."""
+    if ray.is_initialized():
+        return
+    if address is None:
+        raise RaySyncError(
+            "HubWeightSyncScheme: this process is not connected to Ray and the scheme does not know the "
+            "cluster (it was not initialised on a sender): call ray.init(address=...) here first"
+        )
+    ray.init(address=address, log_to_driver=False, ignore_reinit_error=True)
 
 
 def _match_prefix(tensors: dict[str, torch.Tensor], target_keys: set[str]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,334 @@
+"""A process that follows a model on the hub by itself: no actor the hub calls.
+
+torchrl's worker processes, a Ray actor the user does not want to decorate, an
+evaluation script: a :class:`Follower` registers with the hub (it shows in
+``raysync status``, a push waits for it, the hub drops it when its process dies),
+long-polls the hub for newer versions in a background thread, applies each one
+whole into its module (one ``copy_`` per changed bucket, between two forward
+calls of the module, never during one) and acknowledges it.
+
+Example:
+    >>> import ray, torch, raysync
+    >>> ray.init(address="auto")  # doctest: +SKIP
+    >>> policy = torch.nn.Linear(4, 2)
+    >>> follower = raysync.follow(policy, "policy", hub="raysync")  # doctest: +SKIP
+    >>> follower.version  # the hub's newest, already applied  # doctest: +SKIP
+    3
+    >>> follower.stop()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ray
+import torch
+
+from raysync import _protocol as proto
+from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
+from raysync.channels.base import DEFAULT_TIMEOUT
+from raysync.core.bound import BoundModel
+from raysync.core.codec import verify_checksums
+from raysync.core.extract import module_schema
+from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.hub.locate import call_hub
+from raysync.receivers.membership import membership
+
+__all__ = ["Follower", "follow"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 5.0  # one long poll waits this long at the hub before it asks again
+_GUARDED: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_GUARD_LOCK = threading.Lock()
+
+
+def forward_lock(module: torch.nn.Module) -> threading.RLock:
+    """The lock held during every forward call of ``module`` (installed on first use).
+
+    A follower applies a version under it, so a forward call sees one version whole:
+    the one before the apply or the one after it.
+    """
+    with _GUARD_LOCK:
+        lock = _GUARDED.get(module)
+        if lock is None:
+            lock = _GUARDED[module] = threading.RLock()
+            _install_hooks(module, lock)
+        return lock
+
+
+def _install_hooks(module: torch.nn.Module, lock: threading.RLock) -> None:
+    # Closures, not bound methods: a deep copy of the module (torchrl copies policies
+    # onto their device) keeps the hooks and shares the lock instead of failing on it.
+    def acquire(_module: Any, _args: Any) -> None:
+        lock.acquire()
+
+    def release(_module: Any, _args: Any, _output: Any) -> None:
+        lock.release()
+
+    module.register_forward_pre_hook(acquire)
+    module.register_forward_hook(release, always_call=True)
+
+
+def _is_weightless(module: torch.nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
+
+
+class Follower:
+    """Follow ``model_id`` on a hub from any process connected to Ray.
+
+    Args:
+        module: the module to keep in step, or a callable returning it (called at
+            each apply: the module may be replaced, e.g. copied onto a device).
+        model_id: the model on the hub.
+        hub: the hub's name; namespace: its namespace (``None``: raysync's).
+        sub_id: this subscription's id (unique per hub and model; default: from the
+            Ray actor or job and the process id).
+        label: who this is in ``raysync status`` and in errors (e.g. ``"torchrl worker 2"``).
+        timeout: seconds :meth:`start` waits for a first version when the module is
+            weightless (meta tensors), and that a fetch may take.
+        on_apply: called with the version after each apply (in the follower's thread).
+
+    A version that fails to apply (wrong shape, a ``set_extra_state`` that raises)
+    leaves the module as it was and is reported: ``hub.wait``/``push(wait=True)``
+    raise :class:`~raysync.ApplyError` naming this follower.
+
+    Example:
+        >>> follower = Follower(policy, "policy", label="evaluator")  # doctest: +SKIP
+        >>> follower.start()  # doctest: +SKIP
+        >>> with follower.paused():  # no apply while the block runs  # doctest: +SKIP
+        ...     evaluate(policy)
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module | Callable[[], torch.nn.Module | None],
+        model_id: str = "policy",
+        *,
+        hub: str = proto.DEFAULT_HUB,
+        namespace: str | None = None,
+        sub_id: str | None = None,
+        label: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        on_apply: Callable[[int], None] | None = None,
+    ) -> None:
+        if not ray.is_initialized():
+            raise RaySyncError("a Follower needs a connected Ray: call ray.init(address=...) first")
+        if isinstance(module, torch.nn.Module):
+            ref = module
+            self._module: Callable[[], torch.nn.Module | None] = lambda: ref
+        elif callable(module):
+            self._module = module
+        else:
+            raise TypeError(
+                f"module must be an nn.Module or a callable returning one, got {type(module).__name__}"
+            )
+        ctx = ray.get_runtime_context()
+        actor_id = ctx.get_actor_id()
+        job_id = ctx.get_job_id()
+        self.model_id = model_id
+        self._hub = hub
+        self._namespace = namespace
+        self.sub_id = sub_id or f"{actor_id or 'job-' + job_id}/pid{os.getpid()}:{model_id}"
+        self.label = label or f"follower pid {os.getpid()}"
+        self.timeout = float(timeout)
+        self.on_apply = on_apply
+        self.version: int | None = None
+        self.last_error: BaseException | None = None
+        self._info = SubscriberInfo(
+            mode="follow",
+            apply="copy",
+            actor_id=actor_id,
+            class_name=self.label,
+            node_id=ctx.get_node_id(),
+            pid=os.getpid(),
+            job_id=job_id,
+        )
+        self._bound: BoundModel | None = None
+        self._apply_lock = threading.Lock()  # one apply at a time (poll thread, re-registration)
+        self._pause = threading.RLock()  # held by paused(): no apply meanwhile
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._applied = threading.Condition()
+
+    # ------------------------------------------------------------------ Member (see membership)
+    @property
+    def hub_name(self) -> str:
+        return self._hub
+
+    @property
+    def hub_namespace(self) -> str | None:
+        return self._namespace
+
+    def registration(self) -> Registration:
+        module = self._module()
+        schema = module_schema(module) if module is not None else None
+        return Registration(self.sub_id, self.model_id, None, self._info, schema, self.version)
+
+    def start_from(self, newest: Announcement | None) -> None:
+        """Apply the version the hub hands a (re-)registration, and say so."""
+        if newest is not None:
+            self._take(newest)
+
+    # ------------------------------------------------------------------ use
+    def start(self) -> Follower:
+        """Register, apply the hub's newest version, and follow in a background thread.
+
+        A weightless module (meta tensors, as torchrl sends policies to its workers)
+        waits up to ``timeout`` for a first version.
+
+        Raises:
+            SyncTimeoutError: the module is weightless and no version came in time.
+            ApplyError: the first version did not fit the module (from the hub's check).
+        """
+        membership().join(self)
+        module = self._module()
+        if self.version is None and module is not None and _is_weightless(module):
+            deadline = time.monotonic() + self.timeout
+            while self.version is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SyncTimeoutError(
+                        f"{self.label}: its module has no weights (meta tensors) and hub {self._hub!r} "
+                        f"had no version of {self.model_id!r} within {self.timeout:.0f} s"
+                        + (f" (last error: {self.last_error!r})" if self.last_error else "")
+                    )
+                newest = call_hub(
+                    membership().hub(self).handle, proto.WAIT_NEWER, self.model_id, 0, min(left, _POLL_S)
+                )
+                if newest is not None:
+                    self._take(newest)
+                if self.last_error is not None and self.version is None:
+                    raise RaySyncError(f"{self.label}: first version failed to apply: {self.last_error}")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._follow, name=f"raysync-follow-{self.model_id}", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def wait_for(self, version: int, timeout: float | None = None) -> int:
+        """Block until this follower holds ``version`` or newer; return the version held.
+
+        Raises:
+            SyncTimeoutError: not within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._applied:
+            while self.version is None or self.version < version:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise SyncTimeoutError(
+                        f"{self.label} holds version {self.version}, not {version}, after {timeout} s"
+                    )
+                self._applied.wait(left)
+            return self.version
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No version is applied while the block runs (it waits until the block ends)."""
+        with self._pause:
+            yield
+
+    def stop(self, *, timeout: float = 10.0) -> None:
+        """Stop following and leave the hub."""
+        self._stop.set()
+        membership().leave(self, timeout=timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=_POLL_S + 1)
+
+    # ------------------------------------------------------------------ internals
+    def _follow(self) -> None:
+        hub = membership().hub(self)
+        while not self._stop.is_set():
+            try:
+                newest = call_hub(hub.handle, proto.WAIT_NEWER, self.model_id, self.version or 0, _POLL_S)
+            except Exception as err:  # the hub is gone for good or the cluster is shutting down
+                if self._stop.is_set():
+                    return
+                logger.warning("%s: asking hub %r failed: %s; trying again", self.label, self._hub, err)
+                self._stop.wait(1.0)
+                continue
+            if newest is not None and not self._stop.is_set():
+                self._take(newest)
+
+    def _take(self, ann: Announcement) -> None:
+        """Fetch, apply and acknowledge ``ann`` (or report why not)."""
+        report = self._apply(ann)
+        membership().report(self, report)
+
+    def _apply(self, ann: Announcement) -> ApplyReport:
+        t0 = time.perf_counter()
+        with self._apply_lock:
+            if self.version is not None and ann.version <= self.version:
+                return ApplyReport(applied=self.version, skipped=ann.version)
+            try:
+                module = self._module()
+                if module is None:
+                    raise RaySyncError(f"{self.label} has no module to apply {self.model_id!r} to")
+                bound = self._bound
+                if (
+                    bound is None
+                    or bound.module is not module
+                    or bound.layout_hash != ann.manifest.layout_hash
+                    or not bound.intact()
+                ):
+                    bound = BoundModel(module, ann.manifest)
+                ids = [r.hex() for r in ann.refs]
+                needed = bound.needed(ids)
+                arrays = ray.get([ann.refs[b] for b in needed], timeout=self.timeout)
+                fetched = dict(zip(needed, arrays, strict=True))
+                if ann.manifest.checksums:
+                    verify_checksums(ann.manifest, fetched)
+                with self._pause, forward_lock(module):
+                    bound.apply(fetched, ids, extra_state=ann.manifest.extra_state)
+                self._bound = bound
+            except Exception as err:
+                self.last_error = err
+                logger.warning(
+                    "%s could not apply %r version %d: %s", self.label, self.model_id, ann.version, err
+                )
+                return ApplyReport(
+                    applied=self.version,
+                    failed=ann.version,
+                    error=err,
+                    timed_out=isinstance(err, ray.exceptions.GetTimeoutError),
+                )
+            with self._applied:
+                self.version = ann.version
+                self._applied.notify_all()
+            self.last_error = None
+        if self.on_apply is not None:
+            try:
+                self.on_apply(ann.version)
+            except Exception as err:
+                logger.warning("%s: on_apply(%d) raised %s", self.label, ann.version, err)
+        return ApplyReport(applied=ann.version, apply_s=time.perf_counter() - t0, buckets_fetched=len(needed))
+
+
+def follow(
+    module: torch.nn.Module | Callable[[], torch.nn.Module | None],
+    model_id: str = "policy",
+    *,
+    hub: str = proto.DEFAULT_HUB,
+    namespace: str | None = None,
+    label: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Follower:
+    """Keep ``module`` in step with ``model_id`` on the hub, from this process (started).
+
+    See :class:`Follower`.
+
+    Example:
+        >>> follower = raysync.follow(policy, "policy", label="evaluator")  # doctest: +SKIP
+        >>> follower.version  # doctest: +SKIP
+        7
+    """
+    return Follower(module, model_id, hub=hub, namespace=namespace, label=label, timeout=timeout).start()
