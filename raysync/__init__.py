@@ -31,12 +31,15 @@ from raysync.errors import (
 
 if TYPE_CHECKING:
     from raysync.hub.client import HubClient, connect
+    from raysync.receivers.follower import Follower, follow
     from raysync.receivers.module_transform import RayModuleTransform
     from raysync.receivers.synced import synced_model
 
 # Loaded on first use, so that a process that only hosts the hub (raysync.hub.actor)
 # starts without importing torch: a hub restart then takes about a second, not four.
 _LAZY = {
+    "Follower": "raysync.receivers.follower",
+    "follow": "raysync.receivers.follower",
     "HubClient": "raysync.hub.client",
     "connect": "raysync.hub.client",
     "RayModuleTransform": "raysync.receivers.module_transform",
@@ -64,6 +67,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ApplyError",
     "ChecksumError",
+    "Follower",
     "HubClient",
     "InvalidWeightsError",
     "Manifest",
@@ -76,5 +80,6 @@ __all__ = [
     "UnknownModelError",
     "WeightMismatchError",
     "connect",
+    "follow",
     "synced_model",
 ]

@@ -145,7 +145,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         local = self._local_model()
         if local is not None and extract_tensors(local) and not _weightless(local):
             # The first version: workers get weightless (meta) copies of the policy.
-            self._applied = self.client.push(self._tensors(local), model_id)
+            self._applied = self.client.push(self._payload(local), model_id)
 
     def _init_on_receiver_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
         self._model_id = model_id
@@ -206,8 +206,9 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         except Exception:
             return None
 
-    def _tensors(self, source: Any) -> dict[str, torch.Tensor]:
-        """The tensors to push, keyed like the collector's policy (a wrapper's prefix added or dropped)."""
+    def _payload(self, source: Any) -> Any:
+        """What to push: a module as it is (its extra state goes along), else the tensors keyed
+        like the collector's policy (a wrapper's prefix added or dropped)."""
         if isinstance(source, weakref.ref):
             source = source()
         tensors = {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(source).items()}
@@ -215,8 +216,8 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         if local is not None and local is not source:
             target_keys = set(extract_tensors(local))
             if target_keys and set(tensors) != target_keys:
-                tensors = _match_prefix(tensors, target_keys)
-        return tensors
+                return _match_prefix(tensors, target_keys)
+        return source if isinstance(source, torch.nn.Module) else tensors
 
     # ------------------------------------------------------------------ use
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
@@ -234,13 +235,13 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             raise ValueError(
                 f"no weights to send for {model_id!r}: pass weights, or give the collector a policy"
             )
-        tensors = self._tensors(source)
+        payload = self._payload(source)
         t0 = time.monotonic()
-        version = self.client.push(tensors, model_id, wait=True, timeout=self.timeout)
+        version = self.client.push(payload, model_id, wait=True, timeout=self.timeout)
         self._check_workers(version, t0 + self.timeout)
         if self.apply_locally:
             local = self._local_model()
-            if local is not None and not _same_storage(local, tensors):
+            if local is not None and not _same_storage(local, extract_tensors(payload)):
                 self._apply_from_hub(local, version)
         self._applied = version
 
@@ -258,7 +259,9 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             holding = [r for r in rows if r["state"] != "dead" and (r["applied"] or 0) >= version]
             if len(holding) >= self._expected:
                 return
-            if time.monotonic() >= deadline:
+            # The push waited for every subscribed worker: one missing from the hub is gone
+            # (dead, dropped); only a subscribed one still behind (re-registering) is waited for.
+            if len(holding) == len(rows) or time.monotonic() >= deadline:
                 behind = ", ".join(
                     f"{r['class_name']} (pid {r['pid']}, holds {r['applied']}, {r['state']}"
                     + (f", {r['last_error']}" if r["last_error"] else "")
@@ -268,9 +271,9 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 )
                 raise SyncTimeoutError(
                     f"{len(holding)} of the collector's {self._expected} workers hold version {version} of "
-                    f"{self._model_id!r} after {self.timeout:.0f} s; "
+                    f"{self._model_id!r}; "
                     + (f"behind: {behind}; " if behind else "")
-                    + f"{self._expected - len(rows)} not on to hub {self.hub!r} (dead or never joined)"
+                    + f"{self._expected - len(rows)} not subscribed to hub {self.hub!r} (dead, never joined)"
                 )
             time.sleep(0.05)
 

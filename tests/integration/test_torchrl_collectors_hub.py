@@ -1,0 +1,246 @@
+"""torchrl 0.14's own collectors synced through raysync's hub, wired as torchrl's docs wire a scheme.
+
+Every action of the policy equals its bias, so each batch says which weights its
+worker acted with. No ``hub.push`` beforehand, no ``RAY_ADDRESS``: the scheme pushes the
+collector's policy first, and torchrl's worker processes join the cluster themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import raysync
+from tests.conftest import wait_for_condition
+
+pytest.importorskip("torchrl")
+
+from tensordict import TensorDict
+from torchrl.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
+from torchrl.collectors.distributed import RayCollector
+from torchrl.envs import PendulumEnv
+
+from raysync.torchrl.integration import HubWeightSyncScheme
+from tests.integration._torchrl_policies import constant_policy, moody_policy, set_bias
+
+_KINDS = {
+    "AsyncCollector": (lambda pol, **kw: AsyncCollector(PendulumEnv, pol, **kw), 1, False),
+    "MultiSyncCollector": (lambda pol, **kw: MultiSyncCollector([PendulumEnv] * 2, pol, **kw), 2, True),
+    "MultiAsyncCollector": (lambda pol, **kw: MultiAsyncCollector([PendulumEnv] * 2, pol, **kw), 2, False),
+}
+
+
+def _actions(batch: Any) -> set[float]:
+    return {round(float(a), 4) for a in batch["action"].flatten()}
+
+
+@contextlib.contextmanager
+def _closing(collector: Any) -> Iterator[Any]:
+    try:
+        yield collector
+    finally:
+        with contextlib.suppress(Exception):
+            collector.shutdown()
+
+
+def _worker_rows(hub_name: str) -> list[dict[str, Any]]:
+    rows = raysync.connect(hub_name).status()["subscribers"]
+    return sorted((r for r in rows if r["subscriber"].startswith("torchrl-")), key=lambda r: r["class_name"])
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+def test_workers_act_with_every_update(hub_name: str, kind: str) -> None:
+    make, workers, sync = _KINDS[kind]
+    policy = constant_policy(0.5)
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=60)
+    with _closing(
+        make(policy, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme})
+    ) as c:
+        batches = iter(c)
+        # The workers got a weightless (meta) copy of the policy: they start from the hub's first version.
+        assert _actions(next(batches)) == {0.5}
+        for b in (1.0, -1.5):
+            set_bias(policy, b)
+            c.update_policy_weights_()  # the collector's own policy, trained in place
+            if sync:
+                assert _actions(next(batches)) == {b}  # from the next batch on
+            else:
+                # Each worker may hand in the batch it was collecting during the update (documented).
+                seen = [_actions(next(batches)) for _ in range(workers + 2)]
+                assert all(s == {b} for s in seen[workers:]), seen
+        latest = raysync.connect(hub_name).latest("policy")
+        rows = _worker_rows(hub_name)
+        assert [r["class_name"] for r in rows] == [f"torchrl worker {i}" for i in range(workers)]
+        assert all(r["mode"] == "follow" and r["applied"] == latest and r["state"] == "live" for r in rows)
+
+
+def test_policy_factory_workers_take_explicit_weights(hub_name: str) -> None:
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=60)
+    collector = MultiSyncCollector(
+        [PendulumEnv] * 2,
+        policy_factory=constant_policy,
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+    )
+    with _closing(collector) as c:
+        batches = iter(c)
+        assert _actions(next(batches)) == {0.5}  # the factory's own weights: no version yet
+        trained = constant_policy(0.0)
+        for b in (1.0, -1.5):
+            c.update_policy_weights_(set_bias(trained, b))
+            assert _actions(next(batches)) == {b}
+        c.update_policy_weights_(TensorDict.from_module(set_bias(trained, 0.25)))
+        assert _actions(next(batches)) == {0.25}
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_ray_collector_actors_act_with_every_update(hub_name: str, sync: bool) -> None:
+    policy = constant_policy(0.5)
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=60)
+    collector = RayCollector(
+        [PendulumEnv] * 2,
+        policy,
+        frames_per_batch=8,
+        total_frames=10**6,
+        sync=sync,
+        weight_sync_schemes={"policy": scheme},
+        remote_configs={"num_cpus": 0.1},
+    )
+    with _closing(collector) as c:
+        batches = iter(c)
+        assert _actions(next(batches)) == {0.5}
+        for b in (1.0, -1.5):
+            set_bias(policy, b)
+            c.update_policy_weights_()
+            seen = [_actions(next(batches)) for _ in range(1 if sync else 4)]
+            assert seen[-1] == {b}, seen
+            if sync:
+                assert seen == [{b}]
+        rows = _worker_rows(hub_name)
+        assert len(rows) == 2 and all(
+            r["applied"] == raysync.connect(hub_name).latest("policy") for r in rows
+        )
+        assert all(r["actor_id"] for r in rows)  # RayCollector's workers are actors: the hub asks the GCS
+
+
+def test_a_worker_that_fails_or_falls_behind_makes_the_update_raise(hub_name: str) -> None:
+    policy = moody_policy(0.5)
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=4)
+    collector = MultiSyncCollector(
+        [PendulumEnv], policy, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    with _closing(collector) as c:
+        batches = iter(c)
+        assert _actions(next(batches)) == {0.5}
+
+        policy.module.mood = "fail"  # the worker's set_extra_state raises on it
+        set_bias(policy, 1.0)
+        with pytest.raises(raysync.ApplyError, match="torchrl worker 0") as failed:
+            c.update_policy_weights_()
+        assert "refuses the mood" in str(failed.value)
+        assert _actions(next(batches)) == {0.5}  # it keeps the version it held, whole
+
+        policy.module.mood = "slow"  # the worker takes 10 s to apply: longer than the timeout
+        with pytest.raises(raysync.SyncTimeoutError, match="torchrl worker 0"):
+            c.update_policy_weights_()
+
+        policy.module.mood = "ok"
+        set_bias(policy, -1.5)
+        wait_for_condition(
+            lambda: _worker_rows(hub_name)[0]["applied"] == 3, timeout=30, what="slow apply ends"
+        )
+        c.update_policy_weights_()
+        assert _actions(next(batches)) == {-1.5}
+
+
+def test_a_dead_worker_makes_the_update_raise_and_is_dropped(hub_name: str) -> None:
+    policy = constant_policy(0.5)
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=30)
+    collector = MultiSyncCollector(
+        [PendulumEnv] * 2, policy, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    with _closing(collector) as c:
+        next(iter(c))
+        c.procs[1].kill()
+        c.procs[1].join()
+        set_bias(policy, 1.0)
+        with pytest.raises(
+            raysync.SyncTimeoutError, match=r"1 of the collector.s 2 workers .* 1 not subscribed"
+        ):
+            c.update_policy_weights_()
+        assert [r["class_name"] for r in _worker_rows(hub_name)] == ["torchrl worker 0"]
+
+
+_FOLLOWER = textwrap.dedent(
+    """
+    import hashlib, sys, time
+    import ray, torch, raysync
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    model = torch.nn.Linear(3, 2)
+    follower = raysync.follow(model, "policy", hub=sys.argv[2], label="evaluator")
+    seen = None
+    while True:
+        with follower.paused():
+            held = (follower.version, hashlib.sha256(b"".join(
+                t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest())
+        if held != seen:
+            print(*held, flush=True)
+            seen = held
+        time.sleep(0.02)
+    """
+)
+
+
+def _digest(module: torch.nn.Module) -> str:
+    return hashlib.sha256(
+        b"".join(t.detach().numpy().tobytes() for t in module.state_dict().values())
+    ).hexdigest()
+
+
+def test_a_plain_process_follows_the_hub_and_is_dropped_when_it_dies(hub_name: str, tmp_path: Any) -> None:
+    hub = raysync.connect(hub_name)
+    hub.push(torch.nn.Linear(3, 2), "policy")
+    script = tmp_path / "follower.py"
+    script.write_text(_FOLLOWER)
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, str(script), address, hub_name],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split()[0] == "1"  # it started from the newest version
+        trained = torch.nn.Linear(3, 2)
+        version = hub.push(trained, "policy", wait=True, timeout=60)  # waits for the follower too
+        held, digest = proc.stdout.readline().split()
+        assert (int(held), digest) == (version, _digest(trained))  # bit for bit, the version it reports
+        (row,) = [r for r in hub.status()["subscribers"] if r["class_name"] == "evaluator"]
+        assert (row["mode"], row["applied"], row["actor_id"], row["pid"]) == (
+            "follow",
+            version,
+            None,
+            proc.pid,
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for_condition(
+        lambda: not any(r["class_name"] == "evaluator" for r in hub.status()["subscribers"]),
+        timeout=60,
+        what="the hub drops a follower whose process died",
+    )
+    version = hub.push(torch.nn.Linear(3, 2), "policy", wait=True, timeout=10)  # nobody left to wait for
+    assert hub.latest("policy") == version
