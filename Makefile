@@ -10,7 +10,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.raysync-installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo demo-torchrl test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
+
+# PPO on CartPole-v1 with torchrl's MultiSyncCollector synced by raysync (about 2 minutes on 2 cores).
+demo-torchrl: $(STAMP)
+	$(BIN)/python examples/torchrl_ppo.py --check
 
 lint: $(STAMP)
 	$(BIN)/ruff check raysync tests examples benchmarks

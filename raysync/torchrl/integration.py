@@ -189,9 +189,23 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
 
     def _on_apply(self, version: int) -> None:
         self._applied = version
-        setter = getattr(self.context, "_set_received_policy_version", None)
-        if setter is not None:
+        self._stamp(self.context, version)
+
+    @staticmethod
+    def _stamp(context: Any, version: int | None) -> None:
+        """Tell the worker's collector the hub version it acts with (``track_policy_version``)."""
+        setter = getattr(context, "_set_received_policy_version", None)
+        if setter is not None and version is not None:
             setter(version)
+
+    def _set_context(self, context: Any) -> None:
+        _TorchRLScheme.context.fset(self, context)
+        # torchrl hands a worker's collector over after the first version was applied: stamp it now.
+        follower = getattr(self, "_follower", None)
+        if context is not None and follower is not None:
+            self._stamp(context, follower.version)
+
+    context = property(_TorchRLScheme.context.fget, _set_context)
 
     def _local_model(self) -> Any:
         if self._model_ref is not None:

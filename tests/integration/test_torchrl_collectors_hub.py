@@ -244,3 +244,21 @@ def test_a_plain_process_follows_the_hub_and_is_dropped_when_it_dies(hub_name: s
     )
     version = hub.push(torch.nn.Linear(3, 2), "policy", wait=True, timeout=10)  # nobody left to wait for
     assert hub.latest("policy") == version
+
+
+def test_workers_follow_the_hub_through_its_restart(hub_name: str) -> None:
+    policy = constant_policy(0.5)
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=60)
+    collector = MultiSyncCollector(
+        [PendulumEnv], policy, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    with _closing(collector) as c:
+        batches = iter(c)
+        assert _actions(next(batches)) == {0.5}
+        hub = raysync.connect(hub_name)
+        ray.kill(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
+        set_bias(policy, 1.0)
+        c.update_policy_weights_()  # waits for the restarted hub, and for the worker to register again
+        assert _actions(next(batches)) == {1.0}
+        (row,) = _worker_rows(hub_name)
+        assert (row["state"], row["applied"]) == ("live", hub.latest("policy"))
