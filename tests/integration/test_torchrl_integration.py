@@ -59,7 +59,7 @@ def test_torchrl_collector_acts_with_the_pushed_policy(ray_start_regular: dict[s
 
         trained = _policy(1)
         collector.update_policy_weights_(trained)  # torchrl calls scheme.send(): one hub push
-        assert hub.latest("policy") == 1
+        assert hub.latest("policy") == 2  # version 1: the collector's own policy, pushed by init_on_sender
         batch = next(iter(collector))
         torch.testing.assert_close(batch["action"], _acts(trained, batch))
         assert not torch.allclose(batch["action"], _acts(_policy(0), batch))
