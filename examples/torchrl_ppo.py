@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import sys
 import time
 import uuid
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level="error")
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     actor = make_actor()
     critic = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[64, 64]), in_keys=["observation"])
     loss = ClipPPOLoss(actor, critic, clip_epsilon=0.2, entropy_coeff=0.01, normalize_advantage=True)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         track_policy_version=True,
     )
     check = ActedWithCheck(actor) if args.check else None
-    version = scheme.client.latest("policy")  # the scheme pushed the collector's policy first
+    version = int(scheme.version or 0)  # the scheme pushed the collector's policy as the first version
     if check is not None:
         check.remember(version, actor)
 
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.nn.utils.clip_grad_norm_(loss.parameters(), 1.0)
                     optim.step()
             collector.update_policy_weights_()  # one hub push; returns once every worker holds it
-            version = scheme.client.latest("policy")
+            version = int(scheme.version or 0)
             if check is not None:
                 check.remember(version, actor)
     finally:

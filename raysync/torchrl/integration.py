@@ -126,6 +126,11 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         return self._client
 
     @property
+    def version(self) -> int | None:
+        """The newest hub version this scheme sent (sender) or applied (worker); ``None``: none yet."""
+        return self._applied
+
+    @property
     def follower(self) -> Follower | None:
         """On a worker: the :class:`raysync.Follower` that keeps its policy in step."""
         return self._follower
