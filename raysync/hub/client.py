@@ -28,11 +28,12 @@ import ray
 import torch
 
 from raysync._checks import check_timeout
-from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE, WaitResult
+from raysync._protocol import ACQUIRE, BLOCK, DEFAULT_HUB, DEFAULT_NAMESPACE, PUBLISH, Grant, WaitResult
 from raysync.core.codec import unpack
 from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
-from raysync.errors import ApplyError, SyncTimeoutError, UnknownModelError
+from raysync.errors import ApplyError, RaySyncError, StaleWriterError, SyncTimeoutError, UnknownModelError
+from raysync.hub.lease import Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor
 from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.state import Version
@@ -128,6 +129,7 @@ class HubClient:
             lost=lambda model_id, version: _alive(me)._lost(model_id, version),
         )
         self.last_push: dict[str, Any] = {}
+        self._publishes = Publishes()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the address travels; the handle is looked up again where it lands.
@@ -153,9 +155,68 @@ class HubClient:
 
         return call_hub(handle, method, *args, retry_s=self.retry_s)
 
+    def _post(self, method: str, *args: Any) -> Any:
+        """Call the hub without waiting: the reply's ``ObjectRef`` (Ray sends one caller's calls in order)."""
+        return getattr(self.actor, method).remote(*args)
+
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
+        """Stamp the version from this process's block and publish it; wait only for a new layout.
+
+        A layout the hub has not accepted from this writer yet (the first push, a changed
+        structure, the push after a refusal) waits for the hub's answer, so weights that
+        do not fit a subscriber raise here; other pushes return without it and the answer
+        is read on the next push, ``wait`` or query.
+        """
         pusher = {**_writer_identity(), **self.last_push}
-        return int(self._call("publish", model_id, manifest, refs, pusher, self.takeover))
+        lease = lease_of(self.name, self.namespace, model_id)
+        with lease.lock:
+            version, epoch = lease.take(
+                lambda: self._acquire(model_id, pusher),
+                lambda: self._post(ACQUIRE, model_id, pusher, self.takeover, BLOCK),
+            )
+            args = (model_id, manifest, refs, pusher, self.takeover, version, epoch)
+            if lease.confirmed == manifest.layout_hash:
+                self._publishes.add(model_id, version, epoch, self._post(PUBLISH, *args))
+                return version
+            try:
+                self._call(PUBLISH, *args)
+            except StaleWriterError:
+                lease.lose()
+                raise
+            lease.confirmed = manifest.layout_hash
+            self._publishes.sent(model_id, version, epoch)
+        return version
+
+    def _acquire(self, model_id: str, pusher: dict[str, Any]) -> Grant:
+        grant: Grant = self._call(ACQUIRE, model_id, pusher, self.takeover, BLOCK)
+        return grant
+
+    def _lease(self, model_id: str) -> WriterLease:
+        return lease_of(self.name, self.namespace, model_id)
+
+    def _settle(self, model_id: str, *, wait: bool, raise_refused: bool = True) -> None:
+        """Read the hub's answers to this client's publishes of ``model_id`` (see :meth:`push`).
+
+        Offers the newest version again if a hub restart swallowed its publish, and
+        raises (with ``raise_refused``) what the hub refused since the last time.
+        """
+        swallowed = self._publishes.settle(model_id, self._lease(model_id), wait=wait)
+        mine = self._pipeline.last.get(model_id)
+        sent = self._publishes.epochs.get(model_id)
+        if swallowed is not None and mine is not None and sent is not None and sent[0] == mine.version:
+            logger.info("a hub restart swallowed version %d of %r: offering it again", swallowed, model_id)
+            args = (model_id, mine.manifest, mine.refs, mine.pusher, self.takeover, mine.version, sent[1])
+            try:
+                self._call(PUBLISH, *args)
+            except RaySyncError as err:
+                self._publishes.keep_refusal(model_id, self._lease(model_id), mine.version, sent[1], err)
+        if raise_refused:
+            self._publishes.raise_refused(model_id)
+
+    def _settle_all(self) -> None:
+        """Before a query: this client's publishes have reached the hub (refusals are kept for later)."""
+        for model_id in self._publishes.models():
+            self._settle(model_id, wait=True, raise_refused=False)
 
     def _hub_newest(self, model_id: str) -> Version | None:
         try:
@@ -237,6 +298,7 @@ class HubClient:
         _check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
+        self._settle(model_id, wait=False)  # what the hub refused of earlier pushes raises here
         if max_lag is not None:
             if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
                 raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
@@ -306,6 +368,7 @@ class HubClient:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._settle(model_id, wait=True)
         mine = self._pipeline.last.get(model_id)
         offer = mine is not None and mine.version >= version
         result: WaitResult = self._call("wait", model_id, version, timeout, include_pull, offer)
@@ -345,6 +408,7 @@ class HubClient:
             12
         """
         _check_model_id(model_id)
+        self._settle(model_id, wait=True, raise_refused=False)
         result: int | None = self._call("latest", model_id)
         return result
 
@@ -364,6 +428,7 @@ class HubClient:
             >>> model.load_state_dict(td.flatten_keys(".").to_dict())
         """
         _check_model_id(model_id)
+        self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
         buckets = ray.get(list(info.refs))
@@ -377,6 +442,7 @@ class HubClient:
             >>> hub.status()["subscribers"][0]["lag"]
             0
         """
+        self._settle_all()
         result: dict[str, Any] = self._call("status")
         return result
 
@@ -399,6 +465,18 @@ def _writer_identity() -> dict[str, Any]:
     Task workers are pooled and outlive their tasks, so a lease held by one would
     outlive the task and name an idle process; a job's tasks and driver are one writer.
     """
+    pid = os.getpid()
+    cached = _identity.get(pid)
+    if cached is None:
+        _identity.clear()
+        cached = _identity[pid] = _look_up_identity()
+    return dict(cached)
+
+
+_identity: dict[int, dict[str, Any]] = {}  # per process (a forked child looks itself up again)
+
+
+def _look_up_identity() -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     actor_id = ctx.get_actor_id()
     job_id = ctx.get_job_id()

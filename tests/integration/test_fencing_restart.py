@@ -38,12 +38,18 @@ def test_one_writer_per_model_until_takeover_or_death(hub: raysync.HubClient, hu
     assert hub.push(small_policy(4), "other") == 1  # other models are free
 
     new_trainer = Trainer.remote(hub_name, True)
-    assert ray.get(new_trainer.push.remote(5)) == 3  # explicit takeover
-    with pytest.raises(raysync.StaleWriterError, match=r"written by actor .*takeover=True"):
-        hub.push(small_policy(6))  # the old writer is now refused
-    with pytest.raises(PermissionError):
+    taken = ray.get(new_trainer.push.remote(5))  # explicit takeover: a new lease, a new block
+    assert taken > 2
+    # The old writer stamps from its old block without waiting: the hub refuses that
+    # version (its lease epoch is over), and the refusal surfaces on wait or the next push.
+    stale = hub.push(small_policy(6))
+    assert 2 < stale < taken  # never a number the new writer holds
+    with pytest.raises(raysync.StaleWriterError, match=r"refused version 3 .*written by actor .*takeover=True"):
+        hub.wait(stale, timeout=30)
+    with pytest.raises(PermissionError):  # then it asks for the lease again: refused at once
         hub.push(small_policy(6))
-    assert ray.get(new_trainer.push.remote(7)) == 4
+    assert hub.latest() == taken  # the refused version was never kept
+    assert ray.get(new_trainer.push.remote(7)) == taken + 1
     assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(7).state_dict())
 
     ray.kill(new_trainer)  # a writer that dies gives up its lease
