@@ -192,7 +192,7 @@ class WeightHub:
             StaleWriterError: another live writer holds the model's lease.
         """
         await self._check_writer(model_id, pusher, takeover)
-        grant = self._state.grant(model_id, count)
+        grant = self._state.grant(model_id, count, pusher)
         await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
         logger.debug("hub %r: granted %r versions %d-%d", self._name, model_id, grant.first, grant.last)
         return grant

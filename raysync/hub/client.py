@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -157,7 +158,9 @@ class HubClient:
 
     def _post(self, method: str, *args: Any) -> Any:
         """Call the hub without waiting: the reply's ``ObjectRef`` (Ray sends one caller's calls in order)."""
-        return getattr(self.actor, method).remote(*args)
+        # Retried by Ray through a hub restart (a retry may run after a later call: publishes
+        # are kept in number order whatever order they arrive in, and a repeat is kept once).
+        return getattr(self.actor, method).options(max_task_retries=_POST_RETRIES).remote(*args)
 
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
         """Stamp the version from this process's block and publish it; wait only for a new layout.
@@ -324,6 +327,30 @@ class HubClient:
             self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
         return pushed.version
 
+    def next_version(self, model_id: str = "policy") -> int:
+        """The version number this writer's next push of ``model_id`` gets (nothing is pushed).
+
+        A writer stamps versions itself from a block of numbers the hub granted with
+        its lease, so it knows the next one in advance: to put it into the weights,
+        a log or a checkpoint name before pushing. It asks the hub for the lease if
+        this process does not hold it (one round trip). Numbers only grow but may
+        skip: a restarted trainer or a new writer starts past every number granted
+        before, used or not. Exact with one thread pushing.
+
+        Raises:
+            StaleWriterError: another live writer holds the model's lease.
+
+        Example:
+            >>> v = hub.next_version()
+            >>> assert hub.push(model) == v
+        """
+        _check_model_id(model_id)
+        self._settle(model_id, wait=False)
+        pusher = {**_writer_identity(), **self.last_push}
+        lease = self._lease(model_id)
+        with lease.lock:
+            return lease.peek(lambda: self._acquire(model_id, pusher))
+
     # ------------------------------------------------------------------ wait / query
     def wait(
         self,
@@ -447,6 +474,9 @@ class HubClient:
         return result
 
 
+_POST_RETRIES = 10  # hub restarts a call sent without waiting goes through before it fails
+
+
 def _alive(ref: weakref.ReferenceType[HubClient]) -> HubClient:
     client = ref()
     assert client is not None, "a HubClient's pipeline outlived it"
@@ -484,6 +514,7 @@ def _look_up_identity() -> dict[str, Any]:
     is_task = getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE
     kind = "actor" if actor_id else ("tasks" if is_task else "driver")
     return {
+        "session": uuid.uuid4().hex,  # this process: a writer's processes get epochs of their own
         "writer_id": actor_id or f"job:{job_id}",
         "kind": kind,
         "actor_id": actor_id,

@@ -73,14 +73,18 @@ class WriterLease:
         Raises:
             StaleWriterError: another live writer holds the lease.
         """
-        if self.epoch is None or self.next > self.last:
-            self._adopt(self._upcoming() or acquire())
-        version = self.next
+        version = self.peek(acquire)
         self.next += 1
         if self.upcoming is None and self.last - version == BLOCK // 2:
             self.upcoming = ask_ahead()
         assert self.epoch is not None
         return version, self.epoch
+
+    def peek(self, acquire: Callable[[], Grant]) -> int:
+        """The number :meth:`take` gives next, without taking it (hold :attr:`lock`)."""
+        if self.epoch is None or self.next > self.last:
+            self._adopt(self._upcoming() or acquire())
+        return self.next
 
     def lose(self) -> None:
         """The hub refused the lease: the next push asks for it again."""

@@ -75,6 +75,7 @@ class HubStore:
                     latest=latest,
                     writer=record.get("writer"),
                     epoch=int(record.get("epoch", 0)),
+                    session=record.get("session"),
                     reserved=max(latest, int(record.get("reserved", latest))),
                 )
         config = kv.get(self._config_key(), namespace=_KV_NAMESPACE)
@@ -108,6 +109,7 @@ class HubStore:
             "latest": model.latest,
             "reserved": model.reserved,
             "epoch": model.epoch,
+            "session": model.session,
             "writer": model.writer,
         }
         key = f"{self._name}/model/{model_id}".encode()

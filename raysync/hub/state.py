@@ -51,7 +51,8 @@ class Model:
     bytes_pushed: int = 0
     last_push_time: float | None = None
     writer: dict[str, Any] | None = None  # the process (or actor) holding the writer lease
-    epoch: int = 0  # the lease's fencing epoch: it changes whenever the lease passes to another writer
+    epoch: int = 0  # the lease's fencing epoch: it changes whenever the lease passes to another process
+    session: str | None = None  # the process (of the writer) that holds the current epoch
     reserved: int = 0  # every number up to this one was granted or stamped (persisted before use)
 
     @property
@@ -358,9 +359,20 @@ class HubState:
         model.writer = _lease(pusher)
         model.epoch += 1
 
-    def grant(self, model_id: str, count: int) -> Grant:
-        """A block of ``count`` version numbers for the lease holder (persist before replying)."""
+    def grant(self, model_id: str, count: int, pusher: dict[str, Any]) -> Grant:
+        """A block of ``count`` version numbers for the lease holder (persist before replying).
+
+        A process of the writer other than the one holding the epoch (a restarted
+        trainer, another task of a job) gets a new epoch: the other process's later
+        publishes are refused, never interleaved with this one's.
+        """
         model = self.models.setdefault(model_id, Model())
+        session = pusher.get("session")
+        if session != model.session:
+            model.epoch += 1
+            model.session = session
+            if pusher.get("writer_id") is not None:
+                model.writer = _lease(pusher)
         first = model.issued + 1
         model.reserved = first + max(1, int(count)) - 1
         return Grant(model_id, model.epoch, first, model.reserved)
@@ -385,6 +397,15 @@ class HubState:
                 ``version`` was never granted.
         """
         model = self.models.get(model_id)
+        if model is not None and epoch != model.epoch and model.writer is not None:
+            same = model.writer.get("writer_id") == pusher.get("writer_id")
+            if same:
+                raise StaleWriterError(
+                    f"another process of this writer ({who(model.writer)}) took the writer lease of "
+                    f"model {model_id!r} after this process ({who(pusher)}) stamped version {version}, "
+                    "so that version was refused; push from one process at a time (this process's "
+                    "next push takes the lease back)"
+                )
         if model is None or epoch != model.epoch:
             holder = who(model.writer) if model is not None and model.writer else "no writer"
             raise StaleWriterError(
@@ -413,9 +434,14 @@ class HubState:
     def stamp(self, model_id: str, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]) -> Version:
         """Give a version its number and keep it (the oldest beyond ``keep`` are let go).
 
-        The number follows every number ever granted to a writer (persist before replying).
+        The number follows every number ever granted to a writer (persist before replying),
+        and it ends the blocks granted before it (a new epoch): a writer stamping from one
+        would publish versions older than this one.
         """
         model = self.models.setdefault(model_id, Model())
+        if model.session is not None:
+            model.epoch += 1
+            model.session = None
         model.latest = model.reserved = model.issued + 1
         v = Version(model.latest, manifest, list(refs), time.time(), pusher)
         model.versions[v.version] = v
