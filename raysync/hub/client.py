@@ -253,6 +253,11 @@ class HubClient:
 
         Returns as soon as the snapshot is taken: the caller may change its
         model right after. Subscribers apply the version in the background.
+        The writer stamps the version itself (from a block of numbers the hub
+        granted with its lease) and does not wait for the hub's answer, except
+        for a layout the hub has not accepted from it yet (the first push, a
+        changed structure): what the hub refuses of a push that did not wait
+        raises on the next push of ``model_id``, or on ``wait``.
 
         Args:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
@@ -279,16 +284,19 @@ class HubClient:
                 trainer back: a pull subscriber moves only when it asks).
 
         Returns:
-            The version number the hub stamped (1, 2, ... per model).
+            The version number (1, 2, ... per model; a new writer, or a restarted
+            one, starts past every number granted before, so numbers may skip).
 
         Raises:
             WeightMismatchError: the weights do not fit the subscribers' models
-                (nothing is published; everyone keeps the previous version).
+                (nothing is published; everyone keeps the previous version), or
+                those of the previous push did not (a subscriber joined since).
             InvalidWeightsError: empty weights, non-tensor leaves, ``keys``
                 that match nothing, ``keys`` before any full push, NaN/Inf
                 with ``check_finite``, or a version larger than the object store.
             StaleWriterError: another live trainer holds this model's writer
-                lease (see ``connect(takeover=...)``).
+                lease (see ``connect(takeover=...)``), or took it over since the
+                previous push (that push's version was refused).
             SyncTimeoutError: ``wait=True`` or ``max_lag`` and ``timeout`` passed first.
 
         Example:
@@ -301,7 +309,9 @@ class HubClient:
         _check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
-        self._settle(model_id, wait=False)  # what the hub refused of earlier pushes raises here
+        # The hub's answer to the previous push (long there, unless pushes come back to back):
+        # what it refused raises here, and the trainer is never more than one version ahead.
+        self._settle(model_id, wait=True)
         if max_lag is not None:
             if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
                 raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
@@ -378,6 +388,8 @@ class HubClient:
         Raises:
             SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards.
             ApplyError: some subscriber failed to apply it (it keeps its previous version).
+            StaleWriterError, WeightMismatchError: the hub refused a push of this client
+                that did not wait for its answer (see :meth:`push`).
             UnknownModelError: ``version`` of ``model_id`` was never pushed (a wait for it
                 could only run out).
 

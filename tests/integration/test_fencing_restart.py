@@ -157,7 +157,7 @@ def test_a_refusal_of_a_push_that_did_not_wait_surfaces_on_the_next_push(
     bad = ray.remote(num_cpus=0)(Mismatched).remote()
     ray.get(bad.ready.remote(), timeout=60)
     assert hub.push(small_policy(2)) == 2  # the same layout: returns before the hub answers
-    with pytest.raises(raysync.WeightMismatchError, match=r"refused version 2 of 'policy'.*shape"):
+    with pytest.raises(raysync.WeightMismatchError, match=r"refused version 2 of 'policy'.*missing keys"):
         hub.push(small_policy(3))  # the refusal of version 2 raises here; nothing more is pushed
     # After a refusal the next push waits for the answer: refused on the push itself.
     with pytest.raises(raysync.WeightMismatchError) as info:
@@ -260,7 +260,4 @@ def test_a_restarted_driver_never_reuses_a_number(
     assert runs[0] == [1, 2, 3]
     # The dead job's lease passes on; its block (which it might have used) is never granted again.
     assert runs[1][0] > 100 and runs[1] == [runs[1][0] + i for i in range(3)]
-    assert hub.latest() == runs[1][-1]
-    torch.manual_seed(1)
-    newest = [torch.randn(4) for _ in range(3)][-1]
-    assert hub.pull()["w"].tolist() == newest.tolist()
+    assert hub.latest() == runs[1][-1]  # (its bytes went with the driver that pushed them)
