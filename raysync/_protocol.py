@@ -34,6 +34,7 @@ __all__ = [
     "NOTIFY_BATCH",
     "PING",
     "PUBLISH",
+    "PUBLISH_STAMPED",
     "REGISTER",
     "REPORT",
     "UNREGISTER",
@@ -42,6 +43,7 @@ __all__ = [
     "ApplyReport",
     "Grant",
     "Laggard",
+    "Publication",
     "Registration",
     "SubscriberInfo",
     "WaitResult",
@@ -89,6 +91,9 @@ PUBLISH = "publish"
 
 With ``version`` and ``epoch`` (from a :class:`Grant`) the writer stamped it itself and
 need not wait for the reply; without them the hub stamps it (one round trip)."""
+
+PUBLISH_STAMPED = "publish_stamped"
+"""``(publication) -> int``: a version its writer stamped (one message: one argument to serialize)."""
 
 BLOCK = 100
 """Version numbers a writer takes with each grant (the hub persists once per block)."""
@@ -247,6 +252,27 @@ class Grant:
     epoch: int
     first: int
     last: int
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A version its writer stamped from a :class:`Grant`, sent without waiting for the reply.
+
+    Attributes:
+        model_id: the model.
+        manifest: the buckets' layout (a :class:`raysync.core.layout.Manifest`).
+        refs: one ``ObjectRef`` per bucket (the writer owns them).
+        pusher: who pushed it (writer identity and the push's figures).
+        version: the number the writer stamped.
+        epoch: the lease epoch of the grant the number came from.
+    """
+
+    model_id: str
+    manifest: Any
+    refs: tuple[Any, ...]
+    pusher: dict[str, Any]
+    version: int
+    epoch: int
 
 
 @dataclass(frozen=True)

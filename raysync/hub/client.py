@@ -29,7 +29,17 @@ import ray
 import torch
 
 from raysync._checks import check_timeout
-from raysync._protocol import ACQUIRE, BLOCK, DEFAULT_HUB, DEFAULT_NAMESPACE, PUBLISH, Grant, WaitResult
+from raysync._protocol import (
+    ACQUIRE,
+    BLOCK,
+    DEFAULT_HUB,
+    DEFAULT_NAMESPACE,
+    PUBLISH,
+    PUBLISH_STAMPED,
+    Grant,
+    Publication,
+    WaitResult,
+)
 from raysync.core.codec import unpack
 from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
@@ -131,6 +141,8 @@ class HubClient:
         )
         self.last_push: dict[str, Any] = {}
         self._publishes = Publishes()
+        self._posting: dict[str, Any] = {}  # the hub's methods bound with retries, for _post
+        self._posting_to: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the address travels; the handle is looked up again where it lands.
@@ -160,7 +172,13 @@ class HubClient:
         """Call the hub without waiting: the reply's ``ObjectRef`` (Ray sends one caller's calls in order)."""
         # Retried by Ray through a hub restart (a retry may run after a later call: publishes
         # are kept in number order whatever order they arrive in, and a repeat is kept once).
-        return getattr(self.actor, method).options(max_task_retries=_POST_RETRIES).remote(*args)
+        handle = self.actor
+        if self._posting_to is not handle:  # the hub was found again: bind its methods afresh
+            self._posting, self._posting_to = {}, handle
+        bound = self._posting.get(method)
+        if bound is None:
+            bound = self._posting[method] = getattr(handle, method).options(max_task_retries=_POST_RETRIES)
+        return bound.remote(*args)
 
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
         """Stamp the version from this process's block and publish it; wait only for a new layout.
@@ -177,10 +195,11 @@ class HubClient:
                 lambda: self._acquire(model_id, pusher),
                 lambda: self._post(ACQUIRE, model_id, pusher, self.takeover, BLOCK),
             )
-            args = (model_id, manifest, refs, pusher, self.takeover, version, epoch)
             if lease.confirmed == manifest.layout_hash:
-                self._publishes.add(model_id, version, epoch, self._post(PUBLISH, *args))
+                pub = Publication(model_id, manifest, tuple(refs), pusher, version, epoch)
+                self._publishes.add(model_id, version, epoch, self._post(PUBLISH_STAMPED, pub))
                 return version
+            args = (model_id, manifest, refs, pusher, self.takeover, version, epoch)
             try:
                 self._call(PUBLISH, *args)
             except StaleWriterError:
