@@ -276,7 +276,9 @@ class HubClient:
         granted with its lease) and does not wait for the hub's answer, except
         for a layout the hub has not accepted from it yet (the first push, a
         changed structure): what the hub refuses of a push that did not wait
-        raises on the next push of ``model_id``, or on ``wait``.
+        raises on the next push of ``model_id`` once the answer arrived (at the
+        latest on the push after it), or on ``wait`` (and ``latest``, ``pull``
+        or ``status`` read the answers first, so the next push raises).
 
         Args:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
@@ -328,9 +330,9 @@ class HubClient:
         _check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
-        # The hub's answer to the previous push (long there, unless pushes come back to back):
-        # what it refused raises here, and the trainer is never more than one version ahead.
-        self._settle(model_id, wait=True)
+        # The hub's answers to earlier pushes (all but the previous one's, which is read if it
+        # arrived): what the hub refused raises here, at the latest on the push after next.
+        self._settle(model_id, wait=False)
         if max_lag is not None:
             if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
                 raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")

@@ -4,7 +4,8 @@ A push returns once its snapshot is in the object store: the writer stamps the v
 itself, from a block of numbers the hub granted with the lease (:class:`WriterLease`,
 one per process, hub and model, shared by every client of the process), and sends the
 publish without waiting for the reply (:class:`Publishes`). The replies are read on the
-next push, on ``wait`` and before any query of the same client, so what the hub refused
+next push (those of all but the previous push waited for), on ``wait`` and before any
+query of the same client, so what the hub refused
 (the lease passed to another writer, weights that do not fit a subscriber) surfaces
 there, and a publish a hub restart swallowed is offered again.
 
@@ -38,8 +39,10 @@ __all__ = ["Publishes", "Refusal", "WriterLease", "lease_of"]
 
 logger = logging.getLogger(__name__)
 
-MAX_IN_FLIGHT = 64
-"""Publishes a writer leaves unanswered before a push waits for the oldest (back-pressure)."""
+MAX_IN_FLIGHT = 1
+"""Unanswered publishes a push leaves behind it: a push first waits for the answers to all
+but the newest this many (pushes back to back then do not wait for one round trip each, and
+what the hub refused raises at the latest on the push after next)."""
 
 _RESTARTING = (ActorDiedError, ActorUnavailableError)
 
@@ -178,18 +181,21 @@ class Publishes:
         """Read the replies that arrived (all of them with ``wait``); keep what the hub refused.
 
         Returns the newest version a hub restart swallowed (``None``: none), for the
-        caller to offer again. Over :data:`MAX_IN_FLIGHT` unanswered, waits for the oldest.
+        caller to offer again. Without ``wait``, waits only for the answers to all but the
+        newest :data:`MAX_IN_FLIGHT` publishes.
         """
         in_flight = self._in_flight.get(model_id)
         if not in_flight:
             return None
         refs = [p.ref for p in in_flight]
-        if wait:
-            num = len(refs)  # a live hub answers a publish in about a millisecond: the timeout is a guard
+        if wait or len(refs) > MAX_IN_FLIGHT:
+            # A live hub answers a publish in about a millisecond: the timeout is a guard.
+            num = len(refs) if wait else len(refs) - MAX_IN_FLIGHT
+            done, _ = ray.wait(refs, num_returns=num, timeout=timeout, fetch_local=True)
+            if len(done) < len(refs):  # read what else arrived meanwhile
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
         else:
-            num = max(1, len(refs) - MAX_IN_FLIGHT + 1) if len(refs) >= MAX_IN_FLIGHT else len(refs)
-            timeout = None if len(refs) >= MAX_IN_FLIGHT else 0
-        done, _ = ray.wait(refs, num_returns=num, timeout=timeout, fetch_local=True)
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
         if not done:
             return None
         finished = set(done)

@@ -157,6 +157,7 @@ def test_a_refusal_of_a_push_that_did_not_wait_surfaces_on_the_next_push(
     bad = ray.remote(num_cpus=0)(Mismatched).remote()
     ray.get(bad.ready.remote(), timeout=60)
     assert hub.push(small_policy(2)) == 2  # the same layout: returns before the hub answers
+    assert hub.latest() == 1  # a query reads the answers first: version 2 was refused
     with pytest.raises(raysync.WeightMismatchError, match=r"refused version 2 of 'policy'.*missing keys"):
         hub.push(small_policy(3))  # the refusal of version 2 raises here; nothing more is pushed
     # After a refusal the next push waits for the answer: refused on the push itself.
