@@ -48,7 +48,6 @@ _REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still
 _SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking in
 _STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
 _PING_TIMEOUT_S = 0.5
-_PERSIST_S = 1.0  # how soon after a publish the newest version number reaches the GCS
 _UNREACHABLE = (ActorUnavailableError, RayActorError)
 
 
@@ -69,7 +68,6 @@ class WeightHub:
         self._started = time.time()
         self._gauges = metrics.HubGauges(name)
         self._sweeper: asyncio.Task[None] | None = None
-        self._persisting: set[str] = set()  # models whose newest version is written to the GCS soon
         self._restored = self._restore()
 
     @property
@@ -239,7 +237,9 @@ class WeightHub:
             await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
         else:
             v = self._state.accept(model_id, manifest, refs, pusher, version, epoch)
-            self._persist_soon(model_id)
+            # The newest number, for a restarted hub (in the background; one queued write serves
+            # many publishes): a number's uniqueness rests on the grant's write, not on this one.
+            self._store.save_model_soon(model_id, self._state.models[model_id])
         self._gauges.published(model_id)
         if v.version == self._state.latest(model_id):
             # Deliver just after this reply has left: a pusher waiting on it (a hub-stamped
@@ -255,23 +255,6 @@ class WeightHub:
         return await self.publish(
             pub.model_id, pub.manifest, list(pub.refs), pub.pusher, False, pub.version, pub.epoch
         )
-
-    def _persist_soon(self, model_id: str) -> None:
-        """Write the model's newest version to the GCS within a second (one write for many publishes).
-
-        Only a hint for a restarted hub: a number's uniqueness rests on the grant's write.
-        """
-        if model_id in self._persisting:
-            return
-        self._persisting.add(model_id)
-
-        def write() -> None:
-            self._persisting.discard(model_id)
-            model = self._state.models.get(model_id)
-            if model is not None:
-                self._store.save_model_soon(model_id, model)
-
-        asyncio.get_running_loop().call_later(_PERSIST_S, write)
 
     async def _mismatch(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
         """The error for a version that does not fit a live subscriber's model.

@@ -196,7 +196,7 @@ class Trainer:
                 real = getattr(self.hub, name)
 
                 def call(method: str, *args: Any, real: Any = real) -> Any:
-                    if method == "publish":  # every bucket is in the object store by now
+                    if method.startswith("publish"):  # every bucket is in the object store by now
                         self.at_publish.set()
                         threading.Event().wait()
                     return real(method, *args)
