@@ -275,20 +275,21 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     checks = []
     for nbytes in sorted({r["bytes"] for r in rows}):
         group = {r["path"]: r for r in rows if r["bytes"] == nbytes}
-        floor = next(r for p, r in group.items() if p.startswith("Ray floor"))
+        floor = next((r for p, r in group.items() if p.startswith("Ray floor")), None)
         torchrl = next((r for p, r in group.items() if p.startswith("torchrl")), None)
         hubs = [r for p, r in group.items() if p.startswith("raysync hub")]
-        best = min(hubs, key=lambda r: r["send_s"])
-        checks.append(
-            {
-                "size": _size(nbytes),
-                "what": "push to all applied <= Ray floor",
-                "value": best["send_s"] / floor["send_s"],
-                "bound": 1.0,
-                "met": best["send_s"] <= floor["send_s"],
-            }
-        )
-        if torchrl is not None:
+        best = min(hubs, key=lambda r: r["send_s"]) if hubs else None
+        if floor is not None and best is not None:
+            checks.append(
+                {
+                    "size": _size(nbytes),
+                    "what": "push to all applied <= Ray floor",
+                    "value": best["send_s"] / floor["send_s"],
+                    "bound": 1.0,
+                    "met": best["send_s"] <= floor["send_s"],
+                }
+            )
+        if torchrl is not None and best is not None:
             checks.append(
                 {
                     "size": _size(nbytes),
@@ -354,6 +355,11 @@ def parse_args(
     )
     harness.add_options(p, actors=[8], repeats=20, warmup=5)
     p.add_argument("--no-torchrl", action="store_true", help="skip torchrl's row")
+    p.add_argument(
+        "--blocking-only",
+        action="store_true",
+        help="only the trainer blocked on a hub with no subscribers beside a bare put (no actors: quick)",
+    )
     harness.add_options(p, json=harness.results_path("small_versions.json", results_dir), verbose=True)
     return p.parse_args(argv)
 
@@ -372,6 +378,10 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
     n_max = max(args.actors)
     with harness.local_cluster(num_cpus=n_max + 2, object_store_bytes=1024 * harness.MIB):
         for kib in args.sizes_kib:
+            if args.blocking_only:
+                row = measure_blocking(harness.make_state_dict(kib * KIB, TENSORS), args.repeats, args.warmup)
+                rows.append({**row, "bytes": kib * KIB, "n": 0})
+                continue
             for n in args.actors:
                 logger.info("measuring %s to %d actors", _size(kib * KIB), n)
                 rows += measure_size(
