@@ -276,9 +276,9 @@ class HubClient:
         granted with its lease) and does not wait for the hub's answer, except
         for a layout the hub has not accepted from it yet (the first push, a
         changed structure): what the hub refuses of a push that did not wait
-        raises on the next push of ``model_id`` once the answer arrived (at the
-        latest on the push after it), or on ``wait`` (and ``latest``, ``pull``
-        or ``status`` read the answers first, so the next push raises).
+        raises on the next push of ``model_id`` once the answer arrived (about a
+        millisecond), or on ``wait`` (``latest``, ``pull`` and ``status`` read
+        the answers first, so the next push raises).
 
         Args:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
@@ -330,8 +330,8 @@ class HubClient:
         _check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
-        # The hub's answers to earlier pushes (all but the previous one's, which is read if it
-        # arrived): what the hub refused raises here, at the latest on the push after next.
+        # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
+        # are unanswered): what the hub refused raises here.
         self._settle(model_id, wait=False)
         if max_lag is not None:
             if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:

@@ -4,8 +4,8 @@ A push returns once its snapshot is in the object store: the writer stamps the v
 itself, from a block of numbers the hub granted with the lease (:class:`WriterLease`,
 one per process, hub and model, shared by every client of the process), and sends the
 publish without waiting for the reply (:class:`Publishes`). The replies are read on the
-next push (those of all but the previous push waited for), on ``wait`` and before any
-query of the same client, so what the hub refused
+next push (as far as they arrived), on ``wait`` and before any query of the same
+client, so what the hub refused
 (the lease passed to another writer, weights that do not fit a subscriber) surfaces
 there, and a publish a hub restart swallowed is offered again.
 
@@ -39,10 +39,10 @@ __all__ = ["Publishes", "Refusal", "WriterLease", "lease_of"]
 
 logger = logging.getLogger(__name__)
 
-MAX_IN_FLIGHT = 1
-"""Unanswered publishes a push leaves behind it: a push first waits for the answers to all
-but the newest this many (pushes back to back then do not wait for one round trip each, and
-what the hub refused raises at the latest on the push after next)."""
+MAX_IN_FLIGHT = 8
+"""Unanswered publishes a push leaves behind it: a push reads the answers that arrived and
+waits only for those beyond the newest this many (pushes back to back then never wait for a
+round trip each; the bound is back-pressure on a hub that falls behind)."""
 
 _RESTARTING = (ActorDiedError, ActorUnavailableError)
 
