@@ -1,8 +1,8 @@
 """Soak: pushes, hub restarts, trainer restarts and subscriber kills together; nothing lost or torn.
 
 A trainer **actor** pushes in a loop. Every version fills every tensor with
-its own version number (the trainer fills ``hub.latest() + 1`` right before
-each push and records the number the hub stamped), so a subscriber's weights
+its own version number (the trainer fills ``hub.next_version()`` right before
+each push and records the number the push stamped), so a subscriber's weights
 are right exactly when every element of every tensor equals
 ``float(version)`` for the version it reports: each report says so, checked
 bit for bit (``torch.equal`` against ``torch.full_like``). The model is
@@ -50,7 +50,8 @@ version going backwards inside one process is a **regression**. After
 reports dead for good despite ``max_restarts=-1`` is logged with where it
 died, and is lost). The versions the
 trainer got back must have no gaps (**skipped**, numbers not explained by a
-push whose trainer was killed during it) and no **repeats**, and each must be
+push whose trainer was killed during it, or by a restarted trainer starting a
+new block of numbers) and no **repeats**, and each must be
 the number the trainer filled in (**stamp mismatches**). Every failure is
 logged with the actor, the call and what it saw (``events`` in the JSON).
 
@@ -81,6 +82,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import logging
 import os
 import random
@@ -456,9 +458,9 @@ class Ledger:
 class Trainer:
     """Pushes in a loop from a thread it starts itself, so a restarted trainer goes on by itself.
 
-    Each push fills the model with ``hub.latest() + 1`` (the number the hub
-    will stamp, with one writer) and records both in the ledger. A restarted
-    process is the same writer (same actor id): no takeover.
+    Each push fills the model with ``hub.next_version()`` (the number this
+    writer stamps next) and records both in the ledger. A restarted process is
+    the same writer (same actor id): no takeover; it stamps from a new block.
     """
 
     def __init__(self, hub_name: str, size_mib: float, tensors: int, interval: float, keep: int) -> None:
@@ -482,7 +484,7 @@ class Trainer:
             if self.hub is None:
                 self.hub = raysync.connect(self.hub_name, keep=self.keep)
             stage = "latest"
-            value = (self.hub.latest() or 0) + 1
+            value = self.hub.next_version()  # the number this writer stamps next
             fill(self.model, float(value))
             ray.get(self.ledger.intent.remote(self.pid, value))
             stage = "push"
@@ -1103,8 +1105,18 @@ class _Soak:
         repeats = sorted(v for v, n in counts.items() if n > 1)
         # A push whose trainer died during it may have been stamped without the trainer hearing.
         interrupted = {row["fill"] for row in records["open"] if row["fill"] is not None}
+        # A restarted trainer (a new process) stamps from a new block, past every number granted
+        # before: the numbers between one process's last stamp and the next process's first are
+        # skipped by design, never reused.
+        by_version = sorted(stamps, key=lambda s: s["version"])
+        new_block = {
+            v
+            for a, b in itertools.pairwise(by_version)
+            if a["pid"] != b["pid"]
+            for v in range(a["version"] + 1, b["version"])
+        }
         top = max(versions, default=0)
-        skipped = sorted(set(range(1, top + 1)) - set(versions) - interrupted)
+        skipped = sorted(set(range(1, top + 1)) - set(versions) - interrupted - new_block)
         stamp_mismatches = [s for s in stamps if s["version"] != s["fill"]]
         for s in stamp_mismatches:
             self.event(

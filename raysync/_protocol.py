@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ACQUIRE",
+    "BLOCK",
     "DEFAULT_HUB",
     "DEFAULT_KEEP",
     "DEFAULT_NAMESPACE",
@@ -31,13 +33,17 @@ __all__ = [
     "NOTIFY",
     "NOTIFY_BATCH",
     "PING",
+    "PUBLISH",
+    "PUBLISH_STAMPED",
     "REGISTER",
     "REPORT",
     "UNREGISTER",
     "WAIT_NEWER",
     "Announcement",
     "ApplyReport",
+    "Grant",
     "Laggard",
+    "Publication",
     "Registration",
     "SubscriberInfo",
     "WaitResult",
@@ -76,6 +82,21 @@ GET = "get"
 """``(model_id, version=None, newer_than=None) -> Announcement | None``: pull."""
 WAIT_NEWER = "wait_newer"
 """``(model_id, version, timeout) -> Announcement | None``: long poll."""
+
+# Methods of the hub (called by writers).
+ACQUIRE = "acquire"
+"""``(model_id, pusher, takeover, count) -> Grant``: the writer lease and a block of version numbers."""
+PUBLISH = "publish"
+"""``(model_id, manifest, refs, pusher, takeover, version=None, epoch=None) -> int``: a new version.
+
+With ``version`` and ``epoch`` (from a :class:`Grant`) the writer stamped it itself and
+need not wait for the reply; without them the hub stamps it (one round trip)."""
+
+PUBLISH_STAMPED = "publish_stamped"
+"""``(publication) -> int``: a version its writer stamped (one message: one argument to serialize)."""
+
+BLOCK = 100
+"""Version numbers a writer takes with each grant (the hub persists once per block)."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +234,49 @@ class ApplyReport:
         if self.error is None:
             return None
         return f"{type(self.error).__name__}: {str(self.error)[:1000]}"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The writer lease of a model and a block of version numbers for its holder to stamp.
+
+    Numbers ``first..last`` are the writer's alone: the hub wrote ``last`` to the GCS
+    before granting them, and never grants or stamps a number at or below it again,
+    across hub restarts too. ``epoch`` fences: it changes whenever the lease passes to
+    another writer, and the hub refuses publishes that carry an older one.
+
+    Attributes:
+        model_id: the model.
+        epoch: the lease's fencing epoch.
+        first: the first number of the block.
+        last: the last number of the block.
+    """
+
+    model_id: str
+    epoch: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A version its writer stamped from a :class:`Grant`, sent without waiting for the reply.
+
+    Attributes:
+        model_id: the model.
+        manifest: the buckets' layout (a :class:`raysync.core.layout.Manifest`).
+        refs: one ``ObjectRef`` per bucket (the writer owns them).
+        pusher: who pushed it (writer identity and the push's figures).
+        version: the number the writer stamped.
+        epoch: the lease epoch of the grant the number came from.
+    """
+
+    model_id: str
+    manifest: Any
+    refs: tuple[Any, ...]
+    pusher: dict[str, Any]
+    version: int
+    epoch: int
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,17 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from raysync import _protocol as proto
-from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, Announcement, ApplyReport, Registration, WaitResult
+from raysync._protocol import (
+    BLOCK,
+    DEFAULT_HUB,
+    DEFAULT_KEEP,
+    Announcement,
+    ApplyReport,
+    Grant,
+    Publication,
+    Registration,
+    WaitResult,
+)
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
@@ -173,6 +183,30 @@ class WeightHub:
         return {"name": self._name, "keep": self._state.keep, "pid": os.getpid()}
 
     # ------------------------------------------------------------------ publish
+    async def acquire(
+        self, model_id: str, pusher: dict[str, Any], takeover: bool = False, count: int = BLOCK
+    ) -> Grant:
+        """The writer lease of ``model_id`` and a block of ``count`` version numbers to stamp.
+
+        The block is written to the GCS before the reply: no number in it is ever
+        granted or stamped again, across hub restarts too.
+
+        Raises:
+            StaleWriterError: another live writer holds the model's lease.
+        """
+        await self._check_writer(model_id, pusher, takeover)
+        grant = self._state.grant(model_id, count, pusher)
+        await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
+        logger.debug("hub %r: granted %r versions %d-%d", self._name, model_id, grant.first, grant.last)
+        return grant
+
+    async def _check_writer(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> None:
+        current = self._state.writer_to_check(model_id, pusher, takeover)
+        if current is not None:
+            if await asyncio.to_thread(writer_alive, current):
+                raise self._state.refuse_writer(model_id, current, pusher)
+            self._state.hand_over(model_id, current, pusher)
+
     async def publish(
         self,
         model_id: str,
@@ -180,30 +214,49 @@ class WeightHub:
         refs: list[ray.ObjectRef],
         pusher: dict[str, Any],
         takeover: bool = False,
+        version: int | None = None,
+        epoch: int | None = None,
     ) -> int:
-        """Stamp and keep a version; start delivering it; return its number.
+        """Keep a version and start delivering it; return its number.
+
+        With ``version`` and ``epoch`` (from :meth:`acquire`) the writer stamped it and
+        does not wait for this reply; the version is kept before this method first
+        awaits anything, so the writer's later calls see it. Without them the hub
+        stamps it and writes the number to the GCS before replying.
 
         Raises:
             WeightMismatchError: it does not fit a live subscriber's model.
-            StaleWriterError: another live writer holds the model's lease.
+            StaleWriterError: another writer holds the model's lease (for a stamped
+                version: the lease passed on since its grant).
         """
-        refused = await self._mismatch(model_id, manifest)
-        if refused is not None:
-            raise refused
-        current = self._state.writer_to_check(model_id, pusher, takeover)
-        if current is not None:
-            if await asyncio.to_thread(writer_alive, current):
-                raise self._state.refuse_writer(model_id, current, pusher)
-            self._state.hand_over(model_id, current, pusher)
-        v = self._state.stamp(model_id, manifest, refs, pusher)
+        if self._state.mismatches(model_id, manifest):
+            refused = await self._mismatch(model_id, manifest)
+            if refused is not None:
+                raise refused
+        if version is None or epoch is None:
+            await self._check_writer(model_id, pusher, takeover)
+            v = self._state.stamp(model_id, manifest, refs, pusher)
+            await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
+        else:
+            v = self._state.accept(model_id, manifest, refs, pusher, version, epoch)
+            # The newest number, for a restarted hub (in the background; one queued write serves
+            # many publishes): a number's uniqueness rests on the grant's write, not on this one.
+            self._store.save_model_soon(model_id, self._state.models[model_id])
         self._gauges.published(model_id)
-        await asyncio.to_thread(self._store.save_model, model_id, self._state.models[model_id])
-        # Deliver just after this reply has left: the pusher is waiting on it, and
-        # receivers starting their copies would otherwise compete with it for CPU.
-        asyncio.get_running_loop().call_later(0.001, self._kick_model, model_id)
+        if v.version == self._state.latest(model_id):
+            # Deliver just after this reply has left: a pusher waiting on it (a hub-stamped
+            # version) would otherwise compete with receivers starting their copies for CPU.
+            delay = 0.001 if version is None else 0.0
+            asyncio.get_running_loop().call_later(delay, self._kick_model, model_id)
         await self._changed()
         logger.debug("hub %r: %r version %d published", self._name, model_id, v.version)
         return v.version
+
+    async def publish_stamped(self, pub: Publication) -> int:
+        """:meth:`publish` of a version its writer stamped, as one message (what a push sends)."""
+        return await self.publish(
+            pub.model_id, pub.manifest, list(pub.refs), pub.pusher, False, pub.version, pub.epoch
+        )
 
     async def _mismatch(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
         """The error for a version that does not fit a live subscriber's model.

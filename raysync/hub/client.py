@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -28,11 +29,22 @@ import ray
 import torch
 
 from raysync._checks import check_timeout
-from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE, WaitResult
+from raysync._protocol import (
+    ACQUIRE,
+    BLOCK,
+    DEFAULT_HUB,
+    DEFAULT_NAMESPACE,
+    PUBLISH,
+    PUBLISH_STAMPED,
+    Grant,
+    Publication,
+    WaitResult,
+)
 from raysync.core.codec import unpack
 from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
-from raysync.errors import ApplyError, SyncTimeoutError, UnknownModelError
+from raysync.errors import ApplyError, RaySyncError, StaleWriterError, SyncTimeoutError, UnknownModelError
+from raysync.hub.lease import Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor
 from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.state import Version
@@ -128,6 +140,9 @@ class HubClient:
             lost=lambda model_id, version: _alive(me)._lost(model_id, version),
         )
         self.last_push: dict[str, Any] = {}
+        self._publishes = Publishes()
+        self._posting: dict[str, Any] = {}  # the hub's methods bound with retries, for _post
+        self._posting_to: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Only the address travels; the handle is looked up again where it lands.
@@ -153,9 +168,77 @@ class HubClient:
 
         return call_hub(handle, method, *args, retry_s=self.retry_s)
 
+    def _post(self, method: str, *args: Any) -> Any:
+        """Call the hub without waiting: the reply's ``ObjectRef`` (Ray sends one caller's calls in order)."""
+        # Retried by Ray through a hub restart (a retry may run after a later call: publishes
+        # are kept in number order whatever order they arrive in, and a repeat is kept once).
+        handle = self.actor
+        if self._posting_to is not handle:  # the hub was found again: bind its methods afresh
+            self._posting, self._posting_to = {}, handle
+        bound = self._posting.get(method)
+        if bound is None:
+            bound = self._posting[method] = getattr(handle, method).options(max_task_retries=_POST_RETRIES)
+        return bound.remote(*args)
+
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
+        """Stamp the version from this process's block and publish it; wait only for a new layout.
+
+        A layout the hub has not accepted from this writer yet (the first push, a changed
+        structure, the push after a refusal) waits for the hub's answer, so weights that
+        do not fit a subscriber raise here; other pushes return without it and the answer
+        is read on the next push, ``wait`` or query.
+        """
         pusher = {**_writer_identity(), **self.last_push}
-        return int(self._call("publish", model_id, manifest, refs, pusher, self.takeover))
+        lease = lease_of(self.name, self.namespace, model_id)
+        with lease.lock:
+            version, epoch = lease.take(
+                lambda: self._acquire(model_id, pusher),
+                lambda: self._post(ACQUIRE, model_id, pusher, self.takeover, BLOCK),
+            )
+            if lease.confirmed == manifest.layout_hash:
+                pub = Publication(model_id, manifest, tuple(refs), pusher, version, epoch)
+                self._publishes.add(model_id, version, epoch, self._post(PUBLISH_STAMPED, pub))
+                return version
+            args = (model_id, manifest, refs, pusher, self.takeover, version, epoch)
+            try:
+                self._call(PUBLISH, *args)
+            except StaleWriterError:
+                lease.lose()
+                raise
+            lease.confirmed = manifest.layout_hash
+            self._publishes.sent(model_id, version, epoch)
+        return version
+
+    def _acquire(self, model_id: str, pusher: dict[str, Any]) -> Grant:
+        grant: Grant = self._call(ACQUIRE, model_id, pusher, self.takeover, BLOCK)
+        return grant
+
+    def _lease(self, model_id: str) -> WriterLease:
+        return lease_of(self.name, self.namespace, model_id)
+
+    def _settle(self, model_id: str, *, wait: bool, raise_refused: bool = True) -> None:
+        """Read the hub's answers to this client's publishes of ``model_id`` (see :meth:`push`).
+
+        Offers the newest version again if a hub restart swallowed its publish, and
+        raises (with ``raise_refused``) what the hub refused since the last time.
+        """
+        swallowed = self._publishes.settle(model_id, self._lease(model_id), wait=wait)
+        mine = self._pipeline.last.get(model_id)
+        sent = self._publishes.epochs.get(model_id)
+        if swallowed is not None and mine is not None and sent is not None and sent[0] == mine.version:
+            logger.info("a hub restart swallowed version %d of %r: offering it again", swallowed, model_id)
+            args = (model_id, mine.manifest, mine.refs, mine.pusher, self.takeover, mine.version, sent[1])
+            try:
+                self._call(PUBLISH, *args)
+            except RaySyncError as err:
+                self._publishes.keep_refusal(model_id, self._lease(model_id), mine.version, sent[1], err)
+        if raise_refused:
+            self._publishes.raise_refused(model_id)
+
+    def _settle_all(self) -> None:
+        """Before a query: this client's publishes have reached the hub (refusals are kept for later)."""
+        for model_id in self._publishes.models():
+            self._settle(model_id, wait=True, raise_refused=False)
 
     def _hub_newest(self, model_id: str) -> Version | None:
         try:
@@ -189,6 +272,13 @@ class HubClient:
 
         Returns as soon as the snapshot is taken: the caller may change its
         model right after. Subscribers apply the version in the background.
+        The writer stamps the version itself (from a block of numbers the hub
+        granted with its lease) and does not wait for the hub's answer, except
+        for a layout the hub has not accepted from it yet (the first push, a
+        changed structure): what the hub refuses of a push that did not wait
+        raises on the next push of ``model_id`` once the answer arrived (about a
+        millisecond), or on ``wait`` (``latest``, ``pull`` and ``status`` read
+        the answers first, so the next push raises).
 
         Args:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
@@ -215,16 +305,19 @@ class HubClient:
                 trainer back: a pull subscriber moves only when it asks).
 
         Returns:
-            The version number the hub stamped (1, 2, ... per model).
+            The version number (1, 2, ... per model; a new writer, or a restarted
+            one, starts past every number granted before, so numbers may skip).
 
         Raises:
             WeightMismatchError: the weights do not fit the subscribers' models
-                (nothing is published; everyone keeps the previous version).
+                (nothing is published; everyone keeps the previous version), or
+                those of the previous push did not (a subscriber joined since).
             InvalidWeightsError: empty weights, non-tensor leaves, ``keys``
                 that match nothing, ``keys`` before any full push, NaN/Inf
                 with ``check_finite``, or a version larger than the object store.
             StaleWriterError: another live trainer holds this model's writer
-                lease (see ``connect(takeover=...)``).
+                lease (see ``connect(takeover=...)``), or took it over since the
+                previous push (that push's version was refused).
             SyncTimeoutError: ``wait=True`` or ``max_lag`` and ``timeout`` passed first.
 
         Example:
@@ -237,6 +330,9 @@ class HubClient:
         _check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
+        # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
+        # are unanswered): what the hub refused raises here.
+        self._settle(model_id, wait=False)
         if max_lag is not None:
             if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
                 raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
@@ -261,6 +357,30 @@ class HubClient:
         if wait:
             self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
         return pushed.version
+
+    def next_version(self, model_id: str = "policy") -> int:
+        """The version number this writer's next push of ``model_id`` gets (nothing is pushed).
+
+        A writer stamps versions itself from a block of numbers the hub granted with
+        its lease, so it knows the next one in advance: to put it into the weights,
+        a log or a checkpoint name before pushing. It asks the hub for the lease if
+        this process does not hold it (one round trip). Numbers only grow but may
+        skip: a restarted trainer or a new writer starts past every number granted
+        before, used or not. Exact with one thread pushing.
+
+        Raises:
+            StaleWriterError: another live writer holds the model's lease.
+
+        Example:
+            >>> v = hub.next_version()
+            >>> assert hub.push(model) == v
+        """
+        _check_model_id(model_id)
+        self._settle(model_id, wait=False)
+        pusher = {**_writer_identity(), **self.last_push}
+        lease = self._lease(model_id)
+        with lease.lock:
+            return lease.peek(lambda: self._acquire(model_id, pusher))
 
     # ------------------------------------------------------------------ wait / query
     def wait(
@@ -289,6 +409,8 @@ class HubClient:
         Raises:
             SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards.
             ApplyError: some subscriber failed to apply it (it keeps its previous version).
+            StaleWriterError, WeightMismatchError: the hub refused a push of this client
+                that did not wait for its answer (see :meth:`push`).
             UnknownModelError: ``version`` of ``model_id`` was never pushed (a wait for it
                 could only run out).
 
@@ -306,6 +428,7 @@ class HubClient:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._settle(model_id, wait=True)
         mine = self._pipeline.last.get(model_id)
         offer = mine is not None and mine.version >= version
         result: WaitResult = self._call("wait", model_id, version, timeout, include_pull, offer)
@@ -345,6 +468,7 @@ class HubClient:
             12
         """
         _check_model_id(model_id)
+        self._settle(model_id, wait=True, raise_refused=False)
         result: int | None = self._call("latest", model_id)
         return result
 
@@ -364,6 +488,7 @@ class HubClient:
             >>> model.load_state_dict(td.flatten_keys(".").to_dict())
         """
         _check_model_id(model_id)
+        self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
         buckets = ray.get(list(info.refs))
@@ -377,8 +502,12 @@ class HubClient:
             >>> hub.status()["subscribers"][0]["lag"]
             0
         """
+        self._settle_all()
         result: dict[str, Any] = self._call("status")
         return result
+
+
+_POST_RETRIES = 10  # hub restarts a call sent without waiting goes through before it fails
 
 
 def _alive(ref: weakref.ReferenceType[HubClient]) -> HubClient:
@@ -399,6 +528,18 @@ def _writer_identity() -> dict[str, Any]:
     Task workers are pooled and outlive their tasks, so a lease held by one would
     outlive the task and name an idle process; a job's tasks and driver are one writer.
     """
+    pid = os.getpid()
+    cached = _identity.get(pid)
+    if cached is None:
+        _identity.clear()
+        cached = _identity[pid] = _look_up_identity()
+    return dict(cached)
+
+
+_identity: dict[int, dict[str, Any]] = {}  # per process (a forked child looks itself up again)
+
+
+def _look_up_identity() -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     actor_id = ctx.get_actor_id()
     job_id = ctx.get_job_id()
@@ -406,6 +547,7 @@ def _writer_identity() -> dict[str, Any]:
     is_task = getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE
     kind = "actor" if actor_id else ("tasks" if is_task else "driver")
     return {
+        "session": uuid.uuid4().hex,  # this process: a writer's processes get epochs of their own
         "writer_id": actor_id or f"job:{job_id}",
         "kind": kind,
         "actor_id": actor_id,

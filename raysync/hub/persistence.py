@@ -42,8 +42,13 @@ def _kv() -> Any:
 class HubStore:
     """A hub's records in the GCS.
 
-    Version counters and leases are written (from a thread) before a publish
-    replies, so a restarted hub never stamps a number twice. Subscriptions are
+    A model's record (lease, fencing epoch, the numbers granted so far and the newest
+    version) is written by one thread of its own, in order, reading the model when it
+    writes: a grant of version numbers waits for its write before it replies (so a
+    restarted hub never grants or stamps a number twice), a published version only
+    schedules one (a restarted hub then knows roughly the newest; the writer offers
+    what it lost). Its counters only grow, so a later write never undoes an earlier one.
+    Subscriptions are
     written when first seen and when dropped (not on every apply), in order, by
     one background thread, so the hub's event loop never waits on the GCS for them.
     """
@@ -53,6 +58,8 @@ class HubStore:
         self._subs = f"{hub_name}/sub/"
         self._stored: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raysync-membership")
+        self._models = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="raysync-models")
+        self._due: dict[str, Model] = {}  # models whose record a queued write will bring up to date
 
     def load(self) -> tuple[dict[str, Model], int | None, dict[str, dict[str, Any]]]:
         """Models (counter and lease), the hub's ``keep`` and its subscriptions, as the last hub left them."""
@@ -63,8 +70,13 @@ class HubStore:
             raw = kv.get(key, namespace=_KV_NAMESPACE)
             if raw is not None:
                 record = json.loads(raw)
+                latest = int(record["latest"])
                 models[key[len(prefix) :].decode()] = Model(
-                    latest=int(record["latest"]), writer=record.get("writer")
+                    latest=latest,
+                    writer=record.get("writer"),
+                    epoch=int(record.get("epoch", 0)),
+                    session=record.get("session"),
+                    reserved=max(latest, int(record.get("reserved", latest))),
                 )
         config = kv.get(self._config_key(), namespace=_KV_NAMESPACE)
         keep = int(json.loads(config)["keep"]) if config is not None else None
@@ -76,11 +88,36 @@ class HubStore:
         self._stored = set(members)
         return models, keep, members
 
-    def save_model(self, model_id: str, model: Model) -> None:
-        """The version counter and writer lease of a model (blocking: call from a thread)."""
-        record = {"latest": model.latest, "writer": model.writer}
+    def save_model(self, model_id: str, model: Model) -> concurrent.futures.Future[None]:
+        """Write a model's record (lease, epoch, numbers granted, newest); done when the future is.
+
+        Await the future before handing out a number (``asyncio.wrap_future``).
+        """
+        self._due[model_id] = model
+        return self._models.submit(self._write_model, model_id)
+
+    def save_model_soon(self, model_id: str, model: Model) -> None:
+        """Bring a model's record up to date in the background (one queued write serves many calls)."""
+        if model_id not in self._due:
+            self.save_model(model_id, model)
+
+    def _write_model(self, model_id: str) -> None:
+        model = self._due.pop(model_id, None)
+        if model is None:  # an earlier queued write already wrote what this one would
+            return
+        record = {
+            "latest": model.latest,
+            "reserved": model.reserved,
+            "epoch": model.epoch,
+            "session": model.session,
+            "writer": model.writer,
+        }
         key = f"{self._name}/model/{model_id}".encode()
-        _kv().put(key, json.dumps(record).encode(), namespace=_KV_NAMESPACE)
+        try:
+            _kv().put(key, json.dumps(record).encode(), namespace=_KV_NAMESPACE)
+        except Exception:
+            self._due.setdefault(model_id, model)  # the next write tries again
+            raise
 
     def save_keep(self, keep: int) -> None:
         """The hub's ``keep`` (blocking: call from a thread)."""

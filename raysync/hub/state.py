@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raysync._protocol import Announcement, ApplyReport, Laggard, Registration, SubscriberInfo
+from raysync._protocol import Announcement, ApplyReport, Grant, Laggard, Registration, SubscriberInfo
 from raysync.core.layout import Manifest, validate
 from raysync.errors import StaleWriterError, UnknownModelError, WeightMismatchError
 
@@ -51,6 +51,14 @@ class Model:
     bytes_pushed: int = 0
     last_push_time: float | None = None
     writer: dict[str, Any] | None = None  # the process (or actor) holding the writer lease
+    epoch: int = 0  # the lease's fencing epoch: it changes whenever the lease passes to another process
+    session: str | None = None  # the process (of the writer) that holds the current epoch
+    reserved: int = 0  # every number up to this one was granted or stamped (persisted before use)
+
+    @property
+    def issued(self) -> int:
+        """The highest number ever handed out (granted to a writer or stamped here)."""
+        return max(self.latest, self.reserved)
 
     @property
     def newest(self) -> Version | None:
@@ -317,6 +325,7 @@ class HubState:
         if me is None or current is None or current.get("writer_id") == me:
             if me is not None and current is None:
                 model.writer = _lease(pusher)
+                model.epoch += 1
             return None
         if takeover:
             logger.warning(
@@ -328,6 +337,7 @@ class HubState:
                 who(current),
             )
             model.writer = _lease(pusher)
+            model.epoch += 1
             return None
         return current
 
@@ -352,11 +362,92 @@ class HubState:
             model.latest,
         )
         model.writer = _lease(pusher)
+        model.epoch += 1
+
+    def grant(self, model_id: str, count: int, pusher: dict[str, Any]) -> Grant:
+        """A block of ``count`` version numbers for the lease holder (persist before replying).
+
+        A process of the writer other than the one holding the epoch (a restarted
+        trainer, another task of a job) gets a new epoch: the other process's later
+        publishes are refused, never interleaved with this one's.
+        """
+        model = self.models.setdefault(model_id, Model())
+        session = pusher.get("session")
+        if session != model.session:
+            model.epoch += 1
+            model.session = session
+            if pusher.get("writer_id") is not None:
+                model.writer = _lease(pusher)
+        first = model.issued + 1
+        model.reserved = first + max(1, int(count)) - 1
+        return Grant(model_id, model.epoch, first, model.reserved)
+
+    def accept(
+        self,
+        model_id: str,
+        manifest: Manifest,
+        refs: list[Any],
+        pusher: dict[str, Any],
+        version: int,
+        epoch: int,
+    ) -> Version:
+        """Keep a version its writer stamped from a :class:`Grant` (no reply awaited).
+
+        An older one arriving after a newer one (an async actor may run one caller's
+        calls out of order) is kept as an older version, never made the newest; the
+        same version offered again (after a hub restart lost it) is kept once.
+
+        Raises:
+            StaleWriterError: the lease passed to another writer (older ``epoch``), or
+                ``version`` was never granted.
+        """
+        model = self.models.get(model_id)
+        if model is not None and epoch != model.epoch and model.writer is not None:
+            same = model.writer.get("writer_id") == pusher.get("writer_id")
+            if same:
+                raise StaleWriterError(
+                    f"another process of this writer ({who(model.writer)}) took the writer lease of "
+                    f"model {model_id!r} after this process ({who(pusher)}) stamped version {version}, "
+                    "so that version was refused; push from one process at a time (this process's "
+                    "next push takes the lease back)"
+                )
+        if model is None or epoch != model.epoch:
+            holder = who(model.writer) if model is not None and model.writer else "no writer"
+            raise StaleWriterError(
+                f"model {model_id!r} is now written by {holder} (lease epoch "
+                f"{model.epoch if model else 0}); this process ({who(pusher)}) lost its writer lease "
+                f"(epoch {epoch}), so its version {version} was refused. Stop the other trainer, push "
+                "under another model_id, or take over with raysync.connect(..., takeover=True)"
+            )
+        if version > model.reserved:
+            raise StaleWriterError(
+                f"version {version} of {model_id!r} was never granted (granted up to {model.reserved}); "
+                "push again"
+            )
+        kept = model.versions.get(version)
+        if kept is not None:
+            return kept
+        v = Version(version, manifest, list(refs), time.time(), pusher)
+        model.versions[version] = v
+        model.latest = max(model.latest, version)
+        model.pushes += 1
+        model.bytes_pushed += manifest.total_nbytes
+        model.last_push_time = v.pushed_at
+        self.trim(model)
+        return v
 
     def stamp(self, model_id: str, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]) -> Version:
-        """Give a version its number and keep it (the oldest beyond ``keep`` are let go)."""
+        """Give a version its number and keep it (the oldest beyond ``keep`` are let go).
+
+        The number follows every number ever granted to a writer (persist before replying),
+        and it ends the blocks granted before it (a new epoch): a writer stamping from one
+        would publish versions older than this one.
+        """
         model = self.models.setdefault(model_id, Model())
-        model.latest += 1
+        if model.session is not None:
+            model.epoch += 1
+            model.session = None
+        model.latest = model.reserved = model.issued + 1
         v = Version(model.latest, manifest, list(refs), time.time(), pusher)
         model.versions[v.version] = v
         model.pushes += 1
@@ -370,16 +461,19 @@ class HubState:
     ) -> bool:
         """The writer offers its newest version again after a restart lost it; whether it is kept now.
 
-        Accepted for the model's newest version number only, when nothing of it is
-        kept, and only from the lease holder.
+        Accepted for a number not older than the newest the hub knows (a restarted hub
+        knows the newest of a moment before it died) and not newer than it ever issued,
+        when nothing of it is kept, and only from the lease holder.
         """
         model = self.models.get(model_id)
-        if model is None or version != model.latest or version in model.versions:
+        if model is None or not model.latest <= version <= model.issued or version in model.versions:
             return False
         writer = model.writer
         if writer is not None and writer.get("writer_id") != pusher.get("writer_id"):
             return False
         model.versions[version] = Version(version, manifest, list(refs), time.time(), pusher)
+        model.latest = version
+        self.trim(model)
         logger.info("hub %r: %r version %d offered again by its writer", self.name, model_id, version)
         return True
 
@@ -465,7 +559,7 @@ class HubState:
     def check_waitable(self, model_id: str, version: int) -> None:
         """Raise if ``version`` of ``model_id`` was never pushed (a wait for it could only run out)."""
         model = self.models.get(model_id)
-        if model is None or version > model.latest:
+        if model is None or version > model.issued:
             raise UnknownModelError(
                 f"version {version} of model {model_id!r} was never pushed on hub {self.name!r} "
                 f"(newest: {model.latest if model and model.latest else None}; models here: "

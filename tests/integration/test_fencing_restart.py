@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -38,12 +42,20 @@ def test_one_writer_per_model_until_takeover_or_death(hub: raysync.HubClient, hu
     assert hub.push(small_policy(4), "other") == 1  # other models are free
 
     new_trainer = Trainer.remote(hub_name, True)
-    assert ray.get(new_trainer.push.remote(5)) == 3  # explicit takeover
-    with pytest.raises(raysync.StaleWriterError, match=r"written by actor .*takeover=True"):
-        hub.push(small_policy(6))  # the old writer is now refused
-    with pytest.raises(PermissionError):
+    taken = ray.get(new_trainer.push.remote(5))  # explicit takeover: a new lease, a new block
+    assert taken > 2
+    # The old writer stamps from its old block without waiting: the hub refuses that
+    # version (its lease epoch is over), and the refusal surfaces on wait or the next push.
+    stale = hub.push(small_policy(6))
+    assert 2 < stale < taken  # never a number the new writer holds
+    with pytest.raises(
+        raysync.StaleWriterError, match=r"refused version 3 .*written by actor .*takeover=True"
+    ):
+        hub.wait(stale, timeout=30)
+    with pytest.raises(PermissionError):  # then it asks for the lease again: refused at once
         hub.push(small_policy(6))
-    assert ray.get(new_trainer.push.remote(7)) == 4
+    assert hub.latest() == taken  # the refused version was never kept
+    assert ray.get(new_trainer.push.remote(7)) == taken + 1
     assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(7).state_dict())
 
     ray.kill(new_trainer)  # a writer that dies gives up its lease
@@ -124,3 +136,129 @@ def test_version_larger_than_the_object_store_is_refused_before_any_copy(hub: ra
     with pytest.raises(raysync.InvalidWeightsError, match=r"GiB, more than this node's object store"):
         hub.push(huge)
     assert hub.latest() is None
+
+
+# ---------------------------------------------------------------------- pushes that return after the snapshot
+
+
+def test_a_refusal_of_a_push_that_did_not_wait_surfaces_on_the_next_push(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    assert hub.push(small_policy(1)) == 1  # a new layout: this push waited for the hub's answer
+
+    @raysync.synced_model("policy", hub=hub_name)
+    class Mismatched:
+        def __init__(self) -> None:
+            self.policy = torch.nn.Linear(3, 3)
+
+        def ready(self) -> bool:
+            return True
+
+    bad = ray.remote(num_cpus=0)(Mismatched).remote()
+    ray.get(bad.ready.remote(), timeout=60)
+    assert hub.push(small_policy(2)) == 2  # the same layout: returns before the hub answers
+    assert hub.latest() == 1  # a query reads the answers first: version 2 was refused
+    with pytest.raises(raysync.WeightMismatchError, match=r"refused version 2 of 'policy'.*missing keys"):
+        hub.push(small_policy(3))  # the refusal of version 2 raises here; nothing more is pushed
+    # After a refusal the next push waits for the answer: refused on the push itself.
+    with pytest.raises(raysync.WeightMismatchError) as info:
+        hub.push(small_policy(3))
+    assert "refused version" not in str(info.value)
+    assert hub.latest() == 1  # neither was kept
+    ray.kill(bad)
+    v = wait_for_condition(lambda: _push_or_none(hub, 4), timeout=30, what="the dead subscriber dropped")
+    assert v == 4  # 2 and 3 were handed out (and refused): never again
+    assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(4).state_dict())
+
+
+def _push_or_none(hub: raysync.HubClient, seed: int) -> int | None:
+    try:
+        return hub.push(small_policy(seed))
+    except raysync.WeightMismatchError:
+        return None
+
+
+def test_hub_restart_with_pushes_in_flight_issues_no_number_twice(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    collectors = [make_collector(hub_name).remote() for _ in range(2)]
+    ray.get([c.raysync_version.remote() for c in collectors])
+    versions = [hub.push(small_policy(seed)) for seed in range(3)]
+    ray.kill(hub.actor, no_restart=False)  # dies with publishes in flight or just sent
+    versions += [hub.push(small_policy(seed)) for seed in range(3, 8)]  # sent while it restarts
+    # One writer, one block granted before the restart and kept in the GCS: numbers continue.
+    assert versions == list(range(1, 9))
+    hub.wait(8, timeout=60)  # a publish the restart swallowed is offered again
+    assert hub.latest() == 8
+    for c in collectors:
+        assert ray.get(c.raysync_version.remote()) == 8
+        assert_same_weights(ray.get(c.weights.remote()), small_policy(7).state_dict())
+    # A second writer after the restart gets numbers past every one granted before it.
+    other = Trainer.remote(hub_name, True)
+    assert ray.get(other.push.remote(9)) > 8
+
+
+@ray.remote(num_cpus=0, max_restarts=1)
+class RestartableTrainer:
+    """A trainer actor Ray restarts: the same actor (the same writer) in a new process."""
+
+    def __init__(self, hub_name: str) -> None:
+        self.hub = raysync.connect(hub_name)
+
+    def push(self, seed: int) -> int:
+        return self.hub.push(small_policy(seed))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_restarted_trainer_actor_never_reuses_a_number(hub: raysync.HubClient, hub_name: str) -> None:
+    trainer = RestartableTrainer.remote(hub_name)
+    first = [ray.get(trainer.push.remote(seed)) for seed in range(3)]
+    assert first == [1, 2, 3]
+    old_pid = ray.get(trainer.pid.remote())
+    ray.kill(trainer, no_restart=False)
+    wait_for_condition(lambda: _pid(trainer) not in (None, old_pid), timeout=60, what="trainer restarted")
+    # Its first life may have stamped any number of its block: the new process takes a new one.
+    later = ray.get(trainer.push.remote(4))
+    assert later > max(first) and later not in range(1, 101)
+    assert ray.get(trainer.push.remote(5)) == later + 1
+    assert hub.latest() == later + 1
+    assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(5).state_dict())
+
+
+def _pid(actor: Any) -> int | None:
+    try:
+        pid: int = ray.get(actor.pid.remote(), timeout=10)
+        return pid
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+_DRIVER = """
+import sys, ray, torch, raysync
+ray.init(address=sys.argv[1], namespace="raysync", logging_level="error", log_to_driver=False)
+hub = raysync.connect(sys.argv[2])
+torch.manual_seed(int(sys.argv[3]))
+print([hub.push({"w": torch.randn(4)}) for _ in range(3)])
+"""
+
+
+def test_a_restarted_driver_never_reuses_a_number(
+    hub: raysync.HubClient, hub_name: str, ray_start_regular: dict[str, Any]
+) -> None:
+    address = ray_start_regular["gcs_address"]
+    runs = []
+    for seed in range(2):  # the second driver is the first one restarted (a new job)
+        done = subprocess.run(
+            [sys.executable, "-c", _DRIVER, address, hub_name, str(seed)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
+    assert runs[0] == [1, 2, 3]
+    # The dead job's lease passes on; its block (which it might have used) is never granted again.
+    assert runs[1][0] > 100 and runs[1] == [runs[1][0] + i for i in range(3)]
+    assert hub.latest() == runs[1][-1]  # (its bytes went with the driver that pushed them)

@@ -22,7 +22,6 @@ from benchmarks import soak
 from raysync.core.codec import bucket_checksums, pack
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import plan_layout
-from raysync.hub.client import _writer_identity
 from tests.conftest import wait_for_condition
 
 SIZE_MIB = 1 / 64  # 16 KiB: 4 tensors of 1024 float32
@@ -192,22 +191,22 @@ class Trainer:
 
     def push(self, value: int, hang_before_publish: bool = False) -> int:
         if hang_before_publish:
-            real = self.hub._call
+            # A publish goes out with or without waiting for its answer (_call / _post).
+            for name in ("_call", "_post"):
+                real = getattr(self.hub, name)
 
-            def call(method: str, *args: Any) -> Any:
-                if method == "publish":  # every bucket is in the object store by now
-                    self.at_publish.set()
-                    threading.Event().wait()
-                return real(method, *args)
+                def call(method: str, *args: Any, real: Any = real) -> Any:
+                    if method.startswith("publish"):  # every bucket is in the object store by now
+                        self.at_publish.set()
+                        threading.Event().wait()
+                    return real(method, *args)
 
-            self.hub._call = call  # type: ignore[method-assign]
+                setattr(self.hub, name, call)
         return push(self.hub, value)
 
-    def push_forever(self, start: int) -> None:
-        value = start
+    def push_forever(self) -> None:
         while True:
-            if _pushed(self.hub, value):
-                value += 1
+            _pushed(self.hub)
 
     def reached_publish(self) -> bool:
         return self.at_publish.is_set()
@@ -224,13 +223,12 @@ def _dead(actor: Any) -> bool:
     return False
 
 
-def _pushed(hub: raysync.HubClient, value: int) -> bool:
-    """Push ``value``; False while a writer that was just killed still holds the lease."""
+def _pushed(hub: raysync.HubClient) -> int | None:
+    """Push the next version; None while a writer that was just killed still holds the lease."""
     try:
-        push(hub, value)
+        return push(hub, hub.next_version())
     except raysync.StaleWriterError:
-        return False
-    return True
+        return None
 
 
 def test_trainer_killed_mid_push_never_leaves_a_partial_version(
@@ -254,7 +252,7 @@ def test_trainer_killed_mid_push_never_leaves_a_partial_version(
     # Killed at a random point of a loop of pushes (while putting, publishing, or
     # while subscribers fetch a version it owns): whatever anyone holds is whole.
     trainer = Trainer.remote(hub_name)  # the dead trainer's lease is free: no takeover
-    trainer.push_forever.remote(2)
+    trainer.push_forever.remote()
     wait_for_condition(lambda: (hub.latest() or 0) >= 5, what="trainer pushing")
     ray.kill(trainer)
     # ray.kill returns before the process is gone: a push may still land until it is.
@@ -275,10 +273,11 @@ def test_trainer_killed_mid_push_never_leaves_a_partial_version(
         assert holds(lazy, 1)
 
     # The next live trainer brings everyone forward (once the GCS knows the last one died).
-    wait_for_condition(lambda: _pushed(hub, last + 1), what="lease of the dead trainer released")
+    v = wait_for_condition(lambda: _pushed(hub), what="lease of the dead trainer released")
+    assert v > last  # a new writer: past every number the dead one was granted
     for s in subs:
-        wait_for_condition(lambda s=s: holds(s, last + 1), timeout=60, what="everyone on the new version")
-    assert ray.get(lazy.sync.remote()) is True and holds(lazy, last + 1)
+        wait_for_condition(lambda s=s: holds(s, v), timeout=60, what="everyone on the new version")
+    assert ray.get(lazy.sync.remote()) is True and holds(lazy, v)
 
 
 def test_a_hung_subscriber_delays_only_itself(hub: raysync.HubClient, hub_name: str) -> None:
@@ -465,9 +464,7 @@ def test_corrupted_bucket_is_refused_by_verifying_subscribers(hub: raysync.HubCl
     corrupt = [[a.copy() for a in bucket] for bucket in buckets]
     corrupt[2][0][100] ^= 0x40
     refs = [ray.put(b) for b in corrupt]
-    reply = ray.get(
-        hub.actor.publish.remote("policy", manifest.with_checksums(sums), refs, _writer_identity())
-    )
+    reply = hub._publish("policy", manifest.with_checksums(sums), refs)  # stamped like a push
     assert reply == 2
     with pytest.raises(
         raysync.ApplyError, match=r"1 subscriber\(s\).*failed to apply version 2.*ChecksumError"

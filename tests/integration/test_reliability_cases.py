@@ -338,13 +338,14 @@ def test_case08_a_dead_subscriber_that_failed_never_blocks_pushes(
 
     bad = ray.remote(num_cpus=0)(Mismatched).remote()
     ray.get(bad.ready.remote(), timeout=CALL_S)
-    with pytest.raises(raysync.WeightMismatchError):  # alive: it does refuse the push
-        push(hub, 2)
+    push(hub, 2)  # the layout the hub accepted before: returns before the hub answers
+    with pytest.raises(raysync.WeightMismatchError, match="refused version 2"):  # alive: it refuses
+        hub.wait(2, timeout=CALL_S)
     ray.kill(bad)
     wait_for_condition(lambda: _dead(bad), what="the mismatched subscriber is dead")
-    assert push(hub, 2) == 2  # no longer refused
-    hub.wait(2, timeout=CALL_S)  # no ApplyError for the dead one
-    assert holds(good, 2)
+    assert push(hub, 3) == 3  # no longer refused (2 was handed out: never again)
+    hub.wait(3, timeout=CALL_S)  # no ApplyError for the dead one
+    assert holds(good, 3)
     wait_for_condition(
         lambda: _status_row(hub, bad) is None, timeout=30, what="the dead subscriber is dropped"
     )
@@ -384,8 +385,8 @@ class _Pusher:
     def __init__(self, hub_name: str, takeover: bool = False) -> None:
         self.hub = raysync.connect(hub_name, takeover=takeover)
 
-    def push(self, value: int) -> int:
-        return push(self.hub, value)
+    def push(self, value: int | None) -> int:
+        return push(self.hub, self.hub.next_version() if value is None else value)
 
 
 def test_case09_one_failed_apply_does_not_make_max_lag_pushes_fail_forever(
@@ -397,8 +398,8 @@ def test_case09_one_failed_apply_does_not_make_max_lag_pushes_fail_forever(
     wait_for_condition(lambda: _dead(trainer), what="the trainer is gone")
     sub = make_sub(hub_name)  # starts from version 1, whose bytes are gone: that apply fails
     wait_for_condition(lambda: (_status_row(hub, sub) or {}).get("last_error"), what="the failed apply")
-    for v in (2, 3):
-        push(hub, v, max_lag=1, timeout=CALL_S)
+    for _ in range(2):  # a new writer: its numbers start past the dead trainer's block
+        v = push(hub, hub.next_version(), max_lag=1, timeout=CALL_S)
         hub.wait(v, timeout=CALL_S)
         assert holds(sub, v)
 
@@ -473,27 +474,29 @@ def test_case13_after_the_trainer_died_delta_falls_back_and_keys_says_why(
     hub.wait(1, timeout=CALL_S)
     ray.kill(trainer)
     wait_for_condition(lambda: _bytes_gone(hub), what="the dead trainer's version is gone")
-    assert push(hub, 2, delta=True) == 2  # the previous version's bytes are gone: a full push
-    hub.wait(2, timeout=CALL_S)
-    assert holds(sub, 2)
+    v = push(hub, hub.next_version(), delta=True)  # the previous version's bytes are gone: a full push
+    hub.wait(v, timeout=CALL_S)
+    assert holds(sub, v)
     trainer = _Pusher.remote(hub_name, takeover=True)  # the driver, alive, holds the lease now
-    assert ray.get(trainer.push.remote(3), timeout=CALL_S) == 3
-    hub.wait(3, timeout=CALL_S)
+    v = ray.get(trainer.push.remote(None), timeout=CALL_S)
+    hub.wait(v, timeout=CALL_S)
     ray.kill(trainer)
     wait_for_condition(lambda: _bytes_gone(hub), what="the second trainer's version is gone")
     with pytest.raises(raysync.InvalidWeightsError, match=r"bytes are gone.*push the whole model"):
         hub.push(filled(4), keys=["p0"], bucket_bytes=BUCKET_BYTES)
-    assert holds(sub, 3)
+    assert holds(sub, v)
 
 
 def test_case13_tasks_of_one_job_share_the_writer_lease(hub: raysync.HubClient) -> None:
     @ray.remote(num_cpus=0)
-    def push_from_task(client: raysync.HubClient, value: int) -> int:
-        return push(client, value)
+    def push_from_task(client: raysync.HubClient) -> int:
+        return push(client, client.next_version())
 
-    assert ray.get(push_from_task.remote(hub, 1), timeout=CALL_S) == 1
-    assert ray.get(push_from_task.remote(hub, 2), timeout=CALL_S) == 2
-    assert push(hub, 3) == 3  # the driver of the same job too
+    # Each process stamps from a block of its own (a new process: a new block).
+    first = ray.get(push_from_task.remote(hub), timeout=CALL_S)
+    second = ray.get(push_from_task.remote(hub), timeout=CALL_S)
+    third = push(hub, hub.next_version())  # the driver of the same job too
+    assert first < second < third and hub.latest() == third
     writer = hub.status()["models"]["policy"]["writer"]
     assert (
         writer["kind"] in ("tasks", "driver") and writer["job_id"] == ray.get_runtime_context().get_job_id()

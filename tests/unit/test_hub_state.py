@@ -7,7 +7,7 @@ import torch
 
 from raysync._protocol import ApplyReport, Registration, SubscriberInfo
 from raysync.core.layout import plan_layout
-from raysync.errors import ApplyError, UnknownModelError, WeightMismatchError
+from raysync.errors import ApplyError, StaleWriterError, UnknownModelError, WeightMismatchError
 from raysync.hub.state import HubState, Model, Subscriber, Waiter
 
 MANIFEST = plan_layout({"w": torch.zeros(4), "b": torch.zeros(2)})
@@ -190,3 +190,89 @@ def test_the_hub_process_starts_without_torch() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torch" not in done.stdout, done.stdout
+
+
+# ---------------------------------------------------------------------- writer-stamped versions
+
+
+def test_grants_are_disjoint_blocks_and_the_hub_stamps_after_every_grant() -> None:
+    state = _state()
+    assert state.writer_to_check("policy", TRAINER, False) is None
+    a = state.grant("policy", 10, TRAINER)
+    b = state.grant("policy", 10, TRAINER)  # the same process's next block
+    assert (a.first, a.last, b.first, b.last) == (1, 10, 11, 20) and a.epoch == b.epoch
+    # A hub-stamped version never takes a number that was granted, used or not.
+    assert state.stamp("policy", MANIFEST, ["r"], TRAINER).version == 21
+    assert state.grant("policy", 5, TRAINER).first == 22
+
+
+def test_accept_keeps_the_writers_stamp_and_older_ones_never_become_newest() -> None:
+    state = _state(keep=3)
+    state.writer_to_check("policy", TRAINER, False)
+    grant = state.grant("policy", 10, TRAINER)
+    state.accept("policy", MANIFEST, ["r3"], TRAINER, 3, grant.epoch)
+    state.accept("policy", MANIFEST, ["r2"], TRAINER, 2, grant.epoch)  # arrived out of order
+    assert state.latest("policy") == 3 and sorted(state.models["policy"].versions) == [2, 3]
+    again = state.accept("policy", MANIFEST, ["other"], TRAINER, 3, grant.epoch)  # offered again
+    assert again.refs == ["r3"] and state.models["policy"].pushes == 2  # kept once
+    with pytest.raises(StaleWriterError, match="never granted"):
+        state.accept("policy", MANIFEST, ["r"], TRAINER, 11, grant.epoch)
+
+
+def test_a_lease_that_passed_on_fences_the_old_writers_stamps() -> None:
+    state = _state()
+    other = {**TRAINER, "writer_id": "actor:x", "kind": "actor", "actor_id": "x", "pid": 2}
+    state.writer_to_check("policy", TRAINER, False)
+    old = state.grant("policy", 10, TRAINER)
+    state.accept("policy", MANIFEST, ["r1"], TRAINER, 1, old.epoch)
+    assert state.writer_to_check("policy", other, True) is None  # takeover
+    new = state.grant("policy", 10, other)
+    assert new.epoch > old.epoch and new.first == 11  # past the old block, used or not
+    with pytest.raises(StaleWriterError, match=r"lost its writer lease \(epoch 1\), so its version 2"):
+        state.accept("policy", MANIFEST, ["r2"], TRAINER, 2, old.epoch)
+    state.accept("policy", MANIFEST, ["r11"], other, 11, new.epoch)
+    assert state.latest("policy") == 11
+    # A writer found dead hands the lease over: a new epoch again.
+    current = state.writer_to_check("policy", TRAINER, False)
+    assert current is not None
+    state.hand_over("policy", current, TRAINER)
+    assert state.grant("policy", 10, TRAINER).epoch == new.epoch + 1
+
+
+def test_a_restarted_hub_continues_from_the_persisted_block() -> None:
+    """What the GCS holds after a restart: the newest seen (maybe stale), the block, the epoch."""
+    state = _state()
+    state.models["policy"] = Model(latest=4, reserved=10, epoch=3, writer=dict(TRAINER))
+    # The writer still stamps from its block: 7 is newer than what the hub knew.
+    state.accept("policy", MANIFEST, ["r7"], TRAINER, 7, 3)
+    assert state.latest("policy") == 7
+    state.check_waitable("policy", 9)  # granted: a wait may wait for it
+    with pytest.raises(UnknownModelError, match="never pushed"):
+        state.check_waitable("policy", 11)
+    assert state.grant("policy", 10, TRAINER).first == 11
+    # The writer offers its newest again when it finds it missing; older ones are not taken.
+    restarted = _state()
+    restarted.models["policy"] = Model(latest=4, reserved=10, epoch=3, writer=dict(TRAINER))
+    assert restarted.offer_again("policy", 3, MANIFEST, ["r3"], TRAINER) is False
+    assert restarted.offer_again("policy", 6, MANIFEST, ["r6"], TRAINER) is True
+    assert restarted.latest("policy") == 6
+    assert restarted.offer_again("policy", 11, MANIFEST, ["r11"], TRAINER) is False  # never issued
+
+
+def test_another_process_of_the_same_writer_fences_the_first() -> None:
+    """A restarted trainer actor, or another task of a job: the same writer, a new process."""
+    state = _state()
+    first = {**TRAINER, "session": "a"}
+    second = {**TRAINER, "session": "b", "pid": 2}
+    state.writer_to_check("policy", first, False)
+    a = state.grant("policy", 10, first)
+    assert state.grant("policy", 10, first).epoch == a.epoch  # its own next block: same epoch
+    state.accept("policy", MANIFEST, ["r1"], first, 1, a.epoch)
+    assert state.writer_to_check("policy", second, False) is None  # no liveness check: same writer
+    b = state.grant("policy", 10, second)
+    assert b.epoch == a.epoch + 1 and b.first == 21
+    assert state.models["policy"].writer["pid"] == 2  # status names the process that writes now
+    with pytest.raises(StaleWriterError, match=r"another process of this writer .*stamped version 2"):
+        state.accept("policy", MANIFEST, ["r2"], first, 2, a.epoch)
+    state.accept("policy", MANIFEST, ["r21"], second, 21, b.epoch)
+    assert state.latest("policy") == 21

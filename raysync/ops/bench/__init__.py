@@ -12,6 +12,9 @@ Modules (nothing is imported until asked for):
   table, target checks and plot.
 - :mod:`raysync.ops.bench.scheme_rows`: torchrl's weight-sync schemes beside
   raysync's (``push_fanout --schemes``).
+- :mod:`raysync.ops.bench.small_versions`: small versions (4 KiB to 4 MiB) to N
+  actors against Ray's floor and torchrl's ``RayWeightSyncScheme``, and the
+  trainer blocked beside a bare ``ray.put`` (``benchmarks/small_versions.py``).
 - :mod:`raysync.ops.bench.adapter_rows`: N receivers behind one adapter against
   N actors fetching on their own (``push_fanout --adapters``, ``benchmarks/adapters.py``).
 

@@ -1,0 +1,240 @@
+"""A writer's side of the writer lease: the version numbers it stamps and the publishes in flight.
+
+A push returns once its snapshot is in the object store: the writer stamps the version
+itself, from a block of numbers the hub granted with the lease (:class:`WriterLease`,
+one per process, hub and model, shared by every client of the process), and sends the
+publish without waiting for the reply (:class:`Publishes`). The replies are read on the
+next push (as far as they arrived), on ``wait`` and before any query of the same
+client, so what the hub refused
+(the lease passed to another writer, weights that do not fit a subscriber) surfaces
+there, and a publish a hub restart swallowed is offered again.
+
+Why no number is ever issued twice: the hub writes the end of a block to the GCS before
+granting it and never grants or stamps a number at or below it again, so numbers are
+unique across hub restarts; a restarted trainer (a new process, even of the same actor)
+takes a new block; and the lease's fencing epoch changes whenever the lease passes to
+another writer, so the old writer's later publishes are refused, never interleaved.
+
+Example:
+    >>> lease = lease_of("raysync", "raysync", "policy")
+    >>> with lease.lock:                                   # doctest: +SKIP
+    ...     version, epoch = lease.take(acquire, ask_ahead)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
+
+from raysync._protocol import BLOCK, Grant
+from raysync.errors import RaySyncError, StaleWriterError
+
+__all__ = ["Publishes", "Refusal", "WriterLease", "lease_of"]
+
+logger = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 8
+"""Unanswered publishes a push leaves behind it: a push reads the answers that arrived and
+waits only for those beyond the newest this many (pushes back to back then never wait for a
+round trip each; the bound is back-pressure on a hub that falls behind)."""
+
+_RESTARTING = (ActorDiedError, ActorUnavailableError)
+
+
+@dataclass(eq=False)
+class WriterLease:
+    """One process's lease on one model: the numbers it may stamp and the layout the hub accepted.
+
+    Attributes:
+        epoch: the lease's fencing epoch (``None``: not held; the next push asks for it).
+        next: the next number to stamp.
+        last: the last number of the current block.
+        upcoming: the next block, asked for when half of this one is used.
+        confirmed: the layout the hub accepted (no subscriber refused it): pushes of
+            another layout wait for the hub's answer, so a mismatch raises on the push.
+    """
+
+    epoch: int | None = None
+    next: int = 1
+    last: int = 0
+    upcoming: Any = None
+    confirmed: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, acquire: Callable[[], Grant], ask_ahead: Callable[[], Any]) -> tuple[int, int]:
+        """The next version number and the epoch to stamp it with (hold :attr:`lock`).
+
+        ``acquire()`` asks the hub for the lease and a block and waits; ``ask_ahead()``
+        asks without waiting (an ``ObjectRef`` of a :class:`Grant`).
+
+        Raises:
+            StaleWriterError: another live writer holds the lease.
+        """
+        version = self.peek(acquire)
+        self.next += 1
+        if self.upcoming is None and self.last - version == BLOCK // 2:
+            self.upcoming = ask_ahead()
+        assert self.epoch is not None
+        return version, self.epoch
+
+    def peek(self, acquire: Callable[[], Grant]) -> int:
+        """The number :meth:`take` gives next, without taking it (hold :attr:`lock`)."""
+        if self.epoch is None or self.next > self.last:
+            self._adopt(self._upcoming() or acquire())
+        return self.next
+
+    def lose(self) -> None:
+        """The hub refused the lease: the next push asks for it again."""
+        self.epoch, self.upcoming, self.confirmed = None, None, None
+
+    def _upcoming(self) -> Grant | None:
+        ref, self.upcoming = self.upcoming, None
+        if ref is None or self.epoch is None:
+            return None
+        try:
+            grant: Grant = ray.get(ref, timeout=60)
+            return grant
+        except RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, StaleWriterError):
+                self.lose()
+                raise cause from None
+            raise
+        except (*_RESTARTING, GetTimeoutError):
+            return None  # the hub restarted: ask again, waiting
+
+    def _adopt(self, grant: Grant) -> None:
+        if grant.epoch != self.epoch:
+            self.confirmed = None
+        self.epoch, self.next, self.last = grant.epoch, grant.first, grant.last
+
+
+_leases: dict[tuple[str, str, str], WriterLease] = {}
+_leases_lock = threading.Lock()
+
+
+def lease_of(hub: str, namespace: str, model_id: str) -> WriterLease:
+    """This process's lease on ``model_id`` of hub ``hub`` (every client of the process shares it)."""
+    key = (hub, namespace, model_id)
+    with _leases_lock:
+        lease = _leases.get(key)
+        if lease is None:
+            lease = _leases[key] = WriterLease()
+        return lease
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A publish the hub refused: which version, and the hub's error."""
+
+    version: int
+    error: BaseException
+
+    def raise_it(self, model_id: str) -> None:
+        """Raise the hub's error, its message saying which push it was about."""
+        err = self.error
+        if isinstance(err, RaySyncError) and err.args and isinstance(err.args[0], str):
+            err.args = (
+                f"the hub refused version {self.version} of {model_id!r} (an earlier push that "
+                f"returned before the hub answered): {err.args[0]}",
+                *err.args[1:],
+            )
+        raise err
+
+
+@dataclass
+class _InFlight:
+    version: int
+    epoch: int
+    ref: Any
+
+
+class Publishes:
+    """One client's publishes whose replies it has not read yet, per model."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, list[_InFlight]] = {}
+        self._refused: dict[str, Refusal] = {}
+        self.epochs: dict[str, tuple[int, int]] = {}  # model -> (newest version sent, its epoch)
+
+    def add(self, model_id: str, version: int, epoch: int, ref: Any) -> None:
+        self._in_flight.setdefault(model_id, []).append(_InFlight(version, epoch, ref))
+        self.sent(model_id, version, epoch)
+
+    def sent(self, model_id: str, version: int, epoch: int) -> None:
+        """Remember the epoch of the newest version sent (to offer it again after a hub restart)."""
+        if version >= self.epochs.get(model_id, (0, 0))[0]:
+            self.epochs[model_id] = (version, epoch)
+
+    def models(self) -> list[str]:
+        return sorted(set(self._in_flight) | set(self._refused))
+
+    def settle(
+        self, model_id: str, lease: WriterLease, *, wait: bool, timeout: float | None = 60.0
+    ) -> int | None:
+        """Read the replies that arrived (all of them with ``wait``); keep what the hub refused.
+
+        Returns the newest version a hub restart swallowed (``None``: none), for the
+        caller to offer again. Without ``wait``, waits only for the answers to all but the
+        newest :data:`MAX_IN_FLIGHT` publishes.
+        """
+        in_flight = self._in_flight.get(model_id)
+        if not in_flight:
+            return None
+        refs = [p.ref for p in in_flight]
+        if wait or len(refs) > MAX_IN_FLIGHT:
+            # A live hub answers a publish in about a millisecond: the timeout is a guard.
+            num = len(refs) if wait else len(refs) - MAX_IN_FLIGHT
+            done, _ = ray.wait(refs, num_returns=num, timeout=timeout, fetch_local=True)
+            if len(done) < len(refs):  # read what else arrived meanwhile
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
+        else:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
+        if not done:
+            return None
+        finished = set(done)
+        swallowed = None
+        left = []
+        for p in in_flight:
+            if p.ref not in finished:
+                left.append(p)
+                continue
+            try:
+                ray.get(p.ref)
+            except RayTaskError as err:
+                cause = getattr(err, "cause", None)
+                self._refuse(model_id, lease, p, cause if isinstance(cause, RaySyncError) else err)
+            except _RESTARTING:
+                swallowed = max(swallowed or 0, p.version)
+        if left:
+            self._in_flight[model_id] = left
+        else:
+            del self._in_flight[model_id]
+        return swallowed
+
+    def keep_refusal(
+        self, model_id: str, lease: WriterLease, version: int, epoch: int, error: BaseException
+    ) -> None:
+        """Keep a refusal the caller got itself (a publish offered again)."""
+        self._refuse(model_id, lease, _InFlight(version, epoch, None), error)
+
+    def _refuse(self, model_id: str, lease: WriterLease, p: _InFlight, error: BaseException) -> None:
+        """Keep a refusal (the first one not yet raised); a lost lease is asked for again."""
+        logger.warning("the hub refused version %d of %r: %s", p.version, model_id, error)
+        with lease.lock:
+            if isinstance(error, StaleWriterError) and lease.epoch == p.epoch:
+                lease.lose()
+            lease.confirmed = None  # the next push waits for the hub's answer
+        self._refused.setdefault(model_id, Refusal(p.version, error))
+
+    def raise_refused(self, model_id: str) -> None:
+        """Raise (once) what the hub refused of ``model_id`` since the last time."""
+        refusal = self._refused.pop(model_id, None)
+        if refusal is not None:
+            refusal.raise_it(model_id)
