@@ -32,6 +32,7 @@ __all__ = [
     "NOTIFY_BATCH",
     "PING",
     "REGISTER",
+    "RELAY_DELIVER",
     "REPORT",
     "UNREGISTER",
     "WAIT_NEWER",
@@ -39,6 +40,10 @@ __all__ = [
     "ApplyReport",
     "Laggard",
     "Registration",
+    "RelayAck",
+    "RelayDelivery",
+    "RelayMember",
+    "RelayReply",
     "SubscriberInfo",
     "WaitResult",
 ]
@@ -62,6 +67,10 @@ NOTIFY_BATCH = "_raysync_notify_batch"
 """``(announcement) -> list[ApplyReport]``: one per ``announcement.sub_ids`` (batched subscriptions)."""
 PING = "_raysync_ping"
 """``() -> True``: a dead actor answers this at once with ``ActorDiedError``."""
+
+# Methods of a node's relay (called by the hub).
+RELAY_DELIVER = "deliver"
+"""``(delivery: RelayDelivery) -> RelayReply``: hand a version to the relay's subscribers on its node."""
 
 # Methods of the hub (called by subscribers and adapters).
 REGISTER = "register"
@@ -247,6 +256,67 @@ class WaitResult:
     laggards: tuple[Laggard, ...] = ()
     failures: tuple[Laggard, ...] = ()
     missing: bool = False
+
+
+@dataclass(frozen=True)
+class RelayMember:
+    """A subscriber a node's relay delivers to: the hub tells it once, not per version.
+
+    Attributes:
+        handle: the subscriber's actor handle.
+        actor_id: its actor (subscriptions of one actor with ``batch`` share one call).
+        batch: notify it with :data:`NOTIFY_BATCH` (one call for all its subscriptions).
+    """
+
+    handle: Any
+    actor_id: str | None = None
+    batch: bool = False
+
+
+@dataclass(frozen=True)
+class RelayDelivery:
+    """One message per node per version: the version, for every subscription the node's relay serves.
+
+    Attributes:
+        announcement: the version; its ``sub_ids`` are the subscriptions to hand it to.
+        members: subscribers the relay was not told about yet (sent once per relay
+            incarnation, so the hub does not pickle a handle per subscriber per version).
+    """
+
+    announcement: Announcement
+    members: dict[str, RelayMember]
+
+
+@dataclass(frozen=True)
+class RelayAck:
+    """What happened when a relay handed a version to one subscription.
+
+    Attributes:
+        sub_id: the subscription.
+        report: its report (``None`` when the call failed).
+        outcome: ``"ok"``, ``"died"`` (its actor is gone for good), ``"unreachable"``
+            (restarting or not answering), ``"failed"`` (the call raised), or
+            ``"unknown"`` (the relay has no handle for it: the hub sends it again).
+        error: why the call failed.
+    """
+
+    sub_id: str
+    report: ApplyReport | None
+    outcome: str = "ok"
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class RelayReply:
+    """A relay's answer to one :class:`RelayDelivery`: every subscription's ack, in one message.
+
+    Attributes:
+        acks: one per subscription of the delivery.
+        relay_pid: the relay's process (a new one after a restart).
+    """
+
+    acks: tuple[RelayAck, ...]
+    relay_pid: int | None = None
 
 
 def replace(report: ApplyReport, **changes: Any) -> ApplyReport:

@@ -80,6 +80,7 @@ class Subscriber:
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
     task: Any = None  # the actor's delivery loop for it (the state never touches it)
+    via_node: bool = False  # delivered through its node's relay (set when indexed)
 
     @property
     def mode(self) -> str:
@@ -94,7 +95,14 @@ class Subscriber:
 
     @property
     def group(self) -> str | None:
-        """Subscriptions of one actor that asked for batched notifications share one delivery loop."""
+        """Subscriptions delivered together share one delivery loop.
+
+        Through relays (the default), every push subscription of a model on one node:
+        one message per node per version. Otherwise, subscriptions of one actor that
+        asked for batched notifications.
+        """
+        if self.via_node:
+            return f"{self.model_id}@node:{self.info.node_id}"
         if not self.info.batch or not self.info.actor_id:
             return None
         return f"{self.model_id}/{self.info.actor_id}"
@@ -131,10 +139,12 @@ class Waiter:
 
 @dataclass(eq=False)
 class Group:
-    """Batched subscriptions of one actor to one model: one notification carries them all."""
+    """Subscriptions delivered by one message: one actor's batched ones, or one node's (via its relay)."""
 
     members: dict[str, Subscriber] = field(default_factory=dict)
     task: Any = None
+    node_id: str | None = None  # set: the members are delivered through this node's relay
+    known: set[str] = field(default_factory=set)  # members whose handle the relay has been sent
 
 
 class HubState:
@@ -144,9 +154,11 @@ class HubState:
     by model, by batch group, and the waits of each model.
     """
 
-    def __init__(self, name: str, keep: int) -> None:
+    def __init__(self, name: str, keep: int, *, relay: bool = False) -> None:
         self.name = name
         self.keep = max(1, int(keep))
+        self.relay = relay  # deliver push subscriptions through one relay per node
+        self.delivery_calls = 0  # Ray calls the hub made to hand out versions (relays and subscribers)
         self.models: dict[str, Model] = {}
         self.subs: dict[str, Subscriber] = {}
         self.by_model: dict[str, dict[str, Subscriber]] = {}
@@ -179,8 +191,12 @@ class HubState:
             self.remove(old)
         self.subs[sub.sub_id] = sub
         self.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
+        sub.via_node = self.relay and sub.mode == "push" and bool(sub.info.node_id)
         if sub.group is not None:
-            self.groups.setdefault(sub.group, Group()).members[sub.sub_id] = sub
+            node = sub.info.node_id if sub.via_node else None
+            group = self.groups.setdefault(sub.group, Group(node_id=node))
+            group.members[sub.sub_id] = sub
+            group.known.discard(sub.sub_id)  # a new registration may carry a new handle
         for waiter in self.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
@@ -452,7 +468,10 @@ class HubState:
         due = [
             s
             for s in group.members.values()
-            if s.state != "dead" and s.mode == "push" and newest.version > max(s.applied or 0, s.sent)
+            if s.state != "dead"
+            and s.mode == "push"
+            and s.handle is not None
+            and newest.version > max(s.applied or 0, s.sent)
         ]
         return newest, due
 
@@ -542,7 +561,18 @@ class HubState:
                     "placement": sub.info.placement,
                 }
             )
-        return {"hub": self.name, "keep": self.keep, "models": models, "subscribers": subs}
+        delivery = {
+            "relay": self.relay,
+            "calls": self.delivery_calls,
+            "nodes": sorted({g.node_id for g in self.groups.values() if g.node_id is not None}),
+        }
+        return {
+            "hub": self.name,
+            "keep": self.keep,
+            "models": models,
+            "subscribers": subs,
+            "delivery": delivery,
+        }
 
 
 def _lease(pusher: dict[str, Any]) -> dict[str, Any]:

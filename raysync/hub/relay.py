@@ -1,0 +1,186 @@
+"""A node's relay: the hub sends it one message per version; it hands the version to that node's subscribers.
+
+Without relays the hub makes one Ray call per subscriber per version (about a
+millisecond of hub CPU each). With them the hub's work per version grows with
+the number of nodes that have subscribers: one :class:`~raysync._protocol.RelayDelivery`
+per node carries every subscription there, the relay makes the node-local calls
+(one per subscriber, or one per actor for batched subscriptions) and answers the
+hub with every subscriber's report in one :class:`~raysync._protocol.RelayReply`.
+
+The hub starts a relay on demand, when the first subscriber on a node registers:
+placed on that node (``NodeAffinitySchedulingStrategy(soft=False)``), named per hub
+and node (:func:`relay_name`), restarted by Ray (``max_restarts=-1``), owned by the
+hub (it goes when the hub goes; a restarted hub starts new ones). A relay holds no
+state that matters: it learns subscriber handles from the hub (once per relay
+process), and a relay that dies mid-delivery or mid-ack loses nothing, since the
+hub hands the newest version again to every subscriber whose ack it did not get,
+and subscribers ignore versions not newer than the one they hold.
+
+Example:
+    >>> relay = start_relay("raysync", node_id)   # in the hub
+    >>> reply = ray.get(relay.deliver.remote(RelayDelivery(announcement, members)))
+    >>> [ack.outcome for ack in reply.acks]
+    ['ok', 'ok']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raysync import _protocol as proto
+from raysync._protocol import (
+    DEFAULT_NAMESPACE,
+    Announcement,
+    ApplyReport,
+    RelayAck,
+    RelayDelivery,
+    RelayMember,
+    RelayReply,
+)
+
+__all__ = ["NodeRelay", "notify_members", "relay_name", "start_relay"]
+
+logger = logging.getLogger(__name__)
+
+_FAULTS = ("exit_mid_delivery", "exit_before_reply")
+
+
+def relay_name(hub: str, hub_actor_id: str, node_id: str) -> str:
+    """The relay's actor name (in raysync's namespace): one per hub and node.
+
+    Example:
+        >>> relay_name("raysync", "9f" * 16, "ab" * 28)
+        'raysync-relay:raysync:9f9f9f9f9f9f:abababababababababababab'
+    """
+    return f"raysync-relay:{hub}:{hub_actor_id[:12]}:{node_id[:24]}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class NodeRelay:
+    """The relay actor of one hub on one node; the hub starts it (:func:`start_relay`)."""
+
+    def __init__(self, hub: str, node_id: str) -> None:
+        self._hub = hub
+        self._node_id = node_id
+        self._members: dict[str, RelayMember] = {}
+        self._fault: str | None = None
+        self.delivered = 0  # calls made to subscribers
+        self.deliveries = 0  # messages from the hub
+
+    async def deliver(self, delivery: RelayDelivery) -> RelayReply:
+        """Hand ``delivery.announcement`` to each of its ``sub_ids``; every outcome in one reply."""
+        self.deliveries += 1
+        self._members.update(delivery.members)
+        a = delivery.announcement
+        members = {s: m for s in a.sub_ids if (m := self._members.get(s)) is not None}
+        unknown = [RelayAck(s, None, "unknown") for s in a.sub_ids if s not in members]
+        exit_mid = self._fault == "exit_mid_delivery"
+        acks, calls = await notify_members(a, members, on_first_ack=_exit if exit_mid else None)
+        self.delivered += calls
+        for ack in acks:
+            if ack.outcome == "died":
+                self._members.pop(ack.sub_id, None)
+        if self._fault == "exit_before_reply":
+            _exit()
+        return RelayReply(tuple(unknown + acks), os.getpid())
+
+    async def forget(self, sub_ids: list[str]) -> None:
+        """Drop subscriptions that left (their handles are not needed any more)."""
+        for sub_id in sub_ids:
+            self._members.pop(sub_id, None)
+
+    async def stats(self) -> dict[str, Any]:
+        """Its process, node, and the calls it made so far (for tests and benchmarks)."""
+        return {
+            "pid": os.getpid(),
+            "node_id": self._node_id,
+            "members": len(self._members),
+            "deliveries": self.deliveries,
+            "delivered": self.delivered,
+        }
+
+    async def _raysync_test_fault(self, kind: str) -> None:
+        """Tests: die at a chosen point of the next delivery (once: a restarted relay forgets it)."""
+        if kind not in _FAULTS:
+            raise ValueError(f"fault must be one of {_FAULTS}, got {kind!r}")
+        self._fault = kind
+
+
+def _exit() -> None:
+    os._exit(1)  # a test's fault: the relay dies with acks unsent
+
+
+async def notify_members(
+    announcement: Announcement,
+    members: dict[str, RelayMember],
+    *,
+    on_first_ack: Any = None,
+) -> tuple[list[RelayAck], int]:
+    """Hand a version to ``members`` (one call each, one per actor for batched ones); their acks, calls made.
+
+    What a relay does on its node, and what the hub does itself while a node's
+    relay is not up (starting, restarting).
+
+    Example:
+        >>> acks, calls = await notify_members(announcement, {"a1:policy": RelayMember(handle)})
+    """
+    a = announcement
+    single = Announcement(a.model_id, a.version, a.manifest, a.refs)
+    calls: list[tuple[tuple[str, ...], Any]] = []
+    batched: dict[str, list[str]] = {}
+    for sub_id, member in members.items():
+        if member.batch and member.actor_id is not None:
+            batched.setdefault(member.actor_id, []).append(sub_id)
+        else:
+            calls.append(((sub_id,), getattr(member.handle, proto.NOTIFY).remote(single)))
+    for sub_ids in batched.values():
+        ann = Announcement(a.model_id, a.version, a.manifest, a.refs, tuple(sub_ids))
+        calls.append((tuple(sub_ids), getattr(members[sub_ids[0]].handle, proto.NOTIFY_BATCH).remote(ann)))
+
+    async def ack(sub_ids: tuple[str, ...], ref: Any) -> list[RelayAck]:
+        try:
+            reply = await ref
+        except ActorDiedError as err:
+            return [RelayAck(s, None, "died", _plain(err)) for s in sub_ids]
+        except (ActorUnavailableError, RayActorError) as err:
+            return [RelayAck(s, None, "unreachable", _plain(err)) for s in sub_ids]
+        except Exception as err:
+            return [RelayAck(s, None, "failed", _plain(err)) for s in sub_ids]
+        if on_first_ack is not None:
+            on_first_ack()
+        reports: list[ApplyReport] = reply if isinstance(reply, list) else [reply]
+        if len(reports) != len(sub_ids):
+            wrong = RuntimeError(f"batched notify: {len(reports)} reports for {len(sub_ids)} subscriptions")
+            return [RelayAck(s, None, "failed", wrong) for s in sub_ids]
+        return [RelayAck(s, r) for s, r in zip(sub_ids, reports, strict=True)]
+
+    results = await asyncio.gather(*(ack(ids, ref) for ids, ref in calls))
+    return [a for found in results for a in found], len(calls)
+
+
+def _plain(err: BaseException) -> BaseException:
+    """An error that pickles back to the hub (Ray's own may carry what does not)."""
+    return RuntimeError(f"{type(err).__name__}: {str(err)[:500]}")
+
+
+def start_relay(hub: str, node_id: str) -> Any:
+    """Get or create the calling hub's relay on ``node_id`` (blocking: call it off the event loop).
+
+    Example:
+        >>> relay = start_relay("raysync", ray.get_runtime_context().get_node_id())  # in the hub
+    """
+    cls: Any = NodeRelay
+    hub_actor_id = ray.get_runtime_context().get_actor_id() or "driver"
+    return cls.options(
+        name=relay_name(hub, hub_actor_id, node_id),
+        namespace=DEFAULT_NAMESPACE,
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(hub, node_id)
