@@ -144,25 +144,32 @@ async def notify_members(
         ann = Announcement(a.model_id, a.version, a.manifest, a.refs, tuple(sub_ids))
         calls.append((tuple(sub_ids), getattr(members[sub_ids[0]].handle, proto.NOTIFY_BATCH).remote(ann)))
 
-    async def ack(sub_ids: tuple[str, ...], ref: Any) -> list[RelayAck]:
+    def acks_of(sub_ids: tuple[str, ...], ref: Any) -> list[RelayAck]:
         try:
-            reply = await ref
+            reply = ray.get(ref)
         except ActorDiedError as err:
             return [RelayAck(s, None, "died", _plain(err)) for s in sub_ids]
         except (ActorUnavailableError, RayActorError) as err:
             return [RelayAck(s, None, "unreachable", _plain(err)) for s in sub_ids]
         except Exception as err:
             return [RelayAck(s, None, "failed", _plain(err)) for s in sub_ids]
-        if on_first_ack is not None:
-            on_first_ack()
         reports: list[ApplyReport] = reply if isinstance(reply, list) else [reply]
         if len(reports) != len(sub_ids):
             wrong = RuntimeError(f"batched notify: {len(reports)} reports for {len(sub_ids)} subscriptions")
             return [RelayAck(s, None, "failed", wrong) for s in sub_ids]
         return [RelayAck(s, r) for s, r in zip(sub_ids, reports, strict=True)]
 
-    results = await asyncio.gather(*(ack(ids, ref) for ids, ref in calls))
-    return [a for found in results for a in found], len(calls)
+    def collect() -> list[RelayAck]:
+        # One blocking wait for all the calls (in a thread) costs far less than one
+        # asyncio future per call; every reply is then read on its own, errors included.
+        refs = [ref for _, ref in calls]
+        if on_first_ack is not None and refs:
+            ray.wait(refs, num_returns=1)
+            on_first_ack()
+        ray.wait(refs, num_returns=len(refs))
+        return [a for ids, ref in calls for a in acks_of(ids, ref)]
+
+    return await asyncio.to_thread(collect), len(calls)
 
 
 def _plain(err: BaseException) -> BaseException:
