@@ -190,3 +190,49 @@ def test_the_hub_process_starts_without_torch() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torch" not in done.stdout, done.stdout
+
+
+def _on_node(
+    state: HubState, name: str, node: str | None, *, mode: str = "push", handle: object = "h"
+) -> Subscriber:
+    info = SubscriberInfo(mode=mode, class_name=name, actor_id=name, node_id=node)
+    sub, _, _ = state.register(Registration(f"{name}:policy", "policy", handle, info))
+    return sub
+
+
+def test_with_relays_push_subscribers_are_grouped_by_node() -> None:
+    state = HubState("hub", 2, relay=True)
+    a, b = _on_node(state, "a", "n1"), _on_node(state, "b", "n1")
+    c = _on_node(state, "c", "n2")
+    puller = _on_node(state, "p", "n1", mode="pull")
+    nowhere = _on_node(state, "x", None)  # a plain process: no node to relay through
+    assert a.group == b.group == "policy@node:n1" and c.group == "policy@node:n2"
+    assert puller.group is None and nowhere.group is None
+    assert {k: sorted(g.members) for k, g in state.groups.items()} == {
+        "policy@node:n1": ["a:policy", "b:policy"],
+        "policy@node:n2": ["c:policy"],
+    }
+    assert state.groups["policy@node:n1"].node_id == "n1"
+    assert state.status()["delivery"] == {"relay": True, "calls": 0, "nodes": ["n1", "n2"]}
+    state.remove(c)
+    assert "policy@node:n2" not in state.groups
+
+
+def test_without_relays_each_subscriber_is_its_own_delivery() -> None:
+    state = HubState("hub", 2, relay=False)
+    assert _on_node(state, "a", "n1").group is None and not state.groups
+
+
+def test_a_node_group_delivers_the_newest_to_members_that_lack_it_and_can_be_called() -> None:
+    state = HubState("hub", 2, relay=True)
+    a, b = _on_node(state, "a", "n1"), _on_node(state, "b", "n1")
+    restoring = _on_node(state, "r", "n1", handle=None)  # one the hub cannot call (restored, a process)
+    group = state.groups["policy@node:n1"]
+    group.known.update({"a:policy", "b:policy"})
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    newest, due = state.due_in_group("policy", group)
+    assert newest is not None and newest.version == 1 and due == [a, b]  # not the one without a handle
+    a.sent = 1
+    assert state.due_in_group("policy", group)[1] == [b]
+    _on_node(state, "b", "n1")  # registers again (a restarted actor): the relay must be sent its handle
+    assert group.known == {"a:policy"} and restoring.handle is None
