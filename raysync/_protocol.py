@@ -310,12 +310,19 @@ class RelayAck:
 class RelayReply:
     """A relay's answer to one :class:`RelayDelivery`: every subscription's ack, in one message.
 
+    Subscriptions that simply applied the version come back compact, as rows of
+    ``(sub_id, apply_s, pause_s, buckets_fetched, bytes_fetched)`` in ``applied``
+    (a thousand of them unpickle and record in a fraction of what as many
+    :class:`ApplyReport`\\ s cost the hub); every other outcome as a :class:`RelayAck`.
+
     Attributes:
-        acks: one per subscription of the delivery.
+        acks: one per subscription that did not simply apply the version.
+        applied: one row per subscription that applied it.
         relay_pid: the relay's process (a new one after a restart).
     """
 
     acks: tuple[RelayAck, ...]
+    applied: tuple[tuple[str, float | None, float | None, int | None, int | None], ...] = ()
     relay_pid: int | None = None
 
 

@@ -38,7 +38,7 @@ from raysync._protocol import (
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
 from raysync.hub.persistence import HubStore, actor_alive, writer_alive
-from raysync.hub.relay import notify_members, relay_name, start_relay
+from raysync.hub.relay import compact, notify_members, relay_name, start_relay
 from raysync.hub.state import Group, HubState, Subscriber, Waiter
 from raysync.ops import metrics
 
@@ -196,7 +196,13 @@ class WeightHub:
         """Raise how many versions per model the hub keeps (never lowered under another client)."""
         if self._state.raise_keep(keep):
             await asyncio.to_thread(self._store.save_keep, self._state.keep)
-        return {"name": self._name, "keep": self._state.keep, "pid": os.getpid()}
+        return {
+            "name": self._name,
+            "keep": self._state.keep,
+            "pid": os.getpid(),
+            "cpu_s": time.process_time(),  # cheap counters for benchmarks (status() is O(subscribers))
+            "delivery_calls": self._state.delivery_calls,
+        }
 
     # ------------------------------------------------------------------ publish
     async def publish(
@@ -393,7 +399,7 @@ class WeightHub:
                 members = {s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch) for s in due}
                 acks, calls = await notify_members(announcement, members)
                 self._state.delivery_calls += calls
-                self._acks(group, newest.version, RelayReply(tuple(acks)), prior)
+                self._acks(group, newest.version, compact(newest.version, acks), prior)
                 continue
             members = {
                 s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch)
@@ -415,6 +421,15 @@ class WeightHub:
 
     def _acks(self, group: Group, version: int, reply: RelayReply, prior: dict[Subscriber, int]) -> None:
         """Record a relay's acks (members that left meanwhile are skipped)."""
+        now = time.time()
+        for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
+            sub = group.members.get(sub_id)
+            if sub is None or self._state.subs.get(sub_id) is not sub:
+                continue
+            self._state.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
+            metrics.record_apply(self._name, sub.model_id, apply_s)
+        if reply.applied:
+            self._gauges.changed(self._state.models, self._state.subs)
         for ack in reply.acks:
             sub = group.members.get(ack.sub_id)
             if sub is None or self._state.subs.get(ack.sub_id) is not sub:

@@ -45,7 +45,7 @@ from raysync._protocol import (
     RelayReply,
 )
 
-__all__ = ["NodeRelay", "notify_members", "relay_name", "start_relay"]
+__all__ = ["NodeRelay", "compact", "notify_members", "relay_name", "start_relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class NodeRelay:
                 self._members.pop(ack.sub_id, None)
         if self._fault == "exit_before_reply":
             _exit()
-        return RelayReply(tuple(unknown + acks), os.getpid())
+        return compact(a.version, unknown + acks, os.getpid())
 
     async def forget(self, sub_ids: list[str]) -> None:
         """Drop subscriptions that left (their handles are not needed any more)."""
@@ -111,6 +111,35 @@ class NodeRelay:
         if kind not in _FAULTS:
             raise ValueError(f"fault must be one of {_FAULTS}, got {kind!r}")
         self._fault = kind
+
+
+def compact(version: int, acks: list[RelayAck], pid: int | None = None) -> RelayReply:
+    """One reply for ``acks``: the ones that simply applied ``version`` as compact rows.
+
+    Example:
+        >>> compact(3, [RelayAck("a:policy", ApplyReport(applied=3, apply_s=0.01))]).applied
+        (('a:policy', 0.01, None, None, None),)
+    """
+    rows = []
+    others = []
+    for ack in acks:
+        r = ack.report
+        plain = (
+            r is not None
+            and ack.outcome == "ok"
+            and r.applied == version
+            and r.describes_apply()
+            and r.error is None
+            and r.lost is None
+            and r.receivers is None
+            and not r.prefetched
+        )
+        if plain:
+            assert r is not None
+            rows.append((ack.sub_id, r.apply_s, r.pause_s, r.buckets_fetched, r.bytes_fetched))
+        else:
+            others.append(ack)
+    return RelayReply(tuple(others), tuple(rows), pid)
 
 
 def _exit() -> None:

@@ -279,6 +279,29 @@ class HubState:
             sub.state = "live"
         self.settle(sub)
 
+    def record_applied(
+        self,
+        sub: Subscriber,
+        version: int,
+        apply_s: float | None,
+        pause_s: float | None,
+        buckets: int | None,
+        nbytes: int | None,
+        now: float,
+    ) -> None:
+        """What :meth:`record` does with a plain report of an apply of ``version`` (a relay's compact row)."""
+        sub.last_seen = time.monotonic()
+        if sub.applied is not None and version < sub.applied:
+            return
+        sub.applied = version
+        sub.last_apply_time = now
+        sub.last_apply_s, sub.last_pause_s = apply_s, pause_s
+        sub.last_buckets_fetched, sub.last_bytes_fetched, sub.last_prefetched = buckets, nbytes, False
+        sub.last_error = None
+        if sub.state == "unreachable":
+            sub.state = "live"
+        self.settle(sub)
+
     def delivery_failed(self, sub: Subscriber, version: int, error: BaseException) -> None:
         """Handing ``version`` to ``sub`` raised (not a report of its own): record it as a failure."""
         sub.last_error = f"{type(error).__name__}: {str(error)[:500]}"

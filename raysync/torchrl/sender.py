@@ -17,6 +17,7 @@ from raysync.errors import (
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
+
     pass
 
 __all__ = ["WeightSender"]

@@ -236,3 +236,27 @@ def test_a_node_group_delivers_the_newest_to_members_that_lack_it_and_can_be_cal
     assert state.due_in_group("policy", group)[1] == [b]
     _on_node(state, "b", "n1")  # registers again (a restarted actor): the relay must be sent its handle
     assert group.known == {"a:policy"} and restoring.handle is None
+
+
+def test_a_relay_reply_carries_plain_applies_as_rows_and_the_hub_records_them_forward_only() -> None:
+    from raysync._protocol import RelayAck
+    from raysync.hub.relay import compact
+
+    failed = RelayAck("b:policy", ApplyReport(applied=1, failed=2, error=ApplyError("no")))
+    reply = compact(
+        2,
+        [
+            RelayAck("a:policy", ApplyReport(applied=2, apply_s=0.5, pause_s=0.1, buckets_fetched=1)),
+            failed,
+            RelayAck("c:policy", ApplyReport(applied=2, skipped=2)),  # held it already: not an apply
+            RelayAck("d:policy", None, "died"),
+        ],
+    )
+    assert reply.applied == (("a:policy", 0.5, 0.1, 1, None),)
+    assert [a.sub_id for a in reply.acks] == ["b:policy", "c:policy", "d:policy"]
+    state = HubState("hub", 2, relay=True)
+    a = _on_node(state, "a", "n1")
+    state.record_applied(a, 2, 0.5, 0.1, 1, None, now=1.0)
+    assert (a.applied, a.last_apply_s, a.last_apply_time) == (2, 0.5, 1.0)
+    state.record_applied(a, 1, 0.2, 0.0, 1, None, now=2.0)  # an older version never moves it back
+    assert (a.applied, a.last_apply_s) == (2, 0.5)
