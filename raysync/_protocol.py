@@ -32,6 +32,7 @@ __all__ = [
     "NOTIFY_BATCH",
     "PING",
     "REGISTER",
+    "RELAY_ACKS",
     "RELAY_DELIVER",
     "REPORT",
     "UNREGISTER",
@@ -72,7 +73,10 @@ PING = "_raysync_ping"
 RELAY_DELIVER = "deliver"
 """``(delivery: RelayDelivery) -> RelayReply``: hand a version to the relay's subscribers on its node."""
 
-# Methods of the hub (called by subscribers and adapters).
+# Methods of the hub (called by subscribers, adapters and relays).
+RELAY_ACKS = "relay_acks"
+"""``(node_id, model_id, version, reply)``: a relay's late acks (subscribers slower than its window)."""
+
 REGISTER = "register"
 """``(registration) -> Announcement | None``: join; the newest version to start from, if any."""
 HEARTBEAT = "heartbeat"
@@ -319,11 +323,14 @@ class RelayReply:
         acks: one per subscription that did not simply apply the version.
         applied: one row per subscription that applied it.
         relay_pid: the relay's process (a new one after a restart).
+        pending: subscriptions still applying when the relay answered: their acks
+            follow (the hub's ``relay_acks``), and they get no newer version meanwhile.
     """
 
     acks: tuple[RelayAck, ...]
     applied: tuple[tuple[str, float | None, float | None, int | None, int | None], ...] = ()
     relay_pid: int | None = None
+    pending: tuple[str, ...] = ()
 
 
 def replace(report: ApplyReport, **changes: Any) -> ApplyReport:

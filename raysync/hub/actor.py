@@ -38,7 +38,7 @@ from raysync._protocol import (
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
 from raysync.hub.persistence import HubStore, actor_alive, writer_alive
-from raysync.hub.relay import compact, notify_members, relay_name, start_relay
+from raysync.hub.relay import Late, compact, late_acks, notify_members, relay_name, start_relay
 from raysync.hub.state import Group, HubState, Subscriber, Waiter
 from raysync.ops import metrics
 
@@ -165,7 +165,7 @@ class WeightHub:
         for sub_id in sub_ids:
             sub = self._state.subs.get(sub_id)
             # A subscriber whose notification is in flight needs no ping: a dead actor fails that call.
-            if sub is None or (sub.task is not None and not sub.task.done()):
+            if sub is None or sub.relay_pending or (sub.task is not None and not sub.task.done()):
                 continue
             group = self._state.groups.get(sub.group) if sub.group is not None else None
             if group is not None and group.task is not None and not group.task.done():
@@ -397,9 +397,14 @@ class WeightHub:
             if relay is None:  # not up yet: deliver directly, start it meanwhile
                 self._start_relay(node_id)
                 members = {s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch) for s in due}
-                acks, calls = await notify_members(announcement, members)
+                acks, late, calls = await notify_members(announcement, members)
                 self._state.delivery_calls += calls
-                self._acks(group, newest.version, compact(newest.version, acks), prior)
+                pending = tuple(s for ids, _ in late for s in ids)
+                self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
+                if late:
+                    asyncio.get_running_loop().create_task(
+                        self._late(model_id, node_id, newest.version, late)
+                    )
                 continue
             members = {
                 s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch)
@@ -411,21 +416,29 @@ class WeightHub:
                 reply = await getattr(relay, proto.RELAY_DELIVER).remote(RelayDelivery(announcement, members))
             except Exception as err:  # it died or restarts: deliver directly until it answers again
                 logger.info("hub %r: relay on node %s: %s; delivering directly", self._name, node_id, err)
-                group.known.clear()
+                group.relay_lost()
                 for sub, sent in prior.items():
                     sub.sent = sent
                 self._ready.discard(node_id)
                 continue
+            if group.relay_pid is not None and reply.relay_pid != group.relay_pid:
+                group.relay_lost()  # it restarted since it last answered: its late acks will not come
+            group.relay_pid = reply.relay_pid
             group.known.update(members)
             self._acks(group, newest.version, reply, prior)
 
     def _acks(self, group: Group, version: int, reply: RelayReply, prior: dict[Subscriber, int]) -> None:
         """Record a relay's acks (members that left meanwhile are skipped)."""
+        for sub_id in reply.pending:
+            sub = group.members.get(sub_id)
+            if sub is not None:
+                sub.relay_pending = True
         now = time.time()
         for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
             sub = group.members.get(sub_id)
             if sub is None or self._state.subs.get(sub_id) is not sub:
                 continue
+            sub.relay_pending = False
             self._state.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
             metrics.record_apply(self._name, sub.model_id, apply_s)
         if reply.applied:
@@ -434,6 +447,7 @@ class WeightHub:
             sub = group.members.get(ack.sub_id)
             if sub is None or self._state.subs.get(ack.sub_id) is not sub:
                 continue
+            sub.relay_pending = False
             if ack.outcome == "ok" and ack.report is not None:
                 self._record(sub, ack.report)
             elif ack.outcome == "unknown":  # a restarted relay: send it the handle again
@@ -445,6 +459,22 @@ class WeightHub:
                 self._state.unreachable(sub, ack.error or RuntimeError("unreachable"))
             else:
                 self._state.delivery_failed(sub, version, ack.error or RuntimeError(ack.outcome))
+
+    async def _late(self, model_id: str, node_id: str, version: int, late: Late) -> None:
+        """The hub's own direct delivery: record the acks of slow subscribers as their calls end."""
+        async for batch in late_acks(late):
+            await self.relay_acks(node_id, model_id, version, compact(version, batch))
+
+    async def relay_acks(self, node_id: str, model_id: str, version: int, reply: RelayReply) -> None:
+        """Acks of subscribers still applying when their relay answered; then deliver what is due."""
+        group = self._state.groups.get(f"{model_id}@node:{node_id}")
+        if group is None:
+            return
+        if reply.relay_pid is not None and group.relay_pid is not None and reply.relay_pid != group.relay_pid:
+            return  # from a relay process the hub no longer counts on
+        self._acks(group, version, reply, {})
+        if group.task is None or group.task.done():
+            group.task = asyncio.get_running_loop().create_task(self._deliver_relay(model_id, group))
 
     def _record(self, sub: Subscriber, report: ApplyReport) -> None:
         self._state.record(sub, report)

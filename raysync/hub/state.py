@@ -81,6 +81,7 @@ class Subscriber:
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
     task: Any = None  # the actor's delivery loop for it (the state never touches it)
     via_node: bool = False  # delivered through its node's relay (set when indexed)
+    relay_pending: bool = False  # its relay is still handing it a version (its ack comes later)
 
     @property
     def mode(self) -> str:
@@ -145,6 +146,15 @@ class Group:
     task: Any = None
     node_id: str | None = None  # set: the members are delivered through this node's relay
     known: set[str] = field(default_factory=set)  # members whose handle the relay has been sent
+    relay_pid: int | None = None  # the relay process that answered last
+
+    def relay_lost(self) -> None:
+        """The relay died or restarted: what it was still doing is lost; hand it all again."""
+        self.known.clear()
+        for sub in self.members.values():
+            if sub.relay_pending:
+                sub.relay_pending = False
+                sub.sent = 0
 
 
 class HubState:
@@ -494,6 +504,7 @@ class HubState:
             if s.state != "dead"
             and s.mode == "push"
             and s.handle is not None
+            and not s.relay_pending
             and newest.version > max(s.applied or 0, s.sent)
         ]
         return newest, due
