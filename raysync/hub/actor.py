@@ -51,6 +51,7 @@ _SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking 
 _STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
 _PING_TIMEOUT_S = 0.5
 _UNREACHABLE = (ActorUnavailableError, RayActorError)
+_RELAY_START_S = 120.0  # how long a relay may take to (re)start before the hub gives up for a while
 _RELAY_RETRY_S = 5.0  # after a relay failed to start, deliver directly this long before trying again
 
 
@@ -366,11 +367,18 @@ class WeightHub:
         if relay is None:
             relay = await asyncio.to_thread(start_relay, self._name, node_id)
             self._relays[node_id] = relay
-        try:
-            await relay.stats.remote()  # up (a restarting relay answers once it is back)
-        except ActorDiedError:
-            self._relays.pop(node_id, None)  # gone for good (its node died?): the next try starts another
-            raise
+        deadline = time.monotonic() + _RELAY_START_S
+        while True:
+            try:
+                await relay.stats.remote()  # up
+                break
+            except ActorDiedError:
+                self._relays.pop(node_id, None)  # gone for good (its node died?): the next try starts another
+                raise
+            except _UNREACHABLE:  # restarting: Ray refuses calls until it is back
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
         self._ready.add(node_id)
         return relay
 

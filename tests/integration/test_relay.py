@@ -23,6 +23,18 @@ def _relay(hub: raysync.HubClient) -> Any:
     return ray.get_actor(name, namespace=DEFAULT_NAMESPACE)
 
 
+def _pid(relay: Any) -> int:
+    """The relay's process, once it answers (Ray refuses calls while it restarts)."""
+
+    def answer() -> int | None:
+        try:
+            return int(ray.get(relay.stats.remote(), timeout=10)["pid"])
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return None
+
+    return int(wait_for_condition(answer, timeout=60, what="the relay answers"))
+
+
 def _calls(hub: raysync.HubClient) -> int:
     return int(hub.status()["delivery"]["calls"])
 
@@ -59,7 +71,7 @@ def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, h
     actors = [make_collector(hub_name).remote() for _ in range(3)]
     ray.get([a.raysync_version.remote() for a in actors])
     relay = _relay(hub)
-    pid = ray.get(relay.stats.remote())["pid"]
+    pid = _pid(relay)
     seen: list[int] = []
     for seed in range(1, 6):
         ray.kill(relay, no_restart=False)
@@ -67,8 +79,7 @@ def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, h
         _check_all(hub, actors, v, seed)
         seen.append(v)
     assert seen == sorted(seen)
-    restarted = ray.get(relay.stats.remote())  # Ray restarts it; the hub delivers through it again
-    assert restarted["pid"] != pid
+    assert _pid(relay) != pid  # Ray restarts it; the hub delivers through it again
     wait_for_condition(lambda: hub.status()["relays"], what="the hub uses the restarted relay")
     before = _calls(hub)
     v = hub.push(small_policy(9))
@@ -85,11 +96,11 @@ def test_relay_dying_mid_delivery_or_mid_ack_loses_nothing(
     v1 = hub.push(small_policy(1))
     _check_all(hub, actors, v1, 1)
     relay = _relay(hub)
-    pid = ray.get(relay.stats.remote())["pid"]
+    pid = _pid(relay)
     ray.get(relay._raysync_test_fault.remote(fault))
     v2 = hub.push(small_policy(2))
     _check_all(hub, actors, v2, 2)  # some applied before the relay died, the rest after: all hold v2
-    assert ray.get(relay.stats.remote())["pid"] != pid  # it did die, and came back
+    assert _pid(relay) != pid  # it did die, and came back
     v3 = hub.push(small_policy(3))
     _check_all(hub, actors, v3, 3)
     assert all(s["applied"] == v3 and s["last_error"] is None for s in hub.status()["subscribers"])
