@@ -19,7 +19,6 @@ from raysync.torchrl.strategy import _Target, _target_for, resolve_model
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
-
     pass
 
 __all__ = ["WeightReceiver", "receiver_for"]

@@ -17,7 +17,6 @@ from raysync.errors import (
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
-
     pass
 
 __all__ = ["WeightSender"]

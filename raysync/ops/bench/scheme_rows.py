@@ -119,10 +119,10 @@ class TorchRLReceiver:
         return float(next(iter(self.policy.parameters()))[0])
 
 
+
 def _row(path: str, times: list[float], connect_s: float, verified: bool | None) -> dict[str, Any]:
     """One scheme row: the median send, the connect time, whether every receiver held the last marker."""
     return {"path": path, "send_s": statistics.median(times), "connect_s": connect_s, "verified": verified}
-
 
 def _timed(send: Any, mark: Any, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
     times = []
