@@ -30,7 +30,9 @@ Faults, each at random times (exponential gaps with the given mean; 0 turns
 it off): subscriber kills (``--kill-every``, ``ray.kill(actor,
 no_restart=False)``: Ray restarts it, it registers again and catches up),
 hub restarts (``--hub-restart-every``, the same on the detached hub; its
-version counters live in Ray's GCS) and trainer restarts
+version counters live in Ray's GCS), relay kills (``--relay-kill-every``: the
+hub's per-node relays, mid-delivery or not; Ray restarts them, the hub delivers
+directly meanwhile) and trainer restarts
 (``--trainer-restart-every``: the trainer actor restarts, ``max_restarts=-1``,
 and goes on pushing the same model as the same writer).
 
@@ -582,6 +584,7 @@ class _Soak:
         final_hub_restart: bool,
         keep: int,
         seed: int | None,
+        relay_kill_every: float = 0.0,
     ) -> None:
         self.seconds = seconds
         self.size_mib = size_mib
@@ -593,8 +596,14 @@ class _Soak:
         self.final_hub_restart = final_hub_restart
         base = random.Random(seed)
         # One generator per fault kind: each schedule depends on the seed only.
-        self.rng = {k: random.Random(base.random()) for k in ("kill", "hub", "trainer", "rollout")}
-        self.every = {"kill": kill_every, "hub": hub_restart_every, "trainer": trainer_restart_every}
+        self.rng = {k: random.Random(base.random()) for k in ("kill", "hub", "trainer", "rollout", "relay")}
+        self.every = {
+            "kill": kill_every,
+            "hub": hub_restart_every,
+            "trainer": trainer_restart_every,
+            "relay": relay_kill_every,
+        }
+        self.relay_kills = 0
         self.events: list[str] = []
         self.calls: dict[Any, _Call] = {}
         self.newest = 0
@@ -955,6 +964,12 @@ class _Soak:
             if now >= due["hub"]:
                 self.restart_hub()
                 due["hub"] = self.next_fault("hub", now)
+            if now >= due["relay"]:
+                killed = harness.kill_relays(self.hub)
+                self.relay_kills += killed
+                if killed:
+                    self.faults.append({"time": time.time(), "kill": "relay"})
+                due["relay"] = self.next_fault("relay", now)
             if now >= due["trainer"]:
                 ray.kill(self.trainer, no_restart=False)
                 self.trainer_kills += 1
@@ -1204,6 +1219,7 @@ class _Soak:
                 "subscriber": sum(s.kills for s in self.subs),
                 "hub": self.hub_restarts,
                 "trainer": self.trainer_kills,
+                "relay": self.relay_kills,
             },
             "hub_restarts": self.hub_restarts,
             "trainer_restarts": self.trainer_kills,
@@ -1252,6 +1268,7 @@ def run_soak(
     kill_every: float = 3.0,
     hub_restart_every: float = 30.0,
     trainer_restart_every: float = 30.0,
+    relay_kill_every: float = 10.0,
     call_timeout: float = 30.0,
     settle_timeout: float = 120.0,
     final_hub_restart: bool = True,
@@ -1267,8 +1284,8 @@ def run_soak(
         size_mib, tensors: the model (one bucket per tensor).
         interval: seconds the trainer sleeps between pushes.
         poll_every: seconds between a subscriber's answer and the next question.
-        kill_every, hub_restart_every, trainer_restart_every: mean seconds between
-            faults of each kind (0: none).
+        kill_every, hub_restart_every, trainer_restart_every, relay_kill_every: mean
+            seconds between faults of each kind (0: none).
         call_timeout: seconds any call may take before it counts as stuck.
         settle_timeout: seconds each step of the end may take.
         final_hub_restart: restart the hub right before the last push.
@@ -1293,6 +1310,7 @@ def run_soak(
         kill_every=kill_every,
         hub_restart_every=hub_restart_every,
         trainer_restart_every=trainer_restart_every,
+        relay_kill_every=relay_kill_every,
         call_timeout=call_timeout,
         settle_timeout=settle_timeout,
         final_hub_restart=final_hub_restart,
@@ -1352,7 +1370,7 @@ def print_soak(r: dict[str, Any]) -> None:
         f"versions pushed: {r['versions_pushed']} (last {r['last_version']}), "
         f"hub restarts: {r['hub_restarts']}, "
         f"trainer restarts: {r['trainer_restarts']} ({r['trainer_processes']} trainer processes), "
-        f"subscriber kills: {r['kills']}, lost: {len(r['lost'])}"
+        f"subscriber kills: {r['kills']}, relay kills: {r['kills_by_kind']['relay']}, lost: {len(r['lost'])}"
     )
     print(
         f"push side: skipped {len(r['version_numbers_skipped'])}, repeats {len(r['repeats'])}, "
@@ -1499,6 +1517,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-every", type=float, default=0.1, help="seconds between a subscriber's reports")
     p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between subscriber kills")
     p.add_argument("--hub-restart-every", type=float, default=30.0, help="mean seconds between hub restarts")
+    p.add_argument("--relay-kill-every", type=float, default=10.0, help="mean seconds between relay kills")
     p.add_argument(
         "--trainer-restart-every", type=float, default=30.0, help="mean seconds between trainer restarts"
     )
@@ -1545,6 +1564,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 kill_every=args.kill_every,
                 hub_restart_every=args.hub_restart_every,
                 trainer_restart_every=args.trainer_restart_every,
+                relay_kill_every=args.relay_kill_every,
                 call_timeout=args.call_timeout,
                 settle_timeout=args.settle_timeout,
                 final_hub_restart=not args.no_final_hub_restart,

@@ -36,6 +36,8 @@ __all__ = [
     "PUBLISH",
     "PUBLISH_STAMPED",
     "REGISTER",
+    "RELAY_ACKS",
+    "RELAY_DELIVER",
     "REPORT",
     "UNREGISTER",
     "WAIT_NEWER",
@@ -45,6 +47,10 @@ __all__ = [
     "Laggard",
     "Publication",
     "Registration",
+    "RelayAck",
+    "RelayDelivery",
+    "RelayMember",
+    "RelayReply",
     "SubscriberInfo",
     "WaitResult",
 ]
@@ -69,7 +75,14 @@ NOTIFY_BATCH = "_raysync_notify_batch"
 PING = "_raysync_ping"
 """``() -> True``: a dead actor answers this at once with ``ActorDiedError``."""
 
-# Methods of the hub (called by subscribers and adapters).
+# Methods of a node's relay (called by the hub).
+RELAY_DELIVER = "deliver"
+"""``(delivery: RelayDelivery) -> RelayReply``: hand a version to the relay's subscribers on its node."""
+
+# Methods of the hub (called by subscribers, adapters and relays).
+RELAY_ACKS = "relay_acks"
+"""``(node_id, model_id, version, reply)``: a relay's late acks (subscribers slower than its window)."""
+
 REGISTER = "register"
 """``(registration) -> Announcement | None``: join; the newest version to start from, if any."""
 HEARTBEAT = "heartbeat"
@@ -315,6 +328,77 @@ class WaitResult:
     laggards: tuple[Laggard, ...] = ()
     failures: tuple[Laggard, ...] = ()
     missing: bool = False
+
+
+@dataclass(frozen=True)
+class RelayMember:
+    """A subscriber a node's relay delivers to: the hub tells it once, not per version.
+
+    Attributes:
+        handle: the subscriber's actor handle.
+        actor_id: its actor (subscriptions of one actor with ``batch`` share one call).
+        batch: notify it with :data:`NOTIFY_BATCH` (one call for all its subscriptions).
+    """
+
+    handle: Any
+    actor_id: str | None = None
+    batch: bool = False
+
+
+@dataclass(frozen=True)
+class RelayDelivery:
+    """One message per node per version: the version, for every subscription the node's relay serves.
+
+    Attributes:
+        announcement: the version; its ``sub_ids`` are the subscriptions to hand it to.
+        members: subscribers the relay was not told about yet (sent once per relay
+            incarnation, so the hub does not pickle a handle per subscriber per version).
+    """
+
+    announcement: Announcement
+    members: dict[str, RelayMember]
+
+
+@dataclass(frozen=True)
+class RelayAck:
+    """What happened when a relay handed a version to one subscription.
+
+    Attributes:
+        sub_id: the subscription.
+        report: its report (``None`` when the call failed).
+        outcome: ``"ok"``, ``"died"`` (its actor is gone for good), ``"unreachable"``
+            (restarting or not answering), ``"failed"`` (the call raised), or
+            ``"unknown"`` (the relay has no handle for it: the hub sends it again).
+        error: why the call failed.
+    """
+
+    sub_id: str
+    report: ApplyReport | None
+    outcome: str = "ok"
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class RelayReply:
+    """A relay's answer to one :class:`RelayDelivery`: every subscription's ack, in one message.
+
+    Subscriptions that simply applied the version come back compact, as rows of
+    ``(sub_id, apply_s, pause_s, buckets_fetched, bytes_fetched)`` in ``applied``
+    (a thousand of them unpickle and record in a fraction of what as many
+    :class:`ApplyReport`\\ s cost the hub); every other outcome as a :class:`RelayAck`.
+
+    Attributes:
+        acks: one per subscription that did not simply apply the version.
+        applied: one row per subscription that applied it.
+        relay_pid: the relay's process (a new one after a restart).
+        pending: subscriptions still applying when the relay answered: their acks
+            follow (the hub's ``relay_acks``), and they get no newer version meanwhile.
+    """
+
+    acks: tuple[RelayAck, ...]
+    applied: tuple[tuple[str, float | None, float | None, int | None, int | None], ...] = ()
+    relay_pid: int | None = None
+    pending: tuple[str, ...] = ()
 
 
 def replace(report: ApplyReport, **changes: Any) -> ApplyReport:

@@ -3,9 +3,10 @@
 It never sees tensor bytes: a pusher puts a version's buckets into the object store
 itself and hands the hub their ``ObjectRef``\\ s, which the hub borrows and forwards.
 The rules (stamping, ``keep``, leases, who is behind) are :class:`HubState`'s; this
-shell talks to Ray: one delivery loop per subscriber (at most one call in flight,
-always the newest version, so a slow or dead one holds up nobody), pings, the GCS
-records that outlive a restart, and metrics.
+shell talks to Ray: one delivery loop per node (through that node's relay, see
+:mod:`raysync.hub.relay`; per subscriber with ``RAYSYNC_RELAY=0``), at most one call
+in flight, always the newest version; pings, the GCS records that outlive a restart,
+and metrics.
 
 Example:
     >>> hub = raysync.connect("my-hub", keep=3)   # creates or finds the actor
@@ -32,11 +33,15 @@ from raysync._protocol import (
     Grant,
     Publication,
     Registration,
+    RelayDelivery,
+    RelayMember,
+    RelayReply,
     WaitResult,
 )
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
+from raysync.hub.relay import Late, compact, late_acks, notify_members, relay_name, start_relay
 from raysync.hub.state import Group, HubState, Subscriber, Waiter
 from raysync.ops import metrics
 
@@ -49,6 +54,17 @@ _SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking 
 _STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
 _PING_TIMEOUT_S = 0.5
 _UNREACHABLE = (ActorUnavailableError, RayActorError)
+_RELAY_START_S = 120.0  # how long a relay may take to (re)start before the hub gives up for a while
+_RELAY_RETRY_S = 5.0  # after a relay failed to start, deliver directly this long before trying again
+
+
+def _actor_id() -> str:
+    return ray.get_runtime_context().get_actor_id() or "driver"
+
+
+def relay_enabled() -> bool:
+    """Whether hubs deliver through one relay per node (the default; ``RAYSYNC_RELAY=0`` turns it off)."""
+    return os.environ.get("RAYSYNC_RELAY", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _cancel(task: asyncio.Task[None] | None) -> None:
@@ -62,7 +78,11 @@ class WeightHub:
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
 
     def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
-        self._state = HubState(name, keep)
+        self._state = HubState(name, keep, relay=relay_enabled())
+        self._relays: dict[str, Any] = {}  # node id -> its relay's handle
+        self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)
+        self._relay_starts: dict[str, asyncio.Task[Any]] = {}
+        self._relay_failed: dict[str, float] = {}  # node id -> when its relay last failed to start
         self._store = HubStore(name)
         self._cond: asyncio.Condition | None = None  # wakes long polls (wait_newer) on publish
         self._started = time.time()
@@ -116,6 +136,8 @@ class WeightHub:
             cond.notify_all()
 
     def _forget(self, sub: Subscriber) -> None:
+        if sub.via_node and sub.info.node_id in self._relays:  # the relay lets go of its handle
+            self._relays[sub.info.node_id].forget.remote([sub.sub_id])
         _cancel(sub.task)
         emptied = self._state.remove(sub)
         if emptied is not None:
@@ -149,7 +171,7 @@ class WeightHub:
         for sub_id in sub_ids:
             sub = self._state.subs.get(sub_id)
             # A subscriber whose notification is in flight needs no ping: a dead actor fails that call.
-            if sub is None or (sub.task is not None and not sub.task.done()):
+            if sub is None or sub.relay_pending or (sub.task is not None and not sub.task.done()):
                 continue
             group = self._state.groups.get(sub.group) if sub.group is not None else None
             if group is not None and group.task is not None and not group.task.done():
@@ -180,7 +202,13 @@ class WeightHub:
         """Raise how many versions per model the hub keeps (never lowered under another client)."""
         if self._state.raise_keep(keep):
             await asyncio.to_thread(self._store.save_keep, self._state.keep)
-        return {"name": self._name, "keep": self._state.keep, "pid": os.getpid()}
+        return {
+            "name": self._name,
+            "keep": self._state.keep,
+            "pid": os.getpid(),
+            "cpu_s": time.process_time(),  # cheap counters for benchmarks (status() is O(subscribers))
+            "delivery_calls": self._state.delivery_calls,
+        }
 
     # ------------------------------------------------------------------ publish
     async def acquire(
@@ -312,7 +340,10 @@ class WeightHub:
         if key is not None:
             group = self._state.groups.get(key)
             if group is not None and (group.task is None or group.task.done()):
-                group.task = loop.create_task(self._deliver_group(sub.model_id, group))
+                if group.node_id is not None:
+                    group.task = loop.create_task(self._deliver_relay(sub.model_id, group))
+                else:
+                    group.task = loop.create_task(self._deliver_group(sub.model_id, group))
         elif sub.task is None or sub.task.done():
             sub.task = loop.create_task(self._deliver(sub))
 
@@ -320,6 +351,7 @@ class WeightHub:
         """Hand the newest version to one subscriber until it holds it (one call in flight)."""
         while (due := self._state.due(sub)) is not None:
             sub.sent = due.version
+            self._state.delivery_calls += 1
             try:
                 report = await getattr(sub.handle, proto.NOTIFY).remote(due.announce(sub.model_id))
             except ActorDiedError as err:
@@ -346,6 +378,7 @@ class WeightHub:
             for sub in due:
                 sub.sent = newest.version
             announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+            self._state.delivery_calls += 1
             try:
                 reports = await getattr(due[0].handle, proto.NOTIFY_BATCH).remote(announcement)
                 if len(reports) != len(due):
@@ -365,6 +398,140 @@ class WeightHub:
             for sub, report in zip(due, reports, strict=True):
                 self._record(sub, report)
 
+    async def _relay(self, node_id: str) -> Any:
+        """The node's relay, once it answers (started or found by name; one start at a time per node)."""
+        if node_id in self._ready:
+            return self._relays[node_id]
+        start = self._relay_starts.get(node_id)
+        if start is None or start.done():
+            start = asyncio.get_running_loop().create_task(self._start_and_ping(node_id))
+            self._relay_starts[node_id] = start
+        return await asyncio.shield(start)
+
+    async def _start_and_ping(self, node_id: str) -> Any:
+        # The hub keeps every relay's handle while it lives: a relay is the hub's child,
+        # and Ray ends an actor whose owner let go of its last handle.
+        relay: Any = self._relays.get(node_id)
+        if relay is None:
+            relay = await asyncio.to_thread(start_relay, self._name, node_id)
+            self._relays[node_id] = relay
+        deadline = time.monotonic() + _RELAY_START_S
+        while True:
+            try:
+                await relay.stats.remote()  # up
+                break
+            except ActorDiedError:
+                self._relays.pop(node_id, None)  # gone for good (its node died?): the next try starts another
+                raise
+            except _UNREACHABLE:  # restarting: Ray refuses calls until it is back
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        self._ready.add(node_id)
+        return relay
+
+    async def _deliver_relay(self, model_id: str, group: Group) -> None:
+        """Deliver through the node's relay: one message per version for every member that lacks it.
+
+        The relay answers with every member's ack in one reply. While the relay is not
+        up (starting, restarting after it died), the hub delivers to the members itself,
+        and starts (or waits for) the relay in the background. A relay that dies
+        mid-delivery or mid-ack loses nothing: members whose ack did not come back are
+        due again and get the newest version; a member that applied it already skips it.
+        """
+        assert group.node_id is not None
+        node_id = group.node_id
+        while True:
+            newest, due = self._state.due_in_group(model_id, group)
+            if newest is None or not due:
+                return
+            prior = {sub: sub.sent for sub in due}
+            for sub in due:
+                sub.sent = newest.version
+            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+            relay = self._relays.get(node_id) if node_id in self._ready else None
+            if relay is None:  # not up yet: deliver directly, start it meanwhile
+                self._start_relay(node_id)
+                members = {s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch) for s in due}
+                acks, late, calls = await notify_members(announcement, members)
+                self._state.delivery_calls += calls
+                pending = tuple(s for ids, _ in late for s in ids)
+                self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
+                if late:
+                    asyncio.get_running_loop().create_task(
+                        self._late(model_id, node_id, newest.version, late)
+                    )
+                continue
+            members = {
+                s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch)
+                for s in due
+                if s.sub_id not in group.known
+            }
+            self._state.delivery_calls += 1
+            try:
+                reply = await getattr(relay, proto.RELAY_DELIVER).remote(RelayDelivery(announcement, members))
+            except Exception as err:  # it died or restarts: deliver directly until it answers again
+                logger.info("hub %r: relay on node %s: %s; delivering directly", self._name, node_id, err)
+                group.relay_lost()
+                for sub, sent in prior.items():
+                    sub.sent = sent
+                self._ready.discard(node_id)
+                continue
+            if group.relay_pid is not None and reply.relay_pid != group.relay_pid:
+                group.relay_lost()  # it restarted since it last answered: its late acks will not come
+            group.relay_pid = reply.relay_pid
+            group.known.update(members)
+            self._acks(group, newest.version, reply, prior)
+
+    def _acks(self, group: Group, version: int, reply: RelayReply, prior: dict[Subscriber, int]) -> None:
+        """Record a relay's acks (members that left meanwhile are skipped)."""
+        for sub_id in reply.pending:
+            sub = group.members.get(sub_id)
+            if sub is not None:
+                sub.relay_pending = True
+        now = time.time()
+        for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
+            sub = group.members.get(sub_id)
+            if sub is None or self._state.subs.get(sub_id) is not sub:
+                continue
+            sub.relay_pending = False
+            self._state.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
+            metrics.record_apply(self._name, sub.model_id, apply_s)
+        if reply.applied:
+            self._gauges.changed(self._state.models, self._state.subs)
+        for ack in reply.acks:
+            sub = group.members.get(ack.sub_id)
+            if sub is None or self._state.subs.get(ack.sub_id) is not sub:
+                continue
+            sub.relay_pending = False
+            if ack.outcome == "ok" and ack.report is not None:
+                self._record(sub, ack.report)
+            elif ack.outcome == "unknown":  # a restarted relay: send it the handle again
+                group.known.discard(ack.sub_id)
+                sub.sent = prior.get(sub, 0)
+            elif ack.outcome == "died":
+                self._drop(sub, f"actor died ({ack.error})")
+            elif ack.outcome == "unreachable":
+                self._state.unreachable(sub, ack.error or RuntimeError("unreachable"))
+            else:
+                self._state.delivery_failed(sub, version, ack.error or RuntimeError(ack.outcome))
+
+    async def _late(self, model_id: str, node_id: str, version: int, late: Late) -> None:
+        """The hub's own direct delivery: record the acks of slow subscribers as their calls end."""
+        async for batch in late_acks(late):
+            await self.relay_acks(node_id, model_id, version, compact(version, batch))
+
+    async def relay_acks(self, node_id: str, model_id: str, version: int, reply: RelayReply) -> None:
+        """Acks of subscribers still applying when their relay answered; then deliver what is due."""
+        group = self._state.groups.get(f"{model_id}@node:{node_id}")
+        if group is None:
+            return
+        if reply.relay_pid is not None and group.relay_pid is not None and reply.relay_pid != group.relay_pid:
+            return  # from a relay process the hub no longer counts on
+        self._acks(group, version, reply, {})
+        if group.task is None or group.task.done():
+            group.task = asyncio.get_running_loop().create_task(self._deliver_relay(model_id, group))
+
     def _record(self, sub: Subscriber, report: ApplyReport) -> None:
         self._state.record(sub, report)
         if report.describes_apply():
@@ -382,6 +549,8 @@ class WeightHub:
         sub, replaced, newest = self._state.register(reg)
         if replaced is not None:
             _cancel(replaced.task)
+        if sub.via_node and sub.info.node_id not in self._ready:
+            self._start_relay(sub.info.node_id)  # type: ignore[arg-type]
         self._store.add(sub)
         logger.info(
             "hub %r: subscriber %s registered for %r at version %s (newest %s)",
@@ -393,6 +562,23 @@ class WeightHub:
         )
         self._gauges.changed(self._state.models, self._state.subs)
         return newest
+
+    def _start_relay(self, node_id: str) -> None:
+        """Start (or wait for) the node's relay in the background; nobody waits for it."""
+        starting = self._relay_starts.get(node_id)
+        if starting is not None and not starting.done():
+            return
+        if time.monotonic() - self._relay_failed.get(node_id, -_RELAY_RETRY_S) < _RELAY_RETRY_S:
+            return
+
+        async def start() -> None:
+            try:
+                await self._relay(node_id)
+            except Exception as err:  # delivered directly meanwhile; tried again later
+                self._relay_failed[node_id] = time.monotonic()
+                logger.warning("hub %r could not start the relay on node %s: %s", self._name, node_id, err)
+
+        asyncio.get_running_loop().create_task(start())
 
     async def heartbeat(self, sub_ids: list[str]) -> list[str]:
         """Subscribers check in; returns the ids to register again (the hub restarted or dropped them)."""
@@ -506,6 +692,8 @@ class WeightHub:
 
     async def status(self) -> dict[str, Any]:
         return self._state.status() | {
+            "cpu_s": time.process_time(),
+            "relays": {node: relay_name(self._name, _actor_id(), node) for node in sorted(self._ready)},
             "uptime_s": time.time() - self._started,
             "restored_models": self._restored,
         }

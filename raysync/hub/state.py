@@ -88,6 +88,8 @@ class Subscriber:
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
     task: Any = None  # the actor's delivery loop for it (the state never touches it)
+    via_node: bool = False  # delivered through its node's relay (set when indexed)
+    relay_pending: bool = False  # its relay is still handing it a version (its ack comes later)
 
     @property
     def mode(self) -> str:
@@ -107,7 +109,14 @@ class Subscriber:
 
     @property
     def group(self) -> str | None:
-        """Subscriptions of one actor that asked for batched notifications share one delivery loop."""
+        """Subscriptions delivered together share one delivery loop.
+
+        Through relays (the default), every push subscription of a model on one node:
+        one message per node per version. Otherwise, subscriptions of one actor that
+        asked for batched notifications.
+        """
+        if self.via_node:
+            return f"{self.model_id}@node:{self.info.node_id}"
         if not self.info.batch or not self.info.actor_id:
             return None
         return f"{self.model_id}/{self.info.actor_id}"
@@ -144,10 +153,21 @@ class Waiter:
 
 @dataclass(eq=False)
 class Group:
-    """Batched subscriptions of one actor to one model: one notification carries them all."""
+    """Subscriptions delivered by one message: one actor's batched ones, or one node's (via its relay)."""
 
     members: dict[str, Subscriber] = field(default_factory=dict)
     task: Any = None
+    node_id: str | None = None  # set: the members are delivered through this node's relay
+    known: set[str] = field(default_factory=set)  # members whose handle the relay has been sent
+    relay_pid: int | None = None  # the relay process that answered last
+
+    def relay_lost(self) -> None:
+        """The relay died or restarted: what it was still doing is lost; hand it all again."""
+        self.known.clear()
+        for sub in self.members.values():
+            if sub.relay_pending:
+                sub.relay_pending = False
+                sub.sent = 0
 
 
 class HubState:
@@ -157,9 +177,11 @@ class HubState:
     by model, by batch group, and the waits of each model.
     """
 
-    def __init__(self, name: str, keep: int) -> None:
+    def __init__(self, name: str, keep: int, *, relay: bool = False) -> None:
         self.name = name
         self.keep = max(1, int(keep))
+        self.relay = relay  # deliver push subscriptions through one relay per node
+        self.delivery_calls = 0  # Ray calls the hub made to hand out versions (relays and subscribers)
         self.models: dict[str, Model] = {}
         self.subs: dict[str, Subscriber] = {}
         self.by_model: dict[str, dict[str, Subscriber]] = {}
@@ -192,8 +214,12 @@ class HubState:
             self.remove(old)
         self.subs[sub.sub_id] = sub
         self.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
+        sub.via_node = self.relay and sub.mode == "push" and bool(sub.info.node_id)
         if sub.group is not None:
-            self.groups.setdefault(sub.group, Group()).members[sub.sub_id] = sub
+            node = sub.info.node_id if sub.via_node else None
+            group = self.groups.setdefault(sub.group, Group(node_id=node))
+            group.members[sub.sub_id] = sub
+            group.known.discard(sub.sub_id)  # a new registration may carry a new handle
         for waiter in self.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
@@ -272,6 +298,29 @@ class HubState:
             sub.last_error = None
         if report.receivers is not None:
             sub.receivers = list(report.receivers)
+        if sub.state == "unreachable":
+            sub.state = "live"
+        self.settle(sub)
+
+    def record_applied(
+        self,
+        sub: Subscriber,
+        version: int,
+        apply_s: float | None,
+        pause_s: float | None,
+        buckets: int | None,
+        nbytes: int | None,
+        now: float,
+    ) -> None:
+        """What :meth:`record` does with a plain report of an apply of ``version`` (a relay's compact row)."""
+        sub.last_seen = time.monotonic()
+        if sub.applied is not None and version < sub.applied:
+            return
+        sub.applied = version
+        sub.last_apply_time = now
+        sub.last_apply_s, sub.last_pause_s = apply_s, pause_s
+        sub.last_buckets_fetched, sub.last_bytes_fetched, sub.last_prefetched = buckets, nbytes, False
+        sub.last_error = None
         if sub.state == "unreachable":
             sub.state = "live"
         self.settle(sub)
@@ -551,7 +600,11 @@ class HubState:
         due = [
             s
             for s in group.members.values()
-            if s.state != "dead" and s.mode == "push" and newest.version > max(s.applied or 0, s.sent)
+            if s.state != "dead"
+            and s.mode == "push"
+            and s.handle is not None
+            and not s.relay_pending
+            and newest.version > max(s.applied or 0, s.sent)
         ]
         return newest, due
 
@@ -641,7 +694,18 @@ class HubState:
                     "placement": sub.info.placement,
                 }
             )
-        return {"hub": self.name, "keep": self.keep, "models": models, "subscribers": subs}
+        delivery = {
+            "relay": self.relay,
+            "calls": self.delivery_calls,
+            "nodes": sorted({g.node_id for g in self.groups.values() if g.node_id is not None}),
+        }
+        return {
+            "hub": self.name,
+            "keep": self.keep,
+            "models": models,
+            "subscribers": subs,
+            "delivery": delivery,
+        }
 
 
 def _lease(pusher: dict[str, Any]) -> dict[str, Any]:

@@ -532,7 +532,7 @@ def test_memory_stays_bounded_over_50_pushes_with_keep_2(ray_start_regular: Any)
 
 
 def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any) -> None:
-    """Every subscriber kind under subscriber kills, hub restarts and trainer restarts: all zero."""
+    """Every subscriber kind under subscriber kills, hub, trainer and relay restarts: all zero."""
     r = soak.run_soak(
         seconds=9,
         kinds=soak.KINDS,  # one subscriber of each kind
@@ -541,6 +541,7 @@ def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any) -> None:
         kill_every=3,
         hub_restart_every=6,
         trainer_restart_every=6,
+        relay_kill_every=2,
         # Bounds for a loaded 2-core CI machine, where one process restart (hub, trainer or
         # subscriber: Python, Ray and torch imports) was seen to take 20 s; a hang still fails.
         call_timeout=30,
@@ -550,6 +551,7 @@ def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any) -> None:
     assert [k["kind"] for k in r["kinds"]] == list(soak.KINDS)
     assert r["kills"] >= 1 and r["versions_pushed"] >= 5, r
     assert r["kills_by_kind"]["hub"] >= 2 and r["kills_by_kind"]["trainer"] >= 1, r  # the run's + the last
+    assert r["kills_by_kind"]["relay"] >= 1, r
     zero = ("mismatches", "stuck", "torn", "regressions", "wait_early", "call_errors", "stamp_mismatches")
     empty = ("lost", "version_numbers_skipped", "repeats", "push_failures")
     problems = {k: r[k] for k in (*zero, *empty) if r[k]}

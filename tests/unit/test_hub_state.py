@@ -276,3 +276,73 @@ def test_another_process_of_the_same_writer_fences_the_first() -> None:
         state.accept("policy", MANIFEST, ["r2"], first, 2, a.epoch)
     state.accept("policy", MANIFEST, ["r21"], second, 21, b.epoch)
     assert state.latest("policy") == 21
+
+
+def _on_node(
+    state: HubState, name: str, node: str | None, *, mode: str = "push", handle: object = "h"
+) -> Subscriber:
+    info = SubscriberInfo(mode=mode, class_name=name, actor_id=name, node_id=node)
+    sub, _, _ = state.register(Registration(f"{name}:policy", "policy", handle, info))
+    return sub
+
+
+def test_with_relays_push_subscribers_are_grouped_by_node() -> None:
+    state = HubState("hub", 2, relay=True)
+    a, b = _on_node(state, "a", "n1"), _on_node(state, "b", "n1")
+    c = _on_node(state, "c", "n2")
+    puller = _on_node(state, "p", "n1", mode="pull")
+    nowhere = _on_node(state, "x", None)  # a plain process: no node to relay through
+    assert a.group == b.group == "policy@node:n1" and c.group == "policy@node:n2"
+    assert puller.group is None and nowhere.group is None
+    assert {k: sorted(g.members) for k, g in state.groups.items()} == {
+        "policy@node:n1": ["a:policy", "b:policy"],
+        "policy@node:n2": ["c:policy"],
+    }
+    assert state.groups["policy@node:n1"].node_id == "n1"
+    assert state.status()["delivery"] == {"relay": True, "calls": 0, "nodes": ["n1", "n2"]}
+    state.remove(c)
+    assert "policy@node:n2" not in state.groups
+
+
+def test_without_relays_each_subscriber_is_its_own_delivery() -> None:
+    state = HubState("hub", 2, relay=False)
+    assert _on_node(state, "a", "n1").group is None and not state.groups
+
+
+def test_a_node_group_delivers_the_newest_to_members_that_lack_it_and_can_be_called() -> None:
+    state = HubState("hub", 2, relay=True)
+    a, b = _on_node(state, "a", "n1"), _on_node(state, "b", "n1")
+    restoring = _on_node(state, "r", "n1", handle=None)  # one the hub cannot call (restored, a process)
+    group = state.groups["policy@node:n1"]
+    group.known.update({"a:policy", "b:policy"})
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    newest, due = state.due_in_group("policy", group)
+    assert newest is not None and newest.version == 1 and due == [a, b]  # not the one without a handle
+    a.sent = 1
+    assert state.due_in_group("policy", group)[1] == [b]
+    _on_node(state, "b", "n1")  # registers again (a restarted actor): the relay must be sent its handle
+    assert group.known == {"a:policy"} and restoring.handle is None
+
+
+def test_a_relay_reply_carries_plain_applies_as_rows_and_the_hub_records_them_forward_only() -> None:
+    from raysync._protocol import RelayAck
+    from raysync.hub.relay import compact
+
+    failed = RelayAck("b:policy", ApplyReport(applied=1, failed=2, error=ApplyError("no")))
+    reply = compact(
+        2,
+        [
+            RelayAck("a:policy", ApplyReport(applied=2, apply_s=0.5, pause_s=0.1, buckets_fetched=1)),
+            failed,
+            RelayAck("c:policy", ApplyReport(applied=2, skipped=2)),  # held it already: not an apply
+            RelayAck("d:policy", None, "died"),
+        ],
+    )
+    assert reply.applied == (("a:policy", 0.5, 0.1, 1, None),)
+    assert [a.sub_id for a in reply.acks] == ["b:policy", "c:policy", "d:policy"]
+    state = HubState("hub", 2, relay=True)
+    a = _on_node(state, "a", "n1")
+    state.record_applied(a, 2, 0.5, 0.1, 1, None, now=1.0)
+    assert (a.applied, a.last_apply_s, a.last_apply_time) == (2, 0.5, 1.0)
+    state.record_applied(a, 1, 0.2, 0.0, 1, None, now=2.0)  # an older version never moves it back
+    assert (a.applied, a.last_apply_s) == (2, 0.5)

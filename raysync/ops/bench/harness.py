@@ -61,6 +61,7 @@ __all__ = [
     "fmt",
     "git_state",
     "kill_all",
+    "kill_relays",
     "local_cluster",
     "make_state_dict",
     "median",
@@ -275,6 +276,33 @@ def kill_all(actors: Iterable[Any]) -> None:
 
 
 # ---------------------------------------------------------------------- timing
+
+
+def kill_relays(hub: Any, *, node_ids: Iterable[str] | None = None, restart: bool = True) -> int:
+    """Kill the node relays of ``hub`` (a :class:`raysync.HubClient`); Ray restarts them by default.
+
+    Relays not started (yet) are skipped; returns how many were killed.
+
+    Example:
+        >>> kill_relays(raysync.connect())  # doctest: +SKIP
+        1
+    """
+    import ray
+
+    from raysync._protocol import DEFAULT_NAMESPACE
+    from raysync.hub.relay import relay_name
+
+    nodes = list(node_ids) if node_ids is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    hub_id = hub.actor._actor_id.hex()
+    killed = 0
+    for node in nodes:
+        try:
+            relay = ray.get_actor(relay_name(hub.name, hub_id, node), namespace=DEFAULT_NAMESPACE)
+            ray.kill(relay, no_restart=not restart)
+        except Exception:  # not started, restarting, or gone with a restarting hub
+            continue
+        killed += 1
+    return killed
 
 
 def median(values: Iterable[float | None]) -> float | None:

@@ -1,0 +1,253 @@
+"""The hub's cost per version against nodes and subscriptions: relays (the default) against direct delivery.
+
+Starts a ``ray.cluster_utils.Cluster`` of ``max(--nodes)`` simulated nodes (a
+head and workers, ``--cpus-per-node`` CPUs each) on this machine. On every node,
+``--actors-per-node`` light async actors (``num_cpus=0``) hold the subscriptions:
+they answer each notification at once without fetching anything, so what is
+measured is the control plane. Each subscription is notified by its own call
+(what one ``@synced_model`` actor per subscription costs), unless ``--batch``.
+
+For every (nodes, subscriptions, delivery) a fresh hub: ``relay`` is the
+default (one relay per node, one hub message per node per version),
+``direct`` a hub started with ``RAYSYNC_RELAY=0`` (one hub call per
+subscriber per version). Medians over ``--pushes`` pushes of a small model:
+
+``msgs_per_version``
+    the hub's outgoing delivery calls per version (``status()["delivery"]["calls"]``),
+    exact: every value seen is listed in ``msgs_seen``.
+``hub_cpu_ms``
+    CPU time of the hub process (its own ``time.process_time()``) from just before
+    ``hub.push`` until ``hub.wait`` returned.
+``relay_cpu_ms``
+    CPU time of all relay processes over the same window (the work relays took over;
+    psutil, 10 ms ticks).
+``push_ms`` / ``applied_ms``
+    ``hub.push`` alone; from ``hub.push`` returning until ``hub.wait(v)`` returned
+    (every subscription recorded as holding the version).
+
+Run::
+
+    python benchmarks/hub_cost.py                          # 1 2 4 nodes x 10 100 1000, relay + direct
+    python benchmarks/hub_cost.py --nodes 4 --subscriptions 1000 --delivery relay --pushes 20
+
+Results: a table on stdout and JSON in ``--json`` (default
+``benchmarks/results/hub_cost.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import raysync
+from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration, SubscriberInfo
+from raysync.hub.actor import WeightHub
+from raysync.ops.bench import harness
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "hub_cost.json"
+
+
+@ray.remote(num_cpus=0)
+class LightSubscribers:
+    """An async actor standing in for many subscribers on its node: it acknowledges every version at once."""
+
+    async def _raysync_notify(self, a: Announcement) -> ApplyReport:
+        return ApplyReport(applied=a.version, apply_s=0.0)
+
+    async def _raysync_notify_batch(self, a: Announcement) -> list[ApplyReport]:
+        return [ApplyReport(applied=a.version, apply_s=0.0) for _ in a.sub_ids]
+
+    async def _raysync_ping(self) -> bool:
+        return True
+
+    async def node(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+
+def start_hub(name: str, delivery: str) -> raysync.HubClient:
+    """A fresh hub; ``direct``: started here with ``RAYSYNC_RELAY=0`` before ``connect`` finds it."""
+    if delivery == "direct":
+        cls: Any = WeightHub
+        handle = cls.options(
+            name=name,
+            namespace=DEFAULT_NAMESPACE,
+            lifetime="detached",
+            max_restarts=-1,
+            max_concurrency=10_000,
+            runtime_env={"env_vars": {"RAYSYNC_RELAY": "0"}},
+        ).remote(name=name, keep=2)
+        ray.get(handle.configure.remote())
+    return raysync.connect(name, keep=2)
+
+
+def measure(
+    nodes: int, n: int, delivery: str, actors: dict[str, list[Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    name = f"bench-hubcost-{uuid.uuid4().hex[:6]}"
+    hub = start_hub(name, delivery)
+    used = [(node, a) for node in list(actors)[:nodes] for a in actors[node]]
+    try:
+        pending = []
+        for i in range(n):
+            node, actor = used[i % len(used)]
+            aid = actor._actor_id.hex()
+            info = SubscriberInfo(actor_id=aid, class_name="LightSubscribers", node_id=node, batch=args.batch)
+            reg = Registration(f"light-{aid[:8]}-{i}:policy", "policy", actor, info)
+            pending.append(hub.actor.register.remote(reg))
+        ray.get(pending)
+        model = harness.small_policy()
+        for _ in range(2):  # warm-up: relays start (the hub delivers directly meanwhile)
+            hub.wait(hub.push(model), timeout=args.timeout)
+        if delivery == "relay":
+            deadline = time.monotonic() + 60
+            while len(hub.status()["relays"]) < nodes:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"relays did not start on {nodes} nodes: {hub.status()['relays']}")
+                time.sleep(0.1)
+            hub.wait(hub.push(model), timeout=args.timeout)
+        relay_procs = [psutil.Process(pid) for pid in relay_pids(name, nodes, delivery)]
+        msgs, cpu, relay_cpu, push_ms, applied_ms = [], [], [], [], []
+        for _ in range(args.pushes):
+            before = ray.get(hub.actor.configure.remote())
+            r0 = sum(cpu_s(p) for p in relay_procs)
+            t0 = time.perf_counter()
+            v = hub.push(model)
+            t1 = time.perf_counter()
+            hub.wait(v, timeout=args.timeout)
+            t2 = time.perf_counter()
+            after = ray.get(hub.actor.configure.remote())
+            r1 = sum(cpu_s(p) for p in relay_procs)
+            msgs.append(after["delivery_calls"] - before["delivery_calls"])
+            cpu.append((after["cpu_s"] - before["cpu_s"]) * 1e3)
+            relay_cpu.append((r1 - r0) * 1e3)
+            push_ms.append((t1 - t0) * 1e3)
+            applied_ms.append((t2 - t1) * 1e3)
+        status = hub.status()
+        held = [s["applied"] for s in status["subscribers"]]
+        assert len(held) == n and all(h == v for h in held), "not every subscription holds the newest version"
+        return {
+            "nodes": nodes,
+            "subscriptions": n,
+            "delivery": delivery,
+            "batch": args.batch,
+            "actors": len(used),
+            "msgs_per_version": statistics.median(msgs),
+            "msgs_seen": sorted(set(msgs)),
+            "hub_cpu_ms": statistics.median(cpu),
+            "relay_cpu_ms": statistics.median(relay_cpu),
+            "push_ms": statistics.median(push_ms),
+            "applied_ms": statistics.median(applied_ms),
+            "applied_ms_max": max(applied_ms),
+            "applied_ms_all": applied_ms,
+            "hub_cpu_ms_all": cpu,
+        }
+    finally:
+        harness.kill_all([hub.actor])
+
+
+def relay_pids(hub_name: str, nodes: int, delivery: str) -> list[int]:
+    if delivery != "relay":
+        return []
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if hub_name in a["name"]]
+    relays = [ray.get_actor(n, namespace=DEFAULT_NAMESPACE) for n in names if n.startswith("raysync-relay:")]
+    return [ray.get(r.stats.remote())["pid"] for r in relays]
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = [
+        ("nodes", "d"),
+        ("subscriptions", "d"),
+        ("delivery", "s"),
+        ("msgs_per_version", ".0f"),
+        ("msgs_seen", "s"),
+        ("hub_cpu_ms", ".1f"),
+        ("relay_cpu_ms", ".1f"),
+        ("push_ms", ".1f"),
+        ("applied_ms", ".1f"),
+        ("applied_ms_max", ".1f"),
+    ]
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(format(r[c], f) if f != "s" else str(r[c]) for c, f in cols) + " |")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--subscriptions", type=int, nargs="+", default=[10, 100, 1000])
+    p.add_argument("--delivery", nargs="+", choices=["relay", "direct"], default=["relay", "direct"])
+    p.add_argument("--actors-per-node", type=int, default=2, help="light actors holding the subscriptions")
+    p.add_argument("--cpus-per-node", type=int, default=1)
+    p.add_argument(
+        "--batch", action="store_true", help="one call per actor (NOTIFY_BATCH), not per subscription"
+    )
+    p.add_argument("--pushes", type=int, default=10, help="timed pushes per configuration (medians)")
+    harness.add_options(p, timeout=120.0, json=DEFAULT_JSON)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    logging.basicConfig(level=logging.WARNING)
+    ray._private.utils.write_ray_address = lambda *_a, **_k: None  # keep the cluster private
+    store = 128 * harness.MIB
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": args.cpus_per_node,
+            "object_store_memory": store,
+            "include_dashboard": False,
+        },
+    )
+    rows = []
+    try:
+        for _ in range(max(args.nodes) - 1):
+            cluster.add_node(num_cpus=args.cpus_per_node, object_store_memory=store, wait=False)
+        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        cluster.wait_for_nodes()
+        node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        actors: dict[str, list[Any]] = {}
+        for node in node_ids:
+            strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+            actors[node] = [
+                LightSubscribers.options(max_concurrency=10_000, scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
+                for _ in range(args.actors_per_node)
+            ]
+        ray.get([a.node.remote() for group in actors.values() for a in group])
+        for nodes in args.nodes:
+            for n in args.subscriptions:
+                for delivery in args.delivery:
+                    row = measure(nodes, n, delivery, actors, args)
+                    print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
+                    rows.append(row)
+        print_table(rows)
+        meta = harness.run_meta("benchmarks/hub_cost.py", argv, started=t_start)
+        harness.write_json(args.json, {"meta": {**meta, "time": time.time()}, "rows": rows}, indent=1)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

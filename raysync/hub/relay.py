@@ -1,0 +1,279 @@
+"""A node's relay: the hub sends it one message per version; it hands the version to that node's subscribers.
+
+Without relays the hub makes one Ray call per subscriber per version (about a
+millisecond of hub CPU each). With them the hub's work per version grows with
+the number of nodes that have subscribers: one :class:`~raysync._protocol.RelayDelivery`
+per node carries every subscription there, the relay makes the node-local calls
+(one per subscriber, or one per actor for batched subscriptions) and answers the
+hub with every subscriber's report in one :class:`~raysync._protocol.RelayReply`.
+
+The hub starts a relay on demand, when the first subscriber on a node registers:
+placed on that node (``NodeAffinitySchedulingStrategy(soft=False)``), named per hub
+and node (:func:`relay_name`), restarted by Ray (``max_restarts=-1``), owned by the
+hub (it goes when the hub goes; a restarted hub starts new ones). A relay holds no
+state that matters: it learns subscriber handles from the hub (once per relay
+process), and a relay that dies mid-delivery or mid-ack loses nothing, since the
+hub hands the newest version again to every subscriber whose ack it did not get,
+and subscribers ignore versions not newer than the one they hold.
+
+Example:
+    >>> relay = start_relay("raysync", node_id)   # in the hub
+    >>> reply = ray.get(relay.deliver.remote(RelayDelivery(announcement, members)))
+    >>> [ack.outcome for ack in reply.acks]
+    ['ok', 'ok']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raysync import _protocol as proto
+from raysync._protocol import (
+    DEFAULT_NAMESPACE,
+    Announcement,
+    ApplyReport,
+    RelayAck,
+    RelayDelivery,
+    RelayMember,
+    RelayReply,
+)
+
+__all__ = ["ACK_WINDOW_S", "NodeRelay", "compact", "late_acks", "notify_members", "relay_name", "start_relay"]
+
+logger = logging.getLogger(__name__)
+
+_FAULTS = ("exit_mid_delivery", "exit_before_reply")
+
+
+def relay_name(hub: str, hub_actor_id: str, node_id: str) -> str:
+    """The relay's actor name (in raysync's namespace): one per hub and node.
+
+    Example:
+        >>> relay_name("raysync", "9f" * 16, "ab" * 28)
+        'raysync-relay:raysync:9f9f9f9f9f9f:abababababababababababab'
+    """
+    return f"raysync-relay:{hub}:{hub_actor_id[:12]}:{node_id[:24]}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class NodeRelay:
+    """The relay actor of one hub on one node; the hub starts it (:func:`start_relay`)."""
+
+    def __init__(self, hub: Any, node_id: str) -> None:
+        self._hub = hub  # the hub's handle: where late acks go
+        self._node_id = node_id
+        self._members: dict[str, RelayMember] = {}
+        self._fault: str | None = None
+        self.delivered = 0  # calls made to subscribers
+        self.deliveries = 0  # messages from the hub
+
+    async def deliver(self, delivery: RelayDelivery) -> RelayReply:
+        """Hand ``delivery.announcement`` to each of its ``sub_ids``; the acks in one reply.
+
+        Subscribers that take longer than :data:`ACK_WINDOW_S` are listed in the reply's
+        ``pending``; their acks follow in batches (the hub's ``relay_acks``).
+        """
+        self.deliveries += 1
+        self._members.update(delivery.members)
+        a = delivery.announcement
+        members = {s: m for s in a.sub_ids if (m := self._members.get(s)) is not None}
+        unknown = [RelayAck(s, None, "unknown") for s in a.sub_ids if s not in members]
+        exit_mid = self._fault == "exit_mid_delivery"
+        acks, late, calls = await notify_members(a, members, on_first_ack=_exit if exit_mid else None)
+        self.delivered += calls
+        self._forget_dead(acks)
+        if self._fault == "exit_before_reply":
+            _exit()
+        if late:
+            asyncio.get_running_loop().create_task(self._forward(a.model_id, a.version, late))
+        pending = tuple(s for ids, _ in late for s in ids)
+        return compact(a.version, unknown + acks, os.getpid(), pending)
+
+    async def _forward(self, model_id: str, version: int, late: Late) -> None:
+        """Send the hub the acks of slow subscribers, a batch per message, as their calls end."""
+        async for batch in late_acks(late):
+            self._forget_dead(batch)
+            reply = compact(version, batch, os.getpid())
+            getattr(self._hub, proto.RELAY_ACKS).remote(self._node_id, model_id, version, reply)
+
+    def _forget_dead(self, acks: list[RelayAck]) -> None:
+        for ack in acks:
+            if ack.outcome == "died":
+                self._members.pop(ack.sub_id, None)
+
+    async def forget(self, sub_ids: list[str]) -> None:
+        """Drop subscriptions that left (their handles are not needed any more)."""
+        for sub_id in sub_ids:
+            self._members.pop(sub_id, None)
+
+    async def stats(self) -> dict[str, Any]:
+        """Its process, node, and the calls it made so far (for tests and benchmarks)."""
+        return {
+            "pid": os.getpid(),
+            "node_id": self._node_id,
+            "members": len(self._members),
+            "deliveries": self.deliveries,
+            "delivered": self.delivered,
+        }
+
+    async def _raysync_test_fault(self, kind: str) -> None:
+        """Tests: die at a chosen point of the next delivery (once: a restarted relay forgets it)."""
+        if kind not in _FAULTS:
+            raise ValueError(f"fault must be one of {_FAULTS}, got {kind!r}")
+        self._fault = kind
+
+
+def compact(
+    version: int, acks: list[RelayAck], pid: int | None = None, pending: tuple[str, ...] = ()
+) -> RelayReply:
+    """One reply for ``acks``: the ones that simply applied ``version`` as compact rows.
+
+    Example:
+        >>> compact(3, [RelayAck("a:policy", ApplyReport(applied=3, apply_s=0.01))]).applied
+        (('a:policy', 0.01, None, None, None),)
+    """
+    rows = []
+    others = []
+    for ack in acks:
+        r = ack.report
+        plain = (
+            r is not None
+            and ack.outcome == "ok"
+            and r.applied == version
+            and r.describes_apply()
+            and r.error is None
+            and r.lost is None
+            and r.receivers is None
+            and not r.prefetched
+        )
+        if plain:
+            assert r is not None
+            rows.append((ack.sub_id, r.apply_s, r.pause_s, r.buckets_fetched, r.bytes_fetched))
+        else:
+            others.append(ack)
+    return RelayReply(tuple(others), tuple(rows), pid, pending)
+
+
+def _exit() -> None:
+    os._exit(1)  # a test's fault: the relay dies with acks unsent
+
+
+ACK_WINDOW_S = 0.2
+"""How long a delivery waits for every subscriber before it answers with the acks it has.
+
+The acks of slower subscribers follow in batches (:func:`late_acks`), so one
+slow or hung subscriber never holds up the others' next version."""
+
+Late = list[tuple[tuple[str, ...], Any]]
+"""Calls still running when a delivery answered: (their subscriptions, the call's ref)."""
+
+
+def _acks_of(sub_ids: tuple[str, ...], ref: Any) -> list[RelayAck]:
+    """The acks of one finished notification call (its reply, or why it failed)."""
+    try:
+        reply = ray.get(ref)
+    except ActorDiedError as err:
+        return [RelayAck(s, None, "died", _plain(err)) for s in sub_ids]
+    except (ActorUnavailableError, RayActorError) as err:
+        return [RelayAck(s, None, "unreachable", _plain(err)) for s in sub_ids]
+    except Exception as err:
+        return [RelayAck(s, None, "failed", _plain(err)) for s in sub_ids]
+    reports: list[ApplyReport] = reply if isinstance(reply, list) else [reply]
+    if len(reports) != len(sub_ids):
+        wrong = RuntimeError(f"batched notify: {len(reports)} reports for {len(sub_ids)} subscriptions")
+        return [RelayAck(s, None, "failed", wrong) for s in sub_ids]
+    return [RelayAck(s, r) for s, r in zip(sub_ids, reports, strict=True)]
+
+
+async def notify_members(
+    announcement: Announcement,
+    members: dict[str, RelayMember],
+    *,
+    window: float | None = ACK_WINDOW_S,
+    on_first_ack: Any = None,
+) -> tuple[list[RelayAck], Late, int]:
+    """Hand a version to ``members`` (one call each, one per actor for batched ones).
+
+    What a relay does on its node, and what the hub does itself while a node's
+    relay is not up (starting, restarting). Returns the acks of the calls that
+    ended within ``window`` seconds, the calls still running, and the calls made.
+
+    Example:
+        >>> acks, late, calls = await notify_members(announcement, {"a1:policy": RelayMember(handle)})
+    """
+    a = announcement
+    single = Announcement(a.model_id, a.version, a.manifest, a.refs)
+    calls: Late = []
+    batched: dict[str, list[str]] = {}
+    for sub_id, member in members.items():
+        if member.batch and member.actor_id is not None:
+            batched.setdefault(member.actor_id, []).append(sub_id)
+        else:
+            calls.append(((sub_id,), getattr(member.handle, proto.NOTIFY).remote(single)))
+    for sub_ids in batched.values():
+        ann = Announcement(a.model_id, a.version, a.manifest, a.refs, tuple(sub_ids))
+        calls.append((tuple(sub_ids), getattr(members[sub_ids[0]].handle, proto.NOTIFY_BATCH).remote(ann)))
+
+    def collect() -> tuple[list[RelayAck], Late]:
+        # One blocking wait for all the calls (in a thread) costs far less than one
+        # asyncio future per call; every reply is then read on its own, errors included.
+        refs = [ref for _, ref in calls]
+        if not refs:
+            return [], []
+        if on_first_ack is not None:
+            ray.wait(refs, num_returns=1)
+            on_first_ack()
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=window)[0])
+        acks = [ack for ids, ref in calls if ref in ready for ack in _acks_of(ids, ref)]
+        return acks, [(ids, ref) for ids, ref in calls if ref not in ready]
+
+    acks, late = await asyncio.to_thread(collect)
+    return acks, late, len(calls)
+
+
+async def late_acks(late: Late, *, gather_s: float = 0.02) -> AsyncIterator[list[RelayAck]]:
+    """The acks of calls that outlived their delivery's window, in batches as they end.
+
+    Example:
+        >>> async for batch in late_acks(late):
+        ...     hub.relay_acks.remote(node_id, model_id, version, compact(version, batch))
+    """
+    running = {asyncio.wrap_future(ref.future()): (ids, ref) for ids, ref in late}
+    while running:
+        await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(gather_s)  # others ending about now go in the same message
+        batch: list[RelayAck] = []
+        for fut in [f for f in running if f.done()]:
+            ids, ref = running.pop(fut)
+            batch.extend(_acks_of(ids, ref))
+        yield batch
+
+
+def _plain(err: BaseException) -> BaseException:
+    """An error that pickles back to the hub (Ray's own may carry what does not)."""
+    return RuntimeError(f"{type(err).__name__}: {str(err)[:500]}")
+
+
+def start_relay(hub: str, node_id: str) -> Any:
+    """Get or create the calling hub's relay on ``node_id`` (blocking: call it off the event loop).
+
+    Example:
+        >>> relay = start_relay("raysync", ray.get_runtime_context().get_node_id())  # in the hub
+    """
+    cls: Any = NodeRelay
+    ctx = ray.get_runtime_context()
+    hub_actor_id = ctx.get_actor_id() or "driver"
+    return cls.options(
+        name=relay_name(hub, hub_actor_id, node_id),
+        namespace=DEFAULT_NAMESPACE,
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(ctx.current_actor, node_id)

@@ -1,0 +1,142 @@
+"""Delivery through one relay per node: one hub message per node per version; dying relays lose nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import ray
+
+import raysync
+from raysync._protocol import DEFAULT_NAMESPACE
+from raysync.hub.relay import relay_name
+from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests.integration.test_synced import make_collector
+
+
+def _relay(hub: raysync.HubClient) -> Any:
+    """The hub's relay on this (the only) node, once it is up."""
+    node = ray.get_runtime_context().get_node_id()
+    wait_for_condition(lambda: node in hub.status()["relays"], what="the node's relay is up")
+    name = hub.status()["relays"][node]
+    assert name == relay_name(hub.name, hub.actor._actor_id.hex(), node)
+    return ray.get_actor(name, namespace=DEFAULT_NAMESPACE)
+
+
+def _pid(relay: Any) -> int:
+    """The relay's process, once it answers (Ray refuses calls while it restarts)."""
+
+    def answer() -> int | None:
+        try:
+            return int(ray.get(relay.stats.remote(), timeout=10)["pid"])
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return None
+
+    return int(wait_for_condition(answer, timeout=60, what="the relay answers"))
+
+
+def _calls(hub: raysync.HubClient) -> int:
+    return int(hub.status()["delivery"]["calls"])
+
+
+def _check_all(hub: raysync.HubClient, actors: list[Any], version: int, seed: int) -> None:
+    hub.wait(version, timeout=60)
+    expected = small_policy(seed).state_dict()
+    for actor in actors:
+        assert ray.get(actor.raysync_version.remote()) == version
+        assert_same_weights(ray.get(actor.weights.remote()), expected)
+
+
+def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_name: str) -> None:
+    copies = [make_collector(hub_name).remote() for _ in range(3)]
+    view = make_collector(hub_name, apply="view").remote()
+    puller = make_collector(hub_name, mode="pull").remote()
+    batched = [*copies, view]
+    ray.get([a.raysync_version.remote() for a in [*batched, puller]])
+    relay = _relay(hub)
+    assert hub.status()["delivery"]["nodes"] == [ray.get_runtime_context().get_node_id()]
+    for seed in (1, 2, 3):
+        before = _calls(hub)
+        v = hub.push(small_policy(seed))
+        _check_all(hub, batched, v, seed)
+        assert _calls(hub) - before == 1  # one message for the node, whatever the subscribers on it
+    stats = ray.get(relay.stats.remote())
+    assert stats["deliveries"] >= 3 and stats["delivered"] >= 3 * len(batched)
+    assert ray.get(puller.raysync_version.remote()) is None  # pull mode: only when it asks
+    assert ray.get(puller.sync_now.remote())
+    assert ray.get(puller.raysync_version.remote()) == v
+
+
+def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, hub_name: str) -> None:
+    actors = [make_collector(hub_name).remote() for _ in range(3)]
+    ray.get([a.raysync_version.remote() for a in actors])
+    relay = _relay(hub)
+    pid = _pid(relay)
+    seen: list[int] = []
+    for seed in range(1, 6):
+        ray.kill(relay, no_restart=False)
+        v = hub.push(small_policy(seed))
+        _check_all(hub, actors, v, seed)
+        seen.append(v)
+    assert seen == sorted(seen)
+    assert _pid(relay) != pid  # Ray restarts it; the hub delivers through it again
+    wait_for_condition(lambda: hub.status()["relays"], what="the hub uses the restarted relay")
+    before = _calls(hub)
+    v = hub.push(small_policy(9))
+    _check_all(hub, actors, v, 9)
+    assert _calls(hub) - before == 1
+
+
+@pytest.mark.parametrize("fault", ["exit_mid_delivery", "exit_before_reply"])
+def test_relay_dying_mid_delivery_or_mid_ack_loses_nothing(
+    hub: raysync.HubClient, hub_name: str, fault: str
+) -> None:
+    actors = [make_collector(hub_name).remote() for _ in range(4)]
+    ray.get([a.raysync_version.remote() for a in actors])
+    v1 = hub.push(small_policy(1))
+    _check_all(hub, actors, v1, 1)
+    relay = _relay(hub)
+    pid = _pid(relay)
+    ray.get(relay._raysync_test_fault.remote(fault))
+    v2 = hub.push(small_policy(2))
+    _check_all(hub, actors, v2, 2)  # some applied before the relay died, the rest after: all hold v2
+    assert _pid(relay) != pid  # it did die, and came back
+    v3 = hub.push(small_policy(3))
+    _check_all(hub, actors, v3, 3)
+    assert all(s["applied"] == v3 and s["last_error"] is None for s in hub.status()["subscribers"])
+
+
+def test_wait_with_a_dead_subscriber_behind_a_relay_names_it_or_drops_it(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    live = make_collector(hub_name).remote()
+    doomed = make_collector(hub_name).remote()
+    ray.get([live.raysync_version.remote(), doomed.raysync_version.remote()])
+    _relay(hub)
+    ray.kill(doomed)
+    v = hub.push(small_policy(1))
+    hub.wait(v, timeout=30)  # the relay reports the dead actor; the hub drops it instead of waiting
+    assert [s["subscriber"] for s in hub.status()["subscribers"]] == [f"{live._actor_id.hex()}:policy"]
+
+
+def test_relays_come_back_after_a_hub_restart(hub: raysync.HubClient, hub_name: str) -> None:
+    actors = [make_collector(hub_name).remote() for _ in range(2)]
+    ray.get([a.raysync_version.remote() for a in actors])
+    _check_all(hub, actors, hub.push(small_policy(1)), 1)
+    _relay(hub)
+    ray.kill(hub.actor, no_restart=False)  # its relays go with it (they are its children)
+    wait_for_condition(
+        lambda: (
+            len(hub.status()["subscribers"]) == 2
+            and all(s["state"] == "live" for s in hub.status()["subscribers"])
+        ),
+        timeout=60,
+        what="subscribers registered again with the restarted hub",
+    )
+    v = hub.push(small_policy(2))
+    _check_all(hub, actors, v, 2)
+    _relay(hub)  # a new relay for the new hub
+    before = _calls(hub)
+    v = hub.push(small_policy(3))
+    _check_all(hub, actors, v, 3)
+    assert _calls(hub) - before == 1
