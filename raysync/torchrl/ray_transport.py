@@ -60,8 +60,12 @@ class RayVersion:
     refs: list[ray.ObjectRef]
 
 
-def put_version(weights: Any) -> RayVersion:
+def put_version(weights: Any, *, manifest: Manifest | None = None) -> RayVersion:
     """Pack ``weights`` and ``ray.put`` each bucket once (the one copy of a version).
+
+    Args:
+        weights: a module, TensorDict or state dict.
+        manifest: the layout to pack with (e.g. one carrying extra state); default: planned here.
 
     Example:
         >>> v = put_version(torch.nn.Linear(4, 2))  # doctest: +SKIP
@@ -69,7 +73,7 @@ def put_version(weights: Any) -> RayVersion:
         1
     """
     tensors = extract_tensors(weights)
-    manifest = plan_layout(tensors)
+    manifest = manifest or plan_layout(tensors)
     version = RayVersion(manifest, [ray.put(bucket) for bucket in pack(tensors, manifest)])
     populate_store_mapping(True, manifest.total_nbytes)  # once per process: later puts take no faults
     return version
