@@ -38,15 +38,16 @@ def _set_bias(module: Any, value: float) -> None:
         module.module.bias.fill_(value)
 
 
-def _until(it: Iterator[Any], value: float, *, within: int) -> None:
-    """The batches reach ``{value}`` within ``within`` batches (queued ones drain) and stay there."""
-    seen = []
-    for _ in range(within):
-        seen.append(actions(next(it)))
-        if seen[-1] == {value}:
-            break
-    assert seen[-1] == {value}, f"actions never became {value}: {seen}"
-    assert actions(next(it)) == {value}
+def _until(it: Iterator[Any], value: float, *, within: int, old: float | None = None) -> None:
+    """Within ``within`` batches every batch acts with ``value``, and so do the next two.
+
+    The batches read before hold ``old``, ``value`` or both (a batch collected while a
+    worker applied the version changes from one to the other at one step).
+    """
+    seen = [actions(next(it)) for _ in range(within)]
+    if old is not None:
+        assert all(batch <= {old, value} for batch in seen), seen
+    assert [actions(next(it)) for _ in range(2)] == [{value}, {value}], seen
 
 
 @pytest.mark.parametrize("scheme_cls", PROCESS_SCHEMES, ids=lambda c: c.__name__)
@@ -61,13 +62,14 @@ def test_process_schemes_with_process_collectors(collector_cls: type, scheme_cls
         # the workers got a weightless (meta) policy: the first version made it usable
         assert actions(next(it)) == {1.0}
         # sync collectors act with the new weights from the next batch; async ones once the
-        # batches queued before the update have drained (at most one per worker)
-        bound = 1 if collector_cls is MultiSyncCollector else 4
+        # batches collected before or during the update are read (at most two per worker)
+        workers = 1 if collector_cls is AsyncCollector else 2
+        bound = 0 if collector_cls is MultiSyncCollector else 2 * workers
         _set_bias(trained, 2.0)
         collector.update_policy_weights_()
-        _until(it, 2.0, within=bound)
+        _until(it, 2.0, within=bound, old=1.0)
         collector.update_policy_weights_(policy(3.0))  # explicit weights
-        _until(it, 3.0, within=bound)
+        _until(it, 3.0, within=bound, old=2.0)
     finally:
         collector.shutdown()
 
@@ -81,7 +83,7 @@ def test_process_scheme_with_policy_factory() -> None:
     )
     try:
         it = iter(collector)
-        _until(it, 5.0, within=2)  # the first version replaces the factory's weights
+        _until(it, 5.0, within=1, old=0.0)  # the first version replaces the factory's weights
         collector.update_policy_weights_(policy(6.0))
         assert actions(next(it)) == {6.0}
     finally:
@@ -109,7 +111,7 @@ def test_no_weight_sync_scheme_is_a_no_op_with_every_collector() -> None:
             it = iter(remote)
             assert actions(next(it)) == {4.0}
             remote.update_policy_weights_(policy(9.0))  # a no-op, as torchrl's
-            _until(it, 4.0, within=1)
+            _until(it, 4.0, within=2, old=4.0)
         finally:
             remote.shutdown()
 
@@ -219,12 +221,12 @@ def test_ray_schemes_with_ray_collector(ray_start_regular: dict[str, Any]) -> No
         _set_bias(trained, 2.0)
         collector.update_policy_weights_()
         # the actors apply between two of their tasks; batches collected before drain first
-        _until(it, 2.0, within=4)
+        _until(it, 2.0, within=4, old=1.0)
         collector.update_policy_weights_(policy(3.0))  # explicit weights
-        _until(it, 3.0, within=4)
+        _until(it, 3.0, within=4, old=2.0)
         with pytest.raises(raysync.ApplyError, match="missing keys"):
             collector.update_policy_weights_(wide_policy(4.0))
-        _until(it, 3.0, within=1)
+        _until(it, 3.0, within=0)
     finally:
         collector.shutdown(shutdown_ray=False)
     none = RayCollector(
