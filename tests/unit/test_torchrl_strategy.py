@@ -1,4 +1,4 @@
-"""WeightStrategy with extra state (torchrl's ``__extra_state__``), weightless modules, torchrl's attributes."""
+"""WeightStrategy with extra state (torchrl's ``__extra_state__``), weightless modules, torchrl attributes."""
 
 from __future__ import annotations
 
