@@ -243,7 +243,7 @@ class WeightSyncScheme:
         registry = {c.backend: c for c in _all_subclasses(WeightSyncScheme) if c.backend}
         if name not in registry:
             choices = sorted(set(registry) | set(_BACKEND_ALIASES))
-            raise ValueError(f"unknown weight-sync backend {backend!r}; expected one of {choices}")
+            raise ValueError(f"Unsupported weight-sync backend {backend!r}; expected one of {choices}")
         return registry[name](**kwargs)
 
     # ------------------------------------------------------------------ torchrl's attributes
