@@ -409,7 +409,10 @@ class WeightSyncScheme:
         if context is not None:
             self._context_ref = weakref.ref(context)
             sender._context_ref = self._context_ref
-        source = kwargs.get("model") or kwargs.get("source_model")
+        source = _first_given(kwargs, ("model", "source_model", "weights"))
+        params_map = kwargs.get("params_map")
+        if source is None and params_map:  # torchrl's {worker_idx: weights}: the same weights each
+            source = params_map[min(params_map)]
         sender._source_model = source
         if source is not None:
             self._source_ref = _ref(source)
@@ -591,6 +594,13 @@ def _ref(obj: Any) -> Any:
         return weakref.ref(obj)
     except TypeError:
         return lambda: obj
+
+
+def _first_given(kwargs: dict[str, Any], names: Sequence[str]) -> Any:
+    for name in names:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
 
 
 def _maybe_resolve(context: Any, path: str) -> Any:

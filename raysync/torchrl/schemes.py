@@ -109,6 +109,9 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                 "raysync.schemes.RayWeightSyncScheme"
             )
         num_workers = kwargs.get("num_workers")
+        for sized in ("params_map", "devices"):  # torchrl's other ways of naming the workers
+            if num_workers is None and kwargs.get(sized):
+                num_workers = len(kwargs[sized])
         if num_workers is None and context is not None:
             num_workers = getattr(context, "num_workers", None)
         if not isinstance(num_workers, int) or num_workers < 1:

@@ -108,3 +108,14 @@ def test_torchrl_attributes() -> None:
     mp = schemes.MultiProcessWeightSyncScheme()
     with pytest.raises(ValueError, match="pipe="):
         mp.init_on_receiver(model_id="policy", model=torch.nn.Linear(2, 2), worker_idx=3)
+
+
+def test_process_scheme_takes_torchrl_params_map() -> None:
+    from tensordict import TensorDict
+
+    weights = TensorDict.from_module(torch.nn.Linear(2, 2)).data
+    scheme = schemes.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(params_map={0: weights, 1: weights, 2: weights})  # torchrl's pre-init
+    assert sorted(scheme.get_sender().transports) == [0, 1, 2]  # one pipe per worker, made here
+    assert scheme.model is weights
+    scheme.shutdown()
