@@ -1,10 +1,22 @@
-"""``WeightSyncScheme``: the base every torchrl-style scheme shares (torchrl 0.14's call shapes)."""
+"""``WeightSyncScheme``: the base every torchrl-style scheme shares (torchrl 0.14's call shapes).
+
+torchrl's collectors accept raysync's schemes as their own: torchrl's
+``WeightSyncScheme`` is an ABC and its collectors check ``isinstance``, so
+raysync's base class is registered with it (:func:`register_with_torchrl`).
+torchrl stays optional: the registration happens when torchrl's module is
+loaded, in whichever order the two are imported, and never imports torchrl.
+"""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,12 +30,107 @@ from raysync.torchrl.receiver import _RECEIVERS, _RECEIVERS_LOCK, WeightReceiver
 from raysync.torchrl.sender import WeightSender
 from raysync.torchrl.strategy import ExtractAs, WeightStrategy, _strategy, resolve_model
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["WeightSyncScheme"]
+__all__ = ["WeightSyncScheme", "register_with_torchrl"]
 
 
+# ---------------------------------------------------------------------- torchrl's ABC
+_TORCHRL_SCHEMES = "torchrl.weight_update.weight_sync_schemes"
+_HOOK_LOCK = threading.Lock()
+_REGISTERED = False
+
+
+def _register(module: ModuleType) -> bool:
+    global _REGISTERED
+    abc_cls = getattr(module, "WeightSyncScheme", None)
+    if abc_cls is None or not hasattr(abc_cls, "register"):
+        return False
+    abc_cls.register(WeightSyncScheme)  # subclasses of a registered class pass isinstance too
+    _REGISTERED = True
+    return True
+
+
+class _RegisterAfterExec(importlib.abc.Loader):
+    """Wraps torchrl's loader for its schemes module: registers raysync's schemes once it has run."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        create: Any = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _register(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... as the real loader
+        return getattr(self._loader, name)
+
+
+class _TorchRLHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when torchrl's schemes module is imported, registers raysync with it."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _TORCHRL_SCHEMES:
+            return None
+        _remove_hook()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _RegisterAfterExec(spec.loader)
+        return spec
+
+
+_HOOK = _TorchRLHook()
+
+
+def _remove_hook() -> None:
+    with _HOOK_LOCK:
+        if _HOOK in sys.meta_path:
+            sys.meta_path.remove(_HOOK)
+
+
+def register_with_torchrl(*, import_torchrl: bool = False) -> bool:
+    """Make torchrl's collectors accept raysync's schemes (``isinstance`` of torchrl's ABC).
+
+    Called by every scheme's constructor, so users never need to: if torchrl's
+    ``weight_sync_schemes`` module is loaded, raysync's :class:`WeightSyncScheme`
+    is registered with torchrl's ABC now; if not, once it is (a one-shot import
+    hook), without importing torchrl.
+
+    Args:
+        import_torchrl: import torchrl now (if installed) and register.
+
+    Returns:
+        Whether raysync's schemes are registered with torchrl now.
+
+    Example:
+        >>> import torchrl.weight_update as tw
+        >>> register_with_torchrl()
+        True
+        >>> isinstance(MultiProcessWeightSyncScheme(), tw.WeightSyncScheme)
+        True
+    """
+    if _REGISTERED:
+        return True
+    module = sys.modules.get(_TORCHRL_SCHEMES)
+    if module is None and import_torchrl:
+        try:
+            module = importlib.import_module(_TORCHRL_SCHEMES)
+        except ImportError:
+            return False
+    if module is not None and hasattr(module, "WeightSyncScheme"):
+        _remove_hook()
+        return _register(module)
+    with _HOOK_LOCK:
+        if _HOOK not in sys.meta_path:
+            sys.meta_path.insert(0, _HOOK)
+    return False
+
+
+# ---------------------------------------------------------------------- no-op transport
 class _NoOpTransport:
     """The transport of :class:`NoWeightSyncScheme`: accepts everything, moves nothing."""
 
@@ -38,7 +145,7 @@ class _NoOpTransport:
     def wait_ack(self, timeout: float | None = None) -> None:
         """Do nothing."""
 
-    def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
+    def receive_weights(self, timeout: float | None = 1.0, **kwargs: Any) -> Any:
         """Nothing ever arrives."""
         return None
 
@@ -49,18 +156,33 @@ class _NoOpTransport:
         """Always connected."""
         return True
 
+    def setup_connection_and_weights_on_sender(self) -> None:
+        """Do nothing."""
+
+    def setup_connection_and_weights_on_receiver(self, **kwargs: Any) -> None:
+        """Do nothing."""
+
 
 class WeightSyncScheme:
     """How to synchronise ONE model across workers: configuration plus, once initialised, runtime state.
+
+    Drop-in for torchrl 0.14's ``WeightSyncScheme``: torchrl's collectors
+    accept raysync's schemes (``weight_sync_schemes={"policy": scheme}``) and
+    find here what they read (``context``, ``model``, ``strategy_str``,
+    ``synchronized_on_sender``, ``worker_idx``, ...).
 
     Args:
         strategy: ``"tensordict"`` or ``"state_dict"`` (see :class:`WeightStrategy`).
         timeout: seconds any wait of this scheme may take before raising
             :class:`raysync.SyncTimeoutError`.
+        sync: ``send`` waits until every worker applied the version (default);
+            ``False``: it returns once sent, and the next ``send`` first waits
+            for (and reports) the acks of the previous one.
 
-    Pickling keeps the configuration (strategy, timeout, options) and drops
-    the runtime state (sender, receiver, transports, snapshot pools), so a
-    scheme can be handed to worker processes and actors.
+    Pickling keeps the configuration (strategy, timeout, options, and the
+    worker ends of channels a scheme made itself) and drops the runtime state
+    (sender, receiver, transports, snapshot pools), so a scheme can be handed
+    to worker processes and actors.
 
     Example:
         >>> scheme = WeightSyncScheme.from_backend("process", timeout=30)
@@ -69,22 +191,38 @@ class WeightSyncScheme:
     """
 
     backend: ClassVar[str] = ""
-    _RUNTIME: ClassVar[tuple[str, ...]] = ("_sender", "_receiver", "_pool", "_context_ref", "_hub_client")
+    _RUNTIME: ClassVar[tuple[str, ...]] = (
+        "_sender",
+        "_receiver",
+        "_pool",
+        "_context_ref",
+        "_hub_client",
+        "_source_ref",
+        "_background",
+    )
 
-    def __init__(self, strategy: ExtractAs = "tensordict", *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, strategy: ExtractAs = "tensordict", *, timeout: float = DEFAULT_TIMEOUT, sync: bool = True
+    ) -> None:
         _strategy(strategy)  # validates the name
         check_timeout(timeout, allow_none=False, positive=True)
         self.strategy = strategy
         self.timeout = float(timeout)
+        self.sync = bool(sync)
         self._sender: WeightSender | None = None
         self._receiver: WeightReceiver | None = None
         self._pool: SnapshotPool | None = None
         self._context_ref: Any = None
         self._hub_client: Any = None
+        self._source_ref: Any = None
+        self._background: Any = None
         self._model_id: str | None = None
+        self._worker_idx: int | None = None
         self._initialized_on_sender = False
         self._initialized_on_worker = False
-        self._synchronized = False
+        self._synchronized_on_sender = False
+        self._synchronized_on_receiver = False
+        register_with_torchrl()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -105,18 +243,87 @@ class WeightSyncScheme:
         registry = {c.backend: c for c in _all_subclasses(WeightSyncScheme) if c.backend}
         if name not in registry:
             choices = sorted(set(registry) | set(_BACKEND_ALIASES))
-            raise ValueError(f"unknown weight-sync backend {backend!r}; expected one of {choices}")
+            raise ValueError(f"Unsupported weight-sync backend {backend!r}; expected one of {choices}")
         return registry[name](**kwargs)
 
+    # ------------------------------------------------------------------ torchrl's attributes
     @property
     def weight_strategy(self) -> WeightStrategy:
         """The :class:`WeightStrategy` for ``strategy``."""
         return _strategy(self.strategy)
 
     @property
+    def strategy_str(self) -> str:
+        """The strategy's name (torchrl's attribute): ``"tensordict"`` or ``"state_dict"``."""
+        return str(self.strategy)
+
+    @property
     def model_id(self) -> str | None:
         """The model this scheme synchronises (set by ``init_on_*``)."""
         return self._model_id
+
+    @model_id.setter
+    def model_id(self, model_id: str | None) -> None:
+        self._model_id = model_id
+
+    @property
+    def worker_idx(self) -> int | None:
+        """This worker's index (receiver side, set by ``init_on_receiver``)."""
+        return self._worker_idx
+
+    @worker_idx.setter
+    def worker_idx(self, worker_idx: int | None) -> None:
+        self._worker_idx = worker_idx
+
+    @property
+    def context(self) -> Any:
+        """The object models are resolved on (a collector), held weakly; ``None`` if gone or unset."""
+        return self._context_ref() if self._context_ref is not None else None
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        self._context_ref = weakref.ref(context) if context is not None else None
+        if self._receiver is not None:
+            self._receiver._context_ref = self._context_ref
+        if self._sender is not None:
+            self._sender._context_ref = self._context_ref
+
+    @property
+    def model(self) -> Any:
+        """The model: on a worker, the one versions are applied to; on the sender, the source.
+
+        ``None`` where there is none (a sender with neither ``model=`` nor a context
+        that has the model).
+        """
+        if self._receiver is not None:
+            return self._receiver.model
+        source = self._source_ref() if self._source_ref is not None else None
+        if source is not None:
+            return source
+        context = self.context
+        if context is not None and self._model_id is not None:
+            try:
+                return resolve_model(context, self._model_id)
+            except (KeyError, ValueError):
+                return None
+        return None
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        if model is None:
+            return
+        if self._receiver is not None:
+            self._receiver._register_model(model)
+            return
+        self._source_ref = _ref(model)
+        if self._sender is not None:
+            self._sender._source_model = model
+
+    @property
+    def weights(self) -> Any:
+        """The model's current weights in the strategy's format (``None`` without a model)."""
+        model = self.model
+        return None if model is None else self.weight_strategy.extract_weights(model)
 
     @property
     def initialized_on_sender(self) -> bool:
@@ -128,6 +335,24 @@ class WeightSyncScheme:
         """Whether ``init_on_receiver`` / ``init_on_worker`` ran."""
         return self._initialized_on_worker
 
+    @property
+    def synchronized_on_sender(self) -> bool:
+        """Whether ``connect()`` ran on the sender."""
+        return self._synchronized_on_sender
+
+    @synchronized_on_sender.setter
+    def synchronized_on_sender(self, value: bool) -> None:
+        self._synchronized_on_sender = bool(value)
+
+    @property
+    def synchronized_on_receiver(self) -> bool:
+        """Whether ``connect()`` ran on the worker."""
+        return self._synchronized_on_receiver
+
+    @synchronized_on_receiver.setter
+    def synchronized_on_receiver(self, value: bool) -> None:
+        self._synchronized_on_receiver = bool(value)
+
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -135,11 +360,13 @@ class WeightSyncScheme:
             state[key] = None
         state["_initialized_on_sender"] = False
         state["_initialized_on_worker"] = False
-        state["_synchronized"] = False
+        state["_synchronized_on_sender"] = False
+        state["_synchronized_on_receiver"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        register_with_torchrl()
 
     # ------------------------------------------------------------------ hooks
     def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> Any:
@@ -164,7 +391,7 @@ class WeightSyncScheme:
         return tensors
 
     # ------------------------------------------------------------------ init
-    def init_on_sender(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+    def init_on_sender(self, model_id: str | None = "policy", context: Any = None, **kwargs: Any) -> None:
         """Set up the sender side (trainer / main process).
 
         Args:
@@ -172,18 +399,27 @@ class WeightSyncScheme:
             context: an object (a collector) giving the endpoints (``pipes``,
                 ``remote_collectors``, ...) and the model.
             **kwargs: instead of ``context``: the endpoints (see the scheme),
-                ``model=`` (the source module, used when ``send()`` gets no weights).
+                ``model=`` (the source module, used when ``send()`` gets no
+                weights); torchrl's other keywords (``ctx``, ``num_workers``,
+                ...) are read where the scheme uses them.
         """
+        model_id = model_id or "policy"
         sender = self.create_sender()
         sender._model_id = model_id
         if context is not None:
-            sender._context_ref = weakref.ref(context)
-            self._context_ref = sender._context_ref
-        sender._source_model = kwargs.get("model") or kwargs.get("source_model")
-        for idx, endpoint in enumerate(self._sender_endpoints(context, kwargs)):
-            sender._register_worker(idx, endpoint)
+            self._context_ref = weakref.ref(context)
+            sender._context_ref = self._context_ref
+        source = _first_given(kwargs, ("model", "source_model", "weights"))
+        params_map = kwargs.get("params_map")
+        if source is None and params_map:  # torchrl's {worker_idx: weights}: the same weights each
+            source = params_map[min(params_map)]
+        sender._source_model = source
+        if source is not None:
+            self._source_ref = _ref(source)
         self._model_id = model_id
         self._sender = sender
+        for idx, endpoint in enumerate(self._sender_endpoints(context, kwargs)):
+            sender._register_worker(idx, endpoint)
         self._initialized_on_sender = True
 
     def init_on_worker(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
@@ -192,18 +428,30 @@ class WeightSyncScheme:
         Args:
             model_id: the model's id, also its path on ``context``.
             context: an object (the inner collector) giving ``pipe`` and the model.
-            **kwargs: instead of ``context``: the endpoint (``pipe=`` ...) and ``model=``.
+            **kwargs: instead of ``context``: the endpoint (``pipe=`` ...),
+                ``model=``, and ``worker_idx=`` (torchrl's collectors: this
+                worker's end of the channels the scheme made on the sender).
         """
         if self._initialized_on_sender:
             self.__setstate__(self.__getstate__())  # a scheme is one side or the other
+        model_id = model_id or "policy"
         receiver = self.create_receiver()
         receiver._model_id = model_id
         if context is not None:
-            receiver._context_ref = weakref.ref(context)
+            self._context_ref = weakref.ref(context)
+            receiver._context_ref = self._context_ref
+        worker_idx = kwargs.get("worker_idx")
+        if worker_idx is None and context is not None:
+            worker_idx = getattr(context, "worker_idx", None)
+        self._worker_idx = worker_idx
         model = kwargs.get("model")
-        if model is None and context is not None and hasattr(context, "get_model"):
-            model = context.get_model(model_id)
+        if model is None and context is not None:
+            if hasattr(context, "get_model"):
+                model = context.get_model(model_id)
+            else:
+                model = _maybe_resolve(context, model_id)
         receiver._register_model(model if model is not None else model_id)
+        self._check_receiver_model(model)
         endpoint = self._worker_endpoint(context, kwargs)
         if endpoint is not None:
             receiver._register_worker_transport(endpoint)
@@ -216,6 +464,9 @@ class WeightSyncScheme:
     def init_on_receiver(self, *, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
         """Set up the worker side (torchrl 0.14's name); see :meth:`init_on_worker`."""
         self.init_on_worker(model_id, context, **kwargs)
+
+    def _check_receiver_model(self, model: Any) -> None:
+        """Refuse, at init, a model this scheme could never make usable (see NoWeightSyncScheme)."""
 
     def get_sender(self) -> WeightSender:
         """The sender (after :meth:`init_on_sender`)."""
@@ -236,15 +487,18 @@ class WeightSyncScheme:
         """What to send: ``weights`` as given, or the model ``model_id`` resolved on ``context``.
 
         A string is a model path on ``context``. Returns ``None`` when there is
-        nothing to send (no weights, no context).
+        nothing to send (no weights, no context, or a context without that model).
 
         Raises:
-            UnknownModelError: ``model_id`` (or the string) names no model on ``context``.
+            UnknownModelError: the string names no model on ``context``.
         """
         if weights is None:
             if context is None:
                 return None
-            return resolve_model(context, model_id)
+            found = _maybe_resolve(context, model_id)
+            if found is None and model_id == "policy":
+                found = _policy_of(context)
+            return found
         if isinstance(weights, str):
             if context is None:
                 raise ValueError(f"cannot resolve the model path {weights!r} without a context")
@@ -252,14 +506,33 @@ class WeightSyncScheme:
         return weights
 
     def send(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
-        """Send a version and wait for the workers (see :meth:`WeightSender.send`)."""
-        self.get_sender().send(weights, worker_ids)
+        """Send a version and wait for the workers (see :meth:`WeightSender.send`).
+
+        ``weights`` may also be ``{worker_idx: weights}`` (torchrl's per-worker
+        weights): each worker gets its own. With ``sync=False`` this returns
+        once sent; the next ``send`` waits for (and reports) these acks first.
+
+        Raises:
+            SyncTimeoutError: some workers did not apply it within ``timeout`` (named).
+            ApplyError: some workers refused or failed to apply it (named, with their error).
+        """
+        sender = self.get_sender()
+        if sender._pending is not None:
+            sender.wait_async()  # the acks of the previous (async or initial) send
+        if _is_per_worker(weights):
+            for idx, worker_weights in sorted(weights.items()):
+                sender.send(worker_weights, idx)
+            return
+        if self.sync:
+            sender.send(weights, worker_ids)
+        else:
+            sender.send_async(weights, worker_ids)
 
     def receive(self, timeout: float | None = 0.001) -> bool:
         """Worker: apply a version if one arrives (see :meth:`WeightReceiver.receive`)."""
         return self.get_receiver().receive(timeout)
 
-    def apply_weights(self, weights: Any) -> None:
+    def apply_weights(self, weights: Any, inplace: bool = True) -> None:
         """Worker: apply ``weights`` to the registered model, whole or not at all."""
         self.get_receiver().apply_weights(weights)
 
@@ -272,21 +545,24 @@ class WeightSyncScheme:
         Raises:
             SyncTimeoutError: the first version did not arrive in time.
         """
-        if self._synchronized:
+        if self._synchronized_on_sender or self._synchronized_on_receiver:
             raise RuntimeError("connect() was already called on this scheme")
         if self._sender is not None:
+            if worker_idx is not None:
+                raise RuntimeError("worker_idx is given to connect() on a worker, not on the sender")
             self._connect_sender(weights)
+            self._synchronized_on_sender = True
         elif self._receiver is not None:
             if weights is not None:
                 raise RuntimeError("weights are given to connect() on the sender, not on a worker")
             self._connect_receiver()
+            self._synchronized_on_receiver = True
         else:
             raise RuntimeError("call init_on_sender() or init_on_receiver() before connect()")
-        self._synchronized = True
 
     def _connect_sender(self, weights: Any) -> None:
         if self.get_sender().transports:
-            self.send(weights)
+            self.get_sender().send(weights)
 
     def _connect_receiver(self) -> None:
         receiver = self.get_receiver()
@@ -299,7 +575,10 @@ class WeightSyncScheme:
 
     def shutdown(self) -> None:
         """Drop the runtime state (transports, snapshots); the configuration stays. Safe to repeat."""
+        if self._background is not None:
+            self._background.stop()
         if self._receiver is not None:
+            self._receiver._release_guard()
             with _RECEIVERS_LOCK:
                 if _RECEIVERS.get(self._receiver.model_id) is self._receiver:
                     del _RECEIVERS[self._receiver.model_id]
@@ -307,6 +586,45 @@ class WeightSyncScheme:
 
 
 _BACKEND_ALIASES = {"direct": "none", "thread": "shared", "multiprocessing": "process", "mp": "process"}
+
+
+def _ref(obj: Any) -> Any:
+    """A weak reference where the object allows one, else a strong one behind the same call."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _first_given(kwargs: dict[str, Any], names: Sequence[str]) -> Any:
+    for name in names:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def _maybe_resolve(context: Any, path: str) -> Any:
+    try:
+        return resolve_model(context, path)
+    except (KeyError, ValueError):
+        return None
+
+
+def _policy_of(context: Any, *, from_factory: bool = False) -> Any:
+    """torchrl's fallbacks for a collector's policy: its fallback policy; or (for the first
+    version only) a policy made by its first ``policy_factory``."""
+    fallback = getattr(context, "_fallback_policy", None)
+    if isinstance(fallback, torch.nn.Module):
+        return fallback
+    factories = getattr(context, "policy_factory", None)
+    if from_factory and isinstance(factories, Sequence) and factories and callable(factories[0]):
+        made = factories[0]()
+        return made if isinstance(made, torch.nn.Module) else None
+    return None
+
+
+def _is_per_worker(weights: Any) -> bool:
+    return isinstance(weights, dict) and bool(weights) and all(isinstance(k, int) for k in weights)
 
 
 def _all_subclasses(cls: type[WeightSyncScheme]) -> Iterator[type[WeightSyncScheme]]:

@@ -113,6 +113,17 @@ class RayModuleTransformScheme(RayWeightSyncScheme):
     """
 
     backend = "ray_module"
+    _RUNTIME = (*RayWeightSyncScheme._RUNTIME, "_ray_transform")
+
+    def _set_transform(self, ray_transform: Any) -> None:
+        """Remember the transform this scheme updates (torchrl's ``RayModuleTransform`` calls this)."""
+        self._ray_transform = ray_transform
+
+    def init_on_worker(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        """Worker side, in the transform's actor: the model is ``context.module`` unless ``model=``."""
+        if kwargs.get("model") is None and context is not None and hasattr(context, "module"):
+            kwargs["model"] = context.module
+        super().init_on_worker(model_id, context, **kwargs)
 
     def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> RayActorTransport:
         """A :class:`RayActorTransport` for one hosting actor."""
@@ -136,6 +147,9 @@ class RayModuleTransformScheme(RayWeightSyncScheme):
         for name in ("transforms", "actor_refs", "actors", "remote_collectors"):
             if kwargs.get(name) is not None:
                 return list(kwargs[name])
+        transform = kwargs.get("ray_transform") or getattr(self, "_ray_transform", None)
+        if transform is not None:
+            return [transform]
         return []  # resolved lazily from the context's model path
 
     def send(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
@@ -143,5 +157,15 @@ class RayModuleTransformScheme(RayWeightSyncScheme):
         self.get_sender().send(weights, worker_ids)
 
     def _connect_sender(self, weights: Any) -> None:
+        transform = getattr(self, "_ray_transform", None)
+        actor = getattr(transform, "_actor", None)
+        if actor is not None and hasattr(actor, "_init_weight_sync_scheme"):
+            # torchrl's transform actor sets up the receiver side itself, as with torchrl's scheme.
+            import ray
+
+            ray.get(
+                actor._init_weight_sync_scheme.remote(scheme=self, model_id=self.model_id),
+                timeout=self.timeout,
+            )
         if weights is not None or self.get_sender()._source_model is not None:
             self.send(weights)

@@ -35,7 +35,7 @@ import ray
 import torch
 
 from raysync._checks import check_timeout
-from raysync.channels.base import DEFAULT_TIMEOUT, split_send_args
+from raysync.channels.base import DEFAULT_TIMEOUT, ack_error, split_send_args
 from raysync.core.codec import pack
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest, plan_layout
@@ -60,8 +60,12 @@ class RayVersion:
     refs: list[ray.ObjectRef]
 
 
-def put_version(weights: Any) -> RayVersion:
+def put_version(weights: Any, *, manifest: Manifest | None = None) -> RayVersion:
     """Pack ``weights`` and ``ray.put`` each bucket once (the one copy of a version).
+
+    Args:
+        weights: a module, TensorDict or state dict.
+        manifest: the layout to pack with (e.g. one carrying extra state); default: planned here.
 
     Example:
         >>> v = put_version(torch.nn.Linear(4, 2))  # doctest: +SKIP
@@ -69,7 +73,7 @@ def put_version(weights: Any) -> RayVersion:
         1
     """
     tensors = extract_tensors(weights)
-    manifest = plan_layout(tensors)
+    manifest = manifest or plan_layout(tensors)
     version = RayVersion(manifest, [ray.put(bucket) for bucket in pack(tensors, manifest)])
     populate_store_mapping(True, manifest.total_nbytes)  # once per process: later puts take no faults
     return version
@@ -80,15 +84,22 @@ def apply_in_actor(
 ) -> str:
     """Actor side: fetch a version's buckets and apply it whole to the actor's model.
 
-    Runs inside the actor (via ``__ray_call__``). Returns ``"updated"``.
+    Runs inside the actor (via ``__ray_call__``). Returns ``"updated"``, or
+    ``"error: <why>"`` when the version is refused (the model keeps its weights).
     """
     from raysync.torchrl.receiver import receiver_for
 
-    receiver = receiver_for(model_id, instance, path)
-    refs = wrapped[0]
-    buckets = ray.get(refs)
-    populate_store_mapping(False, manifest.total_nbytes)  # once per process: later reads take no faults
-    receiver.apply_packed(model_id, manifest, buckets, ids=[r.hex() for r in refs])
+    try:
+        receiver = receiver_for(model_id, instance, path)
+        refs = wrapped[0]
+        buckets = ray.get(refs)
+        populate_store_mapping(False, manifest.total_nbytes)  # once per process: later reads take no faults
+        receiver.apply_packed(model_id, manifest, buckets, ids=[r.hex() for r in refs])
+    except Exception as err:
+        # Reported as the ack, not raised: an exception leaving a __ray_call__ can take the
+        # actor down with it (a torchrl collector's actor, say) instead of reaching the sender.
+        logger.warning("refused a version of %r: %s", model_id, err)
+        return f"error: {type(err).__name__}: {err}"
     return "updated"
 
 
@@ -166,7 +177,7 @@ class RayTransport:
         limit = self.timeout if timeout is None else timeout
         pending, self._pending = self._pending, None
         try:
-            ray.get(pending, timeout=limit)
+            reply = ray.get(pending, timeout=limit)
         except ray.exceptions.GetTimeoutError as err:
             raise SyncTimeoutError(
                 f"actor {self._actor} did not apply the weights within {limit} s",
@@ -181,6 +192,7 @@ class RayTransport:
             ) from err
         finally:
             self._pending_refs = []
+        ack_error(reply, worker=f"actor {self._actor}")
 
     def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
         """Actors receive through calls made by the sender: always ``None`` here."""

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
-from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest
 from raysync.errors import (
     RaySyncError,
     UnknownModelError,
 )
-from raysync.torchrl.strategy import _Target, _target_for, resolve_model
+from raysync.torchrl.strategy import _Target, _target_for, resolve_model, split_extra_state
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
+
     pass
 
-__all__ = ["WeightReceiver", "receiver_for"]
+__all__ = ["BackgroundReceiver", "WeightReceiver", "receiver_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class WeightReceiver:
         self._context_ref: Any = None
         self._model_id = "policy"
         self._target: _Target | None = None
+        self._guard: _ForwardGuard | None = None
         self.last_error: BaseException | None = None
         self.version_count = 0
 
@@ -99,8 +102,26 @@ class WeightReceiver:
         return self._model_id
 
     def _register_model(self, model_ref: Any) -> None:
+        guarded = self._guard is not None
+        self._release_guard()
         self._model_ref = model_ref
         self._target = None
+        if guarded:
+            self._install_guard()
+
+    def _install_guard(self) -> None:
+        """Applies wait for the model's running forward (and forwards for a running apply).
+
+        Used where a background thread applies versions while the worker acts: a
+        forward then never sees part of one version and part of the next.
+        """
+        if self._guard is None and isinstance(self._model_ref, torch.nn.Module):
+            self._guard = _ForwardGuard(self._model_ref)
+
+    def _release_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
 
     def _register_worker_transport(self, pipe_or_transport: Any) -> None:
         if hasattr(pipe_or_transport, "receive_weights"):
@@ -166,8 +187,9 @@ class WeightReceiver:
 
     def _finish(self, apply: Any) -> bool:
         try:
-            apply()
-        except (RaySyncError, ValueError, TypeError, KeyError, RuntimeError) as err:
+            with self._guard.lock if self._guard is not None else contextlib.nullcontext():
+                apply()
+        except Exception as err:  # every failure is acked: the sender raises it, naming this worker
             self.last_error = err
             logger.warning("refused a version of %r: %s", self._model_id, err)
             self._transport.send_ack(f"error: {type(err).__name__}: {err}")
@@ -183,7 +205,10 @@ class WeightReceiver:
         Raises:
             WeightMismatchError: they do not fit the model (nothing changed).
         """
-        self._get_target().apply(extract_tensors(weights))
+        tensors, extra = split_extra_state(weights)
+        target = self._get_target()
+        with self._guard.lock if self._guard is not None else contextlib.nullcontext():
+            target.apply(tensors, extra_state=extra if target.is_module else None)
         self.version_count += 1
 
     def apply_packed(
@@ -201,3 +226,69 @@ class WeightReceiver:
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a WeightReceiver holds a live transport and model: pickle its scheme instead")
+
+
+class _ForwardGuard:
+    """A lock held by a module's forward (hooks) and by whoever applies a version to it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.lock = threading.RLock()
+        self._handles = [
+            module.register_forward_pre_hook(self._enter),
+            module.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self.lock.acquire()
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.lock.release()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class BackgroundReceiver:
+    """A daemon thread that applies each version as it arrives (torchrl's workers never call receive()).
+
+    After each applied version it calls ``on_applied()`` (e.g. the worker collector's
+    ``increment_version``). It stops on :meth:`stop`, or when the sender's end closes.
+
+    Example:
+        >>> bg = BackgroundReceiver(scheme.get_receiver(), name="policy-0")
+        >>> bg.start(); ...; bg.stop()
+    """
+
+    def __init__(self, receiver: WeightReceiver, *, name: str, on_applied: Any = None) -> None:
+        self._receiver = receiver
+        self._on_applied = on_applied
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"raysync-receiver-{name}", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread (waits up to ``timeout`` seconds for it)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                applied = self._receiver.receive(timeout=0.1)
+            except RaySyncError as err:  # the sender's end closed: the collector is gone
+                logger.debug("weight receiver of %r stops: %s", self._receiver.model_id, err)
+                return
+            except Exception:  # never let the thread die silently: log, and keep serving
+                logger.exception("weight receiver of %r failed", self._receiver.model_id)
+                continue
+            if applied and self._on_applied is not None:
+                try:
+                    self._on_applied()
+                except Exception:
+                    logger.exception("after applying a version of %r", self._receiver.model_id)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import multiprocessing
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -12,12 +14,21 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.channels.pipe import MPTransport, SnapshotPool
 from raysync.channels.shared_mem import SharedMemTransport
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
-from raysync.torchrl.base import WeightSyncScheme, _endpoints, _NoOpTransport
+from raysync.torchrl.base import WeightSyncScheme, _endpoints, _NoOpTransport, _policy_of
+from raysync.torchrl.receiver import BackgroundReceiver
 from raysync.torchrl.sender import WeightSender
 from raysync.torchrl.strategy import ExtractAs
 
 if TYPE_CHECKING:
     from raysync.torchrl.ray_transport import RayTransport
+
+
+def _is_weightless(model: Any) -> bool:
+    """Whether ``model`` is a module with weights on the meta device (torchrl's stateless policy)."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
 
 __all__ = [
     "DistributedWeightSyncScheme",
@@ -38,17 +49,47 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
     Each version is copied once into a shared-memory snapshot (whatever the
     number of workers); each worker copies it out into its model and acks.
 
-    Sender kwargs: ``pipes`` (one per worker). Worker kwargs: ``pipe``, ``model``.
+    With torchrl's multi-process collectors (``MultiSyncCollector``,
+    ``MultiAsyncCollector``, ``AsyncCollector``) pass it as
+    ``weight_sync_schemes={"policy": scheme}``: the scheme makes one pipe per
+    worker (never the collector's own), the workers' weightless policy gets
+    the first version before it acts, and a thread in each worker applies each
+    later version between two forward calls of the policy and acks it.
+    ``collector.update_policy_weights_()`` returns once every worker applied
+    it, or raises :class:`raysync.SyncTimeoutError` / :class:`raysync.ApplyError`
+    naming the workers that did not.
+
+    Args:
+        strategy: ``"tensordict"`` or ``"state_dict"``.
+        sync: ``send`` waits for every worker's ack (default); ``False``: the
+            next ``send`` waits for them (and reports failures) first.
+        timeout: seconds a send waits for the acks.
+
+    Sender kwargs: ``pipes`` (one per worker), or a torchrl collector as
+    ``context``. Worker kwargs: ``pipe`` (or ``worker_idx`` with such a
+    collector), ``model``.
 
     Example:
         >>> scheme = MultiProcessWeightSyncScheme(timeout=30)
-        >>> scheme.init_on_sender(model_id="policy", pipes=[p0, p1])  # doctest: +SKIP
-        >>> # each worker: scheme.init_on_receiver(model_id="policy", pipe=child, model=policy)
-        >>> scheme.send(policy)  # doctest: +SKIP
+        >>> collector = MultiSyncCollector([make_env] * 2, policy, frames_per_batch=64,
+        ...                                total_frames=-1, weight_sync_schemes={"policy": scheme})
+        >>> collector.update_policy_weights_()   # every worker acts with policy's weights from now on
     """
 
     backend = "process"
     transport_class: ClassVar[type[MPTransport]] = MPTransport
+
+    def __init__(
+        self,
+        strategy: ExtractAs = "tensordict",
+        sync: bool = True,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(strategy, timeout=timeout, sync=sync)
+        self._worker_ends: dict[int, Any] = {}  # pickled with the scheme: each worker takes its own
+        self._own_channels = False
+        self._in_background = False
 
     def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> MPTransport:
         """An :class:`MPTransport` (or :class:`SharedMemTransport`) on ``pipe``."""
@@ -58,18 +99,97 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         return self.transport_class(pipe, timeout=self.timeout)
 
     def _sender_endpoints(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
-        return _endpoints(context, kwargs, ("pipes",), type(self).__name__)
+        name = type(self).__name__
+        if kwargs.get("pipes") is not None:
+            self._own_channels = False
+            return list(kwargs["pipes"])
+        if kwargs.get("remote_collectors") is not None:
+            raise ValueError(
+                f"{name} serves worker processes, not Ray actors: with RayCollector use "
+                "raysync.schemes.RayWeightSyncScheme"
+            )
+        num_workers = kwargs.get("num_workers")
+        for sized in ("params_map", "devices"):  # torchrl's other ways of naming the workers
+            if num_workers is None and kwargs.get(sized):
+                num_workers = len(kwargs[sized])
+        if num_workers is None and context is not None:
+            num_workers = getattr(context, "num_workers", None)
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(
+                f"{name}.init_on_sender needs pipes= (one per worker) or a multi-process collector as "
+                "context (torchrl's MultiSyncCollector, MultiAsyncCollector, AsyncCollector); a "
+                "Collector runs its policy in its own process: use NoWeightSyncScheme there"
+            )
+        mp_context = kwargs.get("ctx") or multiprocessing.get_context()
+        parents = []
+        self._worker_ends = {}
+        for idx in range(num_workers):
+            parent, child = mp_context.Pipe()
+            self._worker_ends[idx] = child
+            parents.append(parent)
+        self._own_channels = True
+        return parents
 
     def _worker_endpoint(self, context: Any, kwargs: dict[str, Any]) -> Any:
         pipe = kwargs.get("pipe") or getattr(context, "pipe", None)
+        self._in_background = False
+        if pipe is None and self._worker_idx in self._worker_ends:
+            self._in_background = True  # torchrl's workers never call receive(): a thread does
+            return self._worker_ends[self._worker_idx]
         if pipe is None:
-            raise ValueError(f"{type(self).__name__}.init_on_receiver needs pipe= (or a context with .pipe)")
+            raise ValueError(
+                f"{type(self).__name__}.init_on_receiver needs pipe= (or a context with .pipe), or "
+                f"worker_idx= of a scheme a torchrl collector initialised (worker_idx="
+                f"{self._worker_idx!r}; this scheme has channels for workers {sorted(self._worker_ends)})"
+            )
         return pipe
 
     def _payload(self, sender: WeightSender, tensors: dict[str, torch.Tensor]) -> Any:
         if self._pool is None:
             self._pool = SnapshotPool()
-        return self._pool.write(tensors)
+        return self._pool.write(tensors, sender._manifest(tensors))
+
+    def _connect_sender(self, weights: Any) -> None:
+        sender = self.get_sender()
+        if not sender.transports:
+            return
+        if not self._own_channels:
+            sender.send(weights)
+            return
+        # A torchrl collector: its workers are still starting. The first version goes now; the
+        # next send waits for its acks (a worker that failed to start is reported by torchrl).
+        if weights is None:
+            context = self.context
+            weights = self.prepare_weights(None, sender.model_id, self.weight_strategy, context)
+            if weights is None:
+                weights = sender._source_model
+            if weights is None and context is not None and sender.model_id == "policy":
+                weights = _policy_of(context, from_factory=True)
+        if weights is not None:
+            sender.send_async(weights)
+        for end in self._worker_ends.values():
+            end.close()  # the workers hold theirs: a dead worker's pipe then reads as closed
+        self._worker_ends = {}
+
+    def _connect_receiver(self) -> None:
+        receiver = self.get_receiver()
+        if not self._in_background:
+            super()._connect_receiver()
+            return
+        model = receiver.model
+        if _is_weightless(model):  # torchrl sent a meta policy: it needs a version before it acts
+            super()._connect_receiver()
+        receiver._install_guard()
+        self._background = BackgroundReceiver(
+            receiver, name=f"{receiver.model_id}-{self._worker_idx}", on_applied=self._after_apply
+        )
+        self._background.start()
+
+    def _after_apply(self) -> None:
+        # torchrl's leaf collector counts policy versions (track_policy_version) here.
+        bump = getattr(self.context, "increment_version", None)
+        if callable(bump):
+            bump()
 
 
 class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
@@ -80,6 +200,14 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
     (no copy, same ``Parameter`` objects) and acks. Workers never see the
     trainer's live parameters (no half-finished optimizer step) nor a
     half-written version. Worker models are for inference: they share memory.
+    Used with torchrl's collectors as :class:`MultiProcessWeightSyncScheme` is.
+
+    Args:
+        strategy: ``"tensordict"`` or ``"state_dict"``.
+        sync: see :class:`MultiProcessWeightSyncScheme`.
+        per_worker_weights: torchrl's flag, kept: ``send({worker_idx: weights})``
+            gives each worker its own weights whatever its value.
+        timeout: seconds a send waits for the acks.
 
     Example:
         >>> scheme = SharedMemWeightSyncScheme()
@@ -89,9 +217,24 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
     backend = "shared"
     transport_class = SharedMemTransport
 
+    def __init__(
+        self,
+        strategy: ExtractAs = "tensordict",
+        sync: bool = True,
+        per_worker_weights: bool = False,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(strategy, sync, timeout=timeout)
+        self.per_worker_weights = bool(per_worker_weights)
+
 
 class NoWeightSyncScheme(WeightSyncScheme):
     """Weight synchronisation switched off: sends do nothing, nothing is ever received.
+
+    As torchrl's: with any collector, ``update_policy_weights_()`` does nothing.
+    A worker handed a weightless (meta) policy (a multi-process collector given
+    ``policy=``) is refused with a clear error at start-up: pass ``policy_factory=``.
 
     Example:
         >>> scheme = NoWeightSyncScheme()
@@ -108,8 +251,20 @@ class NoWeightSyncScheme(WeightSyncScheme):
     def send(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
         """Do nothing."""
 
+    def _connect_sender(self, weights: Any) -> None:
+        """Nothing to send."""
+
     def _worker_endpoint(self, context: Any, kwargs: dict[str, Any]) -> Any:
         return _NoOpTransport()
+
+    def _check_receiver_model(self, model: Any) -> None:
+        if _is_weightless(model):
+            raise ValueError(
+                "NoWeightSyncScheme cannot fill the weightless (meta) policy a multi-process collector "
+                "sends its workers when given policy=: pass policy_factory= so that each worker builds "
+                "its own policy, or use a scheme that syncs (MultiProcessWeightSyncScheme, "
+                "SharedMemWeightSyncScheme)"
+            )
 
 
 class RayWeightSyncScheme(WeightSyncScheme):
@@ -117,13 +272,24 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     Direct mode (default): the sender ``ray.put``\\ s each bucket once and asks
     every chosen actor to apply ``(manifest, refs)``; each reads the buckets
-    zero-copy from its node's store and applies them whole. Any actor works:
-    the model is the receiver registered in it with ``init_on_receiver``, or
-    the attribute ``model_path`` (default: the model id) of the actor.
+    zero-copy from its node's store and applies them whole, between two of its
+    tasks. Any actor works: the model is the receiver registered in it with
+    ``init_on_receiver``, or the attribute ``model_path`` (default: the model
+    id) of the actor. torchrl's ``RayCollector`` accepts it as its
+    ``weight_sync_schemes={"policy": scheme}``.
 
     Hub mode (``hub="name"``): ``send`` is ``raysync.connect(hub).push(...,
     wait=True)``; the workers are ``@raysync.synced_model`` actors subscribed
     to that hub (``worker_ids`` cannot pick among them).
+
+    Args:
+        strategy: ``"tensordict"`` or ``"state_dict"``.
+        backend: torchrl's torch.distributed backend name, accepted and unused:
+            the bytes go through Ray's object store.
+        timeout: seconds a send waits for the actors.
+        hub, namespace: hub mode (see above).
+        model_path: the model's attribute path on the actors when none was registered.
+        sync: see :class:`WeightSyncScheme`.
 
     Sender kwargs: ``remote_collectors`` (or ``actors``). Worker kwargs: ``model``.
 
@@ -138,13 +304,16 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def __init__(
         self,
         strategy: ExtractAs = "tensordict",
+        backend: str = "gloo",
         *,
         timeout: float = DEFAULT_TIMEOUT,
         hub: str | None = None,
         namespace: str | None = None,
         model_path: str | None = None,
+        sync: bool = True,
     ) -> None:
-        super().__init__(strategy, timeout=timeout)
+        super().__init__(strategy, timeout=timeout, sync=sync)
+        self._backend = backend
         self.hub = hub
         self.namespace = namespace
         self.model_path = model_path
@@ -153,7 +322,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
         """A :class:`RayTransport` for one actor."""
         from raysync.torchrl.ray_transport import RayTransport
 
-        actor = kwargs.get("remote_collector", pipe_or_context)
+        actor = kwargs.get("remote_actor", kwargs.get("remote_collector", pipe_or_context))
         return RayTransport(actor, timeout=self.timeout, model_path=self.model_path)
 
     def _sender_endpoints(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
@@ -164,7 +333,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def _payload(self, sender: WeightSender, tensors: dict[str, torch.Tensor]) -> Any:
         from raysync.torchrl.ray_transport import put_version
 
-        return put_version(tensors)
+        return put_version(tensors, manifest=sender._manifest(tensors))
 
     def _hub(self) -> Any:
         if self._hub_client is None:
@@ -186,8 +355,14 @@ class RayWeightSyncScheme(WeightSyncScheme):
         self._hub().push(sender._prepare(weights), sender.model_id, wait=True, timeout=self.timeout)
 
     def _connect_sender(self, weights: Any) -> None:
-        if self.hub is not None or self.get_sender().transports:
+        if self.hub is not None:
             self.send(weights)
+            return
+        if not self.get_sender().transports:
+            return
+        if weights is None and self.model is None:
+            return  # actors built their own policy (policy_factory): nothing to send yet, as torchrl
+        self.send(weights)
 
 
 class RPCWeightSyncScheme(WeightSyncScheme):

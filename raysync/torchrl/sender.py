@@ -7,17 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raysync.core.extract import extract_tensors
+from raysync.core.layout import Manifest, plan_layout
 from raysync.errors import (
     ApplyError,
     RaySyncError,
     SyncTimeoutError,
     UnknownModelError,
 )
+from raysync.torchrl.strategy import split_extra_state
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
-    pass
 
 __all__ = ["WeightSender"]
 
@@ -52,6 +52,7 @@ class WeightSender:
         self._source_model: Any = None
         self._pending: list[tuple[int, Any]] | None = None
         self._errors: list[tuple[int, BaseException]] = []
+        self._extra_state: dict[str, Any] = {}
 
     @property
     def model_id(self) -> str:
@@ -89,7 +90,12 @@ class WeightSender:
                 f"no weights to send for model {self._model_id!r}: pass weights=, or init_on_sender("
                 f"model=...), or a context that has {self._model_id!r}"
             )
-        return extract_tensors(prepared)
+        tensors, self._extra_state = split_extra_state(prepared)
+        return tensors
+
+    def _manifest(self, tensors: dict[str, torch.Tensor]) -> Manifest:
+        """The layout of ``tensors``, carrying the extra state of the weights last prepared."""
+        return plan_layout(tensors).with_extra_state(self._extra_state)
 
     def send(
         self,

@@ -13,10 +13,16 @@ import numpy as np
 import torch
 
 from raysync.core import codec
-from raysync.core.bound import BoundModel
+from raysync.core.bound import BoundModel, _extra_targets, _set_extra_state
 from raysync.core.codec import pack
-from raysync.core.extract import extract_tensors, module_schema, to_tensordict
-from raysync.core.layout import Manifest, plan_layout, schema_of, validate
+from raysync.core.extract import (
+    _is_tensordict,
+    extract_extra_state,
+    extract_tensors,
+    module_schema,
+    to_tensordict,
+)
+from raysync.core.layout import _EXTRA, Manifest, plan_layout, schema_of, validate
 from raysync.errors import (
     UnknownModelError,
 )
@@ -24,7 +30,7 @@ from raysync.errors import (
 if TYPE_CHECKING:
     pass
 
-__all__ = ["ExtractAs", "WeightStrategy", "resolve_model"]
+__all__ = ["ExtractAs", "WeightStrategy", "resolve_model", "split_extra_state"]
 
 
 ExtractAs = Literal["tensordict", "state_dict"]
@@ -107,19 +113,88 @@ class WeightStrategy:
         return f"WeightStrategy(extract_as={self.extract_as!r})"
 
     def extract_weights(self, source: Any) -> Any:
-        """The weights of ``source`` (module, TensorDict or state dict) in this strategy's format."""
-        tensors = extract_tensors(source)
-        return to_tensordict(tensors) if self.extract_as == "tensordict" else tensors
+        """The weights of ``source`` (module, TensorDict or state dict) in this strategy's format.
+
+        As torchrl does: in ``"tensordict"`` format a module's own extra state
+        (``get_extra_state()``, e.g. running statistics kept outside its buffers)
+        comes under the ``"__extra_state__"`` key; in ``"state_dict"`` format it
+        comes as ``state_dict()`` puts it (``"..._extra_state"`` keys).
+        """
+        if self.extract_as == "state_dict":
+            tensors: dict[str, Any] = dict(extract_tensors(source))
+            tensors.update(extract_extra_state(source))
+            return tensors
+        if isinstance(source, torch.nn.Module) or not _is_tensordict(source):
+            td = to_tensordict(extract_tensors(_without_extra(source)))
+        else:
+            return source
+        extra = _own_extra_state(source)
+        if extra:
+            from tensordict import TensorDict
+
+            td["__extra_state__"] = TensorDict(dict(extra), batch_size=[])
+        return td
 
     def apply_weights(self, destination: Any, weights: Any, inplace: bool = True) -> None:
         """Apply ``weights`` to ``destination`` (module, TensorDict or state dict), whole or not at all.
+
+        Extra state in ``weights`` (torchrl's ``"__extra_state__"`` entry, or a
+        state dict's ``"..._extra_state"`` keys) goes to the module's
+        ``set_extra_state`` in the same step; ``weights`` is never changed.
+        ``inplace`` is accepted for torchrl's call shape: raysync always copies
+        into the module's own memory (a weightless ``meta`` module gets memory).
 
         Raises:
             WeightMismatchError: keys, shapes or dtypes differ (nothing was changed).
         """
         if weights is None:
             return
-        _target_for(destination).apply(extract_tensors(weights))
+        tensors, extra = split_extra_state(weights)
+        target = _target_for(destination)
+        target.apply(tensors, extra_state=extra if target.is_module else None)
+
+
+def split_extra_state(weights: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(tensors, extra_state)`` of weights: extra state as ``{state_dict key: object}``.
+
+    Reads torchrl's ``"__extra_state__"`` entry (the top module's extra state),
+    state dicts' ``"..._extra_state"`` keys and modules' ``get_extra_state()``.
+
+    Example:
+        >>> tensors, extra = split_extra_state({"w": torch.ones(1), "__extra_state__": {"n": 1}})
+        >>> list(tensors), extra
+        (['w'], {'_extra_state': {'n': 1}})
+    """
+    extra: dict[str, Any] = {}
+    if isinstance(weights, torch.nn.Module):
+        return extract_tensors(weights), extract_extra_state(weights)
+    if isinstance(weights, Mapping) and "__extra_state__" in weights.keys():
+        own = weights["__extra_state__"]
+        if _is_tensordict(own):
+            own = own.clone().flatten_keys(".").to_dict()
+        extra[_EXTRA] = dict(own) if isinstance(own, Mapping) else own
+        weights = _without_extra(weights)
+    if isinstance(weights, Mapping) and not _is_tensordict(weights):
+        extra.update(extract_extra_state(weights))
+    return extract_tensors(weights), extra
+
+
+def _without_extra(weights: Any) -> Any:
+    if not isinstance(weights, Mapping) or "__extra_state__" not in weights.keys():
+        return weights
+    if _is_tensordict(weights):
+        return weights.exclude("__extra_state__")  # type: ignore[attr-defined]
+    return {k: v for k, v in weights.items() if k != "__extra_state__"}
+
+
+def _own_extra_state(source: Any) -> Any:
+    """A module's own ``get_extra_state()`` (``None`` where it has none), as torchrl captures it."""
+    if not isinstance(source, torch.nn.Module):
+        return None
+    try:
+        return source.get_extra_state()
+    except RuntimeError:  # torch's default: the module has no extra state
+        return None
 
 
 class _Target:
@@ -139,15 +214,25 @@ class _Target:
         return schema_of(extract_tensors(self.ref))
 
     def _binding(self, manifest: Manifest) -> BoundModel:
+        if self._bound is None and any(
+            t.is_meta for t in self.ref.state_dict().values() if torch.is_tensor(t)
+        ):
+            # A weightless module (torchrl sends its workers a meta policy): give it memory first;
+            # the version being applied fills it before anything reads it.
+            self.ref.to_empty(device="cpu")
         if self._bound is None or self._bound.layout_hash != manifest.layout_hash:
             self._bound = BoundModel(self.ref, manifest)
         return self._bound
 
-    def apply(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def apply(
+        self, tensors: Mapping[str, torch.Tensor], *, extra_state: Mapping[str, Any] | None = None
+    ) -> None:
         manifest = plan_layout(tensors)
         validate(manifest, self.schema())
         if self.is_module:
-            self._binding(manifest).apply(pack(tensors, manifest))
+            if extra_state:
+                manifest = manifest.with_extra_state(extra_state)
+            self._binding(manifest).apply(pack(tensors, manifest), extra_state=manifest.extra_state)
             return
         dest = extract_tensors(self.ref)
         with torch.no_grad():
@@ -159,7 +244,7 @@ class _Target:
     ) -> None:
         validate(manifest, self.schema())
         if self.is_module:
-            self._binding(manifest).apply(buckets, ids)
+            self._binding(manifest).apply(buckets, ids, extra_state=manifest.extra_state)
             return
         self.apply({k: v.clone() for k, v in codec.unpack(manifest, buckets).items()})
 
@@ -169,14 +254,17 @@ class _Target:
         if not self.is_module:
             self.apply(codec.views(manifest, flat))
             return
-        self._binding(manifest).copy_from(flat)
+        binding = self._binding(manifest)
+        if manifest.extra_state:
+            _set_extra_state(_extra_targets(self.ref, manifest.extra_state))
+        binding.copy_from(flat)
 
     def adopt(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
         validate(manifest, self.schema())
         if not self.is_module:
             self.apply(codec.views(manifest, flat))
             return
-        self._binding(manifest).adopt(flat)
+        self._binding(manifest).adopt(flat, extra_state=manifest.extra_state)
 
 
 _TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()

@@ -193,7 +193,7 @@ def test_from_backend_strategy_paths_and_canonical_order() -> None:
     }
     for name, cls in names.items():
         assert type(schemes.WeightSyncScheme.from_backend(name, timeout=3)) is cls
-    with pytest.raises(ValueError, match="unknown weight-sync backend 'carrier-pigeon'"):
+    with pytest.raises(ValueError, match="Unsupported weight-sync backend 'carrier-pigeon'"):
         schemes.WeightSyncScheme.from_backend("carrier-pigeon")
     with pytest.raises(ValueError, match="extract_as"):
         schemes.WeightStrategy("numpy")  # type: ignore[arg-type]

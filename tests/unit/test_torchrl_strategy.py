@@ -1,0 +1,121 @@
+"""WeightStrategy with extra state (torchrl's ``__extra_state__``), weightless modules, torchrl attributes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("tensordict")
+
+import raysync
+from raysync import schemes
+
+
+class _Stats(torch.nn.Module):
+    """Running statistics kept outside parameters and buffers (as torchrl's VecNormV2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.mean = torch.zeros(3)
+        self.count = torch.tensor(0)
+
+    def get_extra_state(self) -> OrderedDict[str, torch.Tensor]:
+        return OrderedDict(mean=self.mean.clone(), count=self.count.clone())
+
+    def set_extra_state(self, state: Any) -> None:
+        self.mean = state["mean"]
+        self.count = state["count"]
+
+
+def _src(mean: float, count: int) -> _Stats:
+    src = _Stats()
+    src.mean.fill_(mean)
+    src.count.fill_(count)
+    return src
+
+
+def test_tensordict_extract_carries_extra_state_as_torchrl_does() -> None:
+    strategy = schemes.WeightStrategy("tensordict")
+    weights = strategy.extract_weights(_src(4.0, 7))
+    assert set(weights.keys()) == {"linear", "__extra_state__"}
+    assert torch.equal(weights["__extra_state__", "mean"], torch.full((3,), 4.0))
+    assert "__extra_state__" not in strategy.extract_weights(torch.nn.Linear(2, 2)).keys()
+    flat = schemes.WeightStrategy("state_dict").extract_weights(_src(1.0, 1))
+    assert "_extra_state" in flat and "linear.weight" in flat
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_apply_restores_extra_state_and_leaves_the_weights_alone(inplace: bool) -> None:
+    strategy = schemes.WeightStrategy("tensordict")
+    src = _src(9.0, 5)
+    weights = strategy.extract_weights(src)
+    dst = _Stats()
+    strategy.apply_weights(dst, weights, inplace=inplace)
+    assert torch.equal(dst.mean, torch.full((3,), 9.0)) and int(dst.count) == 5
+    torch.testing.assert_close(dst.linear.weight, src.linear.weight)
+    dst.mean.zero_()  # the module's state is its own: applying again restores it
+    strategy.apply_weights(dst, weights, inplace=inplace)
+    assert "__extra_state__" in weights.keys()
+    assert torch.equal(dst.mean, torch.full((3,), 9.0))
+
+
+def test_extra_state_for_a_module_without_it_is_refused_whole() -> None:
+    strategy = schemes.WeightStrategy("tensordict")
+    weights = strategy.extract_weights(_src(2.0, 2))
+    plain = torch.nn.Module()
+    plain.linear = torch.nn.Linear(3, 3)
+    before = plain.linear.weight.detach().clone()
+    with pytest.raises(raysync.WeightMismatchError, match="extra state"):
+        strategy.apply_weights(plain, weights)
+    assert torch.equal(plain.linear.weight, before)
+
+
+def test_a_weightless_module_gets_memory_from_the_first_version() -> None:
+    src = torch.nn.Linear(3, 2)
+    with torch.device("meta"):
+        dst = torch.nn.Linear(3, 2)
+    schemes.WeightStrategy().apply_weights(dst, src)
+    assert dst.weight.device.type == "cpu"
+    torch.testing.assert_close(dst(torch.ones(1, 3)), src(torch.ones(1, 3)))
+
+
+def test_torchrl_attributes() -> None:
+    scheme = schemes.SharedMemWeightSyncScheme("tensordict", False, True, timeout=5)
+    assert (scheme.strategy_str, scheme.sync, scheme.per_worker_weights) == ("tensordict", False, True)
+    assert not scheme.synchronized_on_sender and scheme.context is None and scheme.model is None
+
+    class Context:
+        def __init__(self) -> None:
+            self.policy = torch.nn.Linear(2, 2)
+
+    context = Context()
+    none = schemes.NoWeightSyncScheme()
+    none.init_on_sender(model_id="policy", context=context)
+    assert none.context is context and none.model is context.policy
+    none.connect()
+    assert none.synchronized_on_sender
+    none.send(torch.nn.Linear(2, 2))  # a no-op, as torchrl's
+    assert schemes.RayWeightSyncScheme("tensordict", "gloo")._backend == "gloo"
+    worker = schemes.NoWeightSyncScheme()
+    with pytest.raises(ValueError, match="policy_factory"):
+        with torch.device("meta"):
+            meta = torch.nn.Linear(2, 2)
+        worker.init_on_receiver(model_id="policy", model=meta, worker_idx=0)
+    mp = schemes.MultiProcessWeightSyncScheme()
+    with pytest.raises(ValueError, match="pipe="):
+        mp.init_on_receiver(model_id="policy", model=torch.nn.Linear(2, 2), worker_idx=3)
+
+
+def test_process_scheme_takes_torchrl_params_map() -> None:
+    from tensordict import TensorDict
+
+    weights = TensorDict.from_module(torch.nn.Linear(2, 2)).data
+    scheme = schemes.SharedMemWeightSyncScheme()
+    scheme.init_on_sender(params_map={0: weights, 1: weights, 2: weights})  # torchrl's pre-init
+    assert sorted(scheme.get_sender().transports) == [0, 1, 2]  # one pipe per worker, made here
+    assert scheme.model is weights
+    scheme.shutdown()
