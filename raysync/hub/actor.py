@@ -449,9 +449,13 @@ class WeightHub:
             for sub in due:
                 sub.sent = newest.version
             announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-            relay = self._relays.get(node_id) if node_id in self._ready else None
-            if relay is None:  # not up yet: deliver directly, start it meanwhile
-                self._start_relay(node_id)
+            # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
+            # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
+            nixl = newest.manifest.transport == "nixl"
+            relay = self._relays.get(node_id) if node_id in self._ready and not nixl else None
+            if relay is None:  # not up yet (or a NIXL version): deliver directly, start it meanwhile
+                if not nixl:
+                    self._start_relay(node_id)
                 members = {s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch) for s in due}
                 acks, late, calls = await notify_members(announcement, members)
                 self._state.delivery_calls += calls

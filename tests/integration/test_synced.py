@@ -124,6 +124,7 @@ def test_wait_names_the_laggard_and_applies_stay_in_order(hub: raysync.HubClient
     eager = make_collector(hub_name).remote()
     ray.get([lazy.raysync_version.remote(), eager.raysync_version.remote()])
     v1 = hub.push(small_policy(1))
+    hub.wait(v1, timeout=60)  # push subscribers only: the eager one holds it
     with pytest.raises(raysync.SyncTimeoutError, match=r"1 subscriber\(s\).*version 1.*Collector") as info:
         hub.wait(v1, timeout=1.0, include_pull=True)
     assert info.value.laggards[0]["applied"] is None
