@@ -230,7 +230,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         like the collector's policy (a wrapper's prefix added or dropped)."""
         if isinstance(source, weakref.ref):
             source = source()
-        tensors = {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(source).items()}
+        tensors = _keyed_like(source, None)
         local = self._local_model()
         if local is not None and local is not source:
             target_keys = set(extract_tensors(local))
@@ -299,12 +299,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
     def _apply_from_hub(self, model: Any, version: int) -> Any:
         model_id = self._model_id or "policy"
         pulled = self.client.pull(model_id, version)
-        tensors = {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(pulled).items()}
-        target_keys = set(extract_tensors(model))
-        if set(tensors) != target_keys:
-            # A wrapper (e.g. a TensorDictModule around the trained module) adds a prefix: match by suffix.
-            tensors = _match_prefix(tensors, target_keys)
-        _target_for(model).apply(tensors)
+        _target_for(model).apply(_keyed_like(pulled, model))
         self._applied = version
         return pulled
 
@@ -374,6 +369,20 @@ def _join_cluster(address: str | None) -> None:
             "cluster (it was not initialised on a sender): call ray.init(address=...) here first"
         )
     ray.init(address=address, log_to_driver=False, ignore_reinit_error=True)
+
+
+def _keyed_like(weights: Any, model: Any) -> dict[str, torch.Tensor]:
+    """``weights``' tensors by dotted key, keyed like ``model``'s when a wrapper's prefix differs.
+
+    A wrapper (e.g. a TensorDictModule around the trained module) adds a prefix: matched by suffix.
+    """
+    tensors = {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(weights).items()}
+    if model is None:
+        return tensors
+    target_keys = set(extract_tensors(model))
+    if target_keys and set(tensors) != target_keys:
+        return _match_prefix(tensors, target_keys)
+    return tensors
 
 
 def _match_prefix(tensors: dict[str, torch.Tensor], target_keys: set[str]) -> dict[str, torch.Tensor]:

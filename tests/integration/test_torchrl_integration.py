@@ -18,20 +18,12 @@ from torchrl.collectors import Collector
 from torchrl.envs import PendulumEnv
 
 from raysync.torchrl.integration import HubWeightSyncScheme
-
-
-class _Act(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 1)
-
-    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
-        return self.lin(torch.stack([th, thdot], -1)).clamp(-2.0, 2.0)
+from tests.integration._torchrl_policies import Act
 
 
 def _policy(seed: int) -> TensorDictModule:
     torch.manual_seed(seed)
-    return TensorDictModule(_Act(), in_keys=["th", "thdot"], out_keys=["action"])
+    return TensorDictModule(Act(), in_keys=["th", "thdot"], out_keys=["action"])
 
 
 def _acts(policy: TensorDictModule, batch: Any) -> torch.Tensor:
