@@ -90,6 +90,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
         self._worker_ends: dict[int, Any] = {}  # pickled with the scheme: each worker takes its own
         self._own_channels = False
         self._in_background = False
+        self.per_worker_weights = False  # set when the workers have distinct policy factories
 
     def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> MPTransport:
         """An :class:`MPTransport` (or :class:`SharedMemTransport`) on ``pipe``."""
@@ -164,7 +165,12 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
             if weights is None:
                 weights = sender._source_model
             if weights is None and context is not None and sender.model_id == "policy":
-                weights = _policy_of(context, from_factory=True)
+                if _distinct_factories(context):
+                    # each worker built its own policy from its own factory (torchrl's per-worker
+                    # weights): those are its first weights, later sends name the workers
+                    self.per_worker_weights = True
+                else:
+                    weights = _policy_of(context, from_factory=True)
         if weights is not None:
             sender.send_async(weights)
         for end in self._worker_ends.values():
@@ -462,3 +468,11 @@ class DistributedWeightSyncScheme(RPCWeightSyncScheme):
         from raysync.channels.distributed import DistributedTransport
 
         return DistributedTransport
+
+
+def _distinct_factories(context: Any) -> bool:
+    """Whether a collector's workers were given different ``policy_factory`` callables."""
+    factories = getattr(context, "policy_factory", None)
+    if not isinstance(factories, Sequence) or isinstance(factories, str) or len(factories) < 2:
+        return False
+    return any(f is not factories[0] for f in factories)

@@ -90,6 +90,31 @@ def test_process_scheme_with_policy_factory() -> None:
         collector.shutdown()
 
 
+@pytest.mark.parametrize("scheme_cls", PROCESS_SCHEMES, ids=lambda c: c.__name__)
+def test_distinct_policy_factories_keep_their_own_weights_until_each_is_sent_its_own(scheme_cls: type) -> None:
+    # torchrl's per-worker weights: worker i builds its policy from its own factory
+    scheme = scheme_cls(timeout=TIMEOUT)
+    factories = [functools.partial(policy, float(i)) for i in range(3)]
+    collector = MultiSyncCollector(
+        [make_env] * 3,
+        policy_factory=factories,
+        frames_per_batch=12,
+        total_frames=-1,
+        cat_results="stack",
+        weight_sync_schemes={"policy": scheme},
+    )
+    try:
+        it = iter(collector)
+        assert [actions(b) for b in next(it)] == [{0.0}, {1.0}, {2.0}]
+        assert scheme.per_worker_weights  # detected, as torchrl's scheme does
+        collector.update_policy_weights_({0: policy(10.0)})  # one worker's own weights
+        assert [actions(b) for b in next(it)] == [{10.0}, {1.0}, {2.0}]
+        collector.update_policy_weights_({1: policy(11.0), 2: policy(12.0)})
+        assert [actions(b) for b in next(it)] == [{10.0}, {11.0}, {12.0}]
+    finally:
+        collector.shutdown()
+
+
 def test_no_weight_sync_scheme_is_a_no_op_with_every_collector() -> None:
     none = schemes.NoWeightSyncScheme()
     assert isinstance(none, TorchRLScheme)
