@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,6 +13,12 @@ import ray
 import torch
 
 import raysync
+
+# Ray starts its workers at nice 15: on a 2-core machine, the test process (nice 0) then
+# starves every actor it waits for (importing torch in a new actor took 8 s instead of 2.5 s
+# while a test pushed). Clusters the tests start (here, and ``ray start`` in system tests,
+# which inherit the environment) run their workers at the tests' own priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 OBJECT_STORE_BYTES = 1536 * 2**20  # keep the suite inside a 2-core, 24 GiB machine
 

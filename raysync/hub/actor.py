@@ -41,6 +41,7 @@ from raysync._protocol import (
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
+from raysync.hub.priority import control_plane_priority
 from raysync.hub.relay import Late, compact, late_acks, notify_members, relay_name, start_relay
 from raysync.hub.state import Group, HubState, Subscriber, Waiter
 from raysync.ops import metrics
@@ -78,6 +79,7 @@ class WeightHub:
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
 
     def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
+        self.niceness = control_plane_priority()  # not Ray's worker default of 15: see hub/priority.py
         self._state = HubState(name, keep, relay=relay_enabled())
         self._relays: dict[str, Any] = {}  # node id -> its relay's handle
         self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)
