@@ -91,7 +91,7 @@ def test_process_scheme_with_policy_factory() -> None:
 
 
 @pytest.mark.parametrize("scheme_cls", PROCESS_SCHEMES, ids=lambda c: c.__name__)
-def test_distinct_policy_factories_keep_their_own_weights_until_each_is_sent_its_own(scheme_cls: type) -> None:
+def test_distinct_policy_factories_keep_their_own_weights_until_sent_their_own(scheme_cls: type) -> None:
     # torchrl's per-worker weights: worker i builds its policy from its own factory
     scheme = scheme_cls(timeout=TIMEOUT)
     factories = [functools.partial(policy, float(i)) for i in range(3)]
