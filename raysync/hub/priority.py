@@ -1,18 +1,18 @@
-"""The hub's and relays' CPU priority: that of Ray's own control plane, not of its workers.
+"""The hub's and relays' CPU priority: Ray's worker default, or another by choice.
 
 Ray starts every worker process, actors included, at nice 15 (``RAY_worker_niceness``),
 below the driver and Ray's own daemons (nice 0). The hub and the relays are
-actors, so on a node where the trainer keeps a core busy they got a small
-share of the CPU and every delivery waited for the trainer (on a 2-core machine a
-new actor's imports took 8 s instead of 2.5 s while a driver worked). They do
-little work but are on every version's path, so they set their own priority
-back to nice 0 where the OS allows it (root, or ``CAP_SYS_NICE``), and keep
-Ray's where it does not. ``RAYSYNC_HUB_NICE`` picks another value; ``ray``
-keeps Ray's.
+actors, so they keep that by default: measured with ``examples/quickstart.py``
+(2 cores, 4 alternations), a hub at nice 0 made the trainer's median push
+slower (5.8-7.2 ms against 3.8-4.5 ms at nice 15): at equal priority the hub's
+deliveries compete with the trainer for the cores. Where deliveries matter more
+than the trainer's blocking time, ``RAYSYNC_HUB_NICE=<n>`` in the hub's
+environment sets the hub's and relays' niceness (lowering it needs root or
+``CAP_SYS_NICE``; without it they keep Ray's, never an error).
 
 Example:
     >>> control_plane_priority()   # in the hub's or a relay's constructor
-    0
+    15
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ __all__ = ["control_plane_priority"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NICE = 0
+DEFAULT_NICE = "ray"
+"""Keep the niceness Ray gave the process (see the module docstring for why)."""
 
 
 def control_plane_priority() -> int | None:
-    """Set this process's niceness to ``RAYSYNC_HUB_NICE`` (default 0); return the niceness it has.
+    """Set this process's niceness to ``RAYSYNC_HUB_NICE`` (default: keep Ray's); return the niceness it has.
 
     Never raises: without the right to raise a priority the process keeps the one
     Ray gave it (logged at debug level). ``None`` where the OS has no niceness.
     """
-    wanted = os.environ.get("RAYSYNC_HUB_NICE", str(DEFAULT_NICE)).strip().lower()
+    wanted = os.environ.get("RAYSYNC_HUB_NICE", DEFAULT_NICE).strip().lower()
     try:
         current = os.getpriority(os.PRIO_PROCESS, 0)
     except (AttributeError, OSError):

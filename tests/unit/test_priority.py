@@ -50,8 +50,9 @@ def _may_raise_priority() -> bool:
 
 
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the tests themselves run niced")
-def test_a_process_started_at_rays_worker_niceness_gets_the_control_planes_where_allowed() -> None:
-    reported, actual = _run(15, None)
+def test_rays_niceness_is_kept_unless_asked_and_raised_only_where_allowed() -> None:
+    assert _run(15, None) == (15, 15)  # the default: Ray's
+    reported, actual = _run(15, "0")
     assert reported == actual
     assert actual == (0 if _may_raise_priority() else 15)  # never an error where it is not allowed
 
