@@ -79,7 +79,7 @@ class WeightHub:
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
 
     def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
-        self.niceness = control_plane_priority()  # RAYSYNC_HUB_NICE, else Ray's: see hub/priority.py
+        control_plane_priority()  # RAYSYNC_HUB_NICE, else Ray's: see hub/priority.py
         self._state = HubState(name, keep, relay=relay_enabled())
         self._relays: dict[str, Any] = {}  # node id -> its relay's handle
         self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)

@@ -69,7 +69,7 @@ class NodeRelay:
     """The relay actor of one hub on one node; the hub starts it (:func:`start_relay`)."""
 
     def __init__(self, hub: Any, node_id: str) -> None:
-        self.niceness = control_plane_priority()  # as the hub's (hub/priority.py)
+        control_plane_priority()  # as the hub's (hub/priority.py)
         self._hub = hub  # the hub's handle: where late acks go
         self._node_id = node_id
         self._members: dict[str, RelayMember] = {}

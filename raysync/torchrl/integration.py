@@ -230,12 +230,12 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         like the collector's policy (a wrapper's prefix added or dropped)."""
         if isinstance(source, weakref.ref):
             source = source()
-        tensors = _keyed_like(source, None)
+        tensors = _dotted(source)
         local = self._local_model()
         if local is not None and local is not source:
-            target_keys = set(extract_tensors(local))
-            if target_keys and set(tensors) != target_keys:
-                return _match_prefix(tensors, target_keys)
+            keyed = _keyed_like(tensors, local)
+            if keyed is not tensors:  # renamed: push the tensors under the policy's keys
+                return keyed
         return source if isinstance(source, torch.nn.Module) else tensors
 
     # ------------------------------------------------------------------ use
@@ -299,7 +299,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
     def _apply_from_hub(self, model: Any, version: int) -> Any:
         model_id = self._model_id or "policy"
         pulled = self.client.pull(model_id, version)
-        _target_for(model).apply(_keyed_like(pulled, model))
+        _target_for(model).apply(_keyed_like(_dotted(pulled), model))
         self._applied = version
         return pulled
 
@@ -371,14 +371,16 @@ def _join_cluster(address: str | None) -> None:
     ray.init(address=address, log_to_driver=False, ignore_reinit_error=True)
 
 
-def _keyed_like(weights: Any, model: Any) -> dict[str, torch.Tensor]:
-    """``weights``' tensors by dotted key, keyed like ``model``'s when a wrapper's prefix differs.
+def _dotted(weights: Any) -> dict[str, torch.Tensor]:
+    """``weights``' tensors by dotted key (TensorDict's tuple keys joined)."""
+    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(weights).items()}
+
+
+def _keyed_like(tensors: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
+    """``tensors`` keyed like ``model``'s: the same dict when the keys already match, else a new one.
 
     A wrapper (e.g. a TensorDictModule around the trained module) adds a prefix: matched by suffix.
     """
-    tensors = {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(weights).items()}
-    if model is None:
-        return tensors
     target_keys = set(extract_tensors(model))
     if target_keys and set(tensors) != target_keys:
         return _match_prefix(tensors, target_keys)

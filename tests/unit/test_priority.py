@@ -4,49 +4,51 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from raysync.hub.priority import control_plane_priority
 
 
-def _in_child(start_nice: int, env: str | None, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    os.nice(start_nice - os.getpriority(os.PRIO_PROCESS, 0))  # as Ray starts its workers
-    if env is None:
-        os.environ.pop("RAYSYNC_HUB_NICE", None)
-    else:
-        os.environ["RAYSYNC_HUB_NICE"] = env
-    out.put((control_plane_priority(), os.getpriority(os.PRIO_PROCESS, 0)))
-
-
-def _run(start_nice: int, env: str | None) -> tuple[int | None, int]:
+def _in_fork(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a forked process (its niceness changes stay there); its result."""
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    proc = ctx.Process(target=_in_child, args=(start_nice, env, out))
+    proc = ctx.Process(target=lambda: out.put(fn(*args)))
     proc.start()
     result = out.get(timeout=30)
     proc.join(timeout=30)
     return result
 
 
+def _started_at(start_nice: int, env: str | None) -> tuple[int | None, int]:
+    """What control_plane_priority reports in a process Ray started at ``start_nice``, and what it has."""
+    os.nice(start_nice - os.getpriority(os.PRIO_PROCESS, 0))  # as Ray starts its workers
+    if env is None:
+        os.environ.pop("RAYSYNC_HUB_NICE", None)
+    else:
+        os.environ["RAYSYNC_HUB_NICE"] = env
+    return control_plane_priority(), os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _run(start_nice: int, env: str | None) -> tuple[int | None, int]:
+    return tuple(_in_fork(_started_at, start_nice, env))  # type: ignore[return-value]
+
+
+def _lowers_niceness() -> bool:
+    os.nice(1)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - 1)
+    except OSError:
+        return False
+    return True
+
+
 def _may_raise_priority() -> bool:
     """Whether this machine lets a process lower its niceness (root or CAP_SYS_NICE)."""
-    ctx = multiprocessing.get_context("fork")
-
-    def probe(out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-        os.nice(1)
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - 1)
-            out.put(True)
-        except OSError:
-            out.put(False)
-
-    out = ctx.Queue()
-    proc = ctx.Process(target=probe, args=(out,))
-    proc.start()
-    allowed = bool(out.get(timeout=30))
-    proc.join(timeout=30)
-    return allowed
+    return bool(_in_fork(_lowers_niceness))
 
 
 @pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the tests themselves run niced")
