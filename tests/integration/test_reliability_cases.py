@@ -207,13 +207,16 @@ def test_case03_pull_from_a_plain_method_of_an_async_actor_applies(
     sub = _async_pull_sub(hub_name)
     ray.get(sub.act.remote(), timeout=CALL_S)
     push(hub, 1)
+    assert hub.latest() == 1  # the hub has read the push (a push returns before it has)
     assert ray.get(sub.start_episode.remote(), timeout=CALL_S) is True
     assert holds(sub, 1)
     assert ray.get(sub.start_episode.remote(), timeout=CALL_S) is False  # already current
     push(hub, 2)
+    assert hub.latest() == 2
     assert ray.get(sub.start_episode_async.remote(), timeout=CALL_S) is True
     assert holds(sub, 2)
     push(hub, 3)
+    assert hub.latest() == 3
     assert ray.get(sub.raysync_sync.remote(), timeout=CALL_S) is True  # called remotely
     assert holds(sub, 3)
     hub.wait(3, timeout=CALL_S, include_pull=True)

@@ -132,6 +132,9 @@ def test_wait_names_the_laggard_and_applies_stay_in_order(hub: raysync.HubClient
     # Pull mode: stays on its version until it asks.
     assert ray.get(lazy.raysync_version.remote()) is None
     v2 = hub.push(small_policy(2))
+    # A push returns before the hub has read it; latest() from the pushing client reads the
+    # hub's answer, so from here on every process that asks the hub sees v2.
+    assert hub.latest() == v2
     assert ray.get(lazy.sync_now.remote()) is True
     assert ray.get(lazy.raysync_version.remote()) == v2
     assert ray.get(lazy.sync_now.remote()) is False  # already current: no-op
