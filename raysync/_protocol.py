@@ -51,8 +51,12 @@ __all__ = [
     "RelayDelivery",
     "RelayMember",
     "RelayReply",
+    "Ring",
+    "RingAck",
     "SubscriberInfo",
     "WaitResult",
+    "compact",
+    "expand",
 ]
 
 DEFAULT_HUB = "raysync"
@@ -129,6 +133,8 @@ class SubscriberInfo:
         placement: where an adapter runs (placement group, bundle).
         batch: subscriptions of one actor share one notification call.
         job_id: the Ray job of a plain process (the hub drops it when that job ends).
+        doorbell: the address of its process's doorbell (:mod:`raysync.transports.doorbell`):
+            its node's relay rings it instead of calling the actor, for small versions.
     """
 
     mode: str = "push"
@@ -141,6 +147,7 @@ class SubscriberInfo:
     placement: dict[str, Any] | None = None
     batch: bool = False
     job_id: str | None = None
+    doorbell: str | None = None
 
     def row(self) -> dict[str, Any]:
         """The fields as a plain dict (persisted, shown in status)."""
@@ -338,11 +345,14 @@ class RelayMember:
         handle: the subscriber's actor handle.
         actor_id: its actor (subscriptions of one actor with ``batch`` share one call).
         batch: notify it with :data:`NOTIFY_BATCH` (one call for all its subscriptions).
+        doorbell: its process's doorbell address: ring it instead of calling, where the
+            version fits (:mod:`raysync.transports.doorbell`).
     """
 
     handle: Any
     actor_id: str | None = None
     batch: bool = False
+    doorbell: str | None = None
 
 
 @dataclass(frozen=True)
@@ -399,6 +409,82 @@ class RelayReply:
     applied: tuple[tuple[str, float | None, float | None, int | None, int | None], ...] = ()
     relay_pid: int | None = None
     pending: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A relay's doorbell datagram to one subscriber process: a version waits in shared memory.
+
+    Attributes:
+        token: names this ring in the acks.
+        model_id: the model.
+        version: the version.
+        segment: the shared-memory file that holds it (never written again).
+        sub_ids: the subscriptions of that process to hand it to.
+        reply_to: the relay's doorbell address, for the :class:`RingAck`.
+    """
+
+    token: int
+    model_id: str
+    version: int
+    segment: str
+    sub_ids: tuple[str, ...]
+    reply_to: str
+
+
+@dataclass(frozen=True)
+class RingAck:
+    """A subscriber process's answer to a :class:`Ring`: its subscriptions' acks, compact."""
+
+    token: int
+    reply: RelayReply
+
+
+def compact(
+    version: int, acks: list[RelayAck], pid: int | None = None, pending: tuple[str, ...] = ()
+) -> RelayReply:
+    """One reply for ``acks``: the ones that simply applied ``version`` as compact rows.
+
+    Example:
+        >>> compact(3, [RelayAck("a:policy", ApplyReport(applied=3, apply_s=0.01))]).applied
+        (('a:policy', 0.01, None, None, None),)
+    """
+    rows = []
+    others = []
+    for ack in acks:
+        r = ack.report
+        plain = (
+            r is not None
+            and ack.outcome == "ok"
+            and r.applied == version
+            and r.describes_apply()
+            and r.error is None
+            and r.lost is None
+            and r.receivers is None
+            and not r.prefetched
+        )
+        if plain:
+            assert r is not None
+            rows.append((ack.sub_id, r.apply_s, r.pause_s, r.buckets_fetched, r.bytes_fetched))
+        else:
+            others.append(ack)
+    return RelayReply(tuple(others), tuple(rows), pid, pending)
+
+
+def expand(reply: RelayReply, version: int) -> list[RelayAck]:
+    """A compact reply of ``version`` back into one ack per subscription (the inverse of :func:`compact`).
+
+    Example:
+        >>> [a.report.applied for a in expand(compact(3, [RelayAck("a", ApplyReport(applied=3))]), 3)]
+        [3]
+    """
+    acks = list(reply.acks)
+    for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
+        report = ApplyReport(
+            applied=version, apply_s=apply_s, pause_s=pause_s, buckets_fetched=buckets, bytes_fetched=nbytes
+        )
+        acks.append(RelayAck(sub_id, report))
+    return acks
 
 
 def replace(report: ApplyReport, **changes: Any) -> ApplyReport:

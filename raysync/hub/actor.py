@@ -469,7 +469,7 @@ class WeightHub:
                     )
                 continue
             members = {
-                s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch)
+                s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch, s.info.doorbell)
                 for s in due
                 if s.sub_id not in group.known
             }

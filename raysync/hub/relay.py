@@ -6,6 +6,9 @@ the number of nodes that have subscribers: one :class:`~raysync._protocol.RelayD
 per node carries every subscription there, the relay makes the node-local calls
 (one per subscriber, or one per actor for batched subscriptions) and answers the
 hub with every subscriber's report in one :class:`~raysync._protocol.RelayReply`.
+Versions up to a few MiB go without a Ray call per subscriber at all: the relay
+writes them once into the node's shared memory and rings each subscriber
+process's doorbell (:mod:`raysync.transports.doorbell`).
 
 The hub starts a relay on demand, when the first subscriber on a node registers:
 placed on that node (``NodeAffinitySchedulingStrategy(soft=False)``), named per hub
@@ -26,9 +29,13 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
+import statistics
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -44,8 +51,11 @@ from raysync._protocol import (
     RelayDelivery,
     RelayMember,
     RelayReply,
+    compact,
 )
 from raysync.hub.priority import control_plane_priority
+from raysync.transports import doorbell
+from raysync.transports.base import bucket_ids
 
 __all__ = ["ACK_WINDOW_S", "NodeRelay", "compact", "late_acks", "notify_members", "relay_name", "start_relay"]
 
@@ -76,6 +86,11 @@ class NodeRelay:
         self._fault: str | None = None
         self.delivered = 0  # calls made to subscribers
         self.deliveries = 0  # messages from the hub
+        self.rung = 0  # doorbells rung (one per subscriber process and version)
+        # The node-local hop for small versions (transports/doorbell.py): made on first use.
+        self._bell: tuple[doorbell.Ringer, doorbell.SegmentWriter] | None = None
+        self._late_rows: dict[tuple[str, int], list[RelayAck]] = {}
+        self._timing: collections.deque[tuple[float, float]] = collections.deque(maxlen=100)
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
         """Hand ``delivery.announcement`` to each of its ``sub_ids``; the acks in one reply.
@@ -89,8 +104,22 @@ class NodeRelay:
         members = {s: m for s in a.sub_ids if (m := self._members.get(s)) is not None}
         unknown = [RelayAck(s, None, "unknown") for s in a.sub_ids if s not in members]
         exit_mid = self._fault == "exit_mid_delivery"
-        acks, late, calls = await notify_members(a, members, on_first_ack=_exit if exit_mid else None)
+        t0 = time.perf_counter()
+        tokens, called = await self._ring(a, members)
+        t1 = time.perf_counter()
+        (acks, late, calls), (rung_acks, rung_pending) = await asyncio.gather(
+            notify_members(a, called, on_first_ack=_exit if exit_mid else None),
+            self._rung_acks(tokens, exit_mid),
+        )
+        self._timing.append((t1 - t0, time.perf_counter() - t1))
+        if rung_pending:
+            # Rung, no ack within the window: busy, or its process died after the ring went out
+            # (a doorbell says nothing of that). The Ray call tells which; its ack is a late one.
+            slow = {s: m for s in rung_pending if (m := self._members.get(s)) is not None}
+            more_acks, more_late, more_calls = await notify_members(a, slow, window=0.0)
+            acks, late, calls = acks + more_acks, late + more_late, calls + more_calls
         self.delivered += calls
+        acks += rung_acks
         self._forget_dead(acks)
         if self._fault == "exit_before_reply":
             _exit()
@@ -98,6 +127,81 @@ class NodeRelay:
             asyncio.get_running_loop().create_task(self._forward(a.model_id, a.version, late))
         pending = tuple(s for ids, _ in late for s in ids)
         return compact(a.version, unknown + acks, os.getpid(), pending)
+
+    async def _ring(
+        self, a: Announcement, members: dict[str, RelayMember]
+    ) -> tuple[list[int], dict[str, RelayMember]]:
+        """Ring the doorbells of the members that have one, if the version fits; the rest to call.
+
+        Returns the rings' tokens and the members to call the Ray way.
+        """
+        bells = {s: m for s, m in members.items() if m.doorbell is not None}
+        if not bells or not _fits(a):
+            return [], members
+        try:
+            ringer, writer = self._doorbell()
+            arrays = await asyncio.to_thread(ray.get, list(a.refs), timeout=_FETCH_S)
+            ids = bucket_ids(list(a.refs))
+            path = await asyncio.to_thread(writer.write, a.model_id, a.version, a.manifest, ids, arrays)
+            del arrays
+        except Exception as err:  # no room in /dev/shm, bytes gone, ...: the Ray way this time
+            logger.info(
+                "relay on %s: no doorbell for %r version %d: %s",
+                self._node_id[:8],
+                a.model_id,
+                a.version,
+                err,
+            )
+            return [], members
+        by_process: dict[str, list[str]] = {}
+        for sub_id, member in bells.items():
+            by_process.setdefault(member.doorbell, []).append(sub_id)  # type: ignore[arg-type]
+        called = {s: m for s, m in members.items() if m.doorbell is None}
+        tokens: list[int] = []
+        for address, sub_ids in by_process.items():
+            try:
+                tokens += ringer.ring(address, a.model_id, a.version, path, sub_ids)
+                self.rung += 1
+            except OSError as err:  # gone, or not reachable from here: call it; stop ringing it
+                logger.debug("relay: doorbell of %s: %s", sub_ids[0], err)
+                for sub_id in sub_ids:
+                    member = replace(bells[sub_id], doorbell=None)
+                    self._members[sub_id] = called[sub_id] = member
+        return tokens, called
+
+    async def _rung_acks(self, tokens: list[int], exit_mid: bool) -> tuple[list[RelayAck], list[str]]:
+        if not tokens:
+            return [], []
+        if exit_mid:  # a test's fault: die once the first ack is in
+            ringer = self._doorbell()[0]
+            await ringer.wait(tokens[:1], timeout=ACK_WINDOW_S)
+            _exit()
+        return await self._doorbell()[0].wait(tokens, ACK_WINDOW_S)
+
+    def _doorbell(self) -> tuple[doorbell.Ringer, doorbell.SegmentWriter]:
+        if self._bell is None:
+            removed = doorbell.sweep_segments()  # left by relays of this node that died
+            if removed:
+                logger.info("relay: removed %d shared-memory segment(s) of dead relays", removed)
+            ringer = doorbell.Ringer()
+            ringer.late = self._late_ring
+            self._bell = (ringer, doorbell.SegmentWriter())
+        return self._bell
+
+    def _late_ring(self, model_id: str, version: int, acks: list[RelayAck]) -> None:
+        """Acks of rung subscribers slower than the window: to the hub in batches (like :meth:`_forward`)."""
+        key = (model_id, version)
+        if key not in self._late_rows:
+            self._late_rows[key] = []
+            asyncio.get_running_loop().call_later(0.02, self._send_late_rows, key)
+        self._late_rows[key].extend(acks)
+
+    def _send_late_rows(self, key: tuple[str, int]) -> None:
+        acks = self._late_rows.pop(key, [])
+        self._forget_dead(acks)
+        if acks:
+            reply = compact(key[1], acks, os.getpid())
+            getattr(self._hub, proto.RELAY_ACKS).remote(self._node_id, key[0], key[1], reply)
 
     async def _forward(self, model_id: str, version: int, late: Late) -> None:
         """Send the hub the acks of slow subscribers, a batch per message, as their calls end."""
@@ -124,6 +228,10 @@ class NodeRelay:
             "members": len(self._members),
             "deliveries": self.deliveries,
             "delivered": self.delivered,
+            "rung": self.rung,
+            # medians of the last 100 deliveries: writing the version and ringing, then the acks
+            "ring_s": statistics.median(t[0] for t in self._timing) if self._timing else None,
+            "acks_s": statistics.median(t[1] for t in self._timing) if self._timing else None,
         }
 
     async def _raysync_test_fault(self, kind: str) -> None:
@@ -133,35 +241,18 @@ class NodeRelay:
         self._fault = kind
 
 
-def compact(
-    version: int, acks: list[RelayAck], pid: int | None = None, pending: tuple[str, ...] = ()
-) -> RelayReply:
-    """One reply for ``acks``: the ones that simply applied ``version`` as compact rows.
+_FETCH_S = 30.0  # a version's bytes not at hand by then (pusher gone?): the Ray way instead
 
-    Example:
-        >>> compact(3, [RelayAck("a:policy", ApplyReport(applied=3, apply_s=0.01))]).applied
-        (('a:policy', 0.01, None, None, None),)
-    """
-    rows = []
-    others = []
-    for ack in acks:
-        r = ack.report
-        plain = (
-            r is not None
-            and ack.outcome == "ok"
-            and r.applied == version
-            and r.describes_apply()
-            and r.error is None
-            and r.lost is None
-            and r.receivers is None
-            and not r.prefetched
-        )
-        if plain:
-            assert r is not None
-            rows.append((ack.sub_id, r.apply_s, r.pause_s, r.buckets_fetched, r.bytes_fetched))
-        else:
-            others.append(ack)
-    return RelayReply(tuple(others), tuple(rows), pid, pending)
+
+def _fits(a: Announcement) -> bool:
+    """Whether a version goes by doorbell: object-store bytes, no larger than the limit."""
+    limit = doorbell.max_bytes()
+    return (
+        limit > 0
+        and a.manifest.transport == "object_store"
+        and sum(a.manifest.bucket_nbytes) <= limit
+        and doorbell.available()
+    )
 
 
 def _exit() -> None:

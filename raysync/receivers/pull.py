@@ -21,6 +21,7 @@ from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
 from raysync.hub.locate import call_hub_async
 from raysync.receivers.membership import membership
+from raysync.transports.base import bucket_ids
 
 if TYPE_CHECKING:
     from raysync.receivers.membership import Member
@@ -142,7 +143,7 @@ class PullSync:
                     "a NIXL version cannot be applied from a plain method of an async actor: call "
                     "`await self.raysync_sync()` from an async method"
                 )
-            needed = self._plan(version, manifest, refs)
+            needed = self._plan(version, manifest, bucket_ids(refs))
             if needed is None:
                 return self._synced(version, self._skipped(version))
             fetched = self._fetch(manifest, refs, needed, left_of(deadline))
@@ -154,7 +155,7 @@ class PullSync:
                 )
                 return False
             try:
-                pause = self._commit(version, manifest, refs, fetched)
+                pause = self._commit(version, manifest, bucket_ids(refs), fetched)
             finally:
                 lock.release_write()
             reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
@@ -175,7 +176,7 @@ class PullSync:
     ) -> None:
         try:
             async with self.sync.async_lock.write():
-                pause = self._commit(version, manifest, refs, fetched)
+                pause = self._commit(version, manifest, bucket_ids(refs), fetched)
             reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
         except Exception as err:
             reply = self._reply(version, t0, err)

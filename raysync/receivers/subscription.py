@@ -22,7 +22,7 @@ import torch
 from ray.exceptions import ObjectLostError
 
 from raysync import _protocol as proto
-from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
+from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo
 from raysync.core.bound import BoundModel
 from raysync.core.codec import require_checksums, verify_checksums
 from raysync.core.extract import module_schema
@@ -30,6 +30,8 @@ from raysync.core.layout import Manifest, validate
 from raysync.errors import ApplyError, RaySyncError, UnknownModelError
 from raysync.receivers.membership import membership
 from raysync.receivers.pull import PullSync
+from raysync.transports.base import bucket_ids
+from raysync.transports.doorbell import Segment, doorbell
 from raysync.transports.nixl import receive_into
 from raysync.transports.store_pages import populate_store_mapping
 
@@ -60,11 +62,6 @@ class SyncSpec:
     verify: bool
     fetch_timeout: float
     prefetch: bool = False
-
-
-def _ids(refs: list[ray.ObjectRef]) -> list[str | None]:
-    """A bucket's identity is the object it came from: same object, same bytes."""
-    return [r.hex() for r in refs]
 
 
 _Fetched = tuple[int, Manifest, list[ray.ObjectRef], dict[int, Any], list[int], float]
@@ -127,10 +124,49 @@ class _Subscription(PullSync):
             node_id=ctx.get_node_id(),
             pid=os.getpid(),
             attr=self.spec.attr,
+            doorbell=self._doorbell(),
         )
         membership().join(self)
         if self.spec.prefetch and not self._prefetching:
             self.start_prefetch()
+
+    def _doorbell(self) -> str | None:
+        """Where the node's relay rings this subscription (small versions), if it can be rung.
+
+        Push subscriptions that copy, on plain and threaded actors: the doorbell's
+        thread applies under the actor's write lock. Async actors (their plain
+        methods run unguarded on the event loop), views and prefetching ones are
+        called the Ray way.
+        """
+        spec = self.spec
+        if self.sync.is_async or spec.mode != "push" or spec.apply != "copy" or spec.prefetch:
+            return None
+        bell = doorbell()
+        return None if bell is None else bell.register(self.sub_id, self.ring)
+
+    def ring(self, ring: Ring, segment: Segment | None) -> ApplyReport:
+        """The node's relay rang: apply the version it wrote into shared memory (the doorbell's thread).
+
+        ``segment`` is None when a newer ring for this subscription came with it (or
+        the segment is gone): nothing to do, a newer version is on its way.
+        """
+        t0 = time.perf_counter()
+        if segment is None:
+            return self._skipped(ring.version)
+        version, manifest = segment.version, segment.manifest
+        try:
+            needed = self._plan(version, manifest, segment.ids)
+            if needed is None:
+                return self._skipped(version)
+            fetched = {b: segment.buckets[b] for b in needed}
+            if self.spec.verify:
+                verify_checksums(manifest, fetched)
+            with self._write_lock():
+                pause = self._commit(version, manifest, segment.ids, fetched)
+            del fetched
+        except Exception as err:
+            return self._reply(version, t0, err)
+        return self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
 
     def registration(self) -> Registration:
         assert self._info is not None
@@ -184,7 +220,7 @@ class _Subscription(PullSync):
             self.report(ApplyReport(reset=True, error=why))
         return False
 
-    def _plan(self, version: int, manifest: Manifest, refs: list[ray.ObjectRef]) -> list[int] | None:
+    def _plan(self, version: int, manifest: Manifest, ids: list[str | None]) -> list[int] | None:
         """Validate before fetching; the buckets to fetch, or None if the version is not newer."""
         self.check_binding()
         if self.version is not None and version <= self.version:
@@ -193,7 +229,7 @@ class _Subscription(PullSync):
         if bound is None:
             validate(manifest, module_schema(self.module()))
             return list(range(manifest.num_buckets))
-        return bound.needed(_ids(refs))
+        return bound.needed(ids)
 
     def _fetch(
         self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int], timeout: float | None = None
@@ -212,7 +248,7 @@ class _Subscription(PullSync):
         return fetched
 
     def _commit(
-        self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], fetched: dict[int, Any]
+        self, version: int, manifest: Manifest, ids: list[str | None], fetched: dict[int, Any]
     ) -> float:
         """Apply fetched buckets; return the pause (seconds readers waited). Caller holds the write lock."""
         t0 = time.perf_counter()
@@ -225,7 +261,6 @@ class _Subscription(PullSync):
             if bound is None:
                 bound = BoundModel(self.module(), manifest, view=self.spec.apply == "view")
                 self.bound = bound
-            ids = _ids(refs)
             missing = [b for b in bound.needed(ids) if b not in fetched]
             if missing:
                 raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
@@ -303,7 +338,7 @@ class _Subscription(PullSync):
                 swapped = self.swap_if_staged(version)
                 if swapped is not None:
                     return swapped
-            needed = self._plan(version, manifest, refs)
+            needed = self._plan(version, manifest, bucket_ids(refs))
             if needed is None:
                 return self._skipped(version)
             fetched = self._fetch(manifest, refs, needed, fetch_timeout)
@@ -313,12 +348,12 @@ class _Subscription(PullSync):
                     self._defer((version, manifest, refs, fetched, needed, t0))
                     return ApplyReport(applied=self.version, deferred=version)
                 try:
-                    pause = self._commit(version, manifest, refs, fetched)
+                    pause = self._commit(version, manifest, bucket_ids(refs), fetched)
                 finally:
                     lock.release_write()
             else:
                 with self._write_lock():
-                    pause = self._commit(version, manifest, refs, fetched)
+                    pause = self._commit(version, manifest, bucket_ids(refs), fetched)
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
@@ -347,7 +382,7 @@ class _Subscription(PullSync):
             version, manifest, refs, fetched, needed, t0 = item
             try:
                 with self.sync.lock.write():
-                    pause = self._commit(version, manifest, refs, fetched)
+                    pause = self._commit(version, manifest, bucket_ids(refs), fetched)
                 reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
             except Exception as err:
                 reply = self._reply(version, t0, err)
@@ -368,7 +403,7 @@ class _Subscription(PullSync):
         if manifest.transport == "nixl":
             return await asyncio.to_thread(self._receive_nixl, version, manifest, refs, t0)
         try:
-            needed = self._plan(version, manifest, refs)
+            needed = self._plan(version, manifest, bucket_ids(refs))
             if needed is None:
                 return self._skipped(version)
             arrays = await asyncio.wait_for(
@@ -377,7 +412,7 @@ class _Subscription(PullSync):
             )
             fetched = self._fetched(manifest, needed, arrays)
             async with self.sync.async_lock.write():
-                pause = self._commit(version, manifest, refs, fetched)
+                pause = self._commit(version, manifest, bucket_ids(refs), fetched)
             del fetched, arrays
         except Exception as err:
             return self._reply(version, t0, err)
@@ -406,7 +441,7 @@ class _Subscription(PullSync):
                     validate(manifest, module_schema(self.module()))
                     with self._write_lock(), self._binding_lock:
                         bound = self.bound = BoundModel(self.module(), manifest)
-                ids = _ids(refs)
+                ids = bucket_ids(refs)
                 nbytes = receive_into(
                     bound, refs, ids, timeout=self.spec.fetch_timeout, extra_state=manifest.extra_state
                 )
@@ -481,7 +516,7 @@ class _Subscription(PullSync):
                     bound = self._bound_for(manifest)
                     if bound is None or (self.version is not None and version <= self.version):
                         continue  # first version or a new layout: the normal path binds it
-                    ids = _ids(refs)
+                    ids = bucket_ids(refs)
                     needed = bound.needed(ids, staging=True)
                     fetched = self._fetch(manifest, refs, needed)
                     bound.stage(fetched, ids, extra_state=manifest.extra_state)
