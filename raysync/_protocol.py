@@ -55,6 +55,7 @@ __all__ = [
     "RingAck",
     "SubscriberInfo",
     "WaitResult",
+    "bucket_ids",
     "compact",
     "expand",
 ]
@@ -438,6 +439,18 @@ class RingAck:
 
     token: int
     reply: RelayReply
+
+
+def bucket_ids(refs: list[Any] | tuple[Any, ...]) -> list[str | None]:
+    """Each bucket's identity in an :class:`Announcement`: the object it came from (same object, same bytes).
+
+    Receivers compare them with what they hold to skip unchanged buckets.
+
+    Example:
+        >>> bucket_ids([ray.put(b"x")])   # doctest: +SKIP
+        ['00ffffffffffffffffffffffffffffffffffffff0100000001e1f505']
+    """
+    return [r.hex() for r in refs]
 
 
 def compact(

@@ -67,6 +67,23 @@ def hub(hub_name: str) -> Iterator[raysync.HubClient]:
     ray.kill(client.actor)
 
 
+def start_hub(name: str, **env: str) -> raysync.HubClient:
+    """A hub whose process runs with ``env`` (e.g. ``RAYSYNC_HUB_RINGS="0"``), as ``connect`` makes it."""
+    from raysync._protocol import DEFAULT_KEEP, DEFAULT_NAMESPACE
+    from raysync.hub.actor import WeightHub
+
+    WeightHub.options(  # type: ignore[attr-defined]
+        name=name,
+        namespace=DEFAULT_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        max_concurrency=10_000,
+        runtime_env={"env_vars": env},
+    ).remote(name=name, keep=DEFAULT_KEEP)
+    return raysync.connect(name)
+
+
 def small_policy(seed: int = 0, *, out: int = 4) -> torch.nn.Module:
     """A tiny policy with parameters of three dtypes' worth of buffers."""
     torch.manual_seed(seed)

@@ -42,8 +42,17 @@ from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
 from raysync.hub.priority import control_plane_priority
-from raysync.hub.relay import Late, compact, late_acks, notify_members, relay_name, start_relay
-from raysync.hub.state import Group, HubState, Subscriber, Waiter
+from raysync.hub.relay import (
+    Late,
+    NodeDelivery,
+    compact,
+    late_acks,
+    notify_members,
+    relay_name,
+    rings,
+    start_relay,
+)
+from raysync.hub.state import Group, HubState, Subscriber, Version, Waiter
 from raysync.ops import metrics
 
 __all__ = ["WeightHub"]
@@ -68,6 +77,11 @@ def relay_enabled() -> bool:
     return os.environ.get("RAYSYNC_RELAY", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def rings_own_node() -> bool:
+    """Whether a hub rings its own node's doorbells itself (``RAYSYNC_HUB_RINGS=0``: a relay does)."""
+    return os.environ.get("RAYSYNC_HUB_RINGS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _cancel(task: asyncio.Task[None] | None) -> None:
     """Stop a delivery loop, unless it is the one running this code (it returns by itself)."""
     if task is not None and task is not asyncio.current_task():
@@ -85,6 +99,11 @@ class WeightHub:
         self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)
         self._relay_starts: dict[str, asyncio.Task[Any]] = {}
         self._relay_failed: dict[str, float] = {}  # node id -> when its relay last failed to start
+        # The hub's own node needs no relay for subscribers with a doorbell: the hub rings them.
+        self._here_node = ray.get_runtime_context().get_node_id()
+        self._here = (
+            NodeDelivery(self._here_node, self._late_here) if relay_enabled() and rings_own_node() else None
+        )
         self._store = HubStore(name)
         self._cond: asyncio.Condition | None = None  # wakes long polls (wait_newer) on publish
         self._started = time.time()
@@ -442,7 +461,6 @@ class WeightHub:
         due again and get the newest version; a member that applied it already skips it.
         """
         assert group.node_id is not None
-        node_id = group.node_id
         while True:
             newest, due = self._state.due_in_group(model_id, group)
             if newest is None or not due:
@@ -450,44 +468,85 @@ class WeightHub:
             prior = {sub: sub.sent for sub in due}
             for sub in due:
                 sub.sent = newest.version
-            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-            # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
-            # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
-            nixl = newest.manifest.transport == "nixl"
-            relay = self._relays.get(node_id) if node_id in self._ready and not nixl else None
-            if relay is None:  # not up yet (or a NIXL version): deliver directly, start it meanwhile
-                if not nixl:
-                    self._start_relay(node_id)
-                members = {s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch) for s in due}
-                acks, late, calls = await notify_members(announcement, members)
-                self._state.delivery_calls += calls
-                pending = tuple(s for ids, _ in late for s in ids)
-                self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
-                if late:
-                    asyncio.get_running_loop().create_task(
-                        self._late(model_id, node_id, newest.version, late)
-                    )
-                continue
-            members = {
-                s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch, s.info.doorbell)
-                for s in due
-                if s.sub_id not in group.known
-            }
-            self._state.delivery_calls += 1
-            try:
-                reply = await getattr(relay, proto.RELAY_DELIVER).remote(RelayDelivery(announcement, members))
-            except Exception as err:  # it died or restarts: deliver directly until it answers again
-                logger.info("hub %r: relay on node %s: %s; delivering directly", self._name, node_id, err)
-                group.relay_lost()
-                for sub, sent in prior.items():
-                    sub.sent = sent
-                self._ready.discard(node_id)
-                continue
-            if group.relay_pid is not None and reply.relay_pid != group.relay_pid:
-                group.relay_lost()  # it restarted since it last answered: its late acks will not come
-            group.relay_pid = reply.relay_pid
-            group.known.update(members)
-            self._acks(group, newest.version, reply, prior)
+            # On the hub's own node, subscribers with a doorbell are rung from here: no relay hop.
+            here = [s for s in due if s.info.doorbell] if self._rings_here(group, newest) else []
+            there = [s for s in due if not s.info.doorbell] if here else due
+            await asyncio.gather(
+                self._ring_here(model_id, group, newest, here, prior),
+                self._via_relay(model_id, group, newest, there, prior),
+            )
+
+    def _rings_here(self, group: Group, newest: Version) -> bool:
+        """Whether the hub rings this node's doorbells itself: its own node, a version that fits."""
+        return self._here is not None and group.node_id == self._here_node and rings(newest.manifest)
+
+    async def _ring_here(
+        self,
+        model_id: str,
+        group: Group,
+        newest: Version,
+        due: list[Subscriber],
+        prior: dict[Subscriber, int],
+    ) -> None:
+        if not due:
+            return
+        assert self._here is not None
+        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+        members = {
+            s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch, s.info.doorbell) for s in due
+        }
+        reply = await self._here.deliver(RelayDelivery(announcement, members))
+        self._acks(group, newest.version, reply, prior)
+
+    async def _via_relay(
+        self,
+        model_id: str,
+        group: Group,
+        newest: Version,
+        due: list[Subscriber],
+        prior: dict[Subscriber, int],
+    ) -> None:
+        """One version to ``due`` through their node's relay (or directly while it is not up)."""
+        if not due:
+            return
+        assert group.node_id is not None
+        node_id = group.node_id
+        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+        # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
+        # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
+        nixl = newest.manifest.transport == "nixl"
+        relay = self._relays.get(node_id) if node_id in self._ready and not nixl else None
+        if relay is None:  # not up yet (or a NIXL version): deliver directly, start it meanwhile
+            if not nixl:
+                self._start_relay(node_id)
+            members = {s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch) for s in due}
+            acks, late, calls = await notify_members(announcement, members)
+            self._state.delivery_calls += calls
+            pending = tuple(s for ids, _ in late for s in ids)
+            self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
+            if late:
+                asyncio.get_running_loop().create_task(self._late(model_id, node_id, newest.version, late))
+            return
+        members = {
+            s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch, s.info.doorbell)
+            for s in due
+            if s.sub_id not in group.known
+        }
+        self._state.delivery_calls += 1
+        try:
+            reply = await getattr(relay, proto.RELAY_DELIVER).remote(RelayDelivery(announcement, members))
+        except Exception as err:  # it died or restarts: deliver directly until it answers again
+            logger.info("hub %r: relay on node %s: %s; delivering directly", self._name, node_id, err)
+            group.relay_lost()
+            for sub in due:
+                sub.sent = prior[sub]
+            self._ready.discard(node_id)
+            return
+        if group.relay_pid is not None and reply.relay_pid != group.relay_pid:
+            group.relay_lost()  # it restarted since it last answered: its late acks will not come
+        group.relay_pid = reply.relay_pid
+        group.known.update(members)
+        self._acks(group, newest.version, reply, prior)
 
     def _acks(self, group: Group, version: int, reply: RelayReply, prior: dict[Subscriber, int]) -> None:
         """Record a relay's acks (members that left meanwhile are skipped)."""
@@ -527,6 +586,11 @@ class WeightHub:
         async for batch in late_acks(late):
             await self.relay_acks(node_id, model_id, version, compact(version, batch))
 
+    def _late_here(self, model_id: str, version: int, reply: RelayReply) -> None:
+        """Late acks of the subscribers the hub rang itself (no relay process to check)."""
+        reply = RelayReply(reply.acks, reply.applied, None, reply.pending)
+        asyncio.get_running_loop().create_task(self.relay_acks(self._here_node, model_id, version, reply))
+
     async def relay_acks(self, node_id: str, model_id: str, version: int, reply: RelayReply) -> None:
         """Acks of subscribers still applying when their relay answered; then deliver what is due."""
         group = self._state.groups.get(f"{model_id}@node:{node_id}")
@@ -555,7 +619,8 @@ class WeightHub:
         sub, replaced, newest = self._state.register(reg)
         if replaced is not None:
             _cancel(replaced.task)
-        if sub.via_node and sub.info.node_id not in self._ready:
+        rung_here = self._here is not None and sub.info.node_id == self._here_node and sub.info.doorbell
+        if sub.via_node and sub.info.node_id not in self._ready and not rung_here:
             self._start_relay(sub.info.node_id)  # type: ignore[arg-type]
         self._store.add(sub)
         logger.info(
@@ -700,6 +765,8 @@ class WeightHub:
         return self._state.status() | {
             "cpu_s": time.process_time(),
             "relays": {node: relay_name(self._name, _actor_id(), node) for node in sorted(self._ready)},
+            # the hub's own node, whose doorbells it rings itself (None: a relay serves it too)
+            "here": None if self._here is None else self._here.stats(),
             "uptime_s": time.time() - self._started,
             "restored_models": self._restored,
         }

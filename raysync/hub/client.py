@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
 from raysync._checks import check_timeout
 from raysync._protocol import (
@@ -428,10 +430,24 @@ class HubClient:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._settle(model_id, wait=True)
         mine = self._pipeline.last.get(model_id)
         offer = mine is not None and mine.version >= version
-        result: WaitResult = self._call("wait", model_id, version, timeout, include_pull, offer)
+        args = (model_id, version, timeout, include_pull, offer)
+        # With publishes unanswered (a push just returned), send the wait at once instead of
+        # after their answers: the hub keeps a stamped version before its publish awaits
+        # anything and starts one caller's calls in order, so the wait finds it (one round
+        # trip less). A refusal among the answers still raises first.
+        early = self.actor.wait.remote(*args) if self._publishes.unanswered(model_id) else None
+        try:
+            self._settle(model_id, wait=True)
+        except BaseException:
+            if early is not None:
+                with contextlib.suppress(Exception):
+                    ray.cancel(early)
+            raise
+        result: WaitResult | None = None if early is None else _early_result(early, timeout)
+        if result is None:
+            result = self._call("wait", *args)
         if result.missing and mine is not None:
             # The hub restarted and lost the version: offer ours again, then wait as usual.
             self._call("restore", model_id, mine.version, mine.manifest, mine.refs, _writer_identity())
@@ -508,6 +524,24 @@ class HubClient:
 
 
 _POST_RETRIES = 10  # hub restarts a call sent without waiting goes through before it fails
+
+
+def _early_result(ref: Any, timeout: float | None) -> WaitResult | None:
+    """The answer to a wait sent with publishes in flight; ``None``: ask again the usual way.
+
+    The usual way retries through a hub restart and offers a version a restart lost;
+    an early wait that met either (or arrived first after all) gives way to it.
+    """
+    try:
+        result: WaitResult = ray.get(ref, timeout=None if timeout is None else timeout + 30.0)
+    except RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, UnknownModelError):
+            return None
+        raise cause if isinstance(cause, RaySyncError) else err from None
+    except (ActorDiedError, ActorUnavailableError, GetTimeoutError):
+        return None
+    return result
 
 
 def _alive(ref: weakref.ReferenceType[HubClient]) -> HubClient:

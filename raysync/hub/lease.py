@@ -175,6 +175,10 @@ class Publishes:
     def models(self) -> list[str]:
         return sorted(set(self._in_flight) | set(self._refused))
 
+    def unanswered(self, model_id: str) -> bool:
+        """Whether publishes of ``model_id`` wait for their answer (read them before querying)."""
+        return bool(self._in_flight.get(model_id))
+
     def settle(
         self, model_id: str, lease: WriterLease, *, wait: bool, timeout: float | None = 60.0
     ) -> int | None:

@@ -34,7 +34,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -51,13 +51,23 @@ from raysync._protocol import (
     RelayDelivery,
     RelayMember,
     RelayReply,
+    bucket_ids,
     compact,
 )
 from raysync.hub.priority import control_plane_priority
 from raysync.transports import doorbell
-from raysync.transports.base import bucket_ids
 
-__all__ = ["ACK_WINDOW_S", "NodeRelay", "compact", "late_acks", "notify_members", "relay_name", "start_relay"]
+__all__ = [
+    "ACK_WINDOW_S",
+    "NodeDelivery",
+    "NodeRelay",
+    "compact",
+    "late_acks",
+    "notify_members",
+    "relay_name",
+    "rings",
+    "start_relay",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +84,19 @@ def relay_name(hub: str, hub_actor_id: str, node_id: str) -> str:
     return f"raysync-relay:{hub}:{hub_actor_id[:12]}:{node_id[:24]}"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class NodeRelay:
-    """The relay actor of one hub on one node; the hub starts it (:func:`start_relay`)."""
+class NodeDelivery:
+    """What a relay does with each version for its node's subscribers, as plain Python.
 
-    def __init__(self, hub: Any, node_id: str) -> None:
-        control_plane_priority()  # as the hub's (hub/priority.py)
-        self._hub = hub  # the hub's handle: where late acks go
+    The relay actor wraps one (:class:`NodeRelay`); the hub keeps one for its own node,
+    where it rings doorbells itself (no hop through a relay). ``send_late(model_id,
+    version, reply)`` takes the acks of subscribers slower than the window.
+    """
+
+    def __init__(self, node_id: str, send_late: Callable[[str, int, RelayReply], None]) -> None:
         self._node_id = node_id
+        self._send_late = send_late
         self._members: dict[str, RelayMember] = {}
-        self._fault: str | None = None
+        self.fault: str | None = None
         self.delivered = 0  # calls made to subscribers
         self.deliveries = 0  # messages from the hub
         self.rung = 0  # doorbells rung (one per subscriber process and version)
@@ -96,14 +109,14 @@ class NodeRelay:
         """Hand ``delivery.announcement`` to each of its ``sub_ids``; the acks in one reply.
 
         Subscribers that take longer than :data:`ACK_WINDOW_S` are listed in the reply's
-        ``pending``; their acks follow in batches (the hub's ``relay_acks``).
+        ``pending``; their acks follow in batches (``send_late``).
         """
         self.deliveries += 1
         self._members.update(delivery.members)
         a = delivery.announcement
         members = {s: m for s in a.sub_ids if (m := self._members.get(s)) is not None}
         unknown = [RelayAck(s, None, "unknown") for s in a.sub_ids if s not in members]
-        exit_mid = self._fault == "exit_mid_delivery"
+        exit_mid = self.fault == "exit_mid_delivery"
         t0 = time.perf_counter()
         tokens, called = await self._ring(a, members)
         t1 = time.perf_counter()
@@ -121,7 +134,7 @@ class NodeRelay:
         self.delivered += calls
         acks += rung_acks
         self._forget_dead(acks)
-        if self._fault == "exit_before_reply":
+        if self.fault == "exit_before_reply":
             _exit()
         if late:
             asyncio.get_running_loop().create_task(self._forward(a.model_id, a.version, late))
@@ -136,21 +149,14 @@ class NodeRelay:
         Returns the rings' tokens and the members to call the Ray way.
         """
         bells = {s: m for s, m in members.items() if m.doorbell is not None}
-        if not bells or not _fits(a):
+        if not bells or not rings(a.manifest):
             return [], members
         try:
             ringer, writer = self._doorbell()
-            arrays = await asyncio.to_thread(ray.get, list(a.refs), timeout=_FETCH_S)
-            ids = bucket_ids(list(a.refs))
-            path = await asyncio.to_thread(writer.write, a.model_id, a.version, a.manifest, ids, arrays)
-            del arrays
+            path = await asyncio.to_thread(_write_segment, writer, a)
         except Exception as err:  # no room in /dev/shm, bytes gone, ...: the Ray way this time
             logger.info(
-                "relay on %s: no doorbell for %r version %d: %s",
-                self._node_id[:8],
-                a.model_id,
-                a.version,
-                err,
+                "node %s: no doorbell for %r version %d: %s", self._node_id[:8], a.model_id, a.version, err
             )
             return [], members
         by_process: dict[str, list[str]] = {}
@@ -163,7 +169,7 @@ class NodeRelay:
                 tokens += ringer.ring(address, a.model_id, a.version, path, sub_ids)
                 self.rung += 1
             except OSError as err:  # gone, or not reachable from here: call it; stop ringing it
-                logger.debug("relay: doorbell of %s: %s", sub_ids[0], err)
+                logger.debug("node %s: doorbell of %s: %s", self._node_id[:8], sub_ids[0], err)
                 for sub_id in sub_ids:
                     member = replace(bells[sub_id], doorbell=None)
                     self._members[sub_id] = called[sub_id] = member
@@ -182,14 +188,14 @@ class NodeRelay:
         if self._bell is None:
             removed = doorbell.sweep_segments()  # left by relays of this node that died
             if removed:
-                logger.info("relay: removed %d shared-memory segment(s) of dead relays", removed)
+                logger.info("node %s: removed %d segment(s) of dead relays", self._node_id[:8], removed)
             ringer = doorbell.Ringer()
             ringer.late = self._late_ring
             self._bell = (ringer, doorbell.SegmentWriter())
         return self._bell
 
     def _late_ring(self, model_id: str, version: int, acks: list[RelayAck]) -> None:
-        """Acks of rung subscribers slower than the window: to the hub in batches (like :meth:`_forward`)."""
+        """Acks of rung subscribers slower than the window: in batches, like :meth:`_forward`'s."""
         key = (model_id, version)
         if key not in self._late_rows:
             self._late_rows[key] = []
@@ -200,27 +206,25 @@ class NodeRelay:
         acks = self._late_rows.pop(key, [])
         self._forget_dead(acks)
         if acks:
-            reply = compact(key[1], acks, os.getpid())
-            getattr(self._hub, proto.RELAY_ACKS).remote(self._node_id, key[0], key[1], reply)
+            self._send_late(key[0], key[1], compact(key[1], acks, os.getpid()))
 
     async def _forward(self, model_id: str, version: int, late: Late) -> None:
-        """Send the hub the acks of slow subscribers, a batch per message, as their calls end."""
+        """Send the acks of slow subscribers, a batch per message, as their calls end."""
         async for batch in late_acks(late):
             self._forget_dead(batch)
-            reply = compact(version, batch, os.getpid())
-            getattr(self._hub, proto.RELAY_ACKS).remote(self._node_id, model_id, version, reply)
+            self._send_late(model_id, version, compact(version, batch, os.getpid()))
 
     def _forget_dead(self, acks: list[RelayAck]) -> None:
         for ack in acks:
             if ack.outcome == "died":
                 self._members.pop(ack.sub_id, None)
 
-    async def forget(self, sub_ids: list[str]) -> None:
+    def forget(self, sub_ids: list[str]) -> None:
         """Drop subscriptions that left (their handles are not needed any more)."""
         for sub_id in sub_ids:
             self._members.pop(sub_id, None)
 
-    async def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Its process, node, and the calls it made so far (for tests and benchmarks)."""
         return {
             "pid": os.getpid(),
@@ -234,25 +238,56 @@ class NodeRelay:
             "acks_s": statistics.median(t[1] for t in self._timing) if self._timing else None,
         }
 
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class NodeRelay:
+    """The relay actor of one hub on one node; the hub starts it (:func:`start_relay`)."""
+
+    def __init__(self, hub: Any, node_id: str) -> None:
+        control_plane_priority()  # as the hub's (hub/priority.py)
+
+        def send_late(model_id: str, version: int, reply: RelayReply) -> None:
+            getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
+
+        self._node = NodeDelivery(node_id, send_late)
+
+    async def deliver(self, delivery: RelayDelivery) -> RelayReply:
+        """See :meth:`NodeDelivery.deliver`."""
+        return await self._node.deliver(delivery)
+
+    async def forget(self, sub_ids: list[str]) -> None:
+        """Drop subscriptions that left (their handles are not needed any more)."""
+        self._node.forget(sub_ids)
+
+    async def stats(self) -> dict[str, Any]:
+        """Its process, node, and the calls it made so far (for tests and benchmarks)."""
+        return self._node.stats()
+
     async def _raysync_test_fault(self, kind: str) -> None:
         """Tests: die at a chosen point of the next delivery (once: a restarted relay forgets it)."""
         if kind not in _FAULTS:
             raise ValueError(f"fault must be one of {_FAULTS}, got {kind!r}")
-        self._fault = kind
+        self._node.fault = kind
 
 
 _FETCH_S = 30.0  # a version's bytes not at hand by then (pusher gone?): the Ray way instead
 
 
-def _fits(a: Announcement) -> bool:
-    """Whether a version goes by doorbell: object-store bytes, no larger than the limit."""
+def rings(manifest: Any) -> bool:
+    """Whether a version goes by doorbell: object-store bytes, no larger than the limit, here."""
     limit = doorbell.max_bytes()
     return (
         limit > 0
-        and a.manifest.transport == "object_store"
-        and sum(a.manifest.bucket_nbytes) <= limit
+        and manifest.transport == "object_store"
+        and sum(manifest.bucket_nbytes) <= limit
         and doorbell.available()
     )
+
+
+def _write_segment(writer: doorbell.SegmentWriter, a: Announcement) -> str:
+    """Fetch a version's buckets (zero-copy on this node) and write them into a new segment."""
+    buckets = ray.get(list(a.refs), timeout=_FETCH_S)
+    return writer.write(a.model_id, a.version, a.manifest, bucket_ids(list(a.refs)), buckets)
 
 
 def _exit() -> None:

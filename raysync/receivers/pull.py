@@ -16,12 +16,11 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from raysync import _protocol as proto
-from raysync._protocol import Announcement, ApplyReport
+from raysync._protocol import Announcement, ApplyReport, bucket_ids
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
 from raysync.hub.locate import call_hub_async
 from raysync.receivers.membership import membership
-from raysync.transports.base import bucket_ids
 
 if TYPE_CHECKING:
     from raysync.receivers.membership import Member

@@ -22,7 +22,7 @@ import torch
 from ray.exceptions import ObjectLostError
 
 from raysync import _protocol as proto
-from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo
+from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo, bucket_ids
 from raysync.core.bound import BoundModel
 from raysync.core.codec import require_checksums, verify_checksums
 from raysync.core.extract import module_schema
@@ -30,7 +30,6 @@ from raysync.core.layout import Manifest, validate
 from raysync.errors import ApplyError, RaySyncError, UnknownModelError
 from raysync.receivers.membership import membership
 from raysync.receivers.pull import PullSync
-from raysync.transports.base import bucket_ids
 from raysync.transports.doorbell import Segment, doorbell
 from raysync.transports.nixl import receive_into
 from raysync.transports.store_pages import populate_store_mapping

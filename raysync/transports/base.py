@@ -21,25 +21,12 @@ __all__ = [
     "HubTransport",
     "Reuse",
     "Snapshot",
-    "bucket_ids",
     "check_transport",
     "transport_for",
 ]
 
 TRANSPORTS = ("object_store", "nixl")
 """The hub's data paths, by name (``hub.push(..., transport=...)``, ``raysync.connect(transport=...)``)."""
-
-
-def bucket_ids(refs: list[Any]) -> list[str | None]:
-    """Each bucket's identity: the object it came from (same object, same bytes).
-
-    Receivers compare them with what they hold to skip unchanged buckets.
-
-    Example:
-        >>> bucket_ids([ray.put(b"x")])   # doctest: +SKIP
-        ['00ffffffffffffffffffffffffffffffffffffff0100000001e1f505']
-    """
-    return [r.hex() for r in refs]
 
 
 Reuse = Callable[[int, list[Any]], Any]

@@ -1,7 +1,12 @@
-"""Delivery through one relay per node: one hub message per node per version; dying relays lose nothing."""
+"""Delivery through one relay per node: one hub message per node per version; dying relays lose nothing.
+
+On one machine the only node is the hub's own, whose doorbells the hub rings itself by
+default; these tests start hubs with ``RAYSYNC_HUB_RINGS=0`` so that a relay serves it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -10,8 +15,16 @@ import ray
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE
 from raysync.hub.relay import relay_name
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests.conftest import assert_same_weights, small_policy, start_hub, wait_for_condition
 from tests.integration.test_synced import make_collector
+
+
+@pytest.fixture
+def hub(hub_name: str) -> Iterator[raysync.HubClient]:
+    """A hub that leaves its own node to a relay too (by default it rings doorbells there itself)."""
+    client = start_hub(hub_name, RAYSYNC_HUB_RINGS="0")
+    yield client
+    ray.kill(client.actor)
 
 
 def _relay(hub: raysync.HubClient) -> Any:
