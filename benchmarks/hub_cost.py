@@ -4,8 +4,11 @@ Starts a ``ray.cluster_utils.Cluster`` of ``max(--nodes)`` simulated nodes (a
 head and workers, ``--cpus-per-node`` CPUs each) on this machine. On every node,
 ``--actors-per-node`` light async actors (``num_cpus=0``) hold the subscriptions:
 they answer each notification at once without fetching anything, so what is
-measured is the control plane. Each subscription is notified by its own call
-(what one ``@synced_model`` actor per subscription costs), unless ``--batch``.
+measured is the control plane. As ``@synced_model`` processes do, each actor
+has a doorbell that its node's relay (on the hub's node, the hub) rings once per
+version for all its subscriptions; with ``--no-doorbell`` each subscription is
+notified by its own Ray call (what one ``@synced_model`` actor per subscription
+cost before doorbells), or one per actor with ``--batch``.
 
 For every (nodes, subscriptions, delivery) a fresh hub: ``relay`` is the
 default (one relay per node, one hub message per node per version),
@@ -14,7 +17,8 @@ subscriber per version). Medians over ``--pushes`` pushes of a small model:
 
 ``msgs_per_version``
     the hub's outgoing delivery calls per version (``status()["delivery"]["calls"]``),
-    exact: every value seen is listed in ``msgs_seen``.
+    exact: every value seen is listed in ``msgs_seen``. The hub's own node costs none
+    when its subscribers have doorbells (the hub rings them itself).
 ``hub_cpu_ms``
     CPU time of the hub process (its own ``time.process_time()``) from just before
     ``hub.push`` until ``hub.wait`` returned.
@@ -56,6 +60,7 @@ import raysync
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.hub.actor import WeightHub
 from raysync.ops.bench import harness
+from raysync.transports.doorbell import doorbell
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "hub_cost.json"
 
@@ -75,6 +80,15 @@ class LightSubscribers:
 
     async def node(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
+
+    async def doorbell(self, sub_ids: list[str]) -> str | None:
+        """Answer rings for ``sub_ids`` as a ``@synced_model`` process would (at once); its address."""
+        bell = doorbell()
+        if bell is None:
+            return None
+        for sub_id in sub_ids:
+            bell.register(sub_id, lambda ring, segment: ApplyReport(applied=ring.version, apply_s=0.0))
+        return bell.address
 
 
 def start_hub(name: str, delivery: str) -> raysync.HubClient:
@@ -100,11 +114,22 @@ def measure(
     hub = start_hub(name, delivery)
     used = [(node, a) for node in list(actors)[:nodes] for a in actors[node]]
     try:
+        subs: dict[Any, list[str]] = {}
+        for i in range(n):
+            node, actor = used[i % len(used)]
+            subs.setdefault(actor, []).append(f"light-{actor._actor_id.hex()[:8]}-{i}:policy")
+        bells = {a: ray.get(a.doorbell.remote(ids)) if args.doorbell else None for a, ids in subs.items()}
         pending = []
         for i in range(n):
             node, actor = used[i % len(used)]
             aid = actor._actor_id.hex()
-            info = SubscriberInfo(actor_id=aid, class_name="LightSubscribers", node_id=node, batch=args.batch)
+            info = SubscriberInfo(
+                actor_id=aid,
+                class_name="LightSubscribers",
+                node_id=node,
+                batch=args.batch,
+                doorbell=bells[actor],
+            )
             reg = Registration(f"light-{aid[:8]}-{i}:policy", "policy", actor, info)
             pending.append(hub.actor.register.remote(reg))
         ray.get(pending)
@@ -143,6 +168,7 @@ def measure(
             "subscriptions": n,
             "delivery": delivery,
             "batch": args.batch,
+            "doorbell": args.doorbell,
             "actors": len(used),
             "msgs_per_version": statistics.median(msgs),
             "msgs_seen": sorted(set(msgs)),
@@ -199,6 +225,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus-per-node", type=int, default=1)
     p.add_argument(
         "--batch", action="store_true", help="one call per actor (NOTIFY_BATCH), not per subscription"
+    )
+    p.add_argument(
+        "--no-doorbell",
+        dest="doorbell",
+        action="store_false",
+        help="subscriptions without a doorbell: one Ray call each from their node's relay",
     )
     p.add_argument("--pushes", type=int, default=10, help="timed pushes per configuration (medians)")
     harness.add_options(p, timeout=120.0, json=DEFAULT_JSON)
