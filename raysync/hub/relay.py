@@ -151,28 +151,19 @@ class NodeDelivery:
         bells = {s: m for s, m in members.items() if m.doorbell is not None}
         if not bells or not rings(a.manifest):
             return [], members
-        try:
-            ringer, writer = self._doorbell()
-            path = await asyncio.to_thread(_write_segment, writer, a)
+        ringer, writer = self._doorbell()
+        try:  # in one worker thread: fetch, write, ring (the loop keeps reading acks meanwhile)
+            tokens, unreachable = await asyncio.to_thread(_write_and_ring, ringer, writer, a, bells)
         except Exception as err:  # no room in /dev/shm, bytes gone, ...: the Ray way this time
             logger.info(
                 "node %s: no doorbell for %r version %d: %s", self._node_id[:8], a.model_id, a.version, err
             )
             return [], members
-        by_process: dict[str, list[str]] = {}
-        for sub_id, member in bells.items():
-            by_process.setdefault(member.doorbell, []).append(sub_id)  # type: ignore[arg-type]
+        self.rung += len({bells[s].doorbell for s in bells if s not in unreachable})
         called = {s: m for s, m in members.items() if m.doorbell is None}
-        tokens: list[int] = []
-        for address, sub_ids in by_process.items():
-            try:
-                tokens += ringer.ring(address, a.model_id, a.version, path, sub_ids)
-                self.rung += 1
-            except OSError as err:  # gone, or not reachable from here: call it; stop ringing it
-                logger.debug("node %s: doorbell of %s: %s", self._node_id[:8], sub_ids[0], err)
-                for sub_id in sub_ids:
-                    member = replace(bells[sub_id], doorbell=None)
-                    self._members[sub_id] = called[sub_id] = member
+        for sub_id in unreachable:  # gone, or not reachable from here: call it; stop ringing it
+            member = replace(bells[sub_id], doorbell=None)
+            self._members[sub_id] = called[sub_id] = member
         return tokens, called
 
     async def _rung_acks(self, tokens: list[int], exit_mid: bool) -> tuple[list[RelayAck], list[str]]:
@@ -284,10 +275,26 @@ def rings(manifest: Any) -> bool:
     )
 
 
-def _write_segment(writer: doorbell.SegmentWriter, a: Announcement) -> str:
-    """Fetch a version's buckets (zero-copy on this node) and write them into a new segment."""
+def _write_and_ring(
+    ringer: doorbell.Ringer, writer: doorbell.SegmentWriter, a: Announcement, bells: dict[str, RelayMember]
+) -> tuple[list[int], list[str]]:
+    """Fetch a version's buckets (zero-copy on this node), write them into a new segment, and
+    ring every process in ``bells``; the rings' tokens and the subscriptions not rung."""
     buckets = ray.get(list(a.refs), timeout=_FETCH_S)
-    return writer.write(a.model_id, a.version, a.manifest, bucket_ids(list(a.refs)), buckets)
+    path = writer.write(a.model_id, a.version, a.manifest, bucket_ids(list(a.refs)), buckets)
+    del buckets
+    by_process: dict[str, list[str]] = {}
+    for sub_id, member in bells.items():
+        by_process.setdefault(member.doorbell, []).append(sub_id)  # type: ignore[arg-type]
+    tokens: list[int] = []
+    unreachable: list[str] = []
+    for address, sub_ids in by_process.items():
+        try:
+            tokens += ringer.ring(address, a.model_id, a.version, path, sub_ids)
+        except OSError as err:
+            logger.debug("doorbell of %s: %s", sub_ids[0], err)
+            unreachable += sub_ids
+    return tokens, unreachable
 
 
 def _exit() -> None:

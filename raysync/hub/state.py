@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from raysync.errors import StaleWriterError, UnknownModelError, WeightMismatchEr
 __all__ = ["HubState", "Model", "Subscriber", "Version", "Waiter"]
 
 logger = logging.getLogger(__name__)
+
+_FITS_KEPT = 4096  # (layout, schema) pairs remembered as fitting before the memo starts afresh
 
 
 @dataclass
@@ -100,9 +103,9 @@ class Subscriber:
         """Whether a wait counts it without ``include_pull``: push and follow subscribers."""
         return self.info.mode != "pull"
 
-    @property
+    @functools.cached_property
     def schema_key(self) -> Any:
-        """Subscribers with equal schemas are validated once per publish."""
+        """Subscribers with equal schemas are validated together (and once per layout)."""
         if self.schema is None:
             return None
         return tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in self.schema.items()))
@@ -187,6 +190,7 @@ class HubState:
         self.by_model: dict[str, dict[str, Subscriber]] = {}
         self.groups: dict[str, Group] = {}
         self.waiters: dict[str, set[Waiter]] = {}
+        self._fits: set[tuple[str, Any]] = set()  # (layout hash, schema key) found to fit
 
     # ------------------------------------------------------------------ subscribers
     def subscribers(self, model_id: str) -> list[Subscriber]:
@@ -356,14 +360,18 @@ class HubState:
         """Why a version does not fit the subscribers' models: one error per schema, with its subscribers."""
         by_schema: dict[Any, list[Subscriber]] = {}
         for sub in self.subscribers(model_id):
-            if sub.schema is not None:
+            if sub.schema is not None and (manifest.layout_hash, sub.schema_key) not in self._fits:
                 by_schema.setdefault(sub.schema_key, []).append(sub)
         found = []
-        for subs in by_schema.values():
+        for key, subs in by_schema.items():
             try:
                 validate(manifest, subs[0].schema)  # type: ignore[arg-type]
             except WeightMismatchError as err:
                 found.append((err, subs))
+                continue
+            if len(self._fits) > _FITS_KEPT:
+                self._fits.clear()
+            self._fits.add((manifest.layout_hash, key))  # a layout fits a schema or not, for good
         return found
 
     def writer_to_check(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> dict[str, Any] | None:

@@ -5,12 +5,23 @@
   store into a process once).
 - :mod:`.nixl`: Ray's tensor transport, from the trainer's snapshot buffers straight
   into the receivers' registered buffers.
+- :mod:`.doorbell`: the node-local hop of small versions, from a relay (or the hub)
+  to the subscriber processes of its node: shared memory and a doorbell per process.
 
 Pick one per push with ``hub.push(..., transport=...)`` or per client with
 ``raysync.connect(..., transport=...)``. Per-worker links (pipes, RPC,
 torch.distributed) are :mod:`raysync.channels`.
 """
 
-from raysync.transports.base import TRANSPORTS
+from typing import Any
 
 __all__ = ["TRANSPORTS"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: the hub's process imports the doorbell from here, and must not load torch.
+    if name == "TRANSPORTS":
+        from raysync.transports.base import TRANSPORTS
+
+        return TRANSPORTS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

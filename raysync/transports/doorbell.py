@@ -81,6 +81,7 @@ _KEEP = 4  # segments kept per model: a reader a few versions behind still finds
 _DEFAULT_MAX_BYTES = 8 << 20
 _CHUNK = 256  # subscriptions per datagram (a datagram stays far below the socket's limit)
 _SOCK_BUF = 4 << 20
+_IOV_MAX = 512  # buffers per pwritev (the system's limit is 1024)
 _STALE_S = 300.0  # a ring unanswered this long is forgotten
 
 
@@ -181,31 +182,34 @@ class SegmentWriter:
         header = pickle.dumps(
             (model_id, version, manifest, list(ids), sizes), protocol=pickle.HIGHEST_PROTOCOL
         )
-        offsets = []
-        end = _aligned(8 + len(header))
+        # One gathered write (pwritev) of header, buckets and the padding between them: no
+        # mapping to fault in and tear down, and a full /dev/shm is an error here, never a SIGBUS.
+        parts: list[Any] = [len(header).to_bytes(8, "little"), header]
+        end = 8 + len(header)
         for arrays in buckets:
             for a in arrays:
-                offsets.append((end, a))
-                end = _aligned(end + int(a.nbytes))
+                pad = _aligned(end) - end
+                if pad:
+                    parts.append(bytes(pad))
+                n = int(a.nbytes)
+                if n:
+                    parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+                end += pad + n
         path = os.path.join(SHM_DIR, _segment_name(os.getpid(), model_id, version))
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, end)  # a full /dev/shm fails here, not as SIGBUS later
-            except OSError:
-                os.unlink(path)
-                raise
-            with mmap.mmap(fd, end) as mm:
-                mm[:8] = len(header).to_bytes(8, "little")
-                mm[8 : 8 + len(header)] = header
-                for off, a in offsets:
-                    n = int(a.nbytes)
-                    if n:
-                        dst = np.frombuffer(mm, dtype=np.uint8, count=n, offset=off)
-                        dst[:] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                        del dst  # the mapping closes only once no view of it is left
-        finally:
+            offset = 0
+            for i in range(0, len(parts), _IOV_MAX):
+                chunk = parts[i : i + _IOV_MAX]
+                want = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in chunk)
+                if os.pwritev(fd, chunk, offset) != want:
+                    raise OSError(errno.ENOSPC, f"short write to {path}")
+                offset += want
+        except OSError:
             os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
         kept = self._paths.setdefault(model_id, collections.deque())
         kept.append(path)
         while len(kept) > self._keep:
@@ -306,33 +310,41 @@ class Ringer:
     ) -> list[int]:
         """Ring one process for ``sub_ids``; the tokens to :meth:`wait` on (one per datagram).
 
+        Callable from a worker thread (what it rings is registered before it is sent).
+
         Raises:
             OSError: the process is gone or cannot be reached (``ECONNREFUSED``,
                 ``ENOENT``), or its queue is full (``EAGAIN``): call it the Ray way.
         """
-        self._start_reading()
         self._drop_stale()
         tokens = []
-        for i in range(0, len(sub_ids), _CHUNK):
-            chunk = tuple(sub_ids[i : i + _CHUNK])
-            token = next(self._tokens)
-            ring = Ring(token, model_id, version, segment, chunk, self.address)
-            self._sock.sendto(pickle.dumps(ring, protocol=pickle.HIGHEST_PROTOCOL), address)
-            self._open[token] = _Rung(model_id, version, set(chunk))
-            tokens.append(token)
+        try:
+            for i in range(0, len(sub_ids), _CHUNK):
+                chunk = tuple(sub_ids[i : i + _CHUNK])
+                token = next(self._tokens)
+                ring = Ring(token, model_id, version, segment, chunk, self.address)
+                self._open[token] = _Rung(model_id, version, set(chunk))
+                tokens.append(token)
+                self._sock.sendto(pickle.dumps(ring, protocol=pickle.HIGHEST_PROTOCOL), address)
+        except OSError:
+            self.forget(tokens)
+            raise
         return tokens
 
     def _drop_stale(self) -> None:
         """Forget rings whose process never answered (it died): the Ray call settled them."""
         cutoff = time.monotonic() - _STALE_S
-        for token in [t for t, r in self._open.items() if r.late and r.since < cutoff]:
-            del self._open[token]
+        for token, rung in list(self._open.items()):
+            if rung.late and rung.since < cutoff:
+                self._open.pop(token, None)
 
     async def wait(self, tokens: Sequence[int], timeout: float | None) -> tuple[list[RelayAck], list[str]]:
         """The acks of ``tokens`` that came within ``timeout``, and the subscriptions still applying.
 
-        Acks that come later go to :attr:`late` ``(model_id, version, acks)``.
+        Acks that come later go to :attr:`late` ``(model_id, version, acks)``. Call it on
+        the event loop that reads the acks (the first call starts reading).
         """
+        self._start_reading()
         rungs = [self._open[t] for t in tokens if t in self._open]
         waits = [r.done for r in rungs if not r.done.is_set()]
         if waits:
