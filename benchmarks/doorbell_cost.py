@@ -1,20 +1,25 @@
 """What waking N subscriber processes on one node costs: a Ray actor call each, or a shared-memory doorbell.
 
-The relay's step "hand this version to the N subscribers on my node" done two
+The relay's step "hand this version to the N subscribers on my node" done three
 ways, each until every subscriber answered:
 
 ``actor_calls``
-    what the relay does today: one Ray actor call per subscriber (an async
+    what the relay does for versions over the doorbell's limit (and views, async
+    actors): one Ray actor call per subscriber (an async
     actor per subscriber, ``num_cpus=0``), all in flight at once, then one
     ``ray.wait`` for all replies.
+``raysync_doorbell``
+    what relays do now for versions up to 8 MiB (``raysync.transports.doorbell``):
+    N plain processes, each with raysync's ``Doorbell`` (a Unix datagram socket
+    and a thread); per round the ringer writes a 4 KiB version into a new
+    shared-memory segment, rings every process and waits for every ack datagram
+    on an event loop (``Ringer``). The subscribers' handlers answer at once.
 ``doorbell``
     N plain processes, each blocked on its own POSIX semaphore in shared memory;
     the ringer writes the version into shared memory, posts each semaphore,
     and waits for N posts of an ack semaphore (each waiter writes the version
     it saw into its slot first). No Ray on the path: the floor of a node-local
-    wake-up, not a complete delivery (a subscriber would still need the
-    version's ``ObjectRef``\\ s, which Ray cannot hand over through shared
-    memory without pinning the objects for good).
+    wake-up, not a complete delivery.
 
 Medians over ``--rounds``, wall time and the ringer's CPU time per round.
 
@@ -76,6 +81,55 @@ def doorbell(n: int, rounds: int) -> dict[str, float]:
     return {"wall_ms": statistics.median(walls), "ringer_cpu_ms": statistics.median(cpus)}
 
 
+def _bell_waiter(conn: Any) -> None:
+    from raysync._protocol import ApplyReport
+    from raysync.transports.doorbell import Doorbell
+
+    bell = Doorbell()
+    bell.register("s", lambda ring, segment: ApplyReport(applied=ring.version, apply_s=0.0))
+    conn.send(bell.address)
+    time.sleep(3600)  # the doorbell's thread answers; the parent ends this process
+
+
+def raysync_doorbell(n: int, rounds: int) -> dict[str, float]:
+    import asyncio
+
+    import numpy as np
+
+    from raysync.transports.doorbell import Ringer, SegmentWriter
+
+    ctx = mp.get_context("fork")
+    procs, addresses = [], []
+    for _ in range(n):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_bell_waiter, args=(theirs,), daemon=True)
+        proc.start()
+        procs.append(proc)
+        addresses.append(ours.recv())
+    version = [[np.zeros(4096, dtype=np.uint8)]]
+
+    async def run() -> dict[str, float]:
+        ringer, writer = Ringer(), SegmentWriter()
+        walls, cpus = [], []
+        for r in range(1, rounds + 1):
+            c0, t0 = time.process_time(), time.perf_counter()
+            path = writer.write("policy", r, None, ["x"], version)
+            tokens = [t for a in addresses for t in ringer.ring(a, "policy", r, path, ["s"])]
+            acks, missing = await ringer.wait(tokens, timeout=30)
+            walls.append((time.perf_counter() - t0) * 1e3)
+            cpus.append((time.process_time() - c0) * 1e3)
+            assert not missing and all(a.report is not None and a.report.applied == r for a in acks)
+        writer.close()
+        ringer.close()
+        return {"wall_ms": statistics.median(walls), "ringer_cpu_ms": statistics.median(cpus)}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
 @ray.remote(num_cpus=0)
 class _Sub:
     async def notify(self, v: int) -> int:
@@ -106,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for n in args.subscribers:  # before Ray starts: forked waiters must not inherit its threads
         rows.append({"subscribers": n, "way": "doorbell", **doorbell(n, args.rounds)})
+        print(json.dumps(rows[-1]), flush=True)
+        rows.append({"subscribers": n, "way": "raysync_doorbell", **raysync_doorbell(n, args.rounds)})
         print(json.dumps(rows[-1]), flush=True)
     ray.init(num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False, log_to_driver=False)
     try:
