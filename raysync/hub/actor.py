@@ -48,6 +48,7 @@ from raysync.hub.relay import (
     compact,
     late_acks,
     notify_members,
+    quiet_threaded_gets,
     relay_name,
     rings,
     start_relay,
@@ -94,6 +95,7 @@ class WeightHub:
 
     def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
         control_plane_priority()  # RAYSYNC_HUB_NICE, else Ray's: see hub/priority.py
+        quiet_threaded_gets()
         self._state = HubState(name, keep, relay=relay_enabled())
         self._relays: dict[str, Any] = {}  # node id -> its relay's handle
         self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)

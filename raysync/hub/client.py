@@ -49,6 +49,7 @@ from raysync.errors import ApplyError, RaySyncError, StaleWriterError, SyncTimeo
 from raysync.hub.lease import Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor
 from raysync.hub.push import PushPipeline, PushRequest
+from raysync.hub.sender import sender
 from raysync.hub.state import Version
 from raysync.ops import metrics
 from raysync.transports.base import check_transport
@@ -162,6 +163,7 @@ class HubClient:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call the hub; while it restarts (or after it died), find it again and retry."""
+        sender().flush()  # after this process's publishes still queued
 
         def handle(fresh: bool) -> Any:
             if fresh:
@@ -195,11 +197,17 @@ class HubClient:
         with lease.lock:
             version, epoch = lease.take(
                 lambda: self._acquire(model_id, pusher),
-                lambda: self._post(ACQUIRE, model_id, pusher, self.takeover, BLOCK),
+                lambda: self._ask_ahead(model_id, pusher),
             )
             if lease.confirmed == manifest.layout_hash:
                 pub = Publication(model_id, manifest, tuple(refs), pusher, version, epoch)
-                self._publishes.add(model_id, version, epoch, self._post(PUBLISH_STAMPED, pub))
+                # Submitted from this process's sender thread (Ray's submission of a call that
+                # carries refs costs more than a small snapshot); every other hub call of this
+                # client waits for it first, so the hub sees this writer's calls in order.
+                sender().send(
+                    lambda: self._publishes.add(model_id, version, epoch, self._post(PUBLISH_STAMPED, pub)),
+                    on_error=lambda err: self._publishes.not_sent(model_id, lease, version, err),
+                )
                 return version
             args = (model_id, manifest, refs, pusher, self.takeover, version, epoch)
             try:
@@ -210,6 +218,10 @@ class HubClient:
             lease.confirmed = manifest.layout_hash
             self._publishes.sent(model_id, version, epoch)
         return version
+
+    def _ask_ahead(self, model_id: str, pusher: dict[str, Any]) -> Any:
+        """Ask for the next block of numbers without waiting (the push flushed the sender first)."""
+        return self._post(ACQUIRE, model_id, pusher, self.takeover, BLOCK)
 
     def _acquire(self, model_id: str, pusher: dict[str, Any]) -> Grant:
         grant: Grant = self._call(ACQUIRE, model_id, pusher, self.takeover, BLOCK)
@@ -224,6 +236,7 @@ class HubClient:
         Offers the newest version again if a hub restart swallowed its publish, and
         raises (with ``raise_refused``) what the hub refused since the last time.
         """
+        sender().flush()  # publishes still queued are submitted, and recorded, first
         swallowed = self._publishes.settle(model_id, self._lease(model_id), wait=wait)
         mine = self._pipeline.last.get(model_id)
         sent = self._publishes.epochs.get(model_id)
@@ -239,6 +252,7 @@ class HubClient:
 
     def _settle_all(self) -> None:
         """Before a query: this client's publishes have reached the hub (refusals are kept for later)."""
+        sender().flush()
         for model_id in self._publishes.models():
             self._settle(model_id, wait=True, raise_refused=False)
 
@@ -349,12 +363,10 @@ class HubClient:
         self.last_push = {"model_id": model_id}
         pushed = self._pipeline.push(request, writer=_writer_identity())
         self.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
-        metrics.record_push(
-            self.name,
-            model_id,
-            seconds=pushed.stats["seconds"],
-            nbytes=pushed.stats["bytes"],
-            transport=transport,
+        seconds, nbytes, name = pushed.stats["seconds"], pushed.stats["bytes"], self.name
+        sender().send(  # metrics too: off the trainer's thread
+            lambda: metrics.record_push(name, model_id, seconds=seconds, nbytes=nbytes, transport=transport),
+            on_error=lambda err: None,  # record_push logs its own failures
         )
         if wait:
             self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
@@ -437,6 +449,7 @@ class HubClient:
         # after their answers: the hub keeps a stamped version before its publish awaits
         # anything and starts one caller's calls in order, so the wait finds it (one round
         # trip less). A refusal among the answers still raises first.
+        sender().flush()
         early = self.actor.wait.remote(*args) if self._publishes.unanswered(model_id) else None
         try:
             self._settle(model_id, wait=True)

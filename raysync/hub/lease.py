@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
@@ -153,19 +154,27 @@ class _InFlight:
     version: int
     epoch: int
     ref: Any
+    answer: concurrent.futures.Future[Any] | None = None  # the reply, as Ray delivers it
 
 
 class Publishes:
-    """One client's publishes whose replies it has not read yet, per model."""
+    """One client's publishes whose replies it has not read yet, per model.
+
+    Each reply is watched by a future that Ray completes when it arrives, so reading the
+    replies that came costs no call into Ray (a push reads them on the trainer's thread).
+    """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # the sender thread adds, the pushing thread reads
         self._in_flight: dict[str, list[_InFlight]] = {}
         self._refused: dict[str, Refusal] = {}
         self.epochs: dict[str, tuple[int, int]] = {}  # model -> (newest version sent, its epoch)
 
     def add(self, model_id: str, version: int, epoch: int, ref: Any) -> None:
-        self._in_flight.setdefault(model_id, []).append(_InFlight(version, epoch, ref))
-        self.sent(model_id, version, epoch)
+        p = _InFlight(version, epoch, ref, ref.future())
+        with self._lock:
+            self._in_flight.setdefault(model_id, []).append(p)
+            self.sent(model_id, version, epoch)
 
     def sent(self, model_id: str, version: int, epoch: int) -> None:
         """Remember the epoch of the newest version sent (to offer it again after a hub restart)."""
@@ -173,11 +182,13 @@ class Publishes:
             self.epochs[model_id] = (version, epoch)
 
     def models(self) -> list[str]:
-        return sorted(set(self._in_flight) | set(self._refused))
+        with self._lock:
+            return sorted(set(self._in_flight) | set(self._refused))
 
     def unanswered(self, model_id: str) -> bool:
         """Whether publishes of ``model_id`` wait for their answer (read them before querying)."""
-        return bool(self._in_flight.get(model_id))
+        with self._lock:
+            return bool(self._in_flight.get(model_id))
 
     def settle(
         self, model_id: str, lease: WriterLease, *, wait: bool, timeout: float | None = 60.0
@@ -188,38 +199,35 @@ class Publishes:
         caller to offer again. Without ``wait``, waits only for the answers to all but the
         newest :data:`MAX_IN_FLIGHT` publishes.
         """
-        in_flight = self._in_flight.get(model_id)
+        with self._lock:
+            in_flight = list(self._in_flight.get(model_id, ()))
         if not in_flight:
             return None
-        refs = [p.ref for p in in_flight]
-        if wait or len(refs) > MAX_IN_FLIGHT:
+        if wait or len(in_flight) > MAX_IN_FLIGHT:
             # A live hub answers a publish in about a millisecond: the timeout is a guard.
-            num = len(refs) if wait else len(refs) - MAX_IN_FLIGHT
-            done, _ = ray.wait(refs, num_returns=num, timeout=timeout, fetch_local=True)
-            if len(done) < len(refs):  # read what else arrived meanwhile
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
-        else:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
-        if not done:
-            return None
-        finished = set(done)
+            num = len(in_flight) if wait else len(in_flight) - MAX_IN_FLIGHT
+            concurrent.futures.wait([p.answer for p in in_flight[:num] if p.answer is not None], timeout)
         swallowed = None
-        left = []
+        read = []
         for p in in_flight:
-            if p.ref not in finished:
-                left.append(p)
+            if p.answer is None or not p.answer.done():
                 continue
-            try:
-                ray.get(p.ref)
-            except RayTaskError as err:
-                cause = getattr(err, "cause", None)
-                self._refuse(model_id, lease, p, cause if isinstance(cause, RaySyncError) else err)
-            except _RESTARTING:
+            read.append(p)
+            error = p.answer.exception()
+            if isinstance(error, RayTaskError):
+                cause = getattr(error, "cause", None)
+                self._refuse(model_id, lease, p, cause if isinstance(cause, RaySyncError) else error)
+            elif isinstance(error, _RESTARTING):
                 swallowed = max(swallowed or 0, p.version)
-        if left:
-            self._in_flight[model_id] = left
-        else:
-            del self._in_flight[model_id]
+            elif error is not None:
+                self._refuse(model_id, lease, p, error)
+        if read:
+            with self._lock:
+                left = [p for p in self._in_flight.get(model_id, ()) if p not in read]
+                if left:
+                    self._in_flight[model_id] = left
+                else:
+                    self._in_flight.pop(model_id, None)
         return swallowed
 
     def keep_refusal(
@@ -227,6 +235,16 @@ class Publishes:
     ) -> None:
         """Keep a refusal the caller got itself (a publish offered again)."""
         self._refuse(model_id, lease, _InFlight(version, epoch, None), error)
+
+    def not_sent(self, model_id: str, lease: WriterLease, version: int, error: BaseException) -> None:
+        """A publish that could not even be submitted (Ray shut down first): raise it like a refusal.
+
+        Called from the sender thread, which must not wait for the lease's lock (its holder may
+        be waiting for the sender).
+        """
+        logger.error("version %d of %r was not published: %s", version, model_id, error)
+        lease.confirmed = None  # the next push waits for the hub's answer
+        self._refused.setdefault(model_id, Refusal(version, error))
 
     def _refuse(self, model_id: str, lease: WriterLease, p: _InFlight, error: BaseException) -> None:
         """Keep a refusal (the first one not yet raised); a lost lease is asked for again."""

@@ -64,6 +64,7 @@ __all__ = [
     "compact",
     "late_acks",
     "notify_members",
+    "quiet_threaded_gets",
     "relay_name",
     "rings",
     "start_relay",
@@ -236,6 +237,7 @@ class NodeRelay:
 
     def __init__(self, hub: Any, node_id: str) -> None:
         control_plane_priority()  # as the hub's (hub/priority.py)
+        quiet_threaded_gets()
 
         def send_late(model_id: str, version: int, reply: RelayReply) -> None:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
@@ -262,6 +264,12 @@ class NodeRelay:
 
 
 _FETCH_S = 30.0  # a version's bytes not at hand by then (pusher gone?): the Ray way instead
+
+
+def quiet_threaded_gets() -> None:
+    """The hub's and relays' ``ray.get`` calls run in worker threads, never on their event loop:
+    Ray's warning about blocking gets in async actors would only mislead (as Ray Train also does)."""
+    os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 
 
 def rings(manifest: Any) -> bool:
