@@ -137,10 +137,13 @@ def measure(
         for _ in range(2):  # warm-up: relays start (the hub delivers directly meanwhile)
             hub.wait(hub.push(model), timeout=args.timeout)
         if delivery == "relay":
+            # Every used node gets a relay, but for the hub's own when it rings doorbells itself.
+            here = (hub.status().get("here") or {}).get("node_id") if args.doorbell else None
+            expected = len({node for node, _ in used} - {here})
             deadline = time.monotonic() + 60
-            while len(hub.status()["relays"]) < nodes:
+            while len(hub.status()["relays"]) < expected:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"relays did not start on {nodes} nodes: {hub.status()['relays']}")
+                    raise RuntimeError(f"relays did not start on {expected} nodes: {hub.status()['relays']}")
                 time.sleep(0.1)
             hub.wait(hub.push(model), timeout=args.timeout)
         relay_procs = [psutil.Process(pid) for pid in relay_pids(name, nodes, delivery)]
