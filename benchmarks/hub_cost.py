@@ -17,8 +17,9 @@ subscriber per version). Medians over ``--pushes`` pushes of a small model:
 
 ``msgs_per_version``
     the hub's outgoing delivery calls per version (``status()["delivery"]["calls"]``),
-    exact: every value seen is listed in ``msgs_seen``. The hub's own node costs none
-    when its subscribers have doorbells (the hub rings them itself).
+    exact: every value seen is listed in ``msgs_seen``, beside ``msgs_expected``, the
+    nodes with subscribers but the hub's own when the hub rings its doorbells itself
+    (``hub_node_used``: the hub landed on one of the subscribers' nodes).
 ``hub_cpu_ms``
     CPU time of the hub process (its own ``time.process_time()``) from just before
     ``hub.push`` until ``hub.wait`` returned.
@@ -136,10 +137,12 @@ def measure(
         model = harness.small_policy()
         for _ in range(2):  # warm-up: relays start (the hub delivers directly meanwhile)
             hub.wait(hub.push(model), timeout=args.timeout)
+        # Every used node gets a relay message per version, but the hub's own when the hub rings
+        # its doorbells itself; direct delivery: one call per subscription.
+        here = (hub.status().get("here") or {}).get("node_id") if args.doorbell else None
+        hub_node_used = here in {node for node, _ in used}
+        expected = len({node for node, _ in used} - {here}) if delivery == "relay" else n
         if delivery == "relay":
-            # Every used node gets a relay, but for the hub's own when it rings doorbells itself.
-            here = (hub.status().get("here") or {}).get("node_id") if args.doorbell else None
-            expected = len({node for node, _ in used} - {here})
             deadline = time.monotonic() + 60
             while len(hub.status()["relays"]) < expected:
                 if time.monotonic() > deadline:
@@ -175,6 +178,8 @@ def measure(
             "actors": len(used),
             "msgs_per_version": statistics.median(msgs),
             "msgs_seen": sorted(set(msgs)),
+            "msgs_expected": expected,
+            "hub_node_used": hub_node_used,
             "hub_cpu_ms": statistics.median(cpu),
             "relay_cpu_ms": statistics.median(relay_cpu),
             "push_ms": statistics.median(push_ms),
@@ -207,6 +212,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ("delivery", "s"),
         ("msgs_per_version", ".0f"),
         ("msgs_seen", "s"),
+        ("msgs_expected", "d"),
+        ("hub_node_used", "s"),
         ("hub_cpu_ms", ".1f"),
         ("relay_cpu_ms", ".1f"),
         ("push_ms", ".1f"),
