@@ -84,6 +84,22 @@ def start_hub(name: str, **env: str) -> raysync.HubClient:
     return raysync.connect(name)
 
 
+def mismatched_subscriber(hub_name: str) -> Any:
+    """A live subscriber whose model fits none of the tests' pushes (the hub refuses them)."""
+
+    @raysync.synced_model("policy", hub=hub_name)
+    class Mismatched:
+        def __init__(self) -> None:
+            self.policy = torch.nn.Linear(3, 3)
+
+        def ready(self) -> bool:
+            return True
+
+    bad = ray.remote(num_cpus=0)(Mismatched).remote()
+    ray.get(bad.ready.remote(), timeout=60)
+    return bad
+
+
 def small_policy(seed: int = 0, *, out: int = 4) -> torch.nn.Module:
     """A tiny policy with parameters of three dtypes' worth of buffers."""
     torch.manual_seed(seed)

@@ -34,7 +34,6 @@ from raysync._protocol import (
     Publication,
     Registration,
     RelayDelivery,
-    RelayMember,
     RelayReply,
     WaitResult,
 )
@@ -76,6 +75,10 @@ def _actor_id() -> str:
 def relay_enabled() -> bool:
     """Whether hubs deliver through one relay per node (the default; ``RAYSYNC_RELAY=0`` turns it off)."""
     return os.environ.get("RAYSYNC_RELAY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+Prior = dict[Subscriber, int]
+"""What each subscriber of a delivery had been sent before it (restored if the delivery is lost)."""
 
 
 def rings_own_node() -> bool:
@@ -483,30 +486,19 @@ class WeightHub:
         return self._here is not None and group.node_id == self._here_node and rings(newest.manifest)
 
     async def _ring_here(
-        self,
-        model_id: str,
-        group: Group,
-        newest: Version,
-        due: list[Subscriber],
-        prior: dict[Subscriber, int],
+        self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
     ) -> None:
+        """One version to ``due`` on the hub's own node: the hub rings their doorbells itself."""
         if not due:
             return
         assert self._here is not None
         announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-        members = {
-            s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch, s.info.doorbell) for s in due
-        }
+        members = {s.sub_id: s.relay_member() for s in due}
         reply = await self._here.deliver(RelayDelivery(announcement, members))
         self._acks(group, newest.version, reply, prior)
 
     async def _via_relay(
-        self,
-        model_id: str,
-        group: Group,
-        newest: Version,
-        due: list[Subscriber],
-        prior: dict[Subscriber, int],
+        self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
     ) -> None:
         """One version to ``due`` through their node's relay (or directly while it is not up)."""
         if not due:
@@ -521,7 +513,7 @@ class WeightHub:
         if relay is None:  # not up yet (or a NIXL version): deliver directly, start it meanwhile
             if not nixl:
                 self._start_relay(node_id)
-            members = {s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch) for s in due}
+            members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
             acks, late, calls = await notify_members(announcement, members)
             self._state.delivery_calls += calls
             pending = tuple(s for ids, _ in late for s in ids)
@@ -529,11 +521,7 @@ class WeightHub:
             if late:
                 asyncio.get_running_loop().create_task(self._late(model_id, node_id, newest.version, late))
             return
-        members = {
-            s.sub_id: RelayMember(s.handle, s.info.actor_id, s.info.batch, s.info.doorbell)
-            for s in due
-            if s.sub_id not in group.known
-        }
+        members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
         self._state.delivery_calls += 1
         try:
             reply = await getattr(relay, proto.RELAY_DELIVER).remote(RelayDelivery(announcement, members))

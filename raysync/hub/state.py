@@ -21,7 +21,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raysync._protocol import Announcement, ApplyReport, Grant, Laggard, Registration, SubscriberInfo
+from raysync._protocol import (
+    Announcement,
+    ApplyReport,
+    Grant,
+    Laggard,
+    Registration,
+    RelayMember,
+    SubscriberInfo,
+)
 from raysync.core.layout import Manifest, validate
 from raysync.errors import StaleWriterError, UnknownModelError, WeightMismatchError
 
@@ -102,6 +110,10 @@ class Subscriber:
     def waited_for(self) -> bool:
         """Whether a wait counts it without ``include_pull``: push and follow subscribers."""
         return self.info.mode != "pull"
+
+    def relay_member(self) -> RelayMember:
+        """What its node's relay (or the hub, on its own node) needs to hand it a version."""
+        return RelayMember(self.handle, self.info.actor_id, self.info.batch, self.info.doorbell)
 
     @functools.cached_property
     def schema_key(self) -> Any:

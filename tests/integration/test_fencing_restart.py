@@ -6,7 +6,6 @@ import ast
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 import raysync
 from raysync.hub.sender import sender
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests.conftest import assert_same_weights, mismatched_subscriber, small_policy, wait_for_condition
 from tests.integration.test_synced import make_collector
 
 
@@ -147,7 +146,7 @@ def test_a_refusal_of_a_push_that_did_not_wait_surfaces_on_the_next_push(
     hub: raysync.HubClient, hub_name: str
 ) -> None:
     assert hub.push(small_policy(1)) == 1  # a new layout: this push waited for the hub's answer
-    bad = _mismatched_subscriber(hub_name)
+    bad = mismatched_subscriber(hub_name)
     assert hub.push(small_policy(2)) == 2  # the same layout: returns before the hub answers
     assert hub.latest() == 1  # a query reads the answers first: version 2 was refused
     with pytest.raises(raysync.WeightMismatchError, match=r"refused version 2 of 'policy'.*missing keys"):
@@ -183,33 +182,6 @@ def test_a_publish_that_could_not_be_sent_raises_on_the_next_push(
     assert hub.latest() == 1
     v = hub.push(small_policy(4), wait=True, timeout=30)
     assert v > 2 and hub.latest() == v
-
-
-def _mismatched_subscriber(hub_name: str) -> Any:
-    """A subscriber whose model fits none of the pushes (so the hub refuses them), once registered."""
-
-    @raysync.synced_model("policy", hub=hub_name)
-    class Mismatched:
-        def __init__(self) -> None:
-            self.policy = torch.nn.Linear(3, 3)
-
-        def ready(self) -> bool:
-            return True
-
-    bad = ray.remote(num_cpus=0)(Mismatched).remote()
-    ray.get(bad.ready.remote(), timeout=60)
-    return bad
-
-
-def test_a_wait_for_a_push_the_hub_refused_raises_the_refusal(hub: raysync.HubClient, hub_name: str) -> None:
-    assert hub.push(small_policy(1)) == 1
-    bad = _mismatched_subscriber(hub_name)
-    v = hub.push(small_policy(2))  # returns before the hub answers; the wait goes out with it
-    t0 = time.monotonic()
-    with pytest.raises(raysync.WeightMismatchError, match=r"refused version 2 of 'policy'"):
-        hub.wait(v, timeout=30)
-    assert time.monotonic() - t0 < 15  # the refusal, not the wait's timeout
-    ray.kill(bad)
 
 
 def _push_or_none(hub: raysync.HubClient, seed: int) -> int | None:

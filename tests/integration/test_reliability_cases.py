@@ -21,7 +21,7 @@ import torch
 
 import raysync
 from benchmarks import soak
-from tests.conftest import wait_for_condition
+from tests.conftest import mismatched_subscriber, wait_for_condition
 from tests.integration.test_reliability import (
     BUCKET_BYTES,
     SIZE_MIB,
@@ -331,16 +331,7 @@ def test_case08_a_dead_subscriber_that_failed_never_blocks_pushes(
     push(hub, 1)
     hub.wait(1, timeout=CALL_S)
 
-    @raysync.synced_model("policy", hub=hub_name)
-    class Mismatched:
-        def __init__(self) -> None:
-            self.policy = torch.nn.Linear(3, 3)
-
-        def ready(self) -> bool:
-            return True
-
-    bad = ray.remote(num_cpus=0)(Mismatched).remote()
-    ray.get(bad.ready.remote(), timeout=CALL_S)
+    bad = mismatched_subscriber(hub_name)
     push(hub, 2)  # the layout the hub accepted before: returns before the hub answers
     with pytest.raises(raysync.WeightMismatchError, match="refused version 2"):  # alive: it refuses
         hub.wait(2, timeout=CALL_S)
@@ -358,17 +349,7 @@ def test_case08_a_killed_subscriber_that_failed_is_reaped_without_a_waiter(
     hub: raysync.HubClient, hub_name: str
 ) -> None:
     push(hub, 1)
-
-    @raysync.synced_model("policy", hub=hub_name)
-    class Mismatched:
-        def __init__(self) -> None:
-            self.policy = torch.nn.Linear(3, 3)
-
-        def ready(self) -> bool:
-            return True
-
-    sub = ray.remote(num_cpus=0)(Mismatched).remote()
-    ray.get(sub.ready.remote(), timeout=CALL_S)
+    sub = mismatched_subscriber(hub_name)
     wait_for_condition(
         lambda: "WeightMismatchError" in ((_status_row(hub, sub) or {}).get("last_error") or ""),
         what="its start-up apply failed and was reported",
