@@ -49,7 +49,6 @@ from raysync.errors import ApplyError, RaySyncError, StaleWriterError, SyncTimeo
 from raysync.hub.lease import Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor
 from raysync.hub.push import PushPipeline, PushRequest
-from raysync.hub.sender import sender
 from raysync.hub.state import Version
 from raysync.ops import metrics
 from raysync.transports.base import check_transport
@@ -163,7 +162,6 @@ class HubClient:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Call the hub; while it restarts (or after it died), find it again and retry."""
-        sender().flush()  # after this process's publishes still queued
 
         def handle(fresh: bool) -> Any:
             if fresh:
@@ -201,13 +199,10 @@ class HubClient:
             )
             if lease.confirmed == manifest.layout_hash:
                 pub = Publication(model_id, manifest, tuple(refs), pusher, version, epoch)
-                # Submitted from this process's sender thread (Ray's submission of a call that
-                # carries refs costs more than a small snapshot); every other hub call of this
-                # client waits for it first, so the hub sees this writer's calls in order.
-                sender().send(
-                    lambda: self._publishes.add(model_id, version, epoch, self._post(PUBLISH_STAMPED, pub)),
-                    on_error=lambda err: self._publishes.not_sent(model_id, lease, version, err),
-                )
+                # Submitted here, before the push returns (a thread of its own would save the
+                # trainer ~0.5 ms, but then a process the trainer told about the version could
+                # ask the hub before the publish was even sent).
+                self._publishes.add(model_id, version, epoch, self._post(PUBLISH_STAMPED, pub))
                 return version
             args = (model_id, manifest, refs, pusher, self.takeover, version, epoch)
             try:
@@ -220,7 +215,7 @@ class HubClient:
         return version
 
     def _ask_ahead(self, model_id: str, pusher: dict[str, Any]) -> Any:
-        """Ask for the next block of numbers without waiting (the push flushed the sender first)."""
+        """Ask for the next block of numbers without waiting."""
         return self._post(ACQUIRE, model_id, pusher, self.takeover, BLOCK)
 
     def _acquire(self, model_id: str, pusher: dict[str, Any]) -> Grant:
@@ -236,7 +231,6 @@ class HubClient:
         Offers the newest version again if a hub restart swallowed its publish, and
         raises (with ``raise_refused``) what the hub refused since the last time.
         """
-        sender().flush()  # publishes still queued are submitted, and recorded, first
         swallowed = self._publishes.settle(model_id, self._lease(model_id), wait=wait)
         mine = self._pipeline.last.get(model_id)
         sent = self._publishes.epochs.get(model_id)
@@ -252,7 +246,6 @@ class HubClient:
 
     def _settle_all(self) -> None:
         """Before a query: this client's publishes have reached the hub (refusals are kept for later)."""
-        sender().flush()
         for model_id in self._publishes.models():
             self._settle(model_id, wait=True, raise_refused=False)
 
@@ -363,10 +356,12 @@ class HubClient:
         self.last_push = {"model_id": model_id}
         pushed = self._pipeline.push(request, writer=_writer_identity())
         self.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
-        seconds, nbytes, name = pushed.stats["seconds"], pushed.stats["bytes"], self.name
-        sender().send(  # metrics too: off the trainer's thread
-            lambda: metrics.record_push(name, model_id, seconds=seconds, nbytes=nbytes, transport=transport),
-            on_error=lambda err: None,  # record_push logs its own failures
+        metrics.record_push(
+            self.name,
+            model_id,
+            seconds=pushed.stats["seconds"],
+            nbytes=pushed.stats["bytes"],
+            transport=transport,
         )
         if wait:
             self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
@@ -449,7 +444,6 @@ class HubClient:
         # after their answers: the hub keeps a stamped version before its publish awaits
         # anything and starts one caller's calls in order, so the wait finds it (one round
         # trip less). A refusal among the answers still raises first.
-        sender().flush()
         early = self.actor.wait.remote(*args) if self._publishes.unanswered(model_id) else None
         try:
             self._settle(model_id, wait=True)

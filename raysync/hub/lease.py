@@ -165,7 +165,7 @@ class Publishes:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # the sender thread adds, the pushing thread reads
+        self._lock = threading.Lock()  # clients may be shared by threads
         self._in_flight: dict[str, list[_InFlight]] = {}
         self._refused: dict[str, Refusal] = {}
         self.epochs: dict[str, tuple[int, int]] = {}  # model -> (newest version sent, its epoch)
@@ -235,16 +235,6 @@ class Publishes:
     ) -> None:
         """Keep a refusal the caller got itself (a publish offered again)."""
         self._refuse(model_id, lease, _InFlight(version, epoch, None), error)
-
-    def not_sent(self, model_id: str, lease: WriterLease, version: int, error: BaseException) -> None:
-        """A publish that could not even be submitted (Ray shut down first): raise it like a refusal.
-
-        Called from the sender thread, which must not wait for the lease's lock (its holder may
-        be waiting for the sender).
-        """
-        logger.error("version %d of %r was not published: %s", version, model_id, error)
-        lease.confirmed = None  # the next push waits for the hub's answer
-        self._refused.setdefault(model_id, Refusal(version, error))
 
     def _refuse(self, model_id: str, lease: WriterLease, p: _InFlight, error: BaseException) -> None:
         """Keep a refusal (the first one not yet raised); a lost lease is asked for again."""
