@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import threading
 import time
 from typing import Any
 from unittest.mock import ANY
 
+import psutil
 import pytest
 import ray
 import torch
@@ -503,6 +505,7 @@ def test_case13_raysync_sync_timeout_raises_sync_timeout_error(hub: raysync.HubC
     sub = ray.remote(num_cpus=0)(Impatient).remote()
     ray.get(sub.raysync_version.remote(), timeout=CALL_S)  # registered before the push: holds nothing
     push(hub, 1)
+    assert hub.latest() == 1  # the hub has read the push (a push returns before it has)
     # timeout=0: the newest version if it is at hand at once (a tiny one can be, on a slow
     # machine), else SyncTimeoutError holding nothing; never one of Ray's errors.
     got = ray.get(sub.sync.remote(0), timeout=CALL_S)
@@ -512,10 +515,14 @@ def test_case13_raysync_sync_timeout_raises_sync_timeout_error(hub: raysync.HubC
     assert ray.get(sub.raysync_version.remote(), timeout=CALL_S) == 1
     # A hub that cannot answer in time (restarting: a new process takes seconds) is a
     # SyncTimeoutError too, not Ray's ActorUnavailableError; the version held stays.
+    old_pid = ray.get(hub.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=CALL_S)
     ray.kill(hub.actor, no_restart=False)
+    # ray.kill returns before the process is gone: ask once it is (a new one takes seconds).
+    wait_for_condition(lambda: not psutil.pid_exists(old_pid), what="the hub's old process gone")
     got = ray.get(sub.sync.remote(0.2), timeout=CALL_S)
     assert got.startswith("SyncTimeoutError") and "ran out asking the hub" in got, got
     assert ray.get(sub.raysync_version.remote(), timeout=CALL_S) == 1
     push(hub, 2)  # the client waits through the restart
+    assert hub.latest() == 2
     assert ray.get(sub.sync.remote(30), timeout=CALL_S * 2) == "synced"
     assert ray.get(sub.raysync_version.remote(), timeout=CALL_S) == 2
