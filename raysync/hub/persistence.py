@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import threading
 from typing import Any
 
 from raysync.hub.state import Model, Subscriber
@@ -24,6 +25,7 @@ __all__ = ["HubStore", "actor_alive", "writer_alive"]
 logger = logging.getLogger(__name__)
 
 _KV_NAMESPACE = "raysync"
+_SOON_S = 0.02  # a published version's record is written this late: one GCS write per burst of publishes
 
 
 def _kv() -> Any:
@@ -97,9 +99,25 @@ class HubStore:
         return self._models.submit(self._write_model, model_id)
 
     def save_model_soon(self, model_id: str, model: Model) -> None:
-        """Bring a model's record up to date in the background (one queued write serves many calls)."""
-        if model_id not in self._due:
-            self.save_model(model_id, model)
+        """Bring a model's record up to date in the background, a little later.
+
+        One write serves every call within :data:`_SOON_S` (back-to-back publishes would
+        otherwise cost the hub and the GCS one write each); a grant's write in between
+        takes it along.
+        """
+        if model_id in self._due:
+            return
+        self._due[model_id] = model
+        timer = threading.Timer(_SOON_S, self._write_due, args=(model_id,))
+        timer.daemon = True
+        timer.start()
+
+    def _write_due(self, model_id: str) -> None:
+        if model_id in self._due:
+            try:
+                self._models.submit(self._write_model, model_id)
+            except RuntimeError:  # the hub is shutting down
+                pass
 
     def _write_model(self, model_id: str) -> None:
         model = self._due.pop(model_id, None)
