@@ -232,11 +232,16 @@ class HubGauges:
         self._lagging: dict[tuple[str, str, str], dict[str, str]] = {}  # series set last time
         self._models_seen: set[str] = set()
         self._keepalive = False
-        self._published: dict[str, int] = {}  # versions published since the last refresh, per model
 
     def published(self, model_id: str) -> None:
-        """Count one published version of ``model_id`` (added to the counter at the next refresh)."""
-        self._published[model_id] = self._published.get(model_id, 0) + 1
+        """Count one published version of ``model_id``."""
+        m = _get()
+        if m is None:
+            return
+        try:
+            m.pushes.inc(1.0, tags={"hub": self.hub, "model_id": model_id})
+        except Exception as err:
+            logger.debug("could not count a push of %r on hub %r: %s", model_id, self.hub, err)
 
     def changed(self, models: Mapping[str, Any], subscribers: Mapping[str, Any]) -> None:
         """Schedule a refresh from the hub's ``models`` and ``subscribers`` (read when it runs)."""
@@ -270,10 +275,7 @@ class HubGauges:
         if m is None or self._source is None:
             return
         models, subscribers = self._source
-        published, self._published = self._published, {}
         try:
-            for model_id, count in published.items():  # one counter update per model, not per version
-                m.pushes.inc(float(count), tags={"hub": self.hub, "model_id": model_id})
             self._set(m, models, subscribers.values())
         except Exception as err:
             logger.debug("hub %r could not refresh its gauges: %s", self.hub, err)
