@@ -6,10 +6,12 @@ node's relay ringing them (``RAYSYNC_HUB_RINGS=0``, as on every other node).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 import ray
 import torch
@@ -133,10 +135,13 @@ def test_a_killed_subscriber_is_called_then_dropped(
     if ringer == "relay":
         _relay(hub)
     _check_all(hub, [live, doomed], hub.push(small_policy(1)), 1)
+    doomed_pid = ray.get(doomed.__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(doomed)
+    # Once its process is gone (ray.kill returns before: a process still dying may apply and ack a
+    # ring, and is then dropped only when it stops checking in, seconds later).
+    wait_for_condition(lambda: not psutil.pid_exists(doomed_pid), what="the killed subscriber's process gone")
     v = hub.push(small_policy(2))
-    # Never waited for: a ring to a dead process fails and the Ray call says it died (a process
-    # still dying may apply and ack it first: then the hub drops it once it stops checking in).
+    # Never waited for: the ring to the dead process fails and the Ray call says it died.
     hub.wait(v, timeout=30)
     live_id = f"{live._actor_id.hex()}:policy"
     wait_for_condition(
