@@ -48,9 +48,9 @@ class HubStore:
     version) is written by one thread of its own, in order, reading the model when it
     writes: a grant of version numbers waits for its write before it replies (so a
     restarted hub never grants or stamps a number twice), a published version only
-    schedules one (a restarted hub then knows roughly the newest; the writer offers
-    what it lost). Its counters only grow, so a later write never undoes an earlier one.
-    Subscriptions are
+    schedules one, 20 ms later, so that a burst of publishes costs one write (a restarted
+    hub then knows roughly the newest; the writer offers what it lost). Its counters
+    only grow, so a later write never undoes an earlier one. Subscriptions are
     written when first seen and when dropped (not on every apply), in order, by
     one background thread, so the hub's event loop never waits on the GCS for them.
     """
