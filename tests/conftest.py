@@ -84,6 +84,19 @@ def start_hub(name: str, **env: str) -> raysync.HubClient:
     return raysync.connect(name)
 
 
+def kill_until_gone(actor: Any, *, no_restart: bool = True) -> None:
+    """``ray.kill`` an actor and return once its process is gone (``ray.kill`` returns before).
+
+    A process still dying can answer calls, rings and queries for a moment; a restartable
+    actor (``no_restart=False``) gets a new process afterwards.
+    """
+    import psutil
+
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    ray.kill(actor, no_restart=no_restart)
+    wait_for_condition(lambda: not psutil.pid_exists(pid), what=f"process {pid} of the killed actor gone")
+
+
 def mismatched_subscriber(hub_name: str) -> Any:
     """A live subscriber whose model fits none of the tests' pushes (the hub refuses them)."""
 

@@ -6,19 +6,23 @@ node's relay ringing them (``RAYSYNC_HUB_RINGS=0``, as on every other node).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
 import pytest
 import ray
 import torch
 
 import raysync
 from raysync.transports import doorbell
-from tests.conftest import assert_same_weights, small_policy, start_hub, wait_for_condition
+from tests.conftest import (
+    assert_same_weights,
+    kill_until_gone,
+    small_policy,
+    start_hub,
+    wait_for_condition,
+)
 from tests.integration.test_relay import _check_all, _relay
 from tests.integration.test_synced import make_collector
 
@@ -135,11 +139,9 @@ def test_a_killed_subscriber_is_called_then_dropped(
     if ringer == "relay":
         _relay(hub)
     _check_all(hub, [live, doomed], hub.push(small_policy(1)), 1)
-    doomed_pid = ray.get(doomed.__ray_call__.remote(lambda self: os.getpid()))
-    ray.kill(doomed)
-    # Once its process is gone (ray.kill returns before: a process still dying may apply and ack a
-    # ring, and is then dropped only when it stops checking in, seconds later).
-    wait_for_condition(lambda: not psutil.pid_exists(doomed_pid), what="the killed subscriber's process gone")
+    # Pushed once its process is gone: a process still dying may apply and ack a ring, and is then
+    # dropped only when it stops checking in, seconds later.
+    kill_until_gone(doomed)
     v = hub.push(small_policy(2))
     # Never waited for: the ring to the dead process fails and the Ray call says it died.
     hub.wait(v, timeout=30)

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 import threading
 import time
 from typing import Any
 from unittest.mock import ANY
 
-import psutil
 import pytest
 import ray
 import torch
 
 import raysync
 from benchmarks import soak
-from tests.conftest import mismatched_subscriber, wait_for_condition
+from tests.conftest import kill_until_gone, mismatched_subscriber, wait_for_condition
 from tests.integration.test_reliability import (
     BUCKET_BYTES,
     SIZE_MIB,
@@ -515,10 +513,8 @@ def test_case13_raysync_sync_timeout_raises_sync_timeout_error(hub: raysync.HubC
     assert ray.get(sub.raysync_version.remote(), timeout=CALL_S) == 1
     # A hub that cannot answer in time (restarting: a new process takes seconds) is a
     # SyncTimeoutError too, not Ray's ActorUnavailableError; the version held stays.
-    old_pid = ray.get(hub.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=CALL_S)
-    ray.kill(hub.actor, no_restart=False)
-    # ray.kill returns before the process is gone: ask once it is (a new one takes seconds).
-    wait_for_condition(lambda: not psutil.pid_exists(old_pid), what="the hub's old process gone")
+    # Asked once the old process is gone (a new one takes seconds).
+    kill_until_gone(hub.actor, no_restart=False)
     got = ray.get(sub.sync.remote(0.2), timeout=CALL_S)
     assert got.startswith("SyncTimeoutError") and "ran out asking the hub" in got, got
     assert ray.get(sub.raysync_version.remote(), timeout=CALL_S) == 1

@@ -258,7 +258,7 @@ def test_workers_follow_the_hub_through_its_restart(hub_name: str) -> None:
         hub = raysync.connect(hub_name)
         ray.kill(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
         set_bias(policy, 1.0)
-        c.update_policy_weights_()  # waits for the restarted hub, and for the worker to register again
+        c.update_policy_weights_()  # waits for the restarted hub, and for the worker's acknowledgement
         assert _actions(next(batches)) == {1.0}
         # It acknowledged the version (what the update waited for); it registers again at its
         # next check-in, until then the restarted hub lists it as "restoring".

@@ -55,6 +55,7 @@ import ray
 import torch
 
 import raysync
+from raysync.hub.lease import MAX_IN_FLIGHT
 from raysync.ops.bench import harness, scheme_rows
 from raysync.ops.bench.fanout import receiver_class
 
@@ -257,9 +258,9 @@ def measure_blocking(sd: dict[str, torch.Tensor], repeats: int, warmup: int) -> 
             t3 = time.perf_counter()
             told = ray.put(_arrays(sd))
             unread.append(sink.take.remote([told]))
-            if len(unread) > 8:  # as a push: the oldest answers read once 8 are unread
-                ray.get(unread[:-8])
-                unread = unread[-8:]
+            if len(unread) > MAX_IN_FLIGHT:  # as a push: the oldest answers read beyond these
+                ray.get(unread[:-MAX_IN_FLIGHT])
+                unread = unread[-MAX_IN_FLIGHT:]
             t4 = time.perf_counter()
             del told
             if i >= warmup:
