@@ -16,6 +16,7 @@ from torchrl.testing.mocking_classes import ContinuousActionVecMockEnv
 
 DIM = 7  # ContinuousActionVecMockEnv: 7 observations, 7 actions
 SLOW_ENV = "RAYSYNC_TEST_SLOW_FORWARD"  # seconds each forward sleeps in SleepyLinear
+FORWARDS_ENV = "RAYSYNC_TEST_FORWARDS"  # a file SleepyLinear logs its forwards' start and end times to
 
 
 def make_env() -> ContinuousActionVecMockEnv:
@@ -27,8 +28,30 @@ class SleepyLinear(torch.nn.Linear):
     """A Linear whose forward sleeps ``$RAYSYNC_TEST_SLOW_FORWARD`` seconds (a worker that falls behind)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        log = os.environ.get(FORWARDS_ENV)
+        _log_forward(log, "start")
         time.sleep(float(os.environ.get(SLOW_ENV, "0")))
+        _log_forward(log, "end")
         return super().forward(x)
+
+
+def _log_forward(path: str | None, what: str) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{what} {time.time()}\n")
+
+
+def forward_in_progress(path: str, *, started_within: float) -> bool:
+    """Whether a SleepyLinear forward logged to ``path`` runs now, begun ``started_within`` s ago or less."""
+    try:
+        with open(path) as f:
+            lines = f.read().split()
+    except FileNotFoundError:
+        return False
+    try:
+        return len(lines) >= 2 and lines[-2] == "start" and time.time() - float(lines[-1]) <= started_within
+    except ValueError:  # a line being written
+        return False
 
 
 def policy(bias: float, *, sleepy: bool = False) -> TensorDictModule:

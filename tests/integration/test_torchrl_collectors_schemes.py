@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,16 @@ from torchrl.weight_update import WeightSyncScheme as TorchRLScheme
 
 import raysync
 from raysync import schemes
-from tests._torchrl_workers import SLOW_ENV, actions, make_env, policy, wide_policy
+from tests._torchrl_workers import (
+    FORWARDS_ENV,
+    SLOW_ENV,
+    actions,
+    forward_in_progress,
+    make_env,
+    policy,
+    wide_policy,
+)
+from tests.conftest import wait_for_condition
 
 TIMEOUT = 60.0
 PROCESS_COLLECTORS = [MultiSyncCollector, MultiAsyncCollector, AsyncCollector]
@@ -201,9 +211,13 @@ def test_unreachable_worker_makes_the_update_raise_naming_it() -> None:
         collector.shutdown()
 
 
-def test_worker_that_falls_behind_makes_the_update_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_that_falls_behind_makes_the_update_raise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # each forward of the workers' policy takes 3 s: an apply waits for the forward in progress
     monkeypatch.setenv(SLOW_ENV, "3")
+    forwards = tmp_path / "forwards.log"
+    monkeypatch.setenv(FORWARDS_ENV, str(forwards))
     scheme = schemes.MultiProcessWeightSyncScheme(timeout=0.5)
     collector = MultiAsyncCollector(
         [make_env],
@@ -215,6 +229,14 @@ def test_worker_that_falls_behind_makes_the_update_raise(monkeypatch: pytest.Mon
     try:
         it = iter(collector)
         next(it)
+        # Updated while a forward runs with over 2 s left (between two forwards the worker
+        # would apply at once): the 0.5 s timeout runs out first.
+        wait_for_condition(
+            lambda: forward_in_progress(str(forwards), started_within=1.0),
+            timeout=30,
+            interval=0.01,
+            what="the worker inside a forward",
+        )
         with pytest.raises(raysync.SyncTimeoutError, match="worker 0") as info:
             collector.update_policy_weights_(policy(2.0))
         assert [lag["subscriber"] for lag in info.value.laggards] == [0]
