@@ -13,7 +13,13 @@ import ray
 import torch
 
 import raysync
-from tests.conftest import assert_same_weights, mismatched_subscriber, small_policy, wait_for_condition
+from tests.conftest import (
+    assert_same_weights,
+    kill_until_gone,
+    mismatched_subscriber,
+    small_policy,
+    wait_for_condition,
+)
 from tests.integration.test_synced import make_collector
 
 
@@ -78,7 +84,7 @@ def test_hub_restart_resumes_sync_without_a_manual_step(hub: raysync.HubClient, 
         v = hub.push(small_policy(seed), wait=True, timeout=60)
     assert v == 3
     old_pid = ray.get(hub.actor.configure.remote(2))["pid"]
-    ray.kill(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
+    kill_until_gone(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
 
     # The client retries through the restart; version numbers continue, never repeat.
     v4 = hub.push(small_policy(10))
@@ -107,7 +113,7 @@ def test_connect_while_the_hub_restarts_waits_for_it(hub: raysync.HubClient, hub
     """A trainer restarting at the same time as the hub (connect() first) gets a working client."""
     assert hub.push(small_policy(0)) == 1
     for i in range(2):
-        ray.kill(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
+        kill_until_gone(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
         client = raysync.connect(hub_name, keep=3)  # must not raise ActorUnavailableError
         assert client.push(small_policy(i + 1)) == i + 2  # numbers continue across the restart
     assert ray.get(client.actor.configure.remote())["keep"] == 3

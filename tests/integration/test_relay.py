@@ -15,7 +15,7 @@ import ray
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE
 from raysync.hub.relay import relay_name
-from tests.conftest import assert_same_weights, small_policy, start_hub, wait_for_condition
+from tests.conftest import assert_same_weights, kill_until_gone, small_policy, start_hub, wait_for_condition
 from tests.integration.test_synced import make_collector
 
 
@@ -139,7 +139,7 @@ def test_relays_come_back_after_a_hub_restart(hub: raysync.HubClient, hub_name: 
     ray.get([a.raysync_version.remote() for a in actors])
     _check_all(hub, actors, hub.push(small_policy(1)), 1)
     _relay(hub)
-    ray.kill(hub.actor, no_restart=False)  # its relays go with it (they are its children)
+    kill_until_gone(hub.actor, no_restart=False)  # its relays go with it (they are its children)
     wait_for_condition(
         lambda: (
             len(hub.status()["subscribers"]) == 2

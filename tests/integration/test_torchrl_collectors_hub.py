@@ -21,7 +21,7 @@ import ray
 import torch
 
 import raysync
-from tests.conftest import wait_for_condition
+from tests.conftest import kill_until_gone, wait_for_condition
 
 pytest.importorskip("torchrl")
 
@@ -256,7 +256,7 @@ def test_workers_follow_the_hub_through_its_restart(hub_name: str) -> None:
         batches = iter(c)
         assert _actions(next(batches)) == {0.5}
         hub = raysync.connect(hub_name)
-        ray.kill(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
+        kill_until_gone(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
         set_bias(policy, 1.0)
         c.update_policy_weights_()  # waits for the restarted hub, and for the worker's acknowledgement
         assert _actions(next(batches)) == {1.0}
