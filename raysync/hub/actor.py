@@ -39,6 +39,7 @@ from raysync._protocol import (
 )
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, WeightMismatchError
+from raysync.hub.handles import class_free_handles
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
 from raysync.hub.priority import control_plane_priority
 from raysync.hub.relay import (
@@ -99,6 +100,7 @@ class WeightHub:
     def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
         control_plane_priority()  # RAYSYNC_HUB_NICE, else Ray's: see hub/priority.py
         quiet_threaded_gets()
+        class_free_handles()  # subscribers' handles without importing their code (hub/handles.py)
         self._state = HubState(name, keep, relay=relay_enabled())
         self._relays: dict[str, Any] = {}  # node id -> its relay's handle
         self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)

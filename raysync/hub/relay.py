@@ -54,6 +54,7 @@ from raysync._protocol import (
     bucket_ids,
     compact,
 )
+from raysync.hub.handles import class_free_handles
 from raysync.hub.priority import control_plane_priority
 from raysync.transports import doorbell
 
@@ -238,6 +239,7 @@ class NodeRelay:
     def __init__(self, hub: Any, node_id: str) -> None:
         control_plane_priority()  # as the hub's (hub/priority.py)
         quiet_threaded_gets()
+        class_free_handles()  # subscribers' handles without importing their code (hub/handles.py)
 
         def send_late(model_id: str, version: int, reply: RelayReply) -> None:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)

@@ -155,3 +155,40 @@ def test_relays_come_back_after_a_hub_restart(hub: raysync.HubClient, hub_name: 
     v = hub.push(small_policy(3))
     _check_all(hub, actors, v, 3)
     assert _calls(hub) - before == 1
+
+
+def _user_code_in(actor: Any) -> list[str]:
+    """The modules of the subscribers' code (torch, the tests' own) that ``actor``'s process imported."""
+
+    def imported(self: Any) -> list[str]:
+        import sys
+
+        return sorted(m for m in sys.modules if m in ("torch", "tensordict", "torchrl") or m.startswith("tests"))
+
+    found: list[str] = ray.get(actor.__ray_call__.remote(imported), timeout=60)
+    return found
+
+
+def test_the_hub_and_relays_call_subscribers_without_importing_their_code(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    # Subscribers whose class lives in the tests' modules and builds a torch model: a hub or
+    # relay that loaded that class to call it would import both.
+    copy = make_collector(hub_name).remote()
+    view = make_collector(hub_name, apply="view").remote()  # called by the relay, not rung
+    ray.get([copy.raysync_version.remote(), view.raysync_version.remote()])
+    relay = _relay(hub)
+    for seed in (1, 2):
+        _check_all(hub, [copy, view], hub.push(small_policy(seed)), seed)
+    assert ray.get(relay.stats.remote())["delivered"] >= 2  # the view's calls went through the relay
+    assert _user_code_in(hub.actor) == []
+    assert _user_code_in(relay) == []
+    # After a restart the new hub process builds the handles again (from the GCS), likewise.
+    kill_until_gone(hub.actor, no_restart=False)
+    wait_for_condition(
+        lambda: [s["state"] for s in hub.status()["subscribers"]] == ["live", "live"],
+        timeout=60,
+        what="both registered again with the restarted hub",
+    )
+    _check_all(hub, [copy, view], hub.push(small_policy(3)), 3)
+    assert _user_code_in(hub.actor) == []
