@@ -163,7 +163,8 @@ def _user_code_in(actor: Any) -> list[str]:
     def imported(self: Any) -> list[str]:
         import sys
 
-        return sorted(m for m in sys.modules if m in ("torch", "tensordict", "torchrl") or m.startswith("tests"))
+        heavy = ("torch", "tensordict", "torchrl")
+        return sorted(m for m in sys.modules if m in heavy or m.startswith("tests"))
 
     found: list[str] = ray.get(actor.__ray_call__.remote(imported), timeout=60)
     return found
