@@ -91,8 +91,10 @@ def start_hub(name: str, **env: str) -> raysync.HubClient:
     return raysync.connect(name)
 
 
-def kill_until_gone(actor: Any, *, no_restart: bool = True) -> None:
+def kill_until_gone(actor: Any, *, no_restart: bool = True) -> int:
     """``ray.kill`` an actor and return once its process is gone (``ray.kill`` returns before).
+
+    Returns the pid of that process.
 
     A process still dying can answer calls, rings and queries for a moment; a restartable
     actor (``no_restart=False``) gets a new process afterwards.
@@ -102,6 +104,7 @@ def kill_until_gone(actor: Any, *, no_restart: bool = True) -> None:
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
     ray.kill(actor, no_restart=no_restart)
     wait_for_condition(lambda: not psutil.pid_exists(pid), what=f"process {pid} of the killed actor gone")
+    return int(pid)
 
 
 def mismatched_subscriber(hub_name: str) -> Any:

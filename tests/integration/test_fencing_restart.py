@@ -83,8 +83,7 @@ def test_hub_restart_resumes_sync_without_a_manual_step(hub: raysync.HubClient, 
     for seed in range(3):
         v = hub.push(small_policy(seed), wait=True, timeout=60)
     assert v == 3
-    old_pid = ray.get(hub.actor.configure.remote(2))["pid"]
-    kill_until_gone(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
+    old_pid = kill_until_gone(hub.actor, no_restart=False)  # the hub process dies; Ray restarts it
 
     # The client retries through the restart; version numbers continue, never repeat.
     v4 = hub.push(small_policy(10))
