@@ -378,8 +378,7 @@ def test_case09_one_failed_apply_does_not_make_max_lag_pushes_fail_forever(
 ) -> None:
     trainer = _Pusher.remote(hub_name)
     assert ray.get(trainer.push.remote(1), timeout=CALL_S) == 1
-    ray.kill(trainer)  # its version's bytes go with it
-    wait_for_condition(lambda: _dead(trainer), what="the trainer is gone")
+    kill_until_gone(trainer)  # its version's bytes go with its process
     sub = make_sub(hub_name)  # starts from version 1, whose bytes are gone: that apply fails
     wait_for_condition(lambda: (_status_row(hub, sub) or {}).get("last_error"), what="the failed apply")
     for _ in range(2):  # a new writer: its numbers start past the dead trainer's block
