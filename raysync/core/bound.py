@@ -43,6 +43,11 @@ class BoundModel:
     With ``view=True`` nothing is allocated: applying swaps the parameters for
     read-only views of the received buffers.
 
+    The version's keys are the module's state dict keys; with
+    ``non_persistent=True`` also its non-persistent buffers (the keys
+    ``extract_tensors(module, non_persistent=True)`` gives, as
+    ``TensorDict.from_module``), which then take the version's values too.
+
     A second set of buffers (``stage`` then ``swap``) lets a version be copied
     in while the module is in use, and be made current by re-pointing.
 
@@ -65,8 +70,10 @@ class BoundModel:
         True
     """
 
-    def __init__(self, module: torch.nn.Module, manifest: Manifest, *, view: bool = False) -> None:
-        validate(manifest, module_schema(module))
+    def __init__(
+        self, module: torch.nn.Module, manifest: Manifest, *, view: bool = False, non_persistent: bool = False
+    ) -> None:
+        validate(manifest, module_schema(module, non_persistent=non_persistent))
         self.module = module
         self.manifest = manifest
         self.view = view

@@ -21,10 +21,16 @@ from raysync.errors import (
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["extract_extra_state", "extract_tensors", "module_schema", "to_tensordict"]
+__all__ = [
+    "extract_extra_state",
+    "extract_tensors",
+    "module_schema",
+    "non_persistent_buffers",
+    "to_tensordict",
+]
 
 
-def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
+def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> dict[str, torch.Tensor]:
     """Flatten weights into ``{dotted_key: tensor}``, sorted by key.
 
     A module's extra state (``get_extra_state()``, the ``"..._extra_state"``
@@ -34,6 +40,10 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     Args:
         weights: an ``nn.Module`` (its parameters and persistent buffers), a
             ``TensorDict``, or a nested or dotted state dict.
+        non_persistent: a module's non-persistent buffers too
+            (``register_buffer(..., persistent=False)``: not in its state dict),
+            keyed as their parameters are; the keys ``TensorDict.from_module``
+            has. Ignored for a TensorDict or a state dict (they hold what they hold).
 
     Returns:
         The tensors, detached, in canonical (sorted) key order. No copy,
@@ -51,7 +61,7 @@ def extract_tensors(weights: WeightsLike) -> dict[str, torch.Tensor]:
     """
     flat: dict[str, torch.Tensor] = {}
     if isinstance(weights, torch.nn.Module):
-        flat = _module_tensors(weights, keep_vars=False)
+        flat = _module_tensors(weights, keep_vars=False, non_persistent=non_persistent)
     elif _is_tensordict(weights):
         for key, value in weights.flatten_keys(".").items():
             flat[str(key)] = value
@@ -134,9 +144,14 @@ def _extra_state_owners(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     }
 
 
-def _module_tensors(module: torch.nn.Module, *, keep_vars: bool) -> dict[str, torch.Tensor]:
-    """A module's state dict without its extra state entries."""
+def _module_tensors(
+    module: torch.nn.Module, *, keep_vars: bool, non_persistent: bool = False
+) -> dict[str, torch.Tensor]:
+    """A module's state dict without its extra state entries (with ``non_persistent``: and
+    its non-persistent buffers, under the keys ``state_dict()`` would give them)."""
     state = module.state_dict(keep_vars=keep_vars)
+    if non_persistent:
+        state.update(non_persistent_buffers(module, keep_vars=keep_vars))
     extra = _extra_state_owners(module) if any(_is_extra_key(k) for k in state) else {}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -148,6 +163,28 @@ def _module_tensors(module: torch.nn.Module, *, keep_vars: bool) -> dict[str, to
                 "tensor: only parameters, buffers and get_extra_state() can be pushed"
             )
         out[key] = value
+    return out
+
+
+def non_persistent_buffers(module: torch.nn.Module, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """``{dotted_key: buffer}`` of the buffers a module's ``state_dict()`` leaves out.
+
+    Those registered with ``register_buffer(name, t, persistent=False)``; a
+    submodule reached by several paths appears under each, as in ``state_dict()``.
+    Buffers set to ``None`` are skipped.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1)
+        >>> m.register_buffer("scale", torch.ones(1), persistent=False)
+        >>> list(non_persistent_buffers(m))
+        ['scale']
+    """
+    out: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name in sorted(sub._non_persistent_buffers_set):
+            buf = sub._buffers.get(name)
+            if buf is not None:
+                out[f"{prefix}.{name}" if prefix else name] = buf if keep_vars else buf.detach()
     return out
 
 
@@ -197,13 +234,17 @@ def to_tensordict(tensors: Mapping[str, torch.Tensor]) -> TensorDict:
     return td
 
 
-def module_schema(module: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+def module_schema(
+    module: torch.nn.Module, *, non_persistent: bool = False
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{key: (shape, dtype)}`` of a module's state dict (parameters and persistent buffers).
 
-    Extra state (``"..._extra_state"`` entries) is not part of it.
+    Extra state (``"..._extra_state"`` entries) is not part of it. With
+    ``non_persistent``, the module's non-persistent buffers are (the keys
+    ``extract_tensors(module, non_persistent=True)`` gives).
 
     Example:
         >>> module_schema(torch.nn.Linear(2, 1))
         {'weight': ((1, 2), 'float32'), 'bias': ((1,), 'float32')}
     """
-    return schema_of(_module_tensors(module, keep_vars=True))
+    return schema_of(_module_tensors(module, keep_vars=True, non_persistent=non_persistent))

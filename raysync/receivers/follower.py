@@ -95,6 +95,9 @@ class Follower:
         timeout: seconds :meth:`start` waits for a first version when the module is
             weightless (meta tensors), and that a fetch may take.
         on_apply: called with the version after each apply (in the follower's thread).
+        non_persistent: versions also carry the module's non-persistent buffers
+            (the keys of ``TensorDict.from_module``, as torchrl's own sync carries
+            them): the follower registers, checks and applies those keys too.
 
     A version that fails to apply (wrong shape, a ``set_extra_state`` that raises)
     leaves the module as it was and is reported: ``hub.wait``/``push(wait=True)``
@@ -118,6 +121,7 @@ class Follower:
         label: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         on_apply: Callable[[int], None] | None = None,
+        non_persistent: bool = False,
     ) -> None:
         if not ray.is_initialized():
             raise RaySyncError("a Follower needs a connected Ray: call ray.init(address=...) first")
@@ -140,6 +144,7 @@ class Follower:
         self.label = label or f"follower pid {os.getpid()}"
         self.timeout = float(timeout)
         self.on_apply = on_apply
+        self.non_persistent = bool(non_persistent)
         self.version: int | None = None
         self.last_error: BaseException | None = None
         self._info = SubscriberInfo(
@@ -169,7 +174,7 @@ class Follower:
 
     def registration(self) -> Registration:
         module = self._module()
-        schema = module_schema(module) if module is not None else None
+        schema = module_schema(module, non_persistent=self.non_persistent) if module is not None else None
         return Registration(self.sub_id, self.model_id, None, self._info, schema, self.version)
 
     def start_from(self, newest: Announcement | None) -> None:
@@ -280,7 +285,7 @@ class Follower:
                     or bound.layout_hash != ann.manifest.layout_hash
                     or not bound.intact()
                 ):
-                    bound = BoundModel(module, ann.manifest)
+                    bound = BoundModel(module, ann.manifest, non_persistent=self.non_persistent)
                 ids = [r.hex() for r in ann.refs]
                 needed = bound.needed(ids)
                 arrays = ray.get([ann.refs[b] for b in needed], timeout=self.timeout)
@@ -321,6 +326,7 @@ def follow(
     namespace: str | None = None,
     label: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    non_persistent: bool = False,
 ) -> Follower:
     """Keep ``module`` in step with ``model_id`` on the hub, from this process (started).
 
@@ -331,4 +337,12 @@ def follow(
         >>> follower.version  # doctest: +SKIP
         7
     """
-    return Follower(module, model_id, hub=hub, namespace=namespace, label=label, timeout=timeout).start()
+    return Follower(
+        module,
+        model_id,
+        hub=hub,
+        namespace=namespace,
+        label=label,
+        timeout=timeout,
+        non_persistent=non_persistent,
+    ).start()

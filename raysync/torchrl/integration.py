@@ -22,11 +22,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -35,10 +37,10 @@ from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme as _Torch
 
 from raysync._checks import check_timeout
 from raysync.channels.base import DEFAULT_TIMEOUT
-from raysync.core.extract import extract_tensors
+from raysync.core.extract import _module_tensors, extract_extra_state, extract_tensors, non_persistent_buffers
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.receivers.follower import Follower
-from raysync.torchrl.strategy import _target_for, resolve_model
+from raysync.torchrl.strategy import _target_for, resolve_model, split_extra_state
 
 __all__ = ["HubWeightSyncScheme"]
 
@@ -61,6 +63,18 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         strategy: ``"tensordict"`` or ``"state_dict"`` (torchrl's meaning).
         apply_locally: on the sender, also apply each version to the collector's own
             policy when it was sent from other weights.
+        non_persistent_buffers: carry the policy's non-persistent buffers
+            (``register_buffer(..., persistent=False)``) with its parameters and
+            buffers, as torchrl's own sync does (the keys of ``TensorDict.from_module``),
+            so workers act with them and a weightless worker gets them before its first
+            batch. ``False``: the state dict's keys only (for a model that
+            ``@raysync.synced_model`` actors, which hold state dict keys, follow too).
+
+    ``send`` takes the forms torchrl's docs pass: an ``nn.Module``,
+    ``TensorDict.from_module(module)`` (or ``as_module=True``: a ``TensorDictParams``),
+    a state dict, keyed like the collector's policy or like the module it wraps.
+    A state dict leaves non-persistent buffers out: they keep the collector's
+    policy's values.
 
     Sender side (the collector's process): ``init_on_sender`` pushes the collector's
     policy as the first version (so workers that got a weightless, meta-device copy of
@@ -94,6 +108,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         timeout: float = DEFAULT_TIMEOUT,
         strategy: str = "tensordict",
         apply_locally: bool = True,
+        non_persistent_buffers: bool = True,
     ) -> None:
         super().__init__(strategy=strategy)
         check_timeout(timeout, allow_none=False, positive=True)
@@ -101,6 +116,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         self.namespace = namespace
         self.timeout = float(timeout)
         self.apply_locally = apply_locally
+        self.non_persistent_buffers = bool(non_persistent_buffers)
         self._uid = uuid.uuid4().hex[:8]  # names this scheme's workers on the hub
         self._ray_address: str | None = None  # the sender's cluster, for workers to join
         self._expected = 0  # workers the sender waits for (0: none, a single-process collector)
@@ -148,7 +164,8 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         self._ray_address = ray.get_runtime_context().gcs_address
         self._expected = _expected_workers(context, kwargs)
         local = self._local_model()
-        if local is not None and extract_tensors(local) and not _weightless(local):
+        own = self._own(local) if isinstance(local, torch.nn.Module) else {}
+        if own and not _weightless(own):
             # The first version: workers get weightless (meta) copies of the policy.
             self._applied = self.client.push(self._payload(local), model_id)
 
@@ -190,6 +207,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             label=f"torchrl {who.replace('worker', 'worker ')}",
             timeout=self.timeout,
             on_apply=self._on_apply,
+            non_persistent=self.non_persistent_buffers,
         ).start()
 
     def _on_apply(self, version: int) -> None:
@@ -225,18 +243,52 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         except Exception:
             return None
 
-    def _payload(self, source: Any) -> Any:
-        """What to push: a module as it is (its extra state goes along), else the tensors keyed
-        like the collector's policy (a wrapper's prefix added or dropped)."""
+    def _own(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The tensors a version of ``module`` carries (meta ones included, not detached)."""
+        return _module_tensors(module, keep_vars=True, non_persistent=self.non_persistent_buffers)
+
+    def _payload(self, source: Any) -> dict[str, Any]:
+        """What to push: the tensors of ``source`` and its extra state, as one flat dict.
+
+        Keyed like the collector's policy (a wrapper's prefix added or dropped); a state
+        dict's missing non-persistent buffers come from the collector's policy.
+        """
         if isinstance(source, weakref.ref):
             source = source()
-        tensors = _dotted(source)
+        tensors, extra = self._split(source)
         local = self._local_model()
-        if local is not None and local is not source:
-            keyed = _keyed_like(tensors, local)
-            if keyed is not tensors:  # renamed: push the tensors under the policy's keys
-                return keyed
-        return source if isinstance(source, torch.nn.Module) else tensors
+        if isinstance(local, torch.nn.Module) and local is not source:
+            tensors, extra = self._fit(tensors, extra, local)
+        return {**tensors, **extra}
+
+    def _split(self, source: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(tensors by dotted key, extra state by state dict key)`` of any weights form."""
+        if isinstance(source, torch.nn.Module):
+            return extract_tensors(source, non_persistent=self.non_persistent_buffers), extract_extra_state(
+                source
+            )
+        tensors, extra = split_extra_state(source)
+        return _dotted(tensors), extra
+
+    def _fit(
+        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], model: torch.nn.Module
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``tensors`` and ``extra`` keyed like ``model``, with its non-persistent buffers
+        where they are carried and the weights lack them (a state dict); as they are when
+        no renaming fits (validation then names what differs)."""
+        own = _module_tensors(model, keep_vars=True, non_persistent=True)
+        buffers = set(non_persistent_buffers(model))
+        rename = _renaming(set(tensors), [set(own), set(own) - buffers])
+        if rename is None:
+            return tensors, extra
+        tensors = {rename(k): v for k, v in tensors.items()}
+        extra = {rename(k): v for k, v in extra.items()}
+        if not self.non_persistent_buffers:
+            return {k: v for k, v in tensors.items() if k not in buffers}, extra
+        lacking = buffers - set(tensors)
+        if lacking and not any(own[k].is_meta for k in lacking):
+            tensors.update({k: own[k].detach() for k in lacking})
+        return tensors, extra
 
     # ------------------------------------------------------------------ use
     def send(self, weights: Any = None, worker_ids: Any = None) -> None:
@@ -260,7 +312,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         self._check_workers(version, t0 + self.timeout)
         if self.apply_locally:
             local = self._local_model()
-            if local is not None and not _same_storage(local, extract_tensors(payload)):
+            if isinstance(local, torch.nn.Module) and not _same_storage(self._own(local), payload):
                 self._apply_from_hub(local, version)
         self._applied = version
 
@@ -299,7 +351,8 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
     def _apply_from_hub(self, model: Any, version: int) -> Any:
         model_id = self._model_id or "policy"
         pulled = self.client.pull(model_id, version)
-        _target_for(model).apply(_keyed_like(_dotted(pulled), model))
+        tensors, _ = self._fit(_dotted(pulled), {}, model)
+        _target_for(model, non_persistent=self.non_persistent_buffers).apply(tensors)
         self._applied = version
         return pulled
 
@@ -322,9 +375,12 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         return self._apply_from_hub(model, latest)
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
-        """Apply ``weights`` to the registered model, whole or not at all."""
+        """Apply ``weights`` (any form :meth:`send` takes) to the registered model, whole or not at all."""
         model = self._local_model()
-        _target_for(model).apply(extract_tensors(weights))
+        tensors, extra = self._split(weights)
+        if isinstance(model, torch.nn.Module):
+            tensors, extra = self._fit(tensors, extra, model)
+        _target_for(model, non_persistent=self.non_persistent_buffers).apply(tensors, extra_state=extra)
 
     def shutdown(self) -> None:
         """Stop following the hub (a worker), then torchrl's own clean-up."""
@@ -348,15 +404,15 @@ def _expected_workers(context: Any, kwargs: dict[str, Any]) -> int:
     return 0
 
 
-def _weightless(module: Any) -> bool:
-    return any(t.device.type == "meta" for t in extract_tensors(module).values())
+def _weightless(tensors: Mapping[str, torch.Tensor]) -> bool:
+    return any(t.device.type == "meta" for t in tensors.values())
 
 
-def _same_storage(model: Any, tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether ``tensors`` are the model's own (sending its weights: nothing to apply back)."""
-    own = extract_tensors(model)
+def _same_storage(own: Mapping[str, torch.Tensor], payload: Mapping[str, Any]) -> bool:
+    """Whether the payload's tensors are the model's own (sending its weights: nothing to apply back)."""
+    tensors = [t for t in payload.values() if isinstance(t, torch.Tensor)]
     ptrs = {t.data_ptr() for t in own.values()}
-    return bool(tensors) and all(t.data_ptr() in ptrs for t in tensors.values())
+    return bool(tensors) and all(t.data_ptr() in ptrs for t in tensors)
 
 
 def _join_cluster(address: str | None) -> None:
@@ -376,28 +432,35 @@ def _dotted(weights: Any) -> dict[str, torch.Tensor]:
     return {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(weights).items()}
 
 
-def _keyed_like(tensors: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
-    """``tensors`` keyed like ``model``'s: the same dict when the keys already match, else a new one.
+def _renaming(keys: set[str], targets: Sequence[set[str]]) -> Callable[[str], str] | None:
+    """How to rename ``keys`` into one of ``targets``: a wrapper's prefix added or dropped
+    (a TensorDictModule around the trained module); ``None`` when none fits."""
+    for target in targets:
+        if keys == target:
+            return _same
+    if not keys:
+        return None
+    probe = min(keys)  # any renaming that fits maps this key onto a target key
+    for target in targets:
+        for key in sorted(target):
+            if key.endswith("." + probe):
+                prefix = key[: -len(probe)]
+                if {prefix + k for k in keys} == target:
+                    return functools.partial(_add_prefix, prefix)
+            if probe.endswith("." + key):
+                prefix = probe[: -len(key)]
+                if all(k.startswith(prefix) for k in keys) and {k[len(prefix) :] for k in keys} == target:
+                    return functools.partial(_drop_prefix, prefix)
+    return None
 
-    A wrapper (e.g. a TensorDictModule around the trained module) adds a prefix: matched by suffix.
-    """
-    target_keys = set(extract_tensors(model))
-    if target_keys and set(tensors) != target_keys:
-        return _match_prefix(tensors, target_keys)
-    return tensors
+
+def _same(key: str) -> str:
+    return key
 
 
-def _match_prefix(tensors: dict[str, torch.Tensor], target_keys: set[str]) -> dict[str, torch.Tensor]:
-    for key in target_keys:
-        for src in tensors:
-            if key.endswith("." + src):
-                prefix = key[: -len(src)]
-                mapped = {prefix + k: v for k, v in tensors.items()}
-                if set(mapped) == target_keys:
-                    return mapped
-            if src.endswith("." + key):
-                prefix = src[: -len(key)]
-                mapped = {k.removeprefix(prefix): v for k, v in tensors.items()}
-                if set(mapped) == target_keys:
-                    return mapped
-    return tensors  # validation will name what does not match
+def _add_prefix(prefix: str, key: str) -> str:
+    return prefix + key
+
+
+def _drop_prefix(prefix: str, key: str) -> str:
+    return key.removeprefix(prefix)

@@ -20,6 +20,7 @@ from raysync.core.extract import (
     extract_extra_state,
     extract_tensors,
     module_schema,
+    non_persistent_buffers,
     to_tensordict,
 )
 from raysync.core.layout import _EXTRA, Manifest, plan_layout, schema_of, validate
@@ -198,10 +199,15 @@ def _own_extra_state(source: Any) -> Any:
 
 
 class _Target:
-    """A model to apply versions to: validate, then one copy per bucket (cached binding)."""
+    """A model to apply versions to: validate, then one copy per bucket (cached binding).
 
-    def __init__(self, destination: Any) -> None:
+    ``non_persistent``: versions carry a module's non-persistent buffers too (the keys
+    of ``TensorDict.from_module``), checked and applied with the rest.
+    """
+
+    def __init__(self, destination: Any, *, non_persistent: bool = False) -> None:
         self.ref = destination
+        self.non_persistent = non_persistent
         self._bound: BoundModel | None = None
 
     @property
@@ -210,18 +216,23 @@ class _Target:
 
     def schema(self) -> dict[str, tuple[tuple[int, ...], str]]:
         if self.is_module:
-            return module_schema(self.ref)
+            return module_schema(self.ref, non_persistent=self.non_persistent)
         return schema_of(extract_tensors(self.ref))
 
+    def _weightless(self) -> bool:
+        """Whether the weights a version fills are on the meta device (no memory yet)."""
+        held = list(self.ref.state_dict().values())
+        if self.non_persistent:
+            held += non_persistent_buffers(self.ref).values()
+        return any(t.is_meta for t in held if torch.is_tensor(t))
+
     def _binding(self, manifest: Manifest) -> BoundModel:
-        if self._bound is None and any(
-            t.is_meta for t in self.ref.state_dict().values() if torch.is_tensor(t)
-        ):
+        if self._bound is None and self._weightless():
             # A weightless module (torchrl sends its workers a meta policy): give it memory first;
             # the version being applied fills it before anything reads it.
             self.ref.to_empty(device="cpu")
         if self._bound is None or self._bound.layout_hash != manifest.layout_hash:
-            self._bound = BoundModel(self.ref, manifest)
+            self._bound = BoundModel(self.ref, manifest, non_persistent=self.non_persistent)
         return self._bound
 
     def apply(
@@ -268,15 +279,18 @@ class _Target:
 
 
 _TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
+_FULL_TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
 
 
-def _target_for(destination: Any) -> _Target:
+def _target_for(destination: Any, *, non_persistent: bool = False) -> _Target:
+    """The (cached) target of a module; ``non_persistent``: its versions carry non-persistent buffers."""
     if isinstance(destination, torch.nn.Module):
-        target = _TARGETS.get(destination)
+        cache = _FULL_TARGETS if non_persistent else _TARGETS
+        target = cache.get(destination)
         if target is None:
-            target = _TARGETS[destination] = _Target(destination)
+            target = cache[destination] = _Target(destination, non_persistent=non_persistent)
         return target
-    return _Target(destination)
+    return _Target(destination, non_persistent=non_persistent)
 
 
 def _strategy(name: str) -> WeightStrategy:

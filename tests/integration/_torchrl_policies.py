@@ -42,6 +42,17 @@ class Moody(Act):
         self.mood = state
 
 
+class Shifted(Act):
+    """An :class:`Act` whose torque adds a non-persistent buffer ``shift`` (not in its state dict)."""
+
+    def __init__(self, shift: float = 0.0) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.full((1,), shift), persistent=False)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        return (self.lin(torch.stack([th, thdot], -1)) + self.shift).clamp(-2.0, 2.0)
+
+
 def set_bias(policy: TensorDictModule, b: float) -> TensorDictModule:
     with torch.no_grad():
         policy.module.lin.weight.zero_()
@@ -55,3 +66,8 @@ def constant_policy(b: float = 0.5) -> TensorDictModule:
 
 def moody_policy(b: float = 0.5) -> TensorDictModule:
     return set_bias(TensorDictModule(Moody(), in_keys=["th", "thdot"], out_keys=["action"]), b)
+
+
+def shifted_policy(b: float = 0.5, shift: float = 0.0) -> TensorDictModule:
+    """Every action is ``b + shift``; ``shift`` is a non-persistent buffer."""
+    return set_bias(TensorDictModule(Shifted(shift), in_keys=["th", "thdot"], out_keys=["action"]), b)

@@ -119,3 +119,31 @@ def test_process_scheme_takes_torchrl_params_map() -> None:
     assert sorted(scheme.get_sender().transports) == [0, 1, 2]  # one pipe per worker, made here
     assert scheme.model is weights
     scheme.shutdown()
+
+
+def test_non_persistent_buffers_are_carried_only_when_asked() -> None:
+    """What HubWeightSyncScheme's workers bind with: parameters, buffers and non-persistent buffers
+    (``TensorDict.from_module``'s keys); the default binding keeps the state dict's keys."""
+    from tensordict import TensorDict
+
+    from raysync.core.bound import BoundModel
+    from raysync.core.extract import extract_tensors, module_schema
+    from raysync.core.layout import plan_layout
+    from raysync.torchrl.strategy import _target_for
+
+    def make(scale: float) -> torch.nn.Module:
+        module = torch.nn.Linear(3, 2)
+        module.register_buffer("scale", torch.full((2,), scale), persistent=False)
+        return module
+
+    src = make(3.0)
+    full = extract_tensors(src, non_persistent=True)
+    assert sorted(full) == sorted(TensorDict.from_module(src).keys()) == ["bias", "scale", "weight"]
+    assert "scale" not in module_schema(src) and "scale" in module_schema(src, non_persistent=True)
+    with torch.device("meta"):
+        dst = make(0.0)  # a worker's weightless policy: the buffer too
+    _target_for(dst, non_persistent=True).apply(full)
+    assert not any(t.is_meta for t in (*dst.parameters(), *dst.buffers()))
+    assert torch.equal(dst.scale, src.scale) and torch.equal(dst.weight, src.weight)
+    with pytest.raises(raysync.WeightMismatchError, match="unexpected keys \\['scale'\\]"):
+        BoundModel(make(0.0), plan_layout(full))  # the default (e.g. @synced_model): state dict keys
