@@ -53,3 +53,16 @@ def serve(specs: list[tuple[str, Any, Any, int]]) -> None:
             else:
                 reply = ("unknown command", command)
             receiver.transport.send_message((command, reply))
+
+
+def shared_mem_worker(transport: Any, worker_idx: int, commands: Any, replies: Any) -> None:
+    """torchrl 0.14's call shapes of a SharedMemTransport, worker side.
+
+    Takes this worker's shared weights from its queue, then on each ``"apply"`` copies
+    them into its own model and replies with the model's state dict; stops on ``"close"``.
+    """
+    shared = transport.setup_connection_and_weights_on_receiver(worker_idx=worker_idx, timeout=120)
+    model = net(10 + worker_idx)
+    while commands.get(timeout=120) == "apply":
+        transport.receive_weights(weights=shared, model=model)
+        replies.put({k: v.detach().clone() for k, v in model.state_dict().items()})

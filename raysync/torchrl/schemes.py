@@ -235,10 +235,32 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
         self.per_worker_weights = bool(per_worker_weights)
 
 
+class _NoOpSender(WeightSender):
+    """The sender of :class:`NoWeightSyncScheme`: every send does nothing (the reference's no-op sender)."""
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Do nothing (no workers, no weights needed)."""
+
+    def send_async(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
+        """Do nothing."""
+
+    def wait_async(self, timeout: float | None = None) -> None:
+        """Do nothing: no send is ever pending."""
+
+
 class NoWeightSyncScheme(WeightSyncScheme):
     """Weight synchronisation switched off: sends do nothing, nothing is ever received.
 
     As torchrl's: with any collector, ``update_policy_weights_()`` does nothing.
+    Its sender (``get_sender()``) does nothing either, as the reference's:
+    ``send``, ``send_async``, ``wait_async`` and ``update_weights`` return at
+    once, with or without weights or workers.
     A worker handed a weightless (meta) policy (a multi-process collector given
     ``policy=``) is refused with a clear error at start-up: pass ``policy_factory=``.
 
@@ -246,9 +268,14 @@ class NoWeightSyncScheme(WeightSyncScheme):
         >>> scheme = NoWeightSyncScheme()
         >>> scheme.init_on_sender(model_id="policy")
         >>> scheme.send({"w": torch.ones(1)})   # nothing happens
+        >>> scheme.get_sender().send()          # nor here
     """
 
     backend = "none"
+
+    def create_sender(self) -> WeightSender:
+        """A sender whose sends do nothing."""
+        return _NoOpSender(self)
 
     def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> _NoOpTransport:
         """A transport that moves nothing."""

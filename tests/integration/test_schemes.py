@@ -17,7 +17,7 @@ import raysync
 from raysync import schemes
 from raysync.channels.base import TransportBackend
 from raysync.channels.pipe import MPTransport, SnapshotPool
-from tests._scheme_worker import net, serve
+from tests._scheme_worker import net, serve, shared_mem_worker
 from tests.conftest import assert_same_weights, wait_for_condition
 
 TIMEOUT = 90.0  # generous: a spawned worker imports torch on a busy 2-core machine
@@ -254,6 +254,65 @@ def test_no_weight_sync_scheme_and_remote_weight_update() -> None:
     assert torch.equal(devices["cpu:0"]["0", "weight"], before)
     updater()
     assert torch.equal(devices["cpu:0"]["0", "weight"], server[0].weight)
+
+
+def test_no_weight_sync_schemes_sender_does_nothing() -> None:
+    """As the reference's no-op sender: no workers, no weights, no error."""
+    none = schemes.NoWeightSyncScheme()
+    none.init_on_sender(model_id="policy")
+    sender = none.get_sender()
+    assert sender.send() is None
+    sender.send(net(0), worker_ids=[0, 3])
+    sender.send_async({"w": torch.ones(1)})
+    sender.wait_async()
+    sender.update_weights(net(1))
+    none.connect()
+    none.send()
+
+
+def test_shared_mem_transport_takes_torchrl_call_shapes() -> None:
+    """``SharedMemTransport()``, ``register_weights(params_map, init_queues)``, ``send_weights(weights)``:
+    a spawned worker copies each version out of the shared weights it was handed."""
+    from tensordict import TensorDict
+
+    ctx = multiprocessing.get_context("spawn")
+    transport = schemes.SharedMemTransport()
+    shared = TensorDict.from_module(net(0)).data.clone().share_memory_()
+    transport.register_weights({0: shared, 1: shared}, {0: ctx.Queue(), 1: ctx.Queue()})
+    assert len(transport.unique_weights) == 1  # both workers read one buffer: written once
+    commands, replies = ctx.Queue(), ctx.Queue()
+    worker = ctx.Process(target=shared_mem_worker, args=(transport, 1, commands, replies), daemon=True)
+    worker.start()
+    try:
+        transport.setup_connection_and_weights_on_sender()
+        for version, weights in [
+            (net(1), lambda m: TensorDict.from_module(m)),
+            (net(2), lambda m: m),
+            (net(3), lambda m: m.state_dict()),
+        ]:
+            transport.send_weights(weights(version))
+            commands.put("apply")
+            assert_same_weights(replies.get(timeout=TIMEOUT), _state(version))
+        # Checked against the buffer before any write: a mismatch changes nothing.
+        with pytest.raises(raysync.WeightMismatchError, match="missing keys"):
+            transport.send_weights({"0.weight": torch.ones(16, 8)})
+        commands.put("apply")
+        assert_same_weights(replies.get(timeout=TIMEOUT), _state(net(3)))
+    finally:
+        commands.put("close")
+        worker.join(timeout=TIMEOUT)
+        if worker.is_alive():
+            worker.kill()
+    assert worker.exitcode == 0
+    # raysync's own call shapes still work: a pipe, send_weights(model_id, weights), acks.
+    parent, child = multiprocessing.Pipe()
+    sender, receiver = schemes.SharedMemTransport(parent, timeout=10), schemes.SharedMemTransport(child)
+    sender.send_weights_async("policy", net(4))
+    model_id, tensors = receiver.receive_weights(timeout=5)  # type: ignore[misc]
+    assert model_id == "policy"
+    assert_same_weights(tensors, _state(net(4)))
+    receiver.send_ack()
+    sender.wait_ack()
 
 
 # --------------------------------------------------------------------------- real processes
