@@ -1,11 +1,11 @@
-"""Argument checks shared by every public entry point (one rule for every timeout)."""
+"""Checks shared by every public entry point: one rule for every timeout, one for "is Ray running here"."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-__all__ = ["check_timeout"]
+__all__ = ["check_timeout", "not_running", "ray_shut_down", "require_ray"]
 
 
 def check_timeout(
@@ -44,3 +44,46 @@ def check_timeout(
         what = f"None or a number of seconds {bound}" if allow_none else f"a number of seconds {bound}"
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return float(value)
+
+
+def not_running(what: str) -> Exception:
+    """The error for a call into Ray in a process where Ray is not running (see :func:`require_ray`)."""
+    from raysync.errors import RayNotRunningError
+
+    return RayNotRunningError(
+        f"cannot {what}: Ray is not running in this process (ray.shutdown() was called, or Ray never "
+        "started here). Call ray.init(...) and raysync.connect(...) again; raysync starts no cluster "
+        "of its own outside connect()."
+    )
+
+
+def require_ray(what: str) -> None:
+    """Raise :class:`~raysync.errors.RayNotRunningError` unless Ray runs in this process.
+
+    Called right before raysync's calls into Ray that would otherwise start a local Ray
+    of their own (``ray.put``, ``ray.get``: Ray's auto-init), so that a push racing
+    ``ray.shutdown()`` from another thread fails instead of starting a new cluster.
+
+    Example:
+        >>> require_ray("push")  # doctest: +SKIP
+    """
+    import ray
+
+    if not ray.is_initialized():
+        raise not_running(what)
+
+
+def ray_shut_down(grace_s: float = 2.0) -> bool:
+    """Whether Ray is (or within ``grace_s`` becomes) not running here: an error from a call into
+    Ray that raced ``ray.shutdown()`` from another thread arrives while the shutdown is still
+    under way, before ``ray.is_initialized()`` turns False."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + grace_s
+    while ray.is_initialized():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -52,7 +52,6 @@ __all__ = [
     "RelayMember",
     "RelayReply",
     "Ring",
-    "RingAck",
     "SubscriberInfo",
     "WaitResult",
     "bucket_ids",
@@ -168,6 +167,9 @@ class Registration:
         schema: ``{key: (shape, dtype)}`` of its model, to refuse pushes that
             would not fit before anything is published (``None``: not checked).
         applied: the version it holds (after a hub restart, or a restart of its own).
+        doorbell_key: the secret its process's doorbell checks every ring against
+            (``info.doorbell`` set): only who learnt it through Ray's authenticated
+            calls (the hub, its node's relay) can ring it. Never persisted or shown.
     """
 
     sub_id: str
@@ -176,6 +178,7 @@ class Registration:
     info: SubscriberInfo
     schema: dict[str, tuple[tuple[int, ...], str]] | None = None
     applied: int | None = None
+    doorbell_key: bytes | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -348,12 +351,14 @@ class RelayMember:
         batch: notify it with :data:`NOTIFY_BATCH` (one call for all its subscriptions).
         doorbell: its process's doorbell address: ring it instead of calling, where the
             version fits (:mod:`raysync.transports.doorbell`).
+        doorbell_key: the doorbell's secret (rings carry a MAC made with it).
     """
 
     handle: Any
     actor_id: str | None = None
     batch: bool = False
     doorbell: str | None = None
+    doorbell_key: bytes | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -414,31 +419,32 @@ class RelayReply:
 
 @dataclass(frozen=True)
 class Ring:
-    """A relay's doorbell datagram to one subscriber process: a version waits in shared memory.
+    """A relay's doorbell datagram to one subscriber process: a version waits in a sealed segment.
+
+    The segment itself travels with the datagram (its file descriptor, ``SCM_RIGHTS``);
+    the ring names it by size, inode and device so that the receiver checks it got the
+    segment the ringer meant. On the wire it is a fixed binary record MAC'd with the
+    receiving process's doorbell key (:mod:`raysync.transports.doorbell.wire`).
 
     Attributes:
         token: names this ring in the acks.
         model_id: the model.
         version: the version.
-        segment: the shared-memory file that holds it (never written again).
         sub_ids: the subscriptions of that process to hand it to.
-        reply_to: the relay's doorbell address, for the :class:`RingAck`.
+        reply_to: the ringer's socket, for the acks.
+        segment_size: the segment's size in bytes.
+        segment_inode: the segment's inode.
+        segment_device: the segment's device.
     """
 
     token: int
     model_id: str
     version: int
-    segment: str
     sub_ids: tuple[str, ...]
     reply_to: str
-
-
-@dataclass(frozen=True)
-class RingAck:
-    """A subscriber process's answer to a :class:`Ring`: its subscriptions' acks, compact."""
-
-    token: int
-    reply: RelayReply
+    segment_size: int = 0
+    segment_inode: int = 0
+    segment_device: int = 0
 
 
 def bucket_ids(refs: list[Any] | tuple[Any, ...]) -> list[str | None]:

@@ -11,7 +11,8 @@ a caller would already catch for that kind of failure::
     ├── ChecksumError           (ValueError)     a bucket's bytes do not match its checksum
     ├── ApplyError              (RuntimeError)   a subscriber failed to apply a version
     ├── StaleWriterError        (PermissionError) another live process holds the model's writer lease
-    └── ReadOnlyWeightsError    (RuntimeError)   an in-place write to ``apply="view"`` weights
+    ├── ReadOnlyWeightsError    (RuntimeError)   an in-place write to ``apply="view"`` weights
+    └── RayNotRunningError      (RuntimeError)   a hub call after ``ray.shutdown()`` (or before Ray started)
 
 Example:
     >>> import raysync
@@ -157,4 +158,17 @@ class ReadOnlyWeightsError(RaySyncError, RuntimeError):
     Example:
         >>> self.policy.weight.add_(1)  # doctest: +SKIP
         raysync.ReadOnlyWeightsError: 'add_' would write into weights shared ...
+    """
+
+
+class RayNotRunningError(RaySyncError, RuntimeError):
+    """A hub call in a process where Ray is not running (``ray.shutdown()`` was called, or
+    Ray never started here).
+
+    Only :func:`raysync.connect` starts Ray (as Ray's own API does on first use); a client's
+    ``push``, ``wait``, ``pull`` and queries never start a cluster of their own.
+
+    Example:
+        >>> ray.shutdown(); hub.push(model)  # doctest: +SKIP
+        raysync.RayNotRunningError: Ray is not running in this process ...
     """

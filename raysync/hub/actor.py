@@ -476,8 +476,8 @@ class WeightHub:
             for sub in due:
                 sub.sent = newest.version
             # On the hub's own node, subscribers with a doorbell are rung from here: no relay hop.
-            here = [s for s in due if s.info.doorbell] if self._rings_here(group, newest) else []
-            there = [s for s in due if not s.info.doorbell] if here else due
+            here = [s for s in due if s.ringable] if self._rings_here(group, newest) else []
+            there = [s for s in due if not s.ringable] if here else due
             await asyncio.gather(
                 self._ring_here(model_id, group, newest, here, prior),
                 self._via_relay(model_id, group, newest, there, prior),
@@ -611,7 +611,7 @@ class WeightHub:
         sub, replaced, newest = self._state.register(reg)
         if replaced is not None:
             _cancel(replaced.task)
-        rung_here = self._here is not None and sub.info.node_id == self._here_node and sub.info.doorbell
+        rung_here = self._here is not None and sub.info.node_id == self._here_node and sub.ringable
         if sub.via_node and sub.info.node_id not in self._ready and not rung_here:
             self._start_relay(sub.info.node_id)  # type: ignore[arg-type]
         self._store.add(sub)

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -24,13 +25,13 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
-from raysync._checks import check_timeout
+from raysync._checks import check_timeout, not_running, ray_shut_down, require_ray
 from raysync._protocol import (
     ACQUIRE,
     BLOCK,
@@ -59,6 +60,30 @@ if TYPE_CHECKING:
 __all__ = ["HubClient", "connect"]
 
 logger = logging.getLogger(__name__)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _needs_ray(method: _F) -> _F:
+    """A client call that needs Ray in this process: :class:`RayNotRunningError` without it,
+    and for whatever Ray raises when it was shut down meanwhile (from another thread)."""
+    what = method.__name__
+
+    @functools.wraps(method)
+    def call(self: HubClient, *args: Any, **kwargs: Any) -> Any:
+        if not ray.is_initialized():
+            raise not_running(what)
+        try:
+            return method(self, *args, **kwargs)
+        except RaySyncError:
+            raise
+        except Exception as err:
+            if ray_shut_down():
+                raise not_running(what) from err
+            raise
+
+    return call  # type: ignore[return-value]
 
 
 def connect(
@@ -101,7 +126,7 @@ def connect(
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep must be None or an integer >= 1 (versions kept per model), got {keep!r}")
     client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
-    client._handle = get_hub_actor(name, namespace, keep=keep)  # a new hub starts with `keep`
+    client._handle = get_hub_actor(name, namespace, keep=keep, start_ray=True)  # a new hub: `keep`
     client._call("configure", keep)  # waits through a hub restart, as every call does
     return client
 
@@ -180,6 +205,7 @@ class HubClient:
         bound = self._posting.get(method)
         if bound is None:
             bound = self._posting[method] = getattr(handle, method).options(max_task_retries=_POST_RETRIES)
+        require_ray(f"call the hub ({method})")  # Ray would start a cluster of its own for the call
         return bound.remote(*args)
 
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
@@ -260,6 +286,7 @@ class HubClient:
         self._call("lost", model_id, version)
 
     # ------------------------------------------------------------------ push
+    @_needs_ray
     def push(
         self,
         weights: Any,
@@ -367,6 +394,7 @@ class HubClient:
             self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
         return pushed.version
 
+    @_needs_ray
     def next_version(self, model_id: str = "policy") -> int:
         """The version number this writer's next push of ``model_id`` gets (nothing is pushed).
 
@@ -392,6 +420,7 @@ class HubClient:
             return lease.peek(lambda: self._acquire(model_id, pusher))
 
     # ------------------------------------------------------------------ wait / query
+    @_needs_ray
     def wait(
         self,
         version: int,
@@ -444,7 +473,10 @@ class HubClient:
         # after their answers: the hub keeps a stamped version before its publish awaits
         # anything and starts one caller's calls in order, so the wait finds it (one round
         # trip less). A refusal among the answers still raises first.
-        early = self.actor.wait.remote(*args) if self._publishes.unanswered(model_id) else None
+        early = None
+        if self._publishes.unanswered(model_id):
+            require_ray("wait")
+            early = self.actor.wait.remote(*args)
         try:
             self._settle(model_id, wait=True)
         except BaseException:
@@ -483,6 +515,7 @@ class HubClient:
                 failures=rows,
             )
 
+    @_needs_ray
     def latest(self, model_id: str = "policy") -> int | None:
         """The newest version of ``model_id`` (``None`` before the first push).
 
@@ -495,6 +528,7 @@ class HubClient:
         result: int | None = self._call("latest", model_id)
         return result
 
+    @_needs_ray
     def pull(self, model_id: str = "policy", version: int | None = None) -> TensorDict:
         """The weights of a kept version (newest by default), as a nested TensorDict.
 
@@ -514,10 +548,12 @@ class HubClient:
         self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
+        require_ray("pull")
         buckets = ray.get(list(info.refs))
         tensors = {k: t.clone() for k, t in unpack(info.manifest, buckets).items()}
         return to_tensordict(tensors)
 
+    @_needs_ray
     def status(self) -> dict[str, Any]:
         """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors).
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
+from raysync._checks import require_ray
 from raysync._protocol import BLOCK, Grant
 from raysync.errors import RaySyncError, StaleWriterError
 
@@ -98,6 +100,7 @@ class WriterLease:
         ref, self.upcoming = self.upcoming, None
         if ref is None or self.epoch is None:
             return None
+        require_ray("push")
         try:
             grant: Grant = ray.get(ref, timeout=60)
             return grant
@@ -157,6 +160,18 @@ class _InFlight:
     answer: concurrent.futures.Future[Any] | None = None  # the reply, as Ray delivers it
 
 
+def _wait_answers(answers: list[concurrent.futures.Future[Any]], timeout: float | None) -> None:
+    """Wait for replies Ray completes; raise if Ray is shut down meanwhile (they never would)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while answers:
+        left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+        if left <= 0:
+            return
+        answers = list(concurrent.futures.wait(answers, left).not_done)
+        if answers:
+            require_ray("read the hub's answers")
+
+
 class Publishes:
     """One client's publishes whose replies it has not read yet, per model.
 
@@ -206,7 +221,7 @@ class Publishes:
         if wait or len(in_flight) > MAX_IN_FLIGHT:
             # A live hub answers a publish in about a millisecond: the timeout is a guard.
             num = len(in_flight) if wait else len(in_flight) - MAX_IN_FLIGHT
-            concurrent.futures.wait([p.answer for p in in_flight[:num] if p.answer is not None], timeout)
+            _wait_answers([p.answer for p in in_flight[:num] if p.answer is not None], timeout)
         swallowed = None
         read = []
         for p in in_flight:

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
+from raysync._checks import not_running, require_ray
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
 from raysync.errors import RaySyncError
 from raysync.hub.actor import WeightHub
@@ -33,13 +34,27 @@ RETRY_S = 60.0
 _RESTARTING = (ActorDiedError, ActorUnavailableError)
 
 
-def get_hub_actor(name: str = DEFAULT_HUB, namespace: str | None = None, *, keep: int | None = None) -> Any:
+def get_hub_actor(
+    name: str = DEFAULT_HUB, namespace: str | None = None, *, keep: int | None = None, start_ray: bool = False
+) -> Any:
     """Get or create the named, detached hub actor (safe when many processes race).
+
+    Args:
+        start_ray: start a local Ray if this process has none (what :func:`raysync.connect`
+            does, logging it once); otherwise a process without Ray gets
+            :class:`~raysync.errors.RayNotRunningError`.
 
     Example:
         >>> handle = get_hub_actor("raysync")  # doctest: +SKIP
     """
     if not ray.is_initialized():
+        if not start_ray:
+            raise not_running("find the hub")
+        logger.warning(
+            "raysync.connect(): Ray was not running in this process, so it started a local Ray "
+            "(ray.init()). To use another cluster or ray.init() options, call ray.init(...) before "
+            "raysync.connect(); a later ray.init() in this process fails (Ray is already running)."
+        )
         ray.init()
     return WeightHub.options(  # type: ignore[attr-defined]
         name=name,
@@ -106,6 +121,7 @@ def call_hub(
     """
     retries, fresh = _Retries(method, timeout, retry_s, GetTimeoutError), False
     while True:
+        require_ray(f"call the hub ({method})")
         try:
             return ray.get(getattr(handle(fresh), method).remote(*args), timeout=retries.left())
         except RayTaskError as err:

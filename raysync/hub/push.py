@@ -25,6 +25,7 @@ import ray
 import torch
 from ray.exceptions import ObjectLostError, RayTaskError
 
+from raysync._checks import require_ray
 from raysync.core.codec import same_bytes, unpack
 from raysync.core.extract import extract_extra_state, extract_tensors
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
@@ -177,6 +178,7 @@ class PushPipeline:
         if prev is None:
             return None, None
         try:
+            require_ray("push")
             return prev, list(ray.get(list(prev.refs)))
         except (ObjectLostError, RayTaskError) as err:
             if isinstance(err, RayTaskError) and not isinstance(err.cause, ObjectLostError):

@@ -150,21 +150,21 @@ class NodeDelivery:
 
         Returns the rings' tokens and the members to call the Ray way.
         """
-        bells = {s: m for s, m in members.items() if m.doorbell is not None}
+        bells = {s: m for s, m in members.items() if m.doorbell is not None and m.doorbell_key is not None}
         if not bells or not rings(a.manifest):
             return [], members
         ringer, writer = self._doorbell()
         try:  # in one worker thread: fetch, write, ring (the loop keeps reading acks meanwhile)
             tokens, unreachable = await asyncio.to_thread(_write_and_ring, ringer, writer, a, bells)
-        except Exception as err:  # no room in /dev/shm, bytes gone, ...: the Ray way this time
+        except Exception as err:  # no memory for a segment, bytes gone, ...: the Ray way this time
             logger.info(
                 "node %s: no doorbell for %r version %d: %s", self._node_id[:8], a.model_id, a.version, err
             )
             return [], members
         self.rung += len({bells[s].doorbell for s in bells if s not in unreachable})
-        called = {s: m for s, m in members.items() if m.doorbell is None}
+        called = {s: m for s, m in members.items() if s not in bells}
         for sub_id in unreachable:  # gone, or not reachable from here: call it; stop ringing it
-            member = replace(bells[sub_id], doorbell=None)
+            member = replace(bells[sub_id], doorbell=None, doorbell_key=None)
             self._members[sub_id] = called[sub_id] = member
         return tokens, called
 
@@ -179,9 +179,6 @@ class NodeDelivery:
 
     def _doorbell(self) -> tuple[doorbell.Ringer, doorbell.SegmentWriter]:
         if self._bell is None:
-            removed = doorbell.sweep_segments()  # left by relays of this node that died
-            if removed:
-                logger.info("node %s: removed %d segment(s) of dead relays", self._node_id[:8], removed)
             ringer = doorbell.Ringer()
             ringer.late = self._late_ring
             self._bell = (ringer, doorbell.SegmentWriter())
@@ -226,6 +223,8 @@ class NodeDelivery:
             "deliveries": self.deliveries,
             "delivered": self.delivered,
             "rung": self.rung,
+            # datagrams refused at the ack socket (not acks of an open ring MAC'd by the process rung)
+            "dropped": sum(self._bell[0].drops.total.values()) if self._bell is not None else 0,
             # medians of the last 100 deliveries: writing the version and ringing, then the acks
             "ring_s": statistics.median(t[0] for t in self._timing) if self._timing else None,
             "acks_s": statistics.median(t[1] for t in self._timing) if self._timing else None,
@@ -275,11 +274,13 @@ def quiet_threaded_gets() -> None:
 
 
 def rings(manifest: Any) -> bool:
-    """Whether a version goes by doorbell: object-store bytes, no larger than the limit, here."""
+    """Whether a version goes by doorbell: object-store bytes, no larger than the limit, no
+    pickled extra state (the doorbell's wire format carries none), here."""
     limit = doorbell.max_bytes()
     return (
         limit > 0
         and manifest.transport == "object_store"
+        and not manifest.extra_state
         and sum(manifest.bucket_nbytes) <= limit
         and doorbell.available()
     )
@@ -291,19 +292,22 @@ def _write_and_ring(
     """Fetch a version's buckets (zero-copy on this node), write them into a new segment, and
     ring every process in ``bells``; the rings' tokens and the subscriptions not rung."""
     buckets = ray.get(list(a.refs), timeout=_FETCH_S)
-    path = writer.write(a.model_id, a.version, a.manifest, bucket_ids(list(a.refs)), buckets)
+    segment = writer.write(a.model_id, a.version, a.manifest, bucket_ids(list(a.refs)), buckets)
     del buckets
-    by_process: dict[str, list[str]] = {}
+    by_process: dict[tuple[str, bytes], list[str]] = {}
     for sub_id, member in bells.items():
-        by_process.setdefault(member.doorbell, []).append(sub_id)  # type: ignore[arg-type]
+        by_process.setdefault((member.doorbell, member.doorbell_key), []).append(sub_id)  # type: ignore[arg-type]
     tokens: list[int] = []
     unreachable: list[str] = []
-    for address, sub_ids in by_process.items():
-        try:
-            tokens += ringer.ring(address, a.model_id, a.version, path, sub_ids)
-        except OSError as err:
-            logger.debug("doorbell of %s: %s", sub_ids[0], err)
-            unreachable += sub_ids
+    try:
+        for (address, key), sub_ids in by_process.items():
+            try:
+                tokens += ringer.ring(address, key, a.model_id, a.version, segment, sub_ids)
+            except (OSError, ValueError) as err:
+                logger.debug("doorbell of %s: %s", sub_ids[0], err)
+                unreachable += sub_ids
+    finally:
+        segment.close()  # each process rung holds its own descriptor: freed when the last lets go
     return tokens, unreachable
 
 

@@ -101,10 +101,16 @@ class Subscriber:
     task: Any = None  # the actor's delivery loop for it (the state never touches it)
     via_node: bool = False  # delivered through its node's relay (set when indexed)
     relay_pending: bool = False  # its relay is still handing it a version (its ack comes later)
+    doorbell_key: bytes | None = field(default=None, repr=False)  # never persisted or shown
 
     @property
     def mode(self) -> str:
         return self.info.mode
+
+    @property
+    def ringable(self) -> bool:
+        """Whether its node's relay (or the hub) can ring its doorbell: an address and the key."""
+        return bool(self.info.doorbell and self.doorbell_key)
 
     @property
     def waited_for(self) -> bool:
@@ -113,7 +119,9 @@ class Subscriber:
 
     def relay_member(self) -> RelayMember:
         """What its node's relay (or the hub, on its own node) needs to hand it a version."""
-        return RelayMember(self.handle, self.info.actor_id, self.info.batch, self.info.doorbell)
+        return RelayMember(
+            self.handle, self.info.actor_id, self.info.batch, self.info.doorbell, self.doorbell_key
+        )
 
     @functools.cached_property
     def schema_key(self) -> Any:
@@ -215,7 +223,10 @@ class HubState:
         The subscriber applies the newest version itself (from its ``__init__``), so
         it counts as sent.
         """
-        sub = Subscriber(reg.sub_id, reg.model_id, reg.handle, reg.info, reg.schema, applied=reg.applied)
+        sub = Subscriber(reg.sub_id, reg.model_id, reg.handle, reg.info, reg.schema)
+        sub.doorbell_key = reg.doorbell_key
+        if reg.applied is not None and self.believable(sub, reg.applied):
+            sub.applied = reg.applied
         replaced = self.add(sub)
         newest = self.newest(reg.model_id)
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
@@ -295,6 +306,9 @@ class HubState:
             sub.last_error = report.error_text()
             return
         applied = report.applied
+        if applied is not None and not self.believable(sub, applied):
+            self.settle(sub)
+            return
         newer = applied is not None and (sub.applied is None or applied > sub.applied)
         if newer:
             sub.applied = applied
@@ -330,7 +344,7 @@ class HubState:
     ) -> None:
         """What :meth:`record` does with a plain report of an apply of ``version`` (a relay's compact row)."""
         sub.last_seen = time.monotonic()
-        if sub.applied is not None and version < sub.applied:
+        if (sub.applied is not None and version < sub.applied) or not self.believable(sub, version):
             return
         sub.applied = version
         sub.last_apply_time = now
@@ -340,6 +354,22 @@ class HubState:
         if sub.state == "unreachable":
             sub.state = "live"
         self.settle(sub)
+
+    def believable(self, sub: Subscriber, version: int) -> bool:
+        """Whether ``sub`` may hold ``version``: this hub issued it. A report of a version it never
+        issued (forged, or of another hub's numbering) is refused, logged, and shown as the
+        subscriber's error; what it held before stands.
+        """
+        model = self.models.get(sub.model_id)
+        issued = model.issued if model is not None else 0
+        if version <= issued:
+            return True
+        sub.last_error = (
+            f"RaySyncError: reported holding version {version} of {sub.model_id!r}, which this hub never "
+            f"issued (newest issued: {issued or None}); report ignored"
+        )
+        logger.error("hub %r: subscriber %s %s", self.name, sub.sub_id, sub.last_error)
+        return False
 
     def delivery_failed(self, sub: Subscriber, version: int, error: BaseException) -> None:
         """Handing ``version`` to ``sub`` raised (not a report of its own): record it as a failure."""
@@ -701,8 +731,10 @@ class HubState:
                     "mode": sub.mode,
                     "apply": sub.info.apply,
                     "applied": sub.applied,
-                    "lag": latest - (sub.applied or 0),
+                    "lag": max(0, latest - (sub.applied or 0)),
                     "last_apply_time": sub.last_apply_time,
+                    # measured at the same moment as the models' last_push_age_s
+                    "last_apply_age_s": None if sub.last_apply_time is None else now - sub.last_apply_time,
                     "last_apply_s": sub.last_apply_s,
                     "last_pause_s": sub.last_pause_s,
                     "last_buckets_fetched": sub.last_buckets_fetched,

@@ -343,15 +343,23 @@ def render_status(
     """
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    def cell(value: Any, style: str = "") -> Text:
+        # Every string from the hub is the users' (model ids, class names, errors): text, never markup.
+        return Text(str(value), style=style)
 
     out = file or sys.stdout
     width = None if out.isatty() else max(160, shutil.get_terminal_size((160, 24)).columns)
     console = Console(file=out, width=width, highlight=False, soft_wrap=False)
     now = time.time()
     console.print(
-        f"[bold]hub {status.get('hub')!r}[/bold] (namespace {namespace!r}): up "
-        f"{_age(status.get('uptime_s'))}, keeps {status.get('keep')} version(s) per model"
-        + (f", restored {status['restored_models']}" if status.get("restored_models") else "")
+        Text.assemble(
+            (f"hub {status.get('hub')!r}", "bold"),
+            f" (namespace {namespace!r}): up {_age(status.get('uptime_s'))}, keeps {status.get('keep')} "
+            "version(s) per model"
+            + (f", restored {status['restored_models']}" if status.get("restored_models") else ""),
+        )
     )
     models = Table(title="models", title_justify="left")
     for col in ("model", "latest", "kept", "size", "buckets", "pushes", "pushed", "last push", "writer"):
@@ -359,7 +367,7 @@ def render_status(
     for model_id, m in status.get("models", {}).items():
         writer = m.get("writer") or {}
         models.add_row(
-            model_id,
+            cell(model_id),
             _fmt(m.get("latest")),
             ",".join(str(v) for v in m.get("versions_kept", [])) or "-",
             _mib(m.get("bytes_per_version")),
@@ -367,7 +375,7 @@ def render_status(
             _fmt(m.get("pushes")),
             _mib(m.get("bytes_pushed")),
             f"{_age(m.get('last_push_age_s'))} ago" if m.get("last_push_age_s") is not None else "-",
-            _writer(writer),
+            cell(_writer(writer)),
         )
     if not status.get("models"):
         models.add_row("(none yet)", *["-"] * 8)
@@ -386,30 +394,37 @@ def render_status(
         "applied at",
         "last error",
     ):
-        subs.add_column(col, justify="right" if col in ("applied", "lag", "apply", "applied at") else "left")
+        subs.add_column(
+            col,
+            justify="right" if col in ("applied", "lag", "apply", "applied at") else "left",
+            # ids are what a user greps the logs for: wrapped whole, never cut with an ellipsis
+            overflow="fold" if col in ("model", "subscriber") else "ellipsis",
+        )
     for s in status.get("subscribers", []):
         lag = s.get("lag")
-        lag_text = _fmt(lag) if not lag else f"[yellow]{lag}[/yellow]"
         state = str(s.get("state"))
+        applied_age = s.get("last_apply_age_s")
+        if applied_age is None and s.get("last_apply_time") is not None:
+            applied_age = now - s["last_apply_time"]
         subs.add_row(
-            str(s.get("model_id")),
-            str(s.get("subscriber")),
-            str(s.get("class_name") or "-"),
-            str(s.get("node_id") or "-")[:8],
-            f"{s.get('mode')}/{s.get('apply') or 'copy'}",
+            cell(s.get("model_id")),
+            cell(s.get("subscriber")),
+            cell(s.get("class_name") or "-"),
+            cell(str(s.get("node_id") or "-")[:8]),
+            cell(f"{s.get('mode')}/{s.get('apply') or 'copy'}"),
             _fmt(s.get("applied")),
-            lag_text,
-            state if state == "live" else f"[red]{state}[/red]",
+            cell(_fmt(lag), "yellow" if lag else ""),
+            cell(state, "" if state == "live" else "red"),
             "-" if s.get("last_apply_s") is None else f"{s['last_apply_s'] * 1e3:.1f} ms",
-            "-" if s.get("last_apply_time") is None else f"{_age(now - s['last_apply_time'])} ago",
-            "-" if not s.get("last_error") else f"[red]{_short(s['last_error'], 60)}[/red]",
+            "-" if applied_age is None else f"{_age(applied_age)} ago",
+            cell("-") if not s.get("last_error") else cell(_short(s["last_error"], 60), "red"),
         )
     if not status.get("subscribers"):
         subs.add_row("-", "(none)", *["-"] * 9)
     console.print(subs)
     errors = [s for s in status.get("subscribers", []) if s.get("last_error")]
     if errors:
-        console.print("[bold]last errors[/bold]")
+        console.print(Text("last errors", style="bold"))
         for s in errors:
             console.print(f"  {s.get('subscriber')} ({s.get('model_id')}): {s['last_error']}", markup=False)
 

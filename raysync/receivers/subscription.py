@@ -170,8 +170,15 @@ class _Subscription(PullSync):
     def registration(self) -> Registration:
         assert self._info is not None
         schema = module_schema(self.module())
+        bell = doorbell() if self._info.doorbell else None
         return Registration(
-            self.sub_id, self.spec.model_id, self.actor_handle, self._info, schema, self.version
+            self.sub_id,
+            self.spec.model_id,
+            self.actor_handle,
+            self._info,
+            schema,
+            self.version,
+            doorbell_key=bell.key if bell is not None else None,
         )
 
     def start_from(self, newest: Announcement | None) -> None:

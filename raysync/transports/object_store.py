@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import ray
 import torch
 
+from raysync._checks import require_ray
 from raysync.core.codec import bucket_checksums, pack
 from raysync.core.layout import Manifest
 from raysync.transports.base import Reuse, Snapshot
@@ -46,6 +47,7 @@ class ObjectStoreTransport:
         for b, bucket in enumerate(buckets):
             ref = reuse(b, bucket) if reuse is not None else None
             if ref is None:
+                require_ray("push")  # a push racing ray.shutdown(): fail, never start a new Ray
                 ref = ray.put(bucket)
                 put_bytes += manifest.bucket_nbytes[b]
                 puts += 1

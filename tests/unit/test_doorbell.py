@@ -1,79 +1,146 @@
-"""The node-local doorbell without Ray: segments in shared memory, rings and acks between processes."""
+"""The node-local doorbell without Ray: sealed segments, MAC'd rings and acks between processes."""
 
 from __future__ import annotations
 
+import array
 import asyncio
-import multiprocessing as mp
+import contextlib
+import errno
+import logging
+import mmap
 import os
+import socket
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from raysync._protocol import ApplyReport, Ring
+from raysync._protocol import ApplyReport, RelayAck, Ring, compact
+from raysync.core.layout import plan_layout
 from raysync.transports import doorbell
-from raysync.transports.doorbell import Doorbell, Ringer, Segment, SegmentWriter, read_segment, sweep_segments
+from raysync.transports.doorbell import Doorbell, Ringer, Segment, SegmentWriter, read_segment, sockets, wire
 
-pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux and a writable /dev/shm")
+pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux (memfd, SO_PASSCRED)")
+
+_MANIFEST = plan_layout({"a": torch.zeros(3), "b": torch.zeros(1024, dtype=torch.uint8)})
 
 
 def _buckets(seed: int) -> list[list[np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return [
-        [rng.integers(0, 255, n, dtype=np.uint8) for n in (12, 4096, 1)],
-        [rng.integers(0, 255, 100_000, dtype=np.uint8)],
-        [np.zeros(0, dtype=np.uint8)],
-    ]
+    return [[rng.integers(0, 255, n, dtype=np.uint8) for n in (12, 1024)]]
 
 
-def test_a_segment_reads_back_bit_for_bit() -> None:
-    writer = SegmentWriter()
-    buckets = _buckets(1)
-    path = writer.write("policy", 7, {"manifest": "m"}, ["a", "b", None], buckets)
+def _flat(buckets: list[list[np.ndarray]]) -> list[bytes]:
+    return [a.tobytes() for b in buckets for a in b]
+
+
+def _ring_for(segment: doorbell.SegmentHandle, version: int = 7) -> Ring:
+    return Ring(1, "policy", version, ("s",), "/nowhere", segment.size, segment.inode, segment.device)
+
+
+def test_a_segment_reads_back_bit_for_bit_and_leaves_no_file() -> None:
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    segment = SegmentWriter().write("policy", 7, _MANIFEST, ["a"], _buckets(1))
+    seg = read_segment(segment.fd, _ring_for(segment))
+    assert (seg.model_id, seg.version, seg.manifest, seg.ids) == ("policy", 7, _MANIFEST, ["a"])
+    assert _flat(seg.buckets) == _flat(_buckets(1))
+    assert not seg.buckets[0][1].flags.writeable  # readers cannot scribble on what others read
+    segment.close()
+    assert _flat(seg.buckets) == _flat(_buckets(1))  # a reader keeps what it mapped
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert after == before  # nothing named anywhere: nothing to sweep, guess or delete
+
+
+def test_a_sealed_segment_cannot_be_rewritten_even_by_its_own_user() -> None:
+    """What another job of the same uid could try between write and read: every way is refused."""
+    segment = SegmentWriter().write("policy", 7, _MANIFEST, ["a"], _buckets(1))
+    path = f"/proc/self/fd/{segment.fd}"
+    fd = os.open(path, os.O_RDWR)  # reopening by /proc gives a writable descriptor...
     try:
-        seg = read_segment(path)
-        assert (seg.model_id, seg.version, seg.manifest, seg.ids) == (
-            "policy",
-            7,
-            {"manifest": "m"},
-            ["a", "b", None],
-        )
-        assert [[a.tobytes() for a in b] for b in seg.buckets] == [[a.tobytes() for a in b] for b in buckets]
-        assert not seg.buckets[1][0].flags.writeable  # readers cannot scribble on what others read
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"forged", 100)  # ...yet the kernel refuses every write
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 10)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, segment.size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
-        writer.close()
-    assert not os.path.exists(path)
+        os.close(fd)
+    seg = read_segment(segment.fd, _ring_for(segment))
+    assert _flat(seg.buckets) == _flat(_buckets(1))
+    segment.close()
 
 
-def test_older_segments_are_unlinked_but_a_reader_keeps_what_it_mapped() -> None:
-    writer = SegmentWriter(keep=2)
-    first = writer.write("policy", 1, None, ["x"], _buckets(1)[:1])
-    held = read_segment(first)  # a slow reader maps version 1
-    paths = [writer.write("policy", v, None, ["x"], _buckets(v)[:1]) for v in (2, 3)]
-    assert not os.path.exists(first) and all(os.path.exists(p) for p in paths)
-    with pytest.raises(FileNotFoundError):
-        read_segment(first)
-    assert [a.tobytes() for a in held.buckets[0]] == [a.tobytes() for a in _buckets(1)[0]]
-    writer.close()
+def test_a_segment_that_is_not_the_one_rung_is_refused(tmp_path: Any) -> None:
+    segment = SegmentWriter().write("policy", 7, _MANIFEST, ["a"], _buckets(1))
+    other = SegmentWriter().write("policy", 7, _MANIFEST, ["a"], _buckets(2))
+    with pytest.raises(ValueError, match="not the segment"):
+        read_segment(other.fd, _ring_for(segment))  # same size, another file
+    with pytest.raises(ValueError, match="another version"):
+        read_segment(segment.fd, _ring_for(segment, version=8))
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"\0" * segment.size)
+    fd = os.open(plain, os.O_RDONLY)
+    st = os.fstat(fd)
+    with pytest.raises(ValueError, match="sealed"):  # an ordinary (writable) file
+        read_segment(fd, Ring(1, "policy", 7, ("s",), "/x", st.st_size, st.st_ino, st.st_dev))
+    os.close(fd)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    with pytest.raises(ValueError, match="regular file"):
+        read_segment(fd, _ring_for(segment))
+    os.close(fd)
+    segment.close()
+    other.close()
 
 
-def _write_and_exit(conn: Any) -> None:
-    conn.send(SegmentWriter().write("policy", 1, None, ["x"], _buckets(1)[:1]))
-    os._exit(0)  # dies without unlinking
+def test_wire_records_round_trip_and_refuse_tampering() -> None:
+    key = os.urandom(wire.KEY_BYTES)
+    ring = Ring(9, "policy", 3, ("a:policy", "b:policy"), "/tmp/x", 100, 5, 6)
+    data = wire.encode_ring(key, ring)
+    assert wire.decode_ring(key, data) == ring
+    with pytest.raises(wire.WireError, match="MAC"):
+        wire.decode_ring(os.urandom(wire.KEY_BYTES), data)
+    for i in (0, 5, 20, len(data) - 1):  # any byte changed
+        bad = bytearray(data)
+        bad[i] ^= 1
+        with pytest.raises(wire.WireError):
+            wire.decode_ring(key, bytes(bad))
+    acks = [
+        RelayAck(
+            "a:policy", ApplyReport(applied=3, apply_s=0.01, pause_s=0.0, buckets_fetched=1, bytes_fetched=9)
+        ),
+        RelayAck("b:policy", ApplyReport(applied=2, failed=3, error=ValueError("bad"), timed_out=True)),
+        RelayAck("c:policy", None, "unknown"),
+    ]
+    token, version, reply = wire.decode_ack(key, wire.encode_ack(key, 9, 3, compact(3, acks)))
+    assert (token, version) == (9, 3)
+    assert reply.applied == (("a:policy", 0.01, 0.0, 1, 9),)
+    failed = reply.acks[0].report
+    assert failed is not None and (failed.applied, failed.failed, failed.timed_out) == (2, 3, True)
+    assert str(failed.error) == "ValueError: bad"  # text only, never an object
+    assert (reply.acks[1].sub_id, reply.acks[1].outcome, reply.acks[1].report) == (
+        "c:policy",
+        "unknown",
+        None,
+    )
 
 
-def test_segments_of_dead_relays_are_swept() -> None:
-    ours, theirs = mp.get_context("fork").Pipe()
-    proc = mp.get_context("fork").Process(target=_write_and_exit, args=(theirs,))
-    proc.start()
-    assert ours.poll(30)
-    path = ours.recv()
-    proc.join(30)
-    assert os.path.exists(path)
-    assert sweep_segments() >= 1
-    assert not os.path.exists(path)
+def test_segment_headers_refuse_what_does_not_fit() -> None:
+    header = wire.encode_segment_header("policy", 1, _MANIFEST, ["a"], [[12, 1024]])
+    assert wire.decode_segment_header(header, len(header) + 2000)[1] == 1
+    with pytest.raises(wire.WireError):
+        wire.decode_segment_header(header, len(header) - 1)  # longer than the file
+    bad = bytearray(header)
+    bad[8:12] = b"XXXX"
+    with pytest.raises(wire.WireError):
+        wire.decode_segment_header(bytes(bad), 10_000)
+    extra = _MANIFEST.with_extra_state({"x._extra_state": 1})
+    with pytest.raises(wire.WireError, match="extra state"):
+        wire.encode_segment_header("policy", 1, extra, ["a"], [[12, 1024]])
 
 
 class _Model:
@@ -84,41 +151,160 @@ class _Model:
         self.data: list[bytes] = []
         self.hold_s = hold_s
         self.threads: set[str] = set()
+        self.calls = 0
 
     def __call__(self, ring: Ring, segment: Segment | None) -> ApplyReport:
+        self.calls += 1
         self.threads.add(threading.current_thread().name)
         if segment is None:
             return ApplyReport(applied=self.version, skipped=ring.version)
         time.sleep(self.hold_s)
-        self.data = [a.tobytes() for b in segment.buckets for a in b]
+        self.data = _flat(segment.buckets)
         self.version = segment.version
         return ApplyReport(applied=self.version, apply_s=self.hold_s)
 
 
-def test_a_ring_is_applied_on_the_doorbell_thread_and_acknowledged() -> None:
-    bell = Doorbell()
-    models = {f"s{i}": _Model() for i in range(600)}  # more than one datagram's worth
-    for sub_id, model in models.items():
-        bell.register(sub_id, model)
-    writer = SegmentWriter()
-
+def _ring_and_wait(
+    bell: Doorbell, sub_ids: list[str], version: int, timeout: float = 10, key: bytes | None = None
+) -> tuple[list[Any], list[str]]:
     async def run() -> tuple[list[Any], list[str]]:
         ringer = Ringer()
-        path = writer.write("policy", 5, None, ["x", "y", "z"], _buckets(5))
-        tokens = ringer.ring(bell.address, "policy", 5, path, list(models))
-        assert len(tokens) == 3
-        result = await ringer.wait(tokens, timeout=10)
+        segment = SegmentWriter().write("policy", version, _MANIFEST, ["x"], _buckets(version))
+        tokens = ringer.ring(bell.address, key or bell.key, "policy", version, segment, sub_ids)
+        segment.close()
+        result = await ringer.wait(tokens, timeout=timeout)
         ringer.close()
         return result
 
-    acks, missing = asyncio.run(run())
-    writer.close()
+    return asyncio.run(run())
+
+
+def test_a_ring_is_applied_on_the_doorbell_thread_and_acknowledged() -> None:
+    bell = Doorbell()
+    models = {f"actor{i:04d}:policy": _Model() for i in range(3000)}  # more than one datagram's worth
+    for sub_id, model in models.items():
+        bell.register(sub_id, model)
+    acks, missing = _ring_and_wait(bell, list(models), 5)
+    bell.close()
     assert missing == []
     assert sorted(a.sub_id for a in acks) == sorted(models)
     assert all(a.outcome == "ok" and a.report.applied == 5 for a in acks)
-    expected = [a.tobytes() for b in _buckets(5) for a in b]
-    assert all(m.version == 5 and m.data == expected for m in models.values())
+    assert all(m.version == 5 and m.data == _flat(_buckets(5)) for m in models.values())
     assert {t for m in models.values() for t in m.threads} == {"raysync-doorbell"}
+
+
+def test_the_sockets_are_reachable_by_this_user_only() -> None:
+    bell = Doorbell()
+    base = doorbell.runtime_dir()
+    assert base is not None and os.path.dirname(bell.address) == base
+    st = os.stat(base)
+    assert st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
+    bell.close()
+    assert not os.path.exists(bell.address)
+
+
+def test_a_ring_with_another_key_is_dropped_and_acknowledges_nothing() -> None:
+    bell = Doorbell()
+    model = _Model()
+    bell.register("s", model)
+    acks, missing = _ring_and_wait(bell, ["s"], 4, timeout=0.5, key=os.urandom(wire.KEY_BYTES))
+    assert (acks, missing, model.calls) == ([], ["s"], 0)
+    assert bell.drops.total["malformed or bad MAC"] == 1
+    acks, missing = _ring_and_wait(bell, ["s"], 5)  # the real key still works
+    assert missing == [] and model.version == 5
+    bell.close()
+
+
+def _send(address: str, data: bytes, fds: list[int] | None = None) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        sock.sendmsg([data], anc, 0, address)
+
+
+def test_hostile_datagrams_run_nothing_apply_nothing_and_wedge_nothing(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pickles, random bytes, rings with a FIFO, replays with another segment: all dropped,
+    counted, logged once; the doorbell serves the next real ring at once."""
+    fds_before = len(os.listdir(f"/proc/{os.getpid()}/fd"))
+    bell = Doorbell()
+    model = _Model()
+    bell.register("s", model)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (open, (str(marker), "w"))
+
+    import pickle
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    real = SegmentWriter().write("policy", 6, _MANIFEST, ["x"], _buckets(6))
+    forged = SegmentWriter().write("policy", 9, _MANIFEST, ["x"], _buckets(99))
+    # A ring the relay really sent (MAC'd with the key), replayed with another segment.
+    replay = wire.encode_ring(
+        bell.key, Ring(1, "policy", 9, ("s",), "/x", real.size, real.inode, real.device)
+    )
+    with caplog.at_level(logging.WARNING, logger="raysync.transports.doorbell"):
+        n = 3000
+        for i in range(n):
+            kind = i % 5
+            if kind == 0:
+                _send(bell.address, pickle.dumps(Evil()))
+            elif kind == 1:
+                _send(bell.address, os.urandom(i % 2000 + 1))
+            elif kind == 2:
+                fake = wire.encode_ring(os.urandom(32), Ring(1, "policy", 10**9, ("s",), "/x", 1, 1, 1))
+                _send(bell.address, fake, [fifo_fd])
+            elif kind == 3:
+                _send(bell.address, replay, [forged.fd])
+            else:
+                _send(bell.address, b"RSRG" + os.urandom(100), [fifo_fd, forged.fd])
+        _, missing = _ring_and_wait(bell, ["s"], 7, timeout=10)
+    assert missing == [] and model.version == 7 and model.data == _flat(_buckets(7))
+    assert not marker.exists()
+    assert sum(bell.drops.total.values()) == n  # the replays' MACs check: dropped at their segment
+    assert bell.drops.total["segment not the one rung"] == n // 5
+    lines = [r for r in caplog.records if "dropped datagrams" in r.getMessage()]
+    assert len(lines) == 1  # not 3,000 tracebacks
+    os.close(fifo_fd)
+    real.close()
+    forged.close()
+    bell.close()
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) <= fds_before  # every descriptor sent along was closed
+
+
+def test_acks_not_from_the_process_rung_are_dropped() -> None:
+    """A forged ack (any key but the rung process's) does not count: the ring stays missing."""
+
+    async def run() -> tuple[list[Any], list[str], Any]:
+        ringer = Ringer()
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a process that never answers
+        base = doorbell.runtime_dir()
+        assert base is not None
+        address = os.path.join(base, f"silent-{os.getpid()}")
+        silent.bind(address)
+        key = os.urandom(wire.KEY_BYTES)
+        segment = SegmentWriter().write("policy", 3, _MANIFEST, ["x"], _buckets(3))
+        tokens = ringer.ring(address, key, "policy", 3, segment, ["s"])
+        segment.close()
+        forged = compact(3, [RelayAck("s", ApplyReport(applied=3))])
+        for wrong in (os.urandom(wire.KEY_BYTES),):
+            _send(ringer.address, wire.encode_ack(wrong, tokens[0], 3, forged))
+        _send(ringer.address, b"junk")
+        acks, missing = await ringer.wait(tokens, timeout=0.5)
+        drops = dict(ringer.drops.total)
+        _send(ringer.address, wire.encode_ack(key, tokens[0], 3, forged))  # the real one, late
+        ringer.close()
+        silent.close()
+        os.unlink(address)
+        return acks, missing, drops
+
+    acks, missing, drops = asyncio.run(run())
+    assert acks == [] and missing == ["s"]
+    assert drops == {"malformed or bad MAC": 2}
 
 
 def test_a_slow_subscriber_is_pending_and_its_ack_comes_late() -> None:
@@ -126,15 +312,15 @@ def test_a_slow_subscriber_is_pending_and_its_ack_comes_late() -> None:
     fast, slow = _Model(), _Model(hold_s=0.5)
     bell.register("fast", fast)
     bell.register("slow", slow)
-    writer = SegmentWriter()
     late: list[tuple[str, int, list[Any]]] = []
 
     async def run() -> tuple[list[Any], list[str]]:
         ringer = Ringer()
         ringer.late = lambda model_id, version, acks: late.append((model_id, version, acks))
-        path = writer.write("policy", 2, None, ["x"], _buckets(2)[:1])
-        tokens = ringer.ring(bell.address, "policy", 2, path, ["fast"])
-        tokens += ringer.ring(bell.address, "policy", 2, path, ["slow"])
+        segment = SegmentWriter().write("policy", 2, _MANIFEST, ["x"], _buckets(2))
+        tokens = ringer.ring(bell.address, bell.key, "policy", 2, segment, ["fast"])
+        tokens += ringer.ring(bell.address, bell.key, "policy", 2, segment, ["slow"])
+        segment.close()
         result = await ringer.wait(tokens, timeout=0.2)
         deadline = time.monotonic() + 10
         while not late and time.monotonic() < deadline:
@@ -144,7 +330,7 @@ def test_a_slow_subscriber_is_pending_and_its_ack_comes_late() -> None:
 
     t0 = time.monotonic()
     acks, missing = asyncio.run(run())
-    writer.close()
+    bell.close()
     assert missing == ["slow"]
     assert [a.sub_id for a in acks] == ["fast"]
     assert late and late[0][:2] == ("policy", 2) and [a.sub_id for a in late[0][2]] == ["slow"]
@@ -155,14 +341,14 @@ def test_a_newer_ring_supersedes_one_queued_behind_it() -> None:
     bell = Doorbell()
     model = _Model(hold_s=0.3)
     bell.register("s", model)
-    writer = SegmentWriter()
 
     async def run() -> list[Any]:
         ringer = Ringer()
         tokens = []
         for v in (1, 2, 3):  # 2 and 3 queue while 1 applies: 2 is skipped, 3 applied
-            path = writer.write("policy", v, None, ["x"], _buckets(v)[:1])
-            tokens += ringer.ring(bell.address, "policy", v, path, ["s"])
+            segment = SegmentWriter().write("policy", v, _MANIFEST, ["x"], _buckets(v))
+            tokens += ringer.ring(bell.address, bell.key, "policy", v, segment, ["s"])
+            segment.close()
             while not model.threads:  # version 1 is being applied
                 await asyncio.sleep(0.01)
         acks, missing = await ringer.wait(tokens, timeout=10)
@@ -171,20 +357,49 @@ def test_a_newer_ring_supersedes_one_queued_behind_it() -> None:
         return acks
 
     acks = asyncio.run(run())
-    writer.close()
+    bell.close()
     reports = sorted((a.report.applied, a.report.skipped or 0) for a in acks)
     assert reports == [(1, 0), (3, 0), (3, 2)]
-    assert model.version == 3 and model.data == [a.tobytes() for a in _buckets(3)[0]]
+    assert model.version == 3 and model.data == _flat(_buckets(3))
 
 
-def test_ringing_a_process_that_is_gone_raises() -> None:
+def test_ringing_a_process_that_is_gone_raises_and_removes_its_socket() -> None:
+    base = doorbell.runtime_dir()
+    assert base is not None
+    address = os.path.join(base, f"sub-dead-{os.getpid()}")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dead.bind(address)
+    dead.close()  # the process died: its socket file stays behind, nobody listens
+    key = os.urandom(wire.KEY_BYTES)
+
     async def run() -> None:
         ringer = Ringer()
+        segment = SegmentWriter().write("policy", 1, _MANIFEST, ["x"], _buckets(1))
+        with pytest.raises(OSError) as err:
+            ringer.ring(address, key, "policy", 1, segment, ["s"])
+        assert err.value.errno == errno.ECONNREFUSED
         with pytest.raises(OSError):
-            ringer.ring("\0raysync-sub-nobody", "policy", 1, "/dev/shm/none", ["s"])
+            ringer.ring("/nonexistent/socket", key, "policy", 1, segment, ["s"])
+        segment.close()
         ringer.close()
 
     asyncio.run(run())
+    assert not os.path.exists(address)
+
+
+def test_a_runtime_directory_someone_else_made_is_not_used(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # as another user would leave it (or a symlink, or group bits)
+    monkeypatch.setenv("RAYSYNC_RUNTIME_DIR", str(shared))
+    chosen = sockets._make_runtime_dir()
+    assert chosen is not None and chosen != str(shared)
+    st = os.stat(chosen)
+    assert st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
+    with contextlib.suppress(OSError):
+        os.rmdir(chosen)
 
 
 def test_max_bytes_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,6 +79,7 @@ def test_a_new_subscriber_starts_from_the_newest_version() -> None:
 
 def test_reports_move_applied_forward_only_and_record_failures() -> None:
     state = _state()
+    state.grant("policy", 3, TRAINER)  # numbers 1..3 issued to the writer
     sub = _join(state, "a")
     state.record(sub, ApplyReport(applied=2, apply_s=0.5))
     assert sub.applied == 2 and sub.last_apply_s == 0.5
@@ -341,8 +342,33 @@ def test_a_relay_reply_carries_plain_applies_as_rows_and_the_hub_records_them_fo
     assert reply.applied == (("a:policy", 0.5, 0.1, 1, None),)
     assert [a.sub_id for a in reply.acks] == ["b:policy", "c:policy", "d:policy"]
     state = HubState("hub", 2, relay=True)
+    state.grant("policy", 2, TRAINER)
     a = _on_node(state, "a", "n1")
     state.record_applied(a, 2, 0.5, 0.1, 1, None, now=1.0)
     assert (a.applied, a.last_apply_s, a.last_apply_time) == (2, 0.5, 1.0)
     state.record_applied(a, 1, 0.2, 0.0, 1, None, now=2.0)  # an older version never moves it back
     assert (a.applied, a.last_apply_s) == (2, 0.5)
+
+
+def test_the_hub_believes_no_version_it_never_issued() -> None:
+    """A report (or a registration) of a version above every number the hub issued is refused:
+    shown as the subscriber's error, its applied version unchanged, lag never below zero."""
+    state = _state()
+    state.stamp("policy", MANIFEST, ["r1"], TRAINER)
+    state.stamp("policy", MANIFEST, ["r2"], TRAINER)
+    sub = _join(state, "a")
+    state.record(sub, ApplyReport(applied=2))
+    waiter = Waiter(3, {sub.sub_id})
+    state.add_waiter("policy", waiter)
+    state.record(sub, ApplyReport(applied=1_000_000_000))  # forged (say, through a doorbell)
+    state.record_applied(sub, 1_000_000_000, 0.01, 0.0, 1, 8, 0.0)  # the relay's compact row
+    assert sub.applied == 2 and "never issued" in (sub.last_error or "")
+    assert not waiter.event.is_set() and sub.sub_id in waiter.pending  # a wait for 3 is not fooled
+    row = state.status()["subscribers"][0]
+    assert row["applied"] == 2 and row["lag"] == 0 and "1000000000" in row["last_error"]
+    state.stamp("policy", MANIFEST, ["r3"], TRAINER)
+    state.record(sub, ApplyReport(applied=3))  # real versions still count, and clear the error
+    assert sub.applied == 3 and sub.last_error is None and waiter.event.is_set()
+    ghost = _join(state, "b", applied=10**9)  # registers claiming a version never issued
+    assert ghost.applied is None and "never issued" in (ghost.last_error or "")
+    assert all(r["lag"] >= 0 for r in state.status()["subscribers"])

@@ -1,0 +1,478 @@
+"""The doorbell's wire format: rings, acks and segment headers as fixed, versioned binary records.
+
+Everything here crosses a process boundary outside Ray's authenticated calls (a Unix
+datagram socket, a shared-memory segment), so it is decoded as untrusted input:
+no pickle and no other format that can run code while decoding; every field is
+bounded and checked; a record that does not parse raises :class:`WireError` and
+is dropped by the caller. Rings and acks end with a keyed BLAKE2b MAC (32 bytes)
+over everything before it, made with the receiving process's doorbell key, which
+reached the ringer only through Ray's authenticated calls (the subscriber's
+registration with the hub, the hub's delivery to the relay).
+
+Layouts (little-endian; ``str`` is a ``u16`` byte length then UTF-8):
+
+- ring: ``b"RSRG" u16 wire u16 flags u64 token i64 version u64 size u64 inode
+  u64 device u16 n`` then ``str model_id, str reply_to, n x str sub_id``, MAC.
+  ``size``/``inode``/``device`` name the sealed segment sent with it (SCM_RIGHTS).
+- ack: ``b"RSAK" u16 wire u16 flags u64 token i64 version``, then the rows of
+  subscriptions that applied the version and the other acks, MAC.
+- segment header: ``u64 length`` then ``b"RSSG" u16 wire u16 flags i64 version
+  str model_id``, the manifest, bucket ids and array sizes.
+
+Example:
+    >>> key = bytes(32)
+    >>> data = encode_ring(key, Ring(1, "policy", 3, ("a:policy",), "/tmp/r", 64, 7, 9))
+    >>> decode_ring(key, data).version
+    3
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from raysync._protocol import ApplyReport, RelayAck, RelayReply, Ring
+
+__all__ = [
+    "KEY_BYTES",
+    "MAC_BYTES",
+    "MAX_DATAGRAM",
+    "WIRE_VERSION",
+    "WireError",
+    "ack_token",
+    "decode_ack",
+    "decode_ring",
+    "decode_segment_header",
+    "encode_ack",
+    "encode_ring",
+    "encode_segment_header",
+    "mac",
+]
+
+WIRE_VERSION = 1
+"""Bumped whenever a layout changes: a record of another version is refused, never guessed at."""
+
+KEY_BYTES = 32
+MAC_BYTES = 32
+MAX_DATAGRAM = 64 * 1024
+"""The largest ring or ack accepted (a ring is split to stay below it)."""
+
+_MAX_STR = 4096
+_MAX_SUBS = 2048
+_MAX_ENTRIES = 1 << 20
+_MAX_BUCKETS = 1 << 16
+_MAX_DIMS = 64
+_MAX_ERROR = 1000
+_NONE_I64 = -(1 << 63)
+
+_RING = struct.Struct("<4sHHQqQQQH")
+_ACK = struct.Struct("<4sHHQq")
+_SEG = struct.Struct("<4sHHq")
+_U8, _U16, _U32, _U64, _I64, _F64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q", "<q", "<d"))
+_ROW = struct.Struct("<ddqq")
+
+_OUTCOMES = ("ok", "died", "unreachable", "failed", "unknown")
+
+# ApplyReport fields, in wire order: optional ints, optional floats, flags.
+_INT_FIELDS = ("applied", "skipped", "deferred", "failed", "lost", "buckets_fetched", "bytes_fetched")
+_FLOAT_FIELDS = ("apply_s", "pause_s")
+_BOOL_FIELDS = ("reset", "timed_out", "prefetched")
+
+
+class WireError(ValueError):
+    """A record that is not one of ours (wrong magic, version, length, field or MAC)."""
+
+
+def mac(key: bytes, data: bytes | memoryview) -> bytes:
+    """The MAC of ``data`` under ``key`` (keyed BLAKE2b, 32 bytes).
+
+    Example:
+        >>> len(mac(bytes(32), b"ring"))
+        32
+    """
+    return hashlib.blake2b(data, key=key, digest_size=MAC_BYTES).digest()
+
+
+# ---------------------------------------------------------------------------- writing
+class _Out:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def put(self, s: struct.Struct, *values: Any) -> None:
+        self.parts.append(s.pack(*values))
+
+    def text(self, value: str, limit: int = _MAX_STR) -> None:
+        raw = value.encode("utf-8")
+        if len(raw) > limit:
+            raise WireError(f"a string of {len(raw)} bytes is over the wire's limit of {limit}")
+        self.parts.append(_U16.pack(len(raw)) + raw)
+
+    def opt_int(self, value: int | None) -> None:
+        self.parts.append(_I64.pack(_NONE_I64 if value is None else value))
+
+    def opt_float(self, value: float | None) -> None:
+        self.parts.append(_F64.pack(math.nan if value is None else value))
+
+    def bytes(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def _sealed(key: bytes, body: bytes) -> bytes:
+    data = body + mac(key, body)
+    if len(data) > MAX_DATAGRAM:
+        raise WireError(f"a record of {len(data)} bytes is over the wire's limit of {MAX_DATAGRAM}")
+    return data
+
+
+def encode_ring(key: bytes, ring: Ring) -> bytes:
+    """A ring as a datagram, MAC'd with the receiving process's doorbell ``key``.
+
+    Raises:
+        WireError: a field is over its limit (the caller splits or calls the Ray way).
+    """
+    if len(ring.sub_ids) > _MAX_SUBS:
+        raise WireError(f"{len(ring.sub_ids)} subscriptions in one ring, over {_MAX_SUBS}")
+    out = _Out()
+    out.put(
+        _RING,
+        b"RSRG",
+        WIRE_VERSION,
+        0,
+        ring.token,
+        ring.version,
+        ring.segment_size,
+        ring.segment_inode,
+        ring.segment_device,
+        len(ring.sub_ids),
+    )
+    out.text(ring.model_id)
+    out.text(ring.reply_to)
+    for sub_id in ring.sub_ids:
+        out.text(sub_id)
+    return _sealed(key, out.bytes())
+
+
+def encode_ack(key: bytes, token: int, version: int, reply: RelayReply) -> bytes:
+    """A subscriber process's acks of one ring (``reply`` as :func:`~raysync._protocol.compact`
+    makes it), MAC'd with its doorbell ``key``."""
+    out = _Out()
+    out.put(_ACK, b"RSAK", WIRE_VERSION, 0, token, version)
+    out.put(_U16, len(reply.applied))
+    for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
+        out.text(sub_id)
+        out.parts.append(
+            _ROW.pack(
+                math.nan if apply_s is None else apply_s,
+                math.nan if pause_s is None else pause_s,
+                _NONE_I64 if buckets is None else buckets,
+                _NONE_I64 if nbytes is None else nbytes,
+            )
+        )
+    out.put(_U16, len(reply.acks))
+    for ack in reply.acks:
+        out.text(ack.sub_id)
+        out.put(_U8, _OUTCOMES.index(ack.outcome))
+        out.text(_error_text(ack.error), _MAX_ERROR * 2)
+        report = ack.report
+        out.put(_U8, report is not None)
+        if report is not None:
+            for name in _INT_FIELDS:
+                out.opt_int(getattr(report, name))
+            for name in _FLOAT_FIELDS:
+                out.opt_float(getattr(report, name))
+            out.put(_U8, sum(1 << i for i, name in enumerate(_BOOL_FIELDS) if getattr(report, name)))
+            out.text(_error_text(report.error), _MAX_ERROR * 2)
+    return _sealed(key, out.bytes())
+
+
+def _error_text(err: BaseException | None) -> str:
+    if err is None:
+        return ""
+    text = f"{type(err).__name__}: {err}"
+    return text.encode("utf-8")[:_MAX_ERROR].decode("utf-8", "ignore")
+
+
+# ---------------------------------------------------------------------------- reading
+class _In:
+    def __init__(self, data: bytes | memoryview, end: int | None = None) -> None:
+        self.data = memoryview(data)
+        self.pos = 0
+        self.end = len(self.data) if end is None else end
+
+    def take(self, s: struct.Struct) -> tuple[Any, ...]:
+        if self.pos + s.size > self.end:
+            raise WireError("record ends early")
+        values = s.unpack_from(self.data, self.pos)
+        self.pos += s.size
+        return values
+
+    def one(self, s: struct.Struct) -> Any:
+        return self.take(s)[0]
+
+    def count(self, s: struct.Struct, limit: int, what: str) -> int:
+        n = int(self.one(s))
+        if n > limit:
+            raise WireError(f"{n} {what}, over the limit of {limit}")
+        return n
+
+    def text(self, limit: int = _MAX_STR, *, nonempty: bool = False) -> str:
+        n = self.one(_U16)
+        if n > limit or self.pos + n > self.end:
+            raise WireError("string over its limit or past the record's end")
+        raw = bytes(self.data[self.pos : self.pos + n])
+        self.pos += n
+        try:
+            value = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise WireError("string is not UTF-8") from err
+        if nonempty and not value:
+            raise WireError("empty string where one is required")
+        return value
+
+    def non_negative(self, s: struct.Struct) -> int:
+        value = int(self.one(s))
+        if value < 0:
+            raise WireError(f"negative value {value} where none may be")
+        return value
+
+    def opt_int(self) -> int | None:
+        value = int(self.one(_I64))
+        if value == _NONE_I64:
+            return None
+        if value < 0:
+            raise WireError(f"negative value {value} where none may be")
+        return value
+
+    def opt_float(self) -> float | None:
+        value = float(self.one(_F64))
+        if math.isnan(value):
+            return None
+        if math.isinf(value) or value < 0:
+            raise WireError(f"duration {value} is not a finite non-negative number")
+        return value
+
+    def done(self) -> None:
+        if self.pos != self.end:
+            raise WireError(f"{self.end - self.pos} unexpected bytes after the record")
+
+
+def _opened(key: bytes, data: bytes | memoryview, magic: bytes) -> _In:
+    """Check length, magic, wire version and MAC; a reader over the body."""
+    if not MAC_BYTES + 8 <= len(data) <= MAX_DATAGRAM:
+        raise WireError(f"a record of {len(data)} bytes")
+    view = memoryview(data)
+    if bytes(view[:4]) != magic:
+        raise WireError("not a raysync record of this kind")
+    if _U16.unpack_from(view, 4)[0] != WIRE_VERSION:
+        raise WireError(f"wire version {_U16.unpack_from(view, 4)[0]}, this process speaks {WIRE_VERSION}")
+    body = view[:-MAC_BYTES]
+    if not hmac.compare_digest(mac(key, body), bytes(view[-MAC_BYTES:])):
+        raise WireError("bad MAC: not sent by a holder of this doorbell's key")
+    return _In(body)
+
+
+def decode_ring(key: bytes, data: bytes | memoryview) -> Ring:
+    """A ring from a datagram, checked field by field against ``key``'s MAC.
+
+    Raises:
+        WireError: anything that is not a well-formed ring MAC'd with ``key``.
+    """
+    r = _opened(key, data, b"RSRG")
+    _, _, flags, token, version, size, inode, device, n = r.take(_RING)
+    if flags != 0 or version < 0 or n == 0 or n > _MAX_SUBS:
+        raise WireError("ring fields out of range")
+    model_id = r.text(nonempty=True)
+    reply_to = r.text(nonempty=True)
+    sub_ids = tuple(r.text(nonempty=True) for _ in range(n))
+    r.done()
+    return Ring(token, model_id, version, sub_ids, reply_to, size, inode, device)
+
+
+def ack_token(data: bytes | memoryview) -> int:
+    """The ring token an ack answers, read before its MAC can be checked (the token names the key).
+
+    Raises:
+        WireError: not an ack.
+    """
+    if len(data) < _ACK.size + MAC_BYTES or bytes(data[:4]) != b"RSAK":
+        raise WireError("not a raysync ack")
+    return int(_ACK.unpack_from(data, 0)[3])
+
+
+def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayReply]:
+    """``(token, version, reply)`` of an ack, checked field by field against ``key``'s MAC.
+
+    Errors come back as ``RuntimeError("<Type>: <message>")``: their text, never their objects.
+
+    Raises:
+        WireError: anything that is not a well-formed ack MAC'd with ``key``.
+    """
+    r = _opened(key, data, b"RSAK")
+    _, _, flags, token, version = r.take(_ACK)
+    if flags != 0 or version < 0:
+        raise WireError("ack fields out of range")
+    rows = []
+    for _ in range(r.count(_U16, _MAX_SUBS, "rows")):
+        sub_id = r.text(nonempty=True)
+        apply_s, pause_s, buckets, nbytes = r.take(_ROW)
+        rows.append(
+            (
+                sub_id,
+                _duration(apply_s),
+                _duration(pause_s),
+                _opt_count(buckets),
+                _opt_count(nbytes),
+            )
+        )
+    acks = []
+    for _ in range(r.count(_U16, _MAX_SUBS, "acks")):
+        sub_id = r.text(nonempty=True)
+        outcome = r.one(_U8)
+        if outcome >= len(_OUTCOMES):
+            raise WireError(f"unknown outcome {outcome}")
+        error = _error(r.text(_MAX_ERROR * 2))
+        report = None
+        if r.one(_U8):
+            fields: dict[str, Any] = {name: r.opt_int() for name in _INT_FIELDS}
+            fields.update({name: r.opt_float() for name in _FLOAT_FIELDS})
+            bits = r.one(_U8)
+            if bits >> len(_BOOL_FIELDS):
+                raise WireError("unknown report flags")
+            fields.update({name: bool(bits >> i & 1) for i, name in enumerate(_BOOL_FIELDS)})
+            fields["error"] = _error(r.text(_MAX_ERROR * 2))
+            report = ApplyReport(**fields)
+        acks.append(RelayAck(sub_id, report, _OUTCOMES[outcome], error))
+    r.done()
+    return token, version, RelayReply(tuple(acks), tuple(rows))
+
+
+def _duration(value: float) -> float | None:
+    if math.isnan(value):
+        return None
+    if math.isinf(value) or value < 0:
+        raise WireError(f"duration {value} is not a finite non-negative number")
+    return float(value)
+
+
+def _opt_count(value: int) -> int | None:
+    if value == _NONE_I64:
+        return None
+    if value < 0:
+        raise WireError(f"negative count {value}")
+    return int(value)
+
+
+def _error(text: str) -> BaseException | None:
+    return RuntimeError(text) if text else None
+
+
+# ---------------------------------------------------------------------------- segment headers
+def encode_segment_header(
+    model_id: str, version: int, manifest: Any, ids: Sequence[str | None], sizes: Sequence[Sequence[int]]
+) -> bytes:
+    """A segment's header: ``u64`` length, then the version, its manifest, bucket ids and array sizes.
+
+    Raises:
+        WireError: the manifest carries extra state (pickled objects: those versions go the Ray way).
+    """
+    if manifest.extra_state:
+        raise WireError("a version with extra state (pickled objects) does not go by doorbell")
+    out = _Out()
+    out.put(_SEG, b"RSSG", WIRE_VERSION, 0, version)
+    out.text(model_id)
+    out.put(_U32, len(manifest.entries))
+    for e in manifest.entries:
+        out.text(e.key)
+        out.put(_U8, len(e.shape))
+        for d in e.shape:
+            out.put(_I64, d)
+        out.text(e.dtype, 64)
+        out.put(_U32, e.bucket)
+        out.put(_U32, e.index)
+        out.put(_U64, e.offset)
+        out.put(_U64, e.nbytes)
+    out.put(_U32, len(manifest.bucket_nbytes))
+    for n in manifest.bucket_nbytes:
+        out.put(_U64, n)
+    out.text(manifest.layout_hash, 256)
+    out.put(_U8, manifest.checksums is not None)
+    if manifest.checksums is not None:
+        out.put(_U32, len(manifest.checksums))
+        for c in manifest.checksums:
+            out.put(_U32, c)
+    out.text(manifest.transport, 64)
+    out.put(_U32, len(ids))
+    for i in ids:
+        out.put(_U8, i is not None)
+        if i is not None:
+            out.text(i, 256)
+    out.put(_U32, len(sizes))
+    for arrays in sizes:
+        out.put(_U32, len(arrays))
+        for n in arrays:
+            out.put(_U64, n)
+    body = out.bytes()
+    return _U64.pack(len(body)) + body
+
+
+def decode_segment_header(
+    data: bytes | memoryview, file_size: int
+) -> tuple[str, int, Any, list[str | None], list[list[int]], int]:
+    """``(model_id, version, manifest, ids, sizes, header_end)`` of a segment, every field checked.
+
+    The arrays the sizes describe must fit in ``file_size``; the manifest's entries must
+    fit in its buckets.
+
+    Raises:
+        WireError: anything that is not a well-formed segment header.
+    """
+    from raysync.core.layout import Manifest, TensorEntry  # torch-free
+
+    view = memoryview(data)
+    if len(view) < 8:
+        raise WireError("segment shorter than its header's length")
+    length = _U64.unpack_from(view, 0)[0]
+    if length > file_size - 8 or length > len(view) - 8:
+        raise WireError("segment header longer than the segment")
+    r = _In(view[8 : 8 + length])
+    magic, wire, flags, version = r.take(_SEG)
+    if magic != b"RSSG" or wire != WIRE_VERSION or flags != 0 or version < 0:
+        raise WireError("not a raysync segment of this wire version")
+    model_id = r.text(nonempty=True)
+    entries = []
+    for _ in range(r.count(_U32, _MAX_ENTRIES, "entries")):
+        key = r.text(nonempty=True)
+        ndim = r.count(_U8, _MAX_DIMS, "dimensions")
+        shape = tuple(r.non_negative(_I64) for _ in range(ndim))
+        dtype = r.text(64, nonempty=True)
+        bucket, index = r.one(_U32), r.one(_U32)
+        offset, nbytes = r.one(_U64), r.one(_U64)
+        entries.append(TensorEntry(key, shape, dtype, bucket, index, offset, nbytes))
+    bucket_nbytes = tuple(r.one(_U64) for _ in range(r.count(_U32, _MAX_BUCKETS, "buckets")))
+    layout_hash = r.text(256, nonempty=True)
+    checksums = None
+    if r.one(_U8):
+        checksums = tuple(r.one(_U32) for _ in range(r.count(_U32, _MAX_BUCKETS, "checksums")))
+    transport = r.text(64, nonempty=True)
+    ids: list[str | None] = []
+    for _ in range(r.count(_U32, _MAX_BUCKETS, "bucket ids")):
+        ids.append(r.text(256) if r.one(_U8) else None)
+    sizes: list[list[int]] = []
+    for _ in range(r.count(_U32, _MAX_BUCKETS, "buckets")):
+        sizes.append([r.one(_U64) for _ in range(r.count(_U32, _MAX_ENTRIES, "arrays"))])
+    r.done()
+    nb = len(bucket_nbytes)
+    if len(ids) != nb or len(sizes) != nb or (checksums is not None and len(checksums) != nb):
+        raise WireError("bucket counts disagree")
+    keys = [e.key for e in entries]
+    if keys != sorted(set(keys)):
+        raise WireError("entries not sorted or not unique")
+    for e in entries:
+        if e.bucket >= nb or e.index >= len(sizes[e.bucket]) or e.offset + e.nbytes > bucket_nbytes[e.bucket]:
+            raise WireError(f"entry {e.key!r} does not fit its bucket")
+    manifest = Manifest(tuple(entries), bucket_nbytes, layout_hash, checksums, transport)
+    return model_id, version, manifest, ids, sizes, 8 + length

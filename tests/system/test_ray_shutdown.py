@@ -1,0 +1,68 @@
+"""After ``ray.shutdown()`` a client raises a raysync error that says so, and never starts a cluster.
+
+Each case runs in a process of its own: it starts and stops its own Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, threading, time
+    import ray, torch, raysync
+
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    hub = raysync.connect("shutdown-test")
+    model = torch.nn.Linear(4, 2)
+    v = hub.push(model)
+    hub.wait(v, timeout=30)
+
+    errors = []
+    # A push loop racing the shutdown from another thread.
+    def pushes():
+        while True:
+            try:
+                hub.push(model)
+            except Exception as err:
+                errors.append(("race", type(err).__name__, str(err)))
+                return
+    thread = threading.Thread(target=pushes)
+    thread.start()
+    time.sleep(0.5)
+    ray.shutdown()
+    thread.join(60)
+
+    calls = {
+        "push": lambda: hub.push(model),
+        "wait": lambda: hub.wait(v, timeout=5),
+        "pull": lambda: hub.pull(),
+        "latest": lambda: hub.latest(),
+        "status": lambda: hub.status(),
+        "next_version": lambda: hub.next_version(),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            errors.append((name, None, "no error"))
+        except Exception as err:
+            errors.append((name, type(err).__name__, str(err)))
+            assert isinstance(err, raysync.RaySyncError) and isinstance(err, RuntimeError)
+    print(json.dumps({"errors": errors, "ray_running": ray.is_initialized()}))
+    """
+)
+
+
+def test_calls_after_ray_shutdown_raise_and_start_no_cluster() -> None:
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["ray_running"] is False  # no call started a cluster of its own
+    by_call = {name: (kind, msg) for name, kind, msg in result["errors"]}
+    assert set(by_call) == {"race", "push", "wait", "pull", "latest", "status", "next_version"}
+    for name, (kind, msg) in by_call.items():
+        assert kind == "RayNotRunningError", (name, kind, msg)
+        assert "Ray is not running" in msg and "ray.init" in msg, (name, msg)
