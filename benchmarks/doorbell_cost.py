@@ -87,7 +87,7 @@ def _bell_waiter(conn: Any) -> None:
 
     bell = Doorbell()
     bell.register("s", lambda ring, segment: ApplyReport(applied=ring.version, apply_s=0.0))
-    conn.send(bell.address)
+    conn.send((bell.address, bell.key))
     time.sleep(3600)  # the doorbell's thread answers; the parent ends this process
 
 
@@ -96,6 +96,9 @@ def raysync_doorbell(n: int, rounds: int) -> dict[str, float]:
 
     import numpy as np
 
+    import torch
+
+    from raysync.core.layout import plan_layout
     from raysync.transports.doorbell import Ringer, SegmentWriter
 
     ctx = mp.get_context("fork")
@@ -107,19 +110,20 @@ def raysync_doorbell(n: int, rounds: int) -> dict[str, float]:
         procs.append(proc)
         addresses.append(ours.recv())
     version = [[np.zeros(4096, dtype=np.uint8)]]
+    manifest = plan_layout({"w": torch.zeros(4096, dtype=torch.uint8)})
 
     async def run() -> dict[str, float]:
         ringer, writer = Ringer(), SegmentWriter()
         walls, cpus = [], []
         for r in range(1, rounds + 1):
             c0, t0 = time.process_time(), time.perf_counter()
-            path = writer.write("policy", r, None, ["x"], version)
-            tokens = [t for a in addresses for t in ringer.ring(a, "policy", r, path, ["s"])]
+            segment = writer.write("policy", r, manifest, ["x"], version)
+            tokens = [t for a, key in addresses for t in ringer.ring(a, key, "policy", r, segment, ["s"])]
+            segment.close()
             acks, missing = await ringer.wait(tokens, timeout=30)
             walls.append((time.perf_counter() - t0) * 1e3)
             cpus.append((time.process_time() - c0) * 1e3)
             assert not missing and all(a.report is not None and a.report.applied == r for a in acks)
-        writer.close()
         ringer.close()
         return {"wall_ms": statistics.median(walls), "ringer_cpu_ms": statistics.median(cpus)}
 

@@ -82,14 +82,14 @@ class LightSubscribers:
     async def node(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
-    async def doorbell(self, sub_ids: list[str]) -> str | None:
-        """Answer rings for ``sub_ids`` as a ``@synced_model`` process would (at once); its address."""
+    async def doorbell(self, sub_ids: list[str]) -> tuple[str, bytes] | None:
+        """Answer rings for ``sub_ids`` as a ``@synced_model`` process would (at once); its address and key."""
         bell = doorbell()
         if bell is None:
             return None
         for sub_id in sub_ids:
             bell.register(sub_id, lambda ring, segment: ApplyReport(applied=ring.version, apply_s=0.0))
-        return bell.address
+        return bell.address, bell.key
 
 
 def start_hub(name: str, delivery: str) -> raysync.HubClient:
@@ -129,9 +129,10 @@ def measure(
                 class_name="LightSubscribers",
                 node_id=node,
                 batch=args.batch,
-                doorbell=bells[actor],
+                doorbell=bells[actor][0] if bells[actor] else None,
             )
-            reg = Registration(f"light-{aid[:8]}-{i}:policy", "policy", actor, info)
+            key = bells[actor][1] if bells[actor] else None
+            reg = Registration(f"light-{aid[:8]}-{i}:policy", "policy", actor, info, doorbell_key=key)
             pending.append(hub.actor.register.remote(reg))
         ray.get(pending)
         model = harness.small_policy()

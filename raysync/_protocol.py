@@ -419,9 +419,9 @@ class RelayReply:
 
 @dataclass(frozen=True)
 class Ring:
-    """A relay's doorbell datagram to one subscriber process: a version waits in a sealed segment.
+    """A relay's doorbell message to one subscriber process: a version waits in a sealed segment.
 
-    The segment itself travels with the datagram (its file descriptor, ``SCM_RIGHTS``);
+    The segment itself travels with the message (its file descriptor, ``SCM_RIGHTS``);
     the ring names it by size, inode and device so that the receiver checks it got the
     segment the ringer meant. On the wire it is a fixed binary record MAC'd with the
     receiving process's doorbell key (:mod:`raysync.transports.doorbell.wire`).
@@ -431,7 +431,6 @@ class Ring:
         model_id: the model.
         version: the version.
         sub_ids: the subscriptions of that process to hand it to.
-        reply_to: the ringer's socket, for the acks.
         segment_size: the segment's size in bytes.
         segment_inode: the segment's inode.
         segment_device: the segment's device.
@@ -441,7 +440,6 @@ class Ring:
     model_id: str
     version: int
     sub_ids: tuple[str, ...]
-    reply_to: str
     segment_size: int = 0
     segment_inode: int = 0
     segment_device: int = 0

@@ -42,20 +42,51 @@ def targets(kinds: tuple[str, ...] = ("sub-", "relay-")) -> list[str]:
 
 
 class _Sender:
+    """Sends one message per connection (connection sockets) or per datagram (the old abstract ones)."""
+
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setblocking(False)
+        self.dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.dgram.setblocking(False)
         self.sent = 0
         self.refused: dict[str, int] = {}
+        self.held: list[socket.socket] = []
+
+    def _refuse(self, err: OSError) -> None:
+        name = type(err).__name__
+        self.refused[name] = self.refused.get(name, 0) + 1
 
     def send(self, address: str, data: bytes, fds: list[int] | None = None) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        if address.startswith("\0"):
+            try:
+                self.dgram.sendmsg([data], anc, 0, address)
+                self.sent += 1
+            except OSError as err:
+                self._refuse(err)
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setblocking(False)
         try:
-            self.sock.sendmsg([data], anc, 0, address)
+            sock.connect(address)
+            sock.sendmsg([data], anc)
             self.sent += 1
         except OSError as err:
-            name = type(err).__name__
-            self.refused[name] = self.refused.get(name, 0) + 1
+            self._refuse(err)
+        finally:
+            sock.close()
+
+    def hold(self, address: str) -> None:
+        """A connection that never says anything (to use up the doorbell's patience)."""
+        if address.startswith("\0"):
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setblocking(False)
+        try:
+            sock.connect(address)
+            self.held.append(sock)
+        except OSError as err:
+            sock.close()
+            self._refuse(err)
 
 
 # ---------------------------------------------------------------------------- the old format (pickle)
@@ -147,7 +178,7 @@ def _wire_ring(version: int, sub_ids: list[str], size: int, inode: int, device: 
         return struct.pack("<H", len(raw)) + raw
 
     body = struct.pack("<4sHHQqQQQH", b"RSRG", 1, 0, 1, version, size, inode, device, len(sub_ids))
-    body += text("policy") + text("/tmp/attacker") + b"".join(text(s) for s in sub_ids)
+    body += text("policy") + b"".join(text(s) for s in sub_ids)
     return body + hashlib.blake2b(body, key=os.urandom(32), digest_size=32).digest()
 
 
@@ -199,16 +230,21 @@ def attack_fifo(s: _Sender, fifo: str, sub_ids: list[str]) -> None:
 
 
 def attack_junk(s: _Sender, count: int, seconds: float = 0.0) -> None:
-    """Random bytes, ring-shaped records with made-up MACs and descriptors, to every socket;
-    ``count`` each, or as many as fit in ``seconds``."""
+    """Random bytes, ring-shaped records with made-up MACs and descriptors, silent connections,
+    to every socket; ``count`` each, or as many as fit in ``seconds``."""
     found = targets()
     fd, st = _memfd(b"\0" * 4096)
     deadline = time.monotonic() + seconds
     i = 0
     while (seconds and time.monotonic() < deadline) or (not seconds and i < count):
         for address in found:
-            kind = i % 4
-            if kind == 0:
+            kind = i % 5
+            if kind == 4:
+                if len(s.held) < 256:
+                    s.hold(address)
+                else:
+                    s.send(address, os.urandom(64))
+            elif kind == 0:
                 s.send(address, os.urandom(1 + i % 1500))
             elif kind == 1:
                 s.send(address, _wire_ring(10**9 + i, ["x:policy"], st.st_size, st.st_ino, st.st_dev), [fd])

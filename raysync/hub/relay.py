@@ -155,17 +155,19 @@ class NodeDelivery:
             return [], members
         ringer, writer = self._doorbell()
         try:  # in one worker thread: fetch, write, ring (the loop keeps reading acks meanwhile)
-            tokens, unreachable = await asyncio.to_thread(_write_and_ring, ringer, writer, a, bells)
+            tokens, gone, busy = await asyncio.to_thread(_write_and_ring, ringer, writer, a, bells)
         except Exception as err:  # no memory for a segment, bytes gone, ...: the Ray way this time
             logger.info(
                 "node %s: no doorbell for %r version %d: %s", self._node_id[:8], a.model_id, a.version, err
             )
             return [], members
-        self.rung += len({bells[s].doorbell for s in bells if s not in unreachable})
+        self.rung += len({bells[s].doorbell for s in bells if s not in gone and s not in busy})
         called = {s: m for s, m in members.items() if s not in bells}
-        for sub_id in unreachable:  # gone, or not reachable from here: call it; stop ringing it
+        for sub_id in gone:  # gone, or not reachable from here: call it; stop ringing it
             member = replace(bells[sub_id], doorbell=None, doorbell_key=None)
             self._members[sub_id] = called[sub_id] = member
+        for sub_id in busy:  # its doorbell's queue is full (say, flooded): call it this time
+            called[sub_id] = bells[sub_id]
         return tokens, called
 
     async def _rung_acks(self, tokens: list[int], exit_mid: bool) -> tuple[list[RelayAck], list[str]]:
@@ -288,9 +290,10 @@ def rings(manifest: Any) -> bool:
 
 def _write_and_ring(
     ringer: doorbell.Ringer, writer: doorbell.SegmentWriter, a: Announcement, bells: dict[str, RelayMember]
-) -> tuple[list[int], list[str]]:
+) -> tuple[list[int], list[str], list[str]]:
     """Fetch a version's buckets (zero-copy on this node), write them into a new segment, and
-    ring every process in ``bells``; the rings' tokens and the subscriptions not rung."""
+    ring every process in ``bells``; the rings' tokens, the subscriptions whose process is gone
+    (or cannot be rung from here) and those whose doorbell is busy (call them this time)."""
     buckets = ray.get(list(a.refs), timeout=_FETCH_S)
     segment = writer.write(a.model_id, a.version, a.manifest, bucket_ids(list(a.refs)), buckets)
     del buckets
@@ -298,17 +301,21 @@ def _write_and_ring(
     for sub_id, member in bells.items():
         by_process.setdefault((member.doorbell, member.doorbell_key), []).append(sub_id)  # type: ignore[arg-type]
     tokens: list[int] = []
-    unreachable: list[str] = []
+    gone: list[str] = []
+    busy: list[str] = []
     try:
         for (address, key), sub_ids in by_process.items():
             try:
                 tokens += ringer.ring(address, key, a.model_id, a.version, segment, sub_ids)
+            except (BlockingIOError, InterruptedError) as err:
+                logger.debug("doorbell of %s busy: %s", sub_ids[0], err)
+                busy += sub_ids
             except (OSError, ValueError) as err:
                 logger.debug("doorbell of %s: %s", sub_ids[0], err)
-                unreachable += sub_ids
+                gone += sub_ids
     finally:
         segment.close()  # each process rung holds its own descriptor: freed when the last lets go
-    return tokens, unreachable
+    return tokens, gone, busy
 
 
 def _exit() -> None:

@@ -38,7 +38,7 @@ def _flat(buckets: list[list[np.ndarray]]) -> list[bytes]:
 
 
 def _ring_for(segment: doorbell.SegmentHandle, version: int = 7) -> Ring:
-    return Ring(1, "policy", version, ("s",), "/nowhere", segment.size, segment.inode, segment.device)
+    return Ring(1, "policy", version, ("s",), segment.size, segment.inode, segment.device)
 
 
 def test_a_segment_reads_back_bit_for_bit_and_leaves_no_file() -> None:
@@ -85,7 +85,7 @@ def test_a_segment_that_is_not_the_one_rung_is_refused(tmp_path: Any) -> None:
     fd = os.open(plain, os.O_RDONLY)
     st = os.fstat(fd)
     with pytest.raises(ValueError, match="sealed"):  # an ordinary (writable) file
-        read_segment(fd, Ring(1, "policy", 7, ("s",), "/x", st.st_size, st.st_ino, st.st_dev))
+        read_segment(fd, Ring(1, "policy", 7, ("s",), st.st_size, st.st_ino, st.st_dev))
     os.close(fd)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -99,7 +99,7 @@ def test_a_segment_that_is_not_the_one_rung_is_refused(tmp_path: Any) -> None:
 
 def test_wire_records_round_trip_and_refuse_tampering() -> None:
     key = os.urandom(wire.KEY_BYTES)
-    ring = Ring(9, "policy", 3, ("a:policy", "b:policy"), "/tmp/x", 100, 5, 6)
+    ring = Ring(9, "policy", 3, ("a:policy", "b:policy"), 100, 5, 6)
     data = wire.encode_ring(key, ring)
     assert wire.decode_ring(key, data) == ring
     with pytest.raises(wire.WireError, match="MAC"):
@@ -215,10 +215,17 @@ def test_a_ring_with_another_key_is_dropped_and_acknowledges_nothing() -> None:
     bell.close()
 
 
-def _send(address: str, data: bytes, fds: list[int] | None = None) -> None:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+def _send(address: str, data: bytes, fds: list[int] | None = None) -> bool:
+    """What an attacker does: connect, send one message, hang up. Whether the connection was taken."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(5)
+        try:
+            sock.connect(address)
+        except OSError:
+            return False
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        sock.sendmsg([data], anc, 0, address)
+        sock.sendmsg([data], anc)
+        return True
 
 
 def test_hostile_datagrams_run_nothing_apply_nothing_and_wedge_nothing(
@@ -244,31 +251,38 @@ def test_hostile_datagrams_run_nothing_apply_nothing_and_wedge_nothing(
     real = SegmentWriter().write("policy", 6, _MANIFEST, ["x"], _buckets(6))
     forged = SegmentWriter().write("policy", 9, _MANIFEST, ["x"], _buckets(99))
     # A ring the relay really sent (MAC'd with the key), replayed with another segment.
-    replay = wire.encode_ring(
-        bell.key, Ring(1, "policy", 9, ("s",), "/x", real.size, real.inode, real.device)
-    )
+    replay = wire.encode_ring(bell.key, Ring(1, "policy", 9, ("s",), real.size, real.inode, real.device))
     with caplog.at_level(logging.WARNING, logger="raysync.transports.doorbell"):
-        n = 3000
+        n = 300
+        taken = {k: 0 for k in range(5)}  # connections the doorbell's queue took (the rest: EAGAIN)
         for i in range(n):
             kind = i % 5
             if kind == 0:
-                _send(bell.address, pickle.dumps(Evil()))
+                sent = _send(bell.address, pickle.dumps(Evil()))
             elif kind == 1:
-                _send(bell.address, os.urandom(i % 2000 + 1))
+                sent = _send(bell.address, os.urandom(i % 2000 + 1))
             elif kind == 2:
-                fake = wire.encode_ring(os.urandom(32), Ring(1, "policy", 10**9, ("s",), "/x", 1, 1, 1))
-                _send(bell.address, fake, [fifo_fd])
+                fake = wire.encode_ring(os.urandom(32), Ring(1, "policy", 10**9, ("s",), 1, 1, 1))
+                sent = _send(bell.address, fake, [fifo_fd])
             elif kind == 3:
-                _send(bell.address, replay, [forged.fd])
+                sent = _send(bell.address, replay, [forged.fd])
             else:
-                _send(bell.address, b"RSRG" + os.urandom(100), [fifo_fd, forged.fd])
+                sent = _send(bell.address, b"RSRG" + os.urandom(100), [fifo_fd, forged.fd])
+            taken[kind] += sent
+            if not sent:
+                time.sleep(0.002)  # the queue is full: new connections are taken at a bounded rate
+        n = sum(taken.values())
+        assert n >= 100
+        deadline = time.monotonic() + 30  # new connections are taken at a bounded rate
+        while sum(bell.drops.total.values()) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
         _, missing = _ring_and_wait(bell, ["s"], 7, timeout=10)
     assert missing == [] and model.version == 7 and model.data == _flat(_buckets(7))
-    assert not marker.exists()
+    assert not marker.exists() and model.calls == 1
     assert sum(bell.drops.total.values()) == n  # the replays' MACs check: dropped at their segment
-    assert bell.drops.total["segment not the one rung"] == n // 5
-    lines = [r for r in caplog.records if "dropped datagrams" in r.getMessage()]
-    assert len(lines) == 1  # not 3,000 tracebacks
+    assert bell.drops.total["segment not the one rung"] == taken[3]
+    lines = [r for r in caplog.records if "refused what was not from raysync" in r.getMessage()]
+    assert len(lines) == 1  # not 300 tracebacks
     os.close(fifo_fd)
     real.close()
     forged.close()
@@ -276,35 +290,44 @@ def test_hostile_datagrams_run_nothing_apply_nothing_and_wedge_nothing(
     assert len(os.listdir(f"/proc/{os.getpid()}/fd")) <= fds_before  # every descriptor sent along was closed
 
 
-def test_acks_not_from_the_process_rung_are_dropped() -> None:
+def test_acks_not_made_with_the_rung_process_key_are_dropped() -> None:
     """A forged ack (any key but the rung process's) does not count: the ring stays missing."""
+    base = doorbell.runtime_dir()
+    assert base is not None
+    address = os.path.join(base, f"fake-{os.getpid()}")
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # a process that answers with forgeries
+    fake.bind(address)
+    fake.listen(4)
+    key = os.urandom(wire.KEY_BYTES)
 
-    async def run() -> tuple[list[Any], list[str], Any]:
+    async def run() -> tuple[list[Any], list[str], Any, list[Any]]:
         ringer = Ringer()
-        silent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a process that never answers
-        base = doorbell.runtime_dir()
-        assert base is not None
-        address = os.path.join(base, f"silent-{os.getpid()}")
-        silent.bind(address)
-        key = os.urandom(wire.KEY_BYTES)
         segment = SegmentWriter().write("policy", 3, _MANIFEST, ["x"], _buckets(3))
         tokens = ringer.ring(address, key, "policy", 3, segment, ["s"])
         segment.close()
+        conn, _ = await asyncio.get_running_loop().run_in_executor(None, fake.accept)
         forged = compact(3, [RelayAck("s", ApplyReport(applied=3))])
-        for wrong in (os.urandom(wire.KEY_BYTES),):
-            _send(ringer.address, wire.encode_ack(wrong, tokens[0], 3, forged))
-        _send(ringer.address, b"junk")
+        conn.send(wire.encode_ack(os.urandom(wire.KEY_BYTES), tokens[0], 3, forged))
+        conn.send(wire.encode_ack(key, tokens[0] + 1, 3, forged))  # no such ring
+        conn.send(b"junk")
         acks, missing = await ringer.wait(tokens, timeout=0.5)
         drops = dict(ringer.drops.total)
-        _send(ringer.address, wire.encode_ack(key, tokens[0], 3, forged))  # the real one, late
+        late: list[Any] = []
+        ringer.late = lambda model_id, version, acks: late.append(acks)
+        conn.send(wire.encode_ack(key, tokens[0], 3, forged))  # the real one, late
+        deadline = time.monotonic() + 10
+        while not late and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         ringer.close()
-        silent.close()
-        os.unlink(address)
-        return acks, missing, drops
+        conn.close()
+        return acks, missing, drops, late
 
-    acks, missing, drops = asyncio.run(run())
+    acks, missing, drops, late = asyncio.run(run())
+    fake.close()
+    os.unlink(address)
     assert acks == [] and missing == ["s"]
-    assert drops == {"malformed or bad MAC": 2}
+    assert drops == {"malformed or bad MAC": 2, "unknown token": 1}
+    assert [[a.sub_id for a in batch] for batch in late] == [["s"]]
 
 
 def test_a_slow_subscriber_is_pending_and_its_ack_comes_late() -> None:
@@ -367,7 +390,7 @@ def test_ringing_a_process_that_is_gone_raises_and_removes_its_socket() -> None:
     base = doorbell.runtime_dir()
     assert base is not None
     address = os.path.join(base, f"sub-dead-{os.getpid()}")
-    dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     dead.bind(address)
     dead.close()  # the process died: its socket file stays behind, nobody listens
     key = os.urandom(wire.KEY_BYTES)

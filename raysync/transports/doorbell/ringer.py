@@ -1,4 +1,10 @@
-"""A relay's end of the doorbells: rings subscriber processes, collects their acks."""
+"""A relay's end of the doorbells: one connection per subscriber process; rings out, acks back.
+
+The relay (or the hub, on its own node) connects to each subscriber process's doorbell
+once and keeps the connection: rings go out on it, each with its sealed segment, and
+the acks come back on it. It listens on nothing, so there is nothing of the relay's
+for another process to flood.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,9 @@ import contextlib
 import errno
 import itertools
 import logging
-import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,18 +24,22 @@ from dataclasses import dataclass, field
 from raysync._protocol import RelayAck, Ring, expand
 from raysync.transports.doorbell import wire
 from raysync.transports.doorbell.segments import SegmentHandle
-from raysync.transports.doorbell.sockets import Datagram, Drops, bind, receive, runtime_dir, unlink
+from raysync.transports.doorbell.sockets import Drops, Message, connect, receive, runtime_dir, unlink
 
 __all__ = ["Ringer"]
 
 logger = logging.getLogger(__name__)
 
 _STALE_S = 300.0  # a ring unanswered this long is forgotten
-_BATCH = 256  # datagrams read per callback: a flood cannot hold the event loop
+_BATCH = 256  # acks read per callback: the event loop gets its turn
+_GONE = (errno.ECONNREFUSED, errno.ENOENT, errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
 
 
 class Ringer:
-    """A relay's end of the doorbells: rings subscriber processes, collects their acks.
+    """Rings subscriber processes and collects their acks.
+
+    Make it on the event loop that reads the acks (or call :meth:`wait` there first);
+    :meth:`ring` may be called from a worker thread.
 
     Example:
         >>> ringer = Ringer()
@@ -38,11 +48,14 @@ class Ringer:
     """
 
     def __init__(self) -> None:
-        self._sock, self.address = bind("relay")
-        self._sock.setblocking(False)
         self._tokens = itertools.count(secrets.randbits(32) << 16)
         self._open: dict[int, _Rung] = {}
-        self._reading: asyncio.AbstractEventLoop | None = None
+        self._conns: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self.late: Callable[[str, int, list[RelayAck]], None] | None = None
         self.drops = Drops("relay doorbell")
 
@@ -55,40 +68,65 @@ class Ringer:
         segment: SegmentHandle,
         sub_ids: Sequence[str],
     ) -> list[int]:
-        """Ring one process for ``sub_ids``; the tokens to :meth:`wait` on (one per datagram).
-
-        Callable from a worker thread (what it rings is registered before it is sent).
+        """Ring one process for ``sub_ids``; the tokens to :meth:`wait` on (one per message).
 
         Raises:
-            OSError: the process is gone or cannot be reached (``ECONNREFUSED``,
-                ``ENOENT``), or its queue is full (``EAGAIN``): call it the Ray way.
+            OSError: the process is gone (``ECONNREFUSED``, ``ENOENT``, ``EPIPE``: stop
+                ringing it), or busy (``EAGAIN``: its queue is full, call it the Ray way
+                this time).
             ValueError: a ring the wire format cannot carry: call it the Ray way.
         """
         if len(key) != wire.KEY_BYTES:
             raise ValueError("a doorbell key of the wrong length")
         self._drop_stale()
         tokens: list[int] = []
+        conn = self._connection(address)
         try:
             for chunk in _chunks(model_id, sub_ids):
                 token = next(self._tokens)
-                ring = Ring(
-                    token, model_id, version, chunk, self.address, segment.size, segment.inode, segment.device
-                )
+                ring = Ring(token, model_id, version, chunk, segment.size, segment.inode, segment.device)
                 data = wire.encode_ring(key, ring)
-                self._open[token] = _Rung(model_id, version, set(chunk), key)
+                self._open[token] = _Rung(model_id, version, set(chunk), key, address)
                 tokens.append(token)
-                self._sock.sendmsg(
-                    [data],
-                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [segment.fd]))],
-                    0,
-                    address,
-                )
+                fds = array.array("i", [segment.fd])
+                conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         except (OSError, ValueError) as err:
             self.forget(tokens)
-            if isinstance(err, OSError) and err.errno == errno.ECONNREFUSED:
-                _remove_dead_socket(address)
+            if isinstance(err, OSError) and err.errno in _GONE:
+                self._disconnect(address, conn)
             raise
         return tokens
+
+    def _connection(self, address: str) -> socket.socket:
+        with self._lock:
+            conn = self._conns.get(address)
+        if conn is not None:
+            return conn
+        try:
+            conn = connect(address)
+        except OSError as err:
+            if err.errno == errno.ECONNREFUSED:
+                _remove_dead_socket(address)
+            raise
+        with self._lock:
+            self._conns[address] = conn
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._watch, address, conn)
+        return conn
+
+    def _watch(self, address: str, conn: socket.socket) -> None:
+        if self._conns.get(address) is conn and conn.fileno() >= 0:
+            assert self._loop is not None
+            self._loop.add_reader(conn.fileno(), self._readable, address, conn)
+
+    def _disconnect(self, address: str, conn: socket.socket) -> None:
+        with self._lock:
+            if self._conns.get(address) is conn:
+                del self._conns[address]
+        if self._loop is not None and conn.fileno() >= 0:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(conn.fileno())
+        conn.close()
 
     def _drop_stale(self) -> None:
         """Forget rings whose process never answered (it died): the Ray call settled them."""
@@ -100,10 +138,14 @@ class Ringer:
     async def wait(self, tokens: Sequence[int], timeout: float | None) -> tuple[list[RelayAck], list[str]]:
         """The acks of ``tokens`` that came within ``timeout``, and the subscriptions still applying.
 
-        Acks that come later go to :attr:`late` ``(model_id, version, acks)``. Call it on
-        the event loop that reads the acks (the first call starts reading).
+        Acks that come later go to :attr:`late` ``(model_id, version, acks)``.
         """
-        self._start_reading()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            with self._lock:
+                conns = list(self._conns.items())
+            for address, conn in conns:
+                self._watch(address, conn)
         rungs = [self._open[t] for t in tokens if t in self._open]
         waits = [r.done for r in rungs if not r.done.is_set()]
         if waits:
@@ -126,74 +168,62 @@ class Ringer:
         for token in tokens:
             self._open.pop(token, None)
 
-    def _start_reading(self) -> None:
-        if self._reading is not None:
-            return
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._sock.fileno(), self._readable)
-        self._reading = loop
-
-    def _readable(self) -> None:
-        for _ in range(_BATCH):  # then let the loop run; it calls again while more wait
+    def _readable(self, address: str, conn: socket.socket) -> None:
+        for _ in range(_BATCH):
             try:
-                dgram = receive(self._sock)
+                msg = receive(conn)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as err:
-                logger.debug("relay doorbell: %s", err)
+                logger.debug("relay doorbell %s: %s", address, err)
+                msg = None
+            if msg is None:  # the subscriber process is gone: its rings time out, the Ray call tells
+                self._disconnect(address, conn)
                 return
-            dgram.close_fds()  # acks carry none
-            token, acks = self._check(dgram)
-            if token is None:
-                continue
-            rung = self._open[token]
-            for a in acks:
-                rung.expected.discard(a.sub_id)
-            if rung.late:
-                if self.late is not None and acks:
-                    self.late(rung.model_id, rung.version, acks)
-            else:
-                rung.acks.extend(acks)
-            if not rung.expected:
-                rung.done.set()
-                if rung.late:
-                    self._open.pop(token, None)
+            msg.close_fds()  # acks carry none
+            self._ack(address, msg)
 
-    def _check(self, dgram: Datagram) -> tuple[int | None, list[RelayAck]]:
-        """A datagram's token and acks, if it is an ack of an open ring MAC'd by the process rung."""
-        if dgram.uid != os.getuid():
-            self.drops.drop("from another user")
-        elif dgram.truncated or dgram.fds:
+    def _ack(self, address: str, msg: Message) -> None:
+        """Count an ack of an open ring of this connection, MAC'd by the process rung."""
+        if msg.truncated:
             self.drops.drop("malformed")
+            return
+        try:
+            token = wire.ack_token(msg.data)
+            rung = self._open.get(token)
+            if rung is None or rung.address != address:
+                self.drops.drop("unknown token")
+                return
+            _, version, reply = wire.decode_ack(rung.key, msg.data)
+        except wire.WireError:
+            self.drops.drop("malformed or bad MAC")
+            return
+        if version != rung.version:
+            self.drops.drop("wrong version")
+            return
+        acks = [a for a in expand(reply, version) if a.sub_id in rung.expected]
+        for a in acks:
+            rung.expected.discard(a.sub_id)
+        if rung.late:
+            if self.late is not None and acks:
+                self.late(rung.model_id, rung.version, acks)
         else:
-            try:
-                token = wire.ack_token(dgram.data)
-                rung = self._open.get(token)
-                if rung is None:
-                    self.drops.drop("unknown token")
-                    return None, []
-                _, version, reply = wire.decode_ack(rung.key, dgram.data)
-            except wire.WireError:
-                self.drops.drop("malformed or bad MAC")
-                return None, []
-            if version != rung.version:
-                self.drops.drop("wrong version")
-                return None, []
-            acks = [a for a in expand(reply, version) if a.sub_id in rung.expected]
-            return token, acks
-        return None, []
+            rung.acks.extend(acks)
+        if not rung.expected:
+            rung.done.set()
+            if rung.late:
+                self._open.pop(token, None)
 
     def close(self) -> None:
-        if self._reading is not None:
-            with contextlib.suppress(Exception):
-                self._reading.remove_reader(self._sock.fileno())
-        self._sock.close()
-        unlink(self.address)
+        with self._lock:
+            conns = list(self._conns.items())
+        for address, conn in conns:
+            self._disconnect(address, conn)
 
 
 def _chunks(model_id: str, sub_ids: Sequence[str]) -> list[tuple[str, ...]]:
-    """``sub_ids`` split so that each ring stays well below the wire's datagram limit."""
-    budget = wire.MAX_DATAGRAM // 2 - len(model_id.encode()) - 512
+    """``sub_ids`` split so that each ring stays well below the wire's message limit."""
+    budget = wire.MAX_MESSAGE // 2 - len(model_id.encode()) - 512
     chunks: list[tuple[str, ...]] = []
     chunk: list[str] = []
     used = 0
@@ -212,7 +242,7 @@ def _chunks(model_id: str, sub_ids: Sequence[str]) -> list[tuple[str, ...]]:
 def _remove_dead_socket(address: str) -> None:
     """A socket no process listens on any more (its process died): remove it from our directory."""
     base = runtime_dir()
-    if base is not None and os.path.dirname(address) == base:
+    if base is not None and address.rsplit("/", 1)[0] == base:
         unlink(address)
 
 
@@ -222,6 +252,7 @@ class _Rung:
     version: int
     expected: set[str]
     key: bytes
+    address: str
     acks: list[RelayAck] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     late: bool = False

@@ -1,9 +1,12 @@
-"""The doorbell's sockets: a directory of the Ray session's user alone, datagrams with credentials.
+"""The doorbell's sockets: in a directory of the Ray session's user alone, one connection per ringer.
 
-Every socket lives in :func:`runtime_dir` (mode 0700, owned by this user, checked), so
-no other Unix user can even send to it; each datagram arrives with its sender's uid
-(``SO_PASSCRED``), checked again; what is refused is counted and logged at most once
-per :data:`LOG_EVERY_S` (:class:`Drops`).
+A subscriber process listens on a ``SOCK_SEQPACKET`` Unix socket in :func:`runtime_dir`
+(mode 0700, owned by this user, checked), so no other Unix user can even connect; the
+peer's uid is checked again (``SO_PEERCRED``). A ringer (relay or hub) keeps one
+connection per subscriber process: its rings and the acks travel on it, message by
+message (``SCM_RIGHTS`` carries each ring's segment), in a queue no other process can
+write into. What is refused is counted and logged at most once per :data:`LOG_EVERY_S`
+(:class:`Drops`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from raysync.transports.doorbell import wire
 
 __all__ = [
     "LOG_EVERY_S",
-    "Datagram",
     "Drops",
+    "Message",
     "available",
-    "bind",
+    "connect",
+    "listen",
     "max_bytes",
+    "peer_uid",
     "receive",
     "runtime_dir",
     "unlink",
@@ -43,7 +48,8 @@ logger = logging.getLogger(__name__)
 _DEFAULT_MAX_BYTES = 8 << 20
 _SOCK_BUF = 4 << 20
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_ANC = socket.CMSG_SPACE(_CREDS.size) + socket.CMSG_SPACE(array.array("i").itemsize * 4)
+_ANC = socket.CMSG_SPACE(array.array("i").itemsize * 4)  # room for a few descriptors (more are refused)
+_BACKLOG = 16
 LOG_EVERY_S = 10.0
 """Dropped datagrams are logged at most this often (with the counts since the last line)."""
 
@@ -121,25 +127,50 @@ def _private(path: str, uid: int) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) & 0o077 == 0
 
 
-def bind(kind: str) -> tuple[socket.socket, str]:
-    """A datagram socket bound in the runtime directory, receiving senders' credentials."""
+def listen(kind: str) -> tuple[socket.socket, str]:
+    """A listening ``SOCK_SEQPACKET`` socket in the runtime directory (non-blocking); its path."""
     base = runtime_dir()
     if base is None:
         raise OSError(errno.ENOENT, "no private directory for doorbell sockets")
     path = os.path.join(base, f"{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     if len(path.encode()) > 107:
         raise OSError(errno.ENAMETOOLONG, f"socket path too long: {path}")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     old = os.umask(0o177)  # the socket file: this user only (the directory is too)
     try:
         sock.bind(path)
     finally:
         os.umask(old)
+    sock.listen(_BACKLOG)
+    sock.setblocking(False)
     return sock, path
+
+
+def connect(address: str) -> socket.socket:
+    """A non-blocking connection to a doorbell, whose peer runs as this user.
+
+    Raises:
+        OSError: nobody listens there (``ECONNREFUSED``, ``ENOENT``), its queue of new
+            connections is full (``EAGAIN``), or its peer is another user.
+    """
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.setblocking(False)
+        conn.connect(address)
+        if peer_uid(conn) != os.getuid():
+            raise OSError(errno.EPERM, f"{address} belongs to another user")
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a connection (the kernel's word, ``SO_PEERCRED``)."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    return int(_CREDS.unpack(raw)[1])
 
 
 def unlink(path: str) -> None:
@@ -148,7 +179,7 @@ def unlink(path: str) -> None:
 
 
 class Drops:
-    """Datagrams refused, by reason; logged at most once per :data:`LOG_EVERY_S`."""
+    """Messages and connections refused, by reason; logged at most once per :data:`LOG_EVERY_S`."""
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -164,7 +195,7 @@ class Drops:
             self._logged = now
             counts = ", ".join(f"{n} {r}" for r, n in self._since.most_common())
             logger.warning(
-                "%s: dropped datagrams not from raysync (%s); the next such line in %.0f s at the earliest",
+                "%s: refused what was not from raysync (%s); the next such line in %.0f s at the earliest",
                 self.where,
                 counts,
                 LOG_EVERY_S,
@@ -173,29 +204,32 @@ class Drops:
 
 
 @dataclass
-class Datagram:
+class Message:
+    """One message off a connection: its bytes and the descriptors that came with it."""
+
     data: bytes
     fds: list[int]
-    uid: int | None
     truncated: bool
 
-    def close_fds(self, keep: int | None = None) -> None:
+    def close_fds(self) -> None:
         for fd in self.fds:
-            if fd != keep:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-def receive(sock: socket.socket, flags: int = 0) -> Datagram:
-    data, anc, msg_flags, _ = sock.recvmsg(wire.MAX_DATAGRAM + 1, _ANC, flags)
+def receive(conn: socket.socket) -> Message | None:
+    """The next message of a connection (``None``: the peer closed it).
+
+    Raises:
+        BlockingIOError: none waiting.
+        OSError: the connection broke.
+    """
+    data, anc, msg_flags, _ = conn.recvmsg(wire.MAX_MESSAGE + 1, _ANC)
     fds: list[int] = []
-    uid = None
     for level, kind, cdata in anc:
-        if level != socket.SOL_SOCKET:
-            continue
-        if kind == socket.SCM_RIGHTS:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.extend(array.array("i", cdata[: len(cdata) - len(cdata) % 4]))
-        elif kind == socket.SCM_CREDENTIALS and len(cdata) >= _CREDS.size:
-            uid = _CREDS.unpack_from(cdata)[1]
-    truncated = bool(msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)) or len(data) > wire.MAX_DATAGRAM
-    return Datagram(data, fds, uid, truncated)
+    if not data and not fds:
+        return None
+    truncated = bool(msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)) or len(data) > wire.MAX_MESSAGE
+    return Message(data, fds, truncated)

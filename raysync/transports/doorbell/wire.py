@@ -1,7 +1,7 @@
 """The doorbell's wire format: rings, acks and segment headers as fixed, versioned binary records.
 
 Everything here crosses a process boundary outside Ray's authenticated calls (a Unix
-datagram socket, a shared-memory segment), so it is decoded as untrusted input:
+socket, a shared-memory segment), so it is decoded as untrusted input:
 no pickle and no other format that can run code while decoding; every field is
 bounded and checked; a record that does not parse raises :class:`WireError` and
 is dropped by the caller. Rings and acks end with a keyed BLAKE2b MAC (32 bytes)
@@ -12,7 +12,7 @@ registration with the hub, the hub's delivery to the relay).
 Layouts (little-endian; ``str`` is a ``u16`` byte length then UTF-8):
 
 - ring: ``b"RSRG" u16 wire u16 flags u64 token i64 version u64 size u64 inode
-  u64 device u16 n`` then ``str model_id, str reply_to, n x str sub_id``, MAC.
+  u64 device u16 n`` then ``str model_id, n x str sub_id``, MAC.
   ``size``/``inode``/``device`` name the sealed segment sent with it (SCM_RIGHTS).
 - ack: ``b"RSAK" u16 wire u16 flags u64 token i64 version``, then the rows of
   subscriptions that applied the version and the other acks, MAC.
@@ -21,7 +21,7 @@ Layouts (little-endian; ``str`` is a ``u16`` byte length then UTF-8):
 
 Example:
     >>> key = bytes(32)
-    >>> data = encode_ring(key, Ring(1, "policy", 3, ("a:policy",), "/tmp/r", 64, 7, 9))
+    >>> data = encode_ring(key, Ring(1, "policy", 3, ("a:policy",), 64, 7, 9))
     >>> decode_ring(key, data).version
     3
 """
@@ -40,7 +40,7 @@ from raysync._protocol import ApplyReport, RelayAck, RelayReply, Ring
 __all__ = [
     "KEY_BYTES",
     "MAC_BYTES",
-    "MAX_DATAGRAM",
+    "MAX_MESSAGE",
     "WIRE_VERSION",
     "WireError",
     "ack_token",
@@ -58,7 +58,7 @@ WIRE_VERSION = 1
 
 KEY_BYTES = 32
 MAC_BYTES = 32
-MAX_DATAGRAM = 64 * 1024
+MAX_MESSAGE = 64 * 1024
 """The largest ring or ack accepted (a ring is split to stay below it)."""
 
 _MAX_STR = 4096
@@ -123,13 +123,13 @@ class _Out:
 
 def _sealed(key: bytes, body: bytes) -> bytes:
     data = body + mac(key, body)
-    if len(data) > MAX_DATAGRAM:
-        raise WireError(f"a record of {len(data)} bytes is over the wire's limit of {MAX_DATAGRAM}")
+    if len(data) > MAX_MESSAGE:
+        raise WireError(f"a record of {len(data)} bytes is over the wire's limit of {MAX_MESSAGE}")
     return data
 
 
 def encode_ring(key: bytes, ring: Ring) -> bytes:
-    """A ring as a datagram, MAC'd with the receiving process's doorbell ``key``.
+    """A ring as a message, MAC'd with the receiving process's doorbell ``key``.
 
     Raises:
         WireError: a field is over its limit (the caller splits or calls the Ray way).
@@ -150,7 +150,6 @@ def encode_ring(key: bytes, ring: Ring) -> bytes:
         len(ring.sub_ids),
     )
     out.text(ring.model_id)
-    out.text(ring.reply_to)
     for sub_id in ring.sub_ids:
         out.text(sub_id)
     return _sealed(key, out.bytes())
@@ -262,7 +261,7 @@ class _In:
 
 def _opened(key: bytes, data: bytes | memoryview, magic: bytes) -> _In:
     """Check length, magic, wire version and MAC; a reader over the body."""
-    if not MAC_BYTES + 8 <= len(data) <= MAX_DATAGRAM:
+    if not MAC_BYTES + 8 <= len(data) <= MAX_MESSAGE:
         raise WireError(f"a record of {len(data)} bytes")
     view = memoryview(data)
     if bytes(view[:4]) != magic:
@@ -276,7 +275,7 @@ def _opened(key: bytes, data: bytes | memoryview, magic: bytes) -> _In:
 
 
 def decode_ring(key: bytes, data: bytes | memoryview) -> Ring:
-    """A ring from a datagram, checked field by field against ``key``'s MAC.
+    """A ring from a message, checked field by field against ``key``'s MAC.
 
     Raises:
         WireError: anything that is not a well-formed ring MAC'd with ``key``.
@@ -286,10 +285,9 @@ def decode_ring(key: bytes, data: bytes | memoryview) -> Ring:
     if flags != 0 or version < 0 or n == 0 or n > _MAX_SUBS:
         raise WireError("ring fields out of range")
     model_id = r.text(nonempty=True)
-    reply_to = r.text(nonempty=True)
     sub_ids = tuple(r.text(nonempty=True) for _ in range(n))
     r.done()
-    return Ring(token, model_id, version, sub_ids, reply_to, size, inode, device)
+    return Ring(token, model_id, version, sub_ids, size, inode, device)
 
 
 def ack_token(data: bytes | memoryview) -> int:
