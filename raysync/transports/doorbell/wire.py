@@ -17,7 +17,8 @@ Layouts (little-endian; ``str`` is a ``u16`` byte length then UTF-8):
 - ack: ``b"RSAK" u16 wire u16 flags u64 token i64 version``, then the rows of
   subscriptions that applied the version and the other acks, MAC.
 - segment header: ``u64 length`` then ``b"RSSG" u16 wire u16 flags i64 version
-  str model_id``, the manifest, bucket ids and array sizes.
+  str model_id``, the layout (``u32`` length, then entries, bucket sizes, layout
+  hash, transport), the checksums, bucket ids and array sizes.
 
 Example:
     >>> key = bytes(32)
@@ -232,6 +233,11 @@ class _In:
             raise WireError("empty string where one is required")
         return value
 
+    def u64s(self, n: int) -> list[int]:
+        """``n`` unsigned 64-bit numbers in one read."""
+        s = struct.Struct(f"<{n}Q")
+        return list(self.take(s))
+
     def non_negative(self, s: struct.Struct) -> int:
         value = int(self.one(s))
         if value < 0:
@@ -369,6 +375,74 @@ def _error(text: str) -> BaseException | None:
 
 
 # ---------------------------------------------------------------------------- segment headers
+_LAYOUTS_KEPT = 8  # encoded / decoded layouts remembered (a layout repeats version after version)
+_encoded_layouts: dict[tuple[str, str], bytes] = {}
+_decoded_layouts: dict[bytes, tuple[Any, ...]] = {}
+
+
+def _layout_blob(manifest: Any) -> bytes:
+    """The part of a manifest that only changes with its layout: entries, buckets, hash, transport."""
+    key = (manifest.layout_hash, manifest.transport)
+    blob = _encoded_layouts.get(key)
+    if blob is None:
+        out = _Out()
+        out.put(_U32, len(manifest.entries))
+        for e in manifest.entries:
+            out.text(e.key)
+            out.put(_U8, len(e.shape))
+            for d in e.shape:
+                out.put(_I64, d)
+            out.text(e.dtype, 64)
+            out.put(_U32, e.bucket)
+            out.put(_U32, e.index)
+            out.put(_U64, e.offset)
+            out.put(_U64, e.nbytes)
+        out.put(_U32, len(manifest.bucket_nbytes))
+        for n in manifest.bucket_nbytes:
+            out.put(_U64, n)
+        out.text(manifest.layout_hash, 256)
+        out.text(manifest.transport, 64)
+        blob = out.bytes()
+        if len(_encoded_layouts) >= _LAYOUTS_KEPT:
+            _encoded_layouts.clear()
+        _encoded_layouts[key] = blob
+    return blob
+
+
+def _read_layout(blob: bytes) -> tuple[Any, ...]:
+    """``(entries, bucket_nbytes, layout_hash, transport)`` of a layout blob, checked (and remembered)."""
+    known = _decoded_layouts.get(blob)
+    if known is not None:
+        return known
+    from raysync.core.layout import TensorEntry  # torch-free
+
+    r = _In(blob)
+    entries = []
+    for _ in range(r.count(_U32, _MAX_ENTRIES, "entries")):
+        key = r.text(nonempty=True)
+        ndim = r.count(_U8, _MAX_DIMS, "dimensions")
+        shape = tuple(r.non_negative(_I64) for _ in range(ndim))
+        dtype = r.text(64, nonempty=True)
+        bucket, index = r.one(_U32), r.one(_U32)
+        offset, nbytes = r.one(_U64), r.one(_U64)
+        entries.append(TensorEntry(key, shape, dtype, bucket, index, offset, nbytes))
+    bucket_nbytes = tuple(r.one(_U64) for _ in range(r.count(_U32, _MAX_BUCKETS, "buckets")))
+    layout_hash = r.text(256, nonempty=True)
+    transport = r.text(64, nonempty=True)
+    r.done()
+    keys = [e.key for e in entries]
+    if keys != sorted(set(keys)):
+        raise WireError("entries not sorted or not unique")
+    for e in entries:
+        if e.bucket >= len(bucket_nbytes) or e.offset + e.nbytes > bucket_nbytes[e.bucket]:
+            raise WireError(f"entry {e.key!r} does not fit its bucket")
+    known = (tuple(entries), bucket_nbytes, layout_hash, transport)
+    if len(_decoded_layouts) >= _LAYOUTS_KEPT:
+        _decoded_layouts.clear()
+    _decoded_layouts[blob] = known
+    return known
+
+
 def encode_segment_header(
     model_id: str, version: int, manifest: Any, ids: Sequence[str | None], sizes: Sequence[Sequence[int]]
 ) -> bytes:
@@ -382,27 +456,14 @@ def encode_segment_header(
     out = _Out()
     out.put(_SEG, b"RSSG", WIRE_VERSION, 0, version)
     out.text(model_id)
-    out.put(_U32, len(manifest.entries))
-    for e in manifest.entries:
-        out.text(e.key)
-        out.put(_U8, len(e.shape))
-        for d in e.shape:
-            out.put(_I64, d)
-        out.text(e.dtype, 64)
-        out.put(_U32, e.bucket)
-        out.put(_U32, e.index)
-        out.put(_U64, e.offset)
-        out.put(_U64, e.nbytes)
-    out.put(_U32, len(manifest.bucket_nbytes))
-    for n in manifest.bucket_nbytes:
-        out.put(_U64, n)
-    out.text(manifest.layout_hash, 256)
+    blob = _layout_blob(manifest)
+    out.put(_U32, len(blob))
+    out.parts.append(blob)
     out.put(_U8, manifest.checksums is not None)
     if manifest.checksums is not None:
         out.put(_U32, len(manifest.checksums))
         for c in manifest.checksums:
             out.put(_U32, c)
-    out.text(manifest.transport, 64)
     out.put(_U32, len(ids))
     for i in ids:
         out.put(_U8, i is not None)
@@ -423,12 +484,12 @@ def decode_segment_header(
     """``(model_id, version, manifest, ids, sizes, header_end)`` of a segment, every field checked.
 
     The arrays the sizes describe must fit in ``file_size``; the manifest's entries must
-    fit in its buckets.
+    fit in its buckets. A layout seen before is not parsed again (its bytes are compared).
 
     Raises:
         WireError: anything that is not a well-formed segment header.
     """
-    from raysync.core.layout import Manifest, TensorEntry  # torch-free
+    from raysync.core.layout import Manifest  # torch-free
 
     view = memoryview(data)
     if len(view) < 8:
@@ -441,36 +502,26 @@ def decode_segment_header(
     if magic != b"RSSG" or wire != WIRE_VERSION or flags != 0 or version < 0:
         raise WireError("not a raysync segment of this wire version")
     model_id = r.text(nonempty=True)
-    entries = []
-    for _ in range(r.count(_U32, _MAX_ENTRIES, "entries")):
-        key = r.text(nonempty=True)
-        ndim = r.count(_U8, _MAX_DIMS, "dimensions")
-        shape = tuple(r.non_negative(_I64) for _ in range(ndim))
-        dtype = r.text(64, nonempty=True)
-        bucket, index = r.one(_U32), r.one(_U32)
-        offset, nbytes = r.one(_U64), r.one(_U64)
-        entries.append(TensorEntry(key, shape, dtype, bucket, index, offset, nbytes))
-    bucket_nbytes = tuple(r.one(_U64) for _ in range(r.count(_U32, _MAX_BUCKETS, "buckets")))
-    layout_hash = r.text(256, nonempty=True)
+    n = r.one(_U32)
+    if r.pos + n > r.end:
+        raise WireError("layout past the header's end")
+    blob = bytes(r.data[r.pos : r.pos + n])
+    r.pos += n
+    entries, bucket_nbytes, layout_hash, transport = _read_layout(blob)
     checksums = None
     if r.one(_U8):
         checksums = tuple(r.one(_U32) for _ in range(r.count(_U32, _MAX_BUCKETS, "checksums")))
-    transport = r.text(64, nonempty=True)
     ids: list[str | None] = []
     for _ in range(r.count(_U32, _MAX_BUCKETS, "bucket ids")):
         ids.append(r.text(256) if r.one(_U8) else None)
     sizes: list[list[int]] = []
     for _ in range(r.count(_U32, _MAX_BUCKETS, "buckets")):
-        sizes.append([r.one(_U64) for _ in range(r.count(_U32, _MAX_ENTRIES, "arrays"))])
+        sizes.append(r.u64s(r.count(_U32, _MAX_ENTRIES, "arrays")))
     r.done()
     nb = len(bucket_nbytes)
     if len(ids) != nb or len(sizes) != nb or (checksums is not None and len(checksums) != nb):
         raise WireError("bucket counts disagree")
-    keys = [e.key for e in entries]
-    if keys != sorted(set(keys)):
-        raise WireError("entries not sorted or not unique")
-    for e in entries:
-        if e.bucket >= nb or e.index >= len(sizes[e.bucket]) or e.offset + e.nbytes > bucket_nbytes[e.bucket]:
-            raise WireError(f"entry {e.key!r} does not fit its bucket")
-    manifest = Manifest(tuple(entries), bucket_nbytes, layout_hash, checksums, transport)
+    if any(e.index >= len(sizes[e.bucket]) for e in entries):
+        raise WireError("an entry's array is missing")
+    manifest = Manifest(entries, bucket_nbytes, layout_hash, checksums, transport)
     return model_id, version, manifest, ids, sizes, 8 + length
