@@ -92,12 +92,13 @@ def main() -> None:
             result = ray.get(ref)
             rows.append({"collector": i, "step": step, "lag": version - (result["version"] or 0), **result})
             pending[collectors[i].rollout.remote()] = i
-    hub.wait(version, timeout=60)  # every collector now holds the final version
+    hub.wait(version, timeout=60, subscribers=args.collectors)  # every collector holds the final version
     elapsed = time.perf_counter() - start
     finals = ray.get([c.raysync_version.remote() for c in collectors])
 
     print(
-        f"\ntrained {args.steps} steps and pushed {version} versions in {elapsed:.1f} s "
+        f"\ntrained {args.steps} steps and pushed {args.steps} versions (the last: {version}) "
+        f"in {elapsed:.1f} s "
         f"(push: median {statistics.median(push_times) * 1e3:.2f} ms)"
     )
     print(

@@ -334,11 +334,13 @@ class WaitResult:
         laggards: subscribers still short of the version.
         failures: subscribers that failed to apply it (and keep their previous one).
         missing: the hub keeps no version that new (a restart lost it): its writer may offer it again.
+        registered: how many subscribers the wait counted when it ran out (``None``: it did not).
     """
 
     laggards: tuple[Laggard, ...] = ()
     failures: tuple[Laggard, ...] = ()
     missing: bool = False
+    registered: int | None = None
 
 
 @dataclass(frozen=True)

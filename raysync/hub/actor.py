@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -60,6 +61,7 @@ __all__ = ["WeightHub"]
 
 logger = logging.getLogger(__name__)
 
+_PUBLISH_GRACE_S = 2.0  # a wait for a granted, unpublished number gives its publish this long
 _REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
 _SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking in
 _STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
@@ -687,6 +689,15 @@ class WeightHub:
         """
         return self._state.get(model_id, version, newer_than)
 
+    async def _published(self, model_id: str, version: int, timeout: float) -> None:
+        """Until ``version`` of ``model_id`` is published (or ``timeout`` seconds)."""
+        cond = self._condition()
+        async with cond:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    cond.wait_for(lambda: (self._state.latest(model_id) or 0) >= version), timeout
+                )
+
     async def wait_newer(self, model_id: str, version: int, timeout: float) -> Announcement | None:
         """Long poll: the newest version once it is newer than ``version``, or None after ``timeout``."""
         cond = self._condition()
@@ -708,24 +719,32 @@ class WeightHub:
         timeout: float | None,
         include_pull: bool = False,
         report_missing: bool = False,
+        subscribers: int = 0,
     ) -> WaitResult:
         """Wait until every live push subscriber of ``model_id`` applied ``version`` (or failed it).
 
         Pull subscribers too with ``include_pull``. With ``report_missing``, answer at once
         (``missing=True``) if some subscriber lacks the version and the hub keeps nothing
-        that new (a restart lost it): the caller, its writer, can offer it again.
+        that new (a restart lost it): the caller, its writer, can offer it again. With
+        ``subscribers``, also until at least that many (counted as above) registered.
 
         Raises:
             UnknownModelError: ``version`` was never pushed.
         """
         state = self._state
-        state.check_waitable(model_id, version)
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not state.check_waitable(model_id, version):
+            # Granted to its writer, not published yet: its publish may be on its way (another
+            # process's wait can overtake it). A moment, then it counts as never pushed.
+            grace = _PUBLISH_GRACE_S if timeout is None else min(timeout, _PUBLISH_GRACE_S)
+            await self._published(model_id, version, grace)
+            state.check_waitable(model_id, version, granted=False)
         while True:
             laggards, failures = state.pending(model_id, version, include_pull)
+            short = max(0, subscribers - state.counted(model_id, include_pull))
             if laggards and report_missing and not state.kept_from(model_id, version):
                 return WaitResult(tuple(laggards), tuple(failures), missing=True)
-            if not laggards:
+            if not laggards and not short:
                 if failures:  # a dead subscriber's failure is no failure of this version
                     await self._reap([f.subscriber for f in failures])
                     laggards, failures = state.pending(model_id, version, include_pull)
@@ -735,10 +754,12 @@ class WeightHub:
             if remaining is not None and remaining <= 0:
                 await self._reap([r.subscriber for r in laggards + failures])
                 laggards, failures = state.pending(model_id, version, include_pull)
-                return WaitResult(tuple(laggards), tuple(failures))
+                counted = state.counted(model_id, include_pull)
+                return WaitResult(tuple(laggards), tuple(failures), registered=counted)
             # Each record, drop or registration updates this waiter in O(1); it wakes once,
-            # when no laggard is left, instead of re-scanning every subscriber per event.
-            waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull)
+            # when no laggard is left (or one more subscriber registered, while too few have),
+            # instead of re-scanning every subscriber per event.
+            waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull, need=subscribers)
             state.add_waiter(model_id, waiter)
             try:
                 while not waiter.event.is_set():

@@ -25,7 +25,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import ray
 import torch
@@ -428,10 +428,14 @@ class HubClient:
         *,
         timeout: float | None = None,
         include_pull: bool = False,
+        subscribers: int | None = None,
     ) -> None:
         """Block until every push subscriber of ``model_id`` applied ``version`` (or a newer one).
 
-        Subscribers whose actor died are dropped, not waited for. Pull-mode
+        It waits for the subscribers registered with the hub: an actor registers once its
+        ``__init__`` returned, so right after ``Collector.remote()`` there may be none yet.
+        Pass ``subscribers=n`` to wait until at least ``n`` have registered too (and hold
+        the version). Subscribers whose actor died are dropped, not waited for. Pull-mode
         subscribers change version only when they call ``raysync_sync()``, so
         they are waited for only with ``include_pull=True``. After a hub restart
         the subscribers it knew are waited for until they check in again, and
@@ -443,9 +447,12 @@ class HubClient:
             model_id: the model.
             timeout: seconds (``None``: no limit).
             include_pull: also wait for pull-mode subscribers.
+            subscribers: also wait until at least this many subscribers of ``model_id``
+                (counted as above) registered, e.g. the actors just created.
 
         Raises:
-            SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards.
+            SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards
+                (or says how many of ``subscribers`` registered).
             ApplyError: some subscriber failed to apply it (it keeps its previous version).
             StaleWriterError, WeightMismatchError: the hub refused a push of this client
                 that did not wait for its answer (see :meth:`push`).
@@ -454,12 +461,26 @@ class HubClient:
 
         Example:
             >>> hub.wait(hub.push(model), timeout=30)
+            >>> hub.wait(v, timeout=30, subscribers=8)       # the 8 collectors just created
             >>> hub.wait(v, timeout=30, include_pull=True)   # evaluators that pull too
         """
-        self._wait(version, model_id, timeout, include_pull=include_pull, raise_failures=True)
+        if subscribers is not None and (
+            isinstance(subscribers, bool) or not isinstance(subscribers, int) or subscribers < 0
+        ):
+            raise ValueError(f"subscribers must be None or an integer >= 0, got {subscribers!r}")
+        self._wait(
+            version, model_id, timeout, include_pull=include_pull, raise_failures=True, need=subscribers or 0
+        )
 
     def _wait(
-        self, version: int, model_id: str, timeout: float | None, *, include_pull: bool, raise_failures: bool
+        self,
+        version: int,
+        model_id: str,
+        timeout: float | None,
+        *,
+        include_pull: bool,
+        raise_failures: bool,
+        need: int = 0,
     ) -> None:
         _check_model_id(model_id)
         _check_timeout(timeout)
@@ -468,7 +489,7 @@ class HubClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         mine = self._pipeline.last.get(model_id)
         offer = mine is not None and mine.version >= version
-        args = (model_id, version, timeout, include_pull, offer)
+        args = (model_id, version, timeout, include_pull, offer, need)
         # With publishes unanswered (a push just returned), send the wait at once instead of
         # after their answers: the hub keeps a stamped version before its publish awaits
         # anything and starts one caller's calls in order, so the wait finds it (one round
@@ -491,8 +512,8 @@ class HubClient:
             # The hub restarted and lost the version: offer ours again, then wait as usual.
             self._call("restore", model_id, mine.version, mine.manifest, mine.refs, _writer_identity())
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            result = self._call("wait", model_id, version, left, include_pull, False)
-        if result.laggards:
+            result = self._call("wait", model_id, version, left, include_pull, False, need)
+        if result.laggards or (result.registered is not None and result.registered < need):
             rows = [r.row() for r in result.laggards]
             names = ", ".join(
                 f"{r['subscriber']} ({r['actor']}, applied {r['applied']}"
@@ -501,9 +522,14 @@ class HubClient:
                 + ")"
                 for r in rows[:10]
             )
+            short = (
+                f"; only {result.registered} of the {need} subscribers waited for had registered"
+                if result.registered is not None and result.registered < need
+                else ""
+            )
             raise SyncTimeoutError(
                 f"{len(rows)} subscriber(s) of {model_id!r} did not apply version {version} "
-                f"within {timeout} s: {names}",
+                f"within {timeout} s: {names or '-'}{short}",
                 laggards=rows,
             )
         if result.failures and raise_failures:
@@ -528,8 +554,20 @@ class HubClient:
         result: int | None = self._call("latest", model_id)
         return result
 
+    @overload
+    def pull(
+        self, model_id: str = ..., version: int | None = ..., *, state_dict: Literal[False] = ...
+    ) -> TensorDict: ...
+
+    @overload
+    def pull(
+        self, model_id: str = ..., version: int | None = ..., *, state_dict: Literal[True]
+    ) -> dict[str, torch.Tensor]: ...
+
     @_needs_ray
-    def pull(self, model_id: str = "policy", version: int | None = None) -> TensorDict:
+    def pull(
+        self, model_id: str = "policy", version: int | None = None, *, state_dict: bool = False
+    ) -> TensorDict | dict[str, torch.Tensor]:
         """The weights of a kept version (newest by default), as a nested TensorDict.
 
         The tensors are private copies: change them freely. Modules' extra
@@ -537,12 +575,19 @@ class HubClient:
         the version's manifest and subscribers' modules get it
         (``raysync.core.layout.Manifest.extra_states()``).
 
+        Args:
+            model_id: the model.
+            version: a kept version (``None``: the newest).
+            state_dict: return ``{dotted key: tensor}`` as ``module.state_dict()`` has it,
+                for ``model.load_state_dict(...)``, instead of a nested TensorDict.
+
         Raises:
             UnknownModelError: nothing pushed for ``model_id``, or ``version`` not kept.
 
         Example:
-            >>> td = hub.pull()
-            >>> model.load_state_dict(td.flatten_keys(".").to_dict())
+            >>> model.load_state_dict(hub.pull(state_dict=True))
+            >>> hub.pull()["0", "weight"].shape        # a nested TensorDict
+            torch.Size([16, 8])
         """
         _check_model_id(model_id)
         self._settle(model_id, wait=True, raise_refused=False)
@@ -551,7 +596,7 @@ class HubClient:
         require_ray("pull")
         buckets = ray.get(list(info.refs))
         tensors = {k: t.clone() for k, t in unpack(info.manifest, buckets).items()}
-        return to_tensordict(tensors)
+        return tensors if state_dict else to_tensordict(tensors)
 
     @_needs_ray
     def status(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import logging
 import time
@@ -38,6 +39,7 @@ __all__ = ["HubState", "Model", "Subscriber", "Version", "Waiter"]
 logger = logging.getLogger(__name__)
 
 _FITS_KEPT = 4096  # (layout, schema) pairs remembered as fitting before the memo starts afresh
+_STAMPS_KEPT = 100_000  # published version numbers remembered per model (lag counts versions)
 
 
 @dataclass
@@ -65,6 +67,20 @@ class Model:
     epoch: int = 0  # the lease's fencing epoch: it changes whenever the lease passes to another process
     session: str | None = None  # the process (of the writer) that holds the current epoch
     reserved: int = 0  # every number up to this one was granted or stamped (persisted before use)
+    stamps: list[int] = field(default_factory=list)  # numbers of the versions published (newest kept)
+
+    def published(self, version: int) -> None:
+        """Count a version as published (for lag in versions: numbers skip at a new writer)."""
+        if not self.stamps or version > self.stamps[-1]:
+            self.stamps.append(version)
+        elif version not in self.stamps:
+            bisect.insort(self.stamps, version)
+        if len(self.stamps) > _STAMPS_KEPT:
+            del self.stamps[: len(self.stamps) - _STAMPS_KEPT]
+
+    def versions_after(self, applied: int | None) -> int:
+        """How many published versions are newer than ``applied`` (``None``: it holds none, so all)."""
+        return len(self.stamps) - bisect.bisect_right(self.stamps, applied or 0)
 
     @property
     def issued(self) -> int:
@@ -95,6 +111,7 @@ class Subscriber:
     last_bytes_fetched: int | None = None
     last_prefetched: bool = False
     last_error: str | None = None
+    error_version: int | None = None  # the version last_error is about (None: not about one)
     state: str = "live"  # live | unreachable | restoring | dead
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
@@ -168,6 +185,7 @@ class Waiter:
     version: int
     pending: set[str]
     include_pull: bool = False
+    need: int = 0  # subscribers that must have registered too (``wait(subscribers=n)``)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def counts(self, sub: Subscriber) -> bool:
@@ -211,6 +229,7 @@ class HubState:
         self.groups: dict[str, Group] = {}
         self.waiters: dict[str, set[Waiter]] = {}
         self._fits: set[tuple[str, Any]] = set()  # (layout hash, schema key) found to fit
+        self._misfits: dict[tuple[str, Any], str] = {}  # (layout hash, schema key) -> why it does not
 
     # ------------------------------------------------------------------ subscribers
     def subscribers(self, model_id: str) -> list[Subscriber]:
@@ -231,6 +250,17 @@ class HubState:
         newest = self.newest(reg.model_id)
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return sub, replaced, None
+        why = self.misfit(sub, newest.manifest)
+        if why is not None:  # say, another job's versions under the same model_id: not offered
+            logger.info(
+                "hub %r: %s does not take %r version %d (another layout: %s); it waits for a push that fits",
+                self.name,
+                sub.sub_id,
+                reg.model_id,
+                newest.version,
+                why[:300],
+            )
+            return sub, replaced, None
         sub.sent = newest.version
         return sub, replaced, newest.announce(reg.model_id)
 
@@ -250,6 +280,8 @@ class HubState:
         for waiter in self.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
+            elif waiter.need and waiter.counts(sub) and not waiter.pending:
+                waiter.event.set()  # one more of the subscribers it waits to see: look again
         return old
 
     def remove(self, sub: Subscriber) -> Group | None:
@@ -323,9 +355,10 @@ class HubState:
             sub.last_prefetched = report.prefetched
         if report.error is not None:
             sub.last_error = report.error_text()
+            sub.error_version = report.failed
             sub.failed = max(sub.failed, report.failed or 0)
         elif applied is not None:
-            sub.last_error = None
+            sub.last_error = sub.error_version = None
         if report.receivers is not None:
             sub.receivers = list(report.receivers)
         if sub.state == "unreachable":
@@ -350,7 +383,7 @@ class HubState:
         sub.last_apply_time = now
         sub.last_apply_s, sub.last_pause_s = apply_s, pause_s
         sub.last_buckets_fetched, sub.last_bytes_fetched, sub.last_prefetched = buckets, nbytes, False
-        sub.last_error = None
+        sub.last_error = sub.error_version = None
         if sub.state == "unreachable":
             sub.state = "live"
         self.settle(sub)
@@ -374,6 +407,7 @@ class HubState:
     def delivery_failed(self, sub: Subscriber, version: int, error: BaseException) -> None:
         """Handing ``version`` to ``sub`` raised (not a report of its own): record it as a failure."""
         sub.last_error = f"{type(error).__name__}: {str(error)[:500]}"
+        sub.error_version = version
         sub.failed = max(sub.failed, version)
         self.settle(sub)
 
@@ -395,6 +429,32 @@ class HubState:
     def newest(self, model_id: str) -> Version | None:
         model = self.models.get(model_id)
         return model.newest if model else None
+
+    def misfit(self, sub: Subscriber, manifest: Manifest) -> str | None:
+        """Why a version's layout does not fit ``sub``'s model (``None``: it fits, or nothing to check).
+
+        Remembered per (layout, schema): a hub that kept another job's versions under the same
+        ``model_id`` checks each new subscriber once, not once per delivery.
+        """
+        if sub.schema is None:
+            return None
+        key = (manifest.layout_hash, sub.schema_key)
+        if key in self._fits:
+            return None
+        why = self._misfits.get(key)
+        if why is None:
+            try:
+                validate(manifest, sub.schema)
+            except WeightMismatchError as err:
+                why = str(err)
+            if len(self._fits) + len(self._misfits) > _FITS_KEPT:
+                self._fits.clear()
+                self._misfits.clear()
+            if why is None:
+                self._fits.add(key)
+                return None
+            self._misfits[key] = why
+        return why
 
     def mismatches(
         self, model_id: str, manifest: Manifest
@@ -529,6 +589,7 @@ class HubState:
         v = Version(version, manifest, list(refs), time.time(), pusher)
         model.versions[version] = v
         model.latest = max(model.latest, version)
+        model.published(version)
         model.pushes += 1
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = v.pushed_at
@@ -549,6 +610,7 @@ class HubState:
         model.latest = model.reserved = model.issued + 1
         v = Version(model.latest, manifest, list(refs), time.time(), pusher)
         model.versions[v.version] = v
+        model.published(v.version)
         model.pushes += 1
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = time.time()
@@ -572,6 +634,7 @@ class HubState:
             return False
         model.versions[version] = Version(version, manifest, list(refs), time.time(), pusher)
         model.latest = version
+        model.published(version)
         self.trim(model)
         logger.info("hub %r: %r version %d offered again by its writer", self.name, model_id, version)
         return True
@@ -641,6 +704,8 @@ class HubState:
         newest = self.newest(sub.model_id)
         if sub.state == "dead" or newest is None or newest.version <= max(sub.applied or 0, sub.sent):
             return None
+        if self.misfit(sub, newest.manifest) is not None:
+            return None  # another layout (kept from another job): it waits for one that fits
         return newest
 
     def due_in_group(self, model_id: str, group: Group) -> tuple[Version | None, list[Subscriber]]:
@@ -655,19 +720,28 @@ class HubState:
             and s.handle is not None
             and not s.relay_pending
             and newest.version > max(s.applied or 0, s.sent)
+            and self.misfit(s, newest.manifest) is None
         ]
         return newest, due
 
     # ------------------------------------------------------------------ waits
-    def check_waitable(self, model_id: str, version: int) -> None:
-        """Raise if ``version`` of ``model_id`` was never pushed (a wait for it could only run out)."""
+    def check_waitable(self, model_id: str, version: int, *, granted: bool = True) -> bool:
+        """Raise if ``version`` of ``model_id`` was never pushed (a wait for it could only run out).
+
+        Returns whether it was published. A number granted to the writer but not published
+        yet (its publish is on its way, or was refused) is waitable with ``granted``; the
+        caller gives the publish a moment, then asks again with ``granted=False``.
+        """
         model = self.models.get(model_id)
-        if model is None or version > model.issued:
+        limit = (model.issued if granted else model.latest) if model is not None else 0
+        if model is None or version > limit:
             raise UnknownModelError(
                 f"version {version} of model {model_id!r} was never pushed on hub {self.name!r} "
-                f"(newest: {model.latest if model and model.latest else None}; models here: "
-                f"{sorted(self.models)}); wait for a version push() returned"
+                f"(newest pushed: {model.latest if model and model.latest else None}; models here: "
+                f"{sorted(self.models)}); wait for a version push() returned (a refused push's "
+                "number is never pushed)"
             )
+        return version <= model.latest
 
     def kept_from(self, model_id: str, version: int) -> bool:
         """Whether a version this new or newer is kept."""
@@ -687,6 +761,11 @@ class HubState:
                 continue
             (failures if sub.failed >= version else laggards).append(sub.laggard())
         return laggards, failures
+
+    def counted(self, model_id: str, include_pull: bool = False) -> int:
+        """How many live subscribers of ``model_id`` a wait counts (push and follow; pull too with
+        ``include_pull``)."""
+        return sum(1 for s in self.subscribers(model_id) if include_pull or s.waited_for)
 
     def add_waiter(self, model_id: str, waiter: Waiter) -> None:
         self.waiters.setdefault(model_id, set()).add(waiter)
@@ -719,7 +798,15 @@ class HubState:
             }
         subs = []
         for sub in sorted(self.subs.values(), key=lambda s: (s.model_id, s.sub_id)):
-            latest = self.models[sub.model_id].latest if sub.model_id in self.models else 0
+            held = self.models.get(sub.model_id)
+            latest = held.latest if held is not None else 0
+            # An error about a version older than the newest belongs to a superseded version:
+            # the subscriber moves on with the next one (or its next pull), so status drops it.
+            error = sub.last_error
+            if error is not None and sub.error_version is not None and sub.error_version < latest:
+                error = None
+            newest = held.newest if held is not None else None
+            misfit = None if newest is None or sub.applied is not None else self.misfit(sub, newest.manifest)
             subs.append(
                 {
                     "subscriber": sub.sub_id,
@@ -731,7 +818,8 @@ class HubState:
                     "mode": sub.mode,
                     "apply": sub.info.apply,
                     "applied": sub.applied,
-                    "lag": max(0, latest - (sub.applied or 0)),
+                    # versions published since the one it holds (numbers skip at a new writer)
+                    "lag": held.versions_after(sub.applied) if held is not None else 0,
                     "last_apply_time": sub.last_apply_time,
                     # measured at the same moment as the models' last_push_age_s
                     "last_apply_age_s": None if sub.last_apply_time is None else now - sub.last_apply_time,
@@ -740,8 +828,10 @@ class HubState:
                     "last_buckets_fetched": sub.last_buckets_fetched,
                     "last_bytes_fetched": sub.last_bytes_fetched,
                     "last_prefetched": sub.last_prefetched,
-                    "last_error": sub.last_error,
+                    "last_error": error,
                     "state": sub.state,
+                    # why it holds nothing yet: the newest version has another layout
+                    "waiting_for": None if misfit is None else f"a version that fits ({misfit[:200]})",
                     "receivers": sub.receivers,
                     "placement": sub.info.placement,
                 }

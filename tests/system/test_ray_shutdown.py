@@ -66,3 +66,23 @@ def test_calls_after_ray_shutdown_raise_and_start_no_cluster() -> None:
     for name, (kind, msg) in by_call.items():
         assert kind == "RayNotRunningError", (name, kind, msg)
         assert "Ray is not running" in msg and "ray.init" in msg, (name, msg)
+
+
+def test_connect_says_once_that_it_started_a_local_ray() -> None:
+    script = textwrap.dedent(
+        """
+        import ray, raysync
+        hub = raysync.connect("connect-starts-ray")
+        raysync.connect("connect-starts-ray")  # Ray is up now: nothing more to say
+        try:
+            ray.init()
+        except RuntimeError as err:
+            print("second init:", err)
+        ray.shutdown()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if "started a local Ray" in line]
+    assert len(said) == 1 and "call ray.init(...) before raysync.connect()" in said[0]
+    assert "second init:" in out.stdout  # what the warning warned of

@@ -1,0 +1,119 @@
+"""What a newcomer trips on (issue 27): waits, pulls, never-pushed versions, reused model ids."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+import raysync
+from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests.integration.test_synced import make_collector
+
+
+def _rows(hub: raysync.HubClient) -> list[dict]:
+    return list(hub.status()["subscribers"])
+
+
+def test_wait_counts_the_collectors_just_created(hub: raysync.HubClient, hub_name: str) -> None:
+    """The README's first snippet: 8 collectors created, a push, a wait that covers all 8."""
+    collectors = [make_collector(hub_name).remote() for _ in range(8)]
+    v = hub.push(small_policy(1))
+    hub.wait(v, timeout=120, subscribers=8)
+    rows = _rows(hub)
+    assert len(rows) == 8 and all(r["applied"] == v for r in rows)  # not "0 subscribers: done"
+    for c in collectors:
+        assert ray.get(c.raysync_version.remote()) == v
+    t0 = time.monotonic()
+    with pytest.raises(raysync.SyncTimeoutError, match="only 8 of the 9 subscribers"):
+        hub.wait(v, timeout=2, subscribers=9)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(ValueError, match="subscribers"):
+        hub.wait(v, subscribers=-1)
+
+
+def test_wait_on_a_version_never_pushed_names_it(hub: raysync.HubClient, hub_name: str) -> None:
+    v = hub.push(small_policy(1))
+    t0 = time.monotonic()
+    with pytest.raises(
+        raysync.UnknownModelError, match=f"version {v + 1} of model 'policy' was never pushed"
+    ):
+        hub.wait(v + 1, timeout=60)  # no subscriber: it did not return "done" at once
+    assert time.monotonic() - t0 < 20  # nor wait the whole timeout
+    collector = make_collector(hub_name).remote()
+    hub.wait(v, timeout=60, subscribers=1)
+    with pytest.raises(raysync.UnknownModelError):
+        hub.wait(v + 7, timeout=60)  # with a subscriber: not a SyncTimeoutError after 60 s
+    ray.kill(collector)
+
+
+def test_wait_on_a_refused_push_says_it_was_never_pushed(hub: raysync.HubClient, hub_name: str) -> None:
+    v = hub.push(small_policy(1))
+    collector = make_collector(hub_name).remote()
+    hub.wait(v, timeout=60, subscribers=1)
+    refused = hub.next_version()
+    with pytest.raises(raysync.WeightMismatchError):
+        hub.push(torch.nn.Linear(3, 3))  # fits no subscriber: refused, never published
+    with pytest.raises(raysync.UnknownModelError, match="never pushed"):
+        hub.wait(refused, timeout=30)
+    ray.kill(collector)
+
+
+def test_load_state_dict_of_what_pull_returns(hub: raysync.HubClient) -> None:
+    trained = small_policy(3)
+    hub.push(trained)
+    model = small_policy(0)
+    model.load_state_dict(hub.pull(state_dict=True))
+    assert_same_weights(model.state_dict(), trained.state_dict())
+    nested = hub.pull()
+    assert torch.equal(nested["0", "weight"], trained[0].weight)  # the TensorDict stays the default
+
+
+def test_a_model_id_reused_with_another_layout_is_not_offered(hub: raysync.HubClient, hub_name: str) -> None:
+    """A new job, another architecture, the same model_id: its actors do not try the old job's
+    versions (nor report errors about them), and start with the new job's first push."""
+
+    def other() -> torch.nn.Module:
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Linear(3, 5))
+
+    for seed in (1, 2, 3):  # "the old job"
+        old = hub.push(small_policy(seed))
+    new_actors = [make_collector(hub_name, factory=other).remote() for _ in range(2)]
+    evaluator = make_collector(hub_name, factory=other, mode="pull").remote()
+    ray.get([a.raysync_version.remote() for a in [*new_actors, evaluator]])
+    wait_for_condition(lambda: len(_rows(hub)) == 3, what="the new job's subscribers registered")
+    rows = _rows(hub)
+    assert all(r["applied"] is None and r["last_error"] is None for r in rows), rows
+    assert all("a version that fits" in (r["waiting_for"] or "") for r in rows)
+    assert all(ray.get(a.raysync_version.remote()) is None for a in new_actors)
+    with pytest.raises(Exception, match=r"WeightMismatchError|missing"):  # the evaluator asks: a real error
+        ray.get(evaluator.sync_now.remote())
+    new = hub.push(other())  # "the new job's" first push: it fits them all
+    assert new > old
+    hub.wait(new, timeout=60)
+    for a in new_actors:
+        assert ray.get(a.raysync_version.remote()) == new
+        assert_same_weights(ray.get(a.weights.remote()), other().state_dict())
+    rows = {r["subscriber"]: r for r in _rows(hub)}
+    assert all(r["last_error"] is None for r in rows.values()), rows  # the evaluator's is superseded
+    assert all(r["waiting_for"] is None for r in rows.values())
+
+
+def test_lag_counts_versions_not_numbers(hub: raysync.HubClient, hub_name: str) -> None:
+    """A new writer's numbers start past every number granted before (here +100): lag stays 1."""
+    evaluator = make_collector(hub_name, mode="pull").remote()
+    first = hub.push(small_policy(1))
+    ray.get(evaluator.sync_now.remote())
+    assert ray.get(evaluator.raysync_version.remote()) == first
+
+    @ray.remote(num_cpus=0)
+    def other_writer(name: str) -> int:
+        return raysync.connect(name, takeover=True).push(small_policy(2))
+
+    second = ray.get(other_writer.remote(hub_name))
+    assert second - first >= 100  # another writer: another block of numbers
+    row = _rows(hub)[0]
+    assert row["applied"] == first and row["lag"] == 1
