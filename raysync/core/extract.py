@@ -69,7 +69,7 @@ def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> di
         _flatten_mapping(weights, "", flat, {})
     else:
         raise InvalidWeightsError(
-            f"cannot take weights from a {type(weights).__name__}: pass an nn.Module, "
+            f"cannot take weights from an object of type {type(weights).__name__}: pass an nn.Module, "
             "a TensorDict or a (nested) state dict of tensors"
         )
     if not flat:
@@ -159,7 +159,7 @@ def _module_tensors(
             continue
         if not isinstance(value, torch.Tensor):
             raise InvalidWeightsError(
-                f"{type(module).__name__}.state_dict()[{key!r}] is a {type(value).__name__}, not a "
+                f"{type(module).__name__}.state_dict()[{key!r}] is of type {type(value).__name__}, not a "
                 "tensor: only parameters, buffers and get_extra_state() can be pushed"
             )
         out[key] = value
@@ -214,7 +214,7 @@ def _flatten_mapping(
             _flatten_mapping(value, name + ".", out, extras)
         else:
             raise InvalidWeightsError(
-                f"weight {name!r} is a {type(value).__name__}, not a tensor: "
+                f"weight {name!r} is of type {type(value).__name__}, not a tensor: "
                 "only tensors (or nested dicts of tensors) can be pushed"
             )
 

@@ -7,9 +7,11 @@ tables (``--json`` for the raw ``hub.status()``).
 
 ``raysync bench`` runs the push fan-out scenario (:mod:`raysync.ops.bench.fanout`,
 part of the package: no source checkout needed) on a local Ray of its own,
-with a progress bar; it prints the scenario's table and target checks and
+with a progress bar; it prints the scenario's table and target checks (each
+value beside its floor measured in the same run, and what a miss means) and
 writes a PNG plot of push-to-all-applied time against the number of actors,
-with the copy floor.
+with the copy floor. ``raysync bench --help`` lists every option, the full and
+the quick run, and the exit code.
 
 Installed as the console script ``raysync``; ``python -m raysync`` is the same.
 
@@ -18,7 +20,7 @@ Example:
 
         raysync status                         # RAY_ADDRESS, or the local cluster
         raysync status --address 10.0.0.5:6379 --name my-hub --json
-        raysync bench --quick                  # about a minute; raysync-bench/push_fanout.{json,png}
+        raysync bench --quick                  # under a minute; raysync-bench/push_fanout.{json,png}
         raysync bench --sizes-mib 64 --actors 1 4 --apply view --plot fanout.png
 """
 
@@ -65,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success, 1 when the cluster or hub cannot be found (the message
-        names them) or the benchmark failed its checks, 2 for bad usage.
+        names them), when a benchmark receiver did not end on the version
+        pushed or when ``bench`` cannot plot (before the run), 2 for bad usage.
+        A benchmark's missed targets do not change it.
         ``status`` gives up after ``--timeout`` seconds, connecting included;
         if it is then still connecting, the process exits with code 1 at once
         (:func:`os._exit`) instead of returning: Ray cannot stop a connection
@@ -124,18 +128,48 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench = sub.add_parser(
         "bench",
-        help="run the push fan-out benchmark and plot it",
-        description="Run the push fan-out scenario (raysync.ops.bench.fanout) on a local Ray of its "
-        "own with a progress bar, print its table and target checks and write a PNG plot "
-        "(push-to-all-applied time against the number of actors, with the copy floor). Any other "
-        "option goes to the scenario: --sizes-mib, --actors, --apply, --repeats, --json, ... "
-        "(python -m raysync.ops.bench.fanout --help lists them).",
+        help="run the push fan-out benchmark and plot it (raysync bench --help: every option)",
+        add_help=False,  # its --help lists the scenario's options too (_BenchHelp)
     )
-    bench.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats")
-    bench.add_argument(
-        "--plot", type=Path, default=None, help="PNG to write (default: next to the JSON, .png)"
+    bench.add_argument("-h", "--help", action=_BenchHelp, help="show every option and exit")
+    bench.add_argument("--quick", action="store_true")  # the scenario's --quick, kept here to pass on
+    bench.add_argument("--plot", type=Path, default=None)
+    return parser
+
+
+BENCH_DESCRIPTION = """\
+Run the push fan-out benchmark that ships with raysync on a local Ray cluster of its own
+(never a running one): for each model size, apply mode and number N of receiver actors,
+a fresh hub and N fresh receivers, raysync's pushes timed beside a copy floor measured in
+the same run. A progress bar, then the table, the target checks (what each measures, its
+floor and what a miss means on your machine), the JSON and a PNG plot of push-to-all-applied
+time against N with the floor. Plotting needs matplotlib (pip install "raysync[plot]")."""
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    """``raysync bench``'s whole parser: the scenario's options and ``--plot``."""
+    from raysync.ops.bench import fanout
+
+    parser = fanout.build_parser(prog="raysync bench")
+    parser.description = BENCH_DESCRIPTION
+    parser.epilog = f"{parser.epilog}  raysync bench also exits with 1, before the run, without matplotlib.\n"
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="the PNG to write (default: --json's path, with .png)"
     )
     return parser
+
+
+class _BenchHelp(argparse.Action):
+    """``raysync bench --help``: every option of the scenario, built only when asked (it imports torch)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        _bench_parser().print_help()
+        parser.exit()
 
 
 def _seconds(text: str) -> float:
@@ -265,6 +299,7 @@ def _endpoint(target: str) -> tuple[str, int] | None:
 
 def _unreachable(target: str, why: str) -> str:
     """The one-line message for a cluster this command could not connect to."""
+    why = why.rstrip().rstrip(".")  # Ray's own messages end with one
     return (
         f"no Ray cluster at {target!r}: {why}. Check that a cluster is running there (`ray status "
         f"--address {target}`; start one with `ray start --head`), that --address or RAY_ADDRESS "
@@ -490,7 +525,7 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     from raysync.ops.bench.harness import BenchError, pyplot
 
     argv = [*extra, *(["--quick"] if args.quick else [])]
-    options = fanout.parse_args(argv, prog="raysync bench")
+    options = fanout.parse_args(argv, parser=_bench_parser())
     plot = args.plot or Path(options.json).with_suffix(".png")
     try:
         pyplot()  # before a run of minutes, not after it

@@ -336,6 +336,12 @@ def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> Non
     assert results["meta"]["scenario"] == "raysync.ops.bench.fanout"
     assert "applied_s" in done.stdout and "/3 met" in done.stdout and "plot: " in done.stdout, tail
     assert (tmp_path / "raysync-bench" / "push_fanout.png").read_bytes()[:4] == b"\x89PNG"
+    # the checks explain themselves for this machine and name no file the package does not ship
+    assert "ANCHORS" not in done.stdout and ".md" not in done.stdout, tail
+    said = " ".join(done.stdout.split())
+    assert f"2-core reference machine (this machine: {os.cpu_count()} CPUs)" in said, tail
+    assert "measured floor ratio bound" in said and said.count("A miss: ") == 3, tail
+    assert "the misses are at 1 MiB, below the 256 MiB" in said or "3/3 met" in said, tail
 
 
 def test_installed_as_the_raysync_console_script() -> None:

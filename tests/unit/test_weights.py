@@ -62,9 +62,9 @@ def test_key_order_is_canonical_whatever_the_insertion_order() -> None:
     [
         ({}, "empty"),
         (torch.nn.ReLU(), "empty"),
-        ({"w": torch.ones(1), "n": 3}, "'n' is a int"),
+        ({"w": torch.ones(1), "n": 3}, "'n' is of type int"),
         ({"w": [torch.ones(1)]}, "not a tensor"),
-        ([torch.ones(1)], "cannot take weights from a list"),
+        ([torch.ones(1)], "cannot take weights from an object of type list"),
     ],
 )
 def test_bad_weights_get_a_clear_error(weights: object, needle: str) -> None:

@@ -40,11 +40,11 @@ written into the pushed weights are checked after the last push.
 (:mod:`raysync.ops.bench.scheme_rows`), ``--adapters`` the adapter rows
 (:mod:`raysync.ops.bench.adapter_rows`).
 
-Run (a full run takes several minutes and needs about 16 GiB of RAM at its peak)::
+Run (a full run takes about 5 minutes on 2 cores and needs about 16 GiB of RAM at its peak)::
 
     raysync bench --quick                                 # with a progress bar and a PNG plot
     python -m raysync.ops.bench.fanout                    # 256 MiB and 1 GiB, N = 1 2 4 8
-    python -m raysync.ops.bench.fanout --quick            # 16 MiB, N = 1 2, 2 repeats (about a minute)
+    python -m raysync.ops.bench.fanout --quick            # 16 MiB, N = 1 2, 2 repeats (under a minute)
     python -m raysync.ops.bench.fanout --sizes-mib 64 --actors 1 4 --apply view --repeats 3
 
 (``benchmarks/push_fanout.py`` in a source checkout is the same command.)
@@ -83,6 +83,7 @@ __all__ = [
     "QUICK",
     "Receiver",
     "SnapshotLogCapture",
+    "build_parser",
     "main",
     "measure_raysync",
     "parse_args",
@@ -324,32 +325,44 @@ def measure_raysync(
 # ---------------------------------------------------------------------- command line
 
 
-def parse_args(
-    argv: Sequence[str] | None = None,
-    *,
-    results_dir: str | os.PathLike[str] | None = None,
-    prog: str | None = None,
-) -> argparse.Namespace:
-    """The scenario's options (``--help`` lists them), with ``--quick`` and the defaults applied.
+_LATER = {
+    "sizes_mib": "model sizes in MiB (default: 256 1024; --quick: 16)",
+    "actors": "receiver counts N (default: 1 2 4 8; --quick: 1 2)",
+    "repeats": "timed repeats per configuration, medians reported (default: 5; --quick: 2)",
+    "warmup": "untimed pushes per configuration, first (default: --keep + 2)",
+    "object_store_mib": "object store size in MiB (default: the larger of 1024 and "
+    "(--keep + 2) x the largest --sizes-mib)",
+}
+"""The help of the options whose default is set after parsing (by --quick, or from other options)."""
+
+
+def build_parser(
+    *, results_dir: str | os.PathLike[str] | None = None, prog: str | None = None
+) -> argparse.ArgumentParser:
+    """The scenario's parser: every option with its default, the runs, output and exit code in the epilog.
 
     Args:
-        argv: the arguments (default: ``sys.argv[1:]``).
         results_dir: the default ``--json``'s folder (default: ``raysync-bench``).
         prog: the program name in usage and errors.
 
     Example:
-        >>> a = parse_args(["--quick", "--sizes-mib", "4"])
-        >>> a.sizes_mib, a.actors, a.repeats, a.warmup
-        ([4], [1, 2], 2, 4)
+        >>> "--quick" in build_parser(prog="raysync bench").format_help()
+        True
     """
     p = argparse.ArgumentParser(
         prog=prog,
         description=(__doc__ or "").split("\n\n")[0],
-        epilog="Defaults: --sizes-mib 256 1024 --actors 1 2 4 8 --repeats 5. --quick: "
-        "--sizes-mib 16 --actors 1 2 --repeats 2; options given explicitly win over --quick.",
+        epilog=fanout_report.RUNS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     harness.add_options(p, sizes_mib=None, actors=None)
-    p.add_argument("--apply", nargs="+", choices=["copy", "view"], default=["copy", "view"])
+    p.add_argument(
+        "--apply",
+        nargs="+",
+        choices=["copy", "view"],
+        default=["copy", "view"],
+        help="the receivers' apply modes (default: copy view)",
+    )
     harness.add_options(p, repeats=None, warmup=None, tensors=16)
     p.add_argument("--keep", type=int, default=2, help="versions the hub keeps (default: 2)")
     harness.add_options(p, timeout=300.0)
@@ -364,7 +377,7 @@ def parse_args(
         choices=["shared", "private"],
         default="shared",
         help="floor receivers copy from one shared /dev/shm source or each from its own buffer "
-        "(private: 2x the model per actor, too much for 1 GiB x 8 on 24 GiB)",
+        "(private: 2x the model per actor, too much for 1 GiB x 8 on 24 GiB; default: shared)",
     )
     harness.add_options(p, object_store_mib=None)
     p.add_argument(
@@ -385,7 +398,36 @@ def parse_args(
         "actors fetching on their own, at the largest N",
     )
     harness.add_options(p, json=harness.results_path("push_fanout.json", results_dir), verbose=True)
-    p.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats (under a minute)"
+    )
+    for action in p._actions:  # the options whose default depends on others: their help says how
+        action.help = _LATER.get(action.dest, action.help)
+    return p
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    *,
+    results_dir: str | os.PathLike[str] | None = None,
+    prog: str | None = None,
+    parser: argparse.ArgumentParser | None = None,
+) -> argparse.Namespace:
+    """The scenario's options (``--help`` lists them), with ``--quick`` and the defaults applied.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        results_dir: the default ``--json``'s folder (default: ``raysync-bench``).
+        prog: the program name in usage and errors.
+        parser: the parser to use instead of :func:`build_parser`'s (one with more options:
+            ``raysync bench`` adds ``--plot``).
+
+    Example:
+        >>> a = parse_args(["--quick", "--sizes-mib", "4"])
+        >>> a.sizes_mib, a.actors, a.repeats, a.warmup
+        ([4], [1, 2], 2, 4)
+    """
+    p = parser or build_parser(results_dir=results_dir, prog=prog)
     args = p.parse_args(argv)
     for key, value in FULL.items():
         if getattr(args, key) is None:
@@ -442,7 +484,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
     print()
     if rows:
         fanout_report.print_table(rows)
-        fanout_report.print_checks(checks)
+        fanout_report.print_checks(checks, cpus=os.cpu_count())
     if scheme_rows:
         schemes.print_scheme_table(scheme_rows)
         schemes.print_scheme_checks(scheme_targets)

@@ -119,10 +119,10 @@ class TorchRLReceiver:
         return float(next(iter(self.policy.parameters()))[0])
 
 
-
 def _row(path: str, times: list[float], connect_s: float, verified: bool | None) -> dict[str, Any]:
     """One scheme row: the median send, the connect time, whether every receiver held the last marker."""
     return {"path": path, "send_s": statistics.median(times), "connect_s": connect_s, "verified": verified}
+
 
 def _timed(send: Any, mark: Any, repeats: int, warmup: int) -> tuple[list[float], list[float]]:
     times = []
@@ -268,7 +268,7 @@ def measure_raysync_hub(
 
 
 FLOOR_PATH = "copy floor (snapshot + N copy_, no Ray)"
-TARGETS = {"copy": 3.0, "view": 5.0}  # ANCHORS.md: x torchrl RayWeightSyncScheme at N = 8
+TARGETS = {"copy": 3.0, "view": 5.0}  # the project's: x torchrl RayWeightSyncScheme at N = 8
 
 
 def measure_scheme_rows(
@@ -522,7 +522,12 @@ def print_scheme_checks(checks: list[dict[str, Any]]) -> None:
     """
     if not checks:
         return
-    print("\nTargets (ANCHORS.md): x torchrl RayWeightSyncScheme, 3x with apply=copy, 5x with apply=view:")
+    print(
+        "\nTargets: raysync 3x (apply=copy) and 5x (apply=view) faster than torchrl's RayWeightSyncScheme,"
+        "\nthe project's goals at N = 8 on its 2-core reference machine. Each copy line shows the copy "
+        "floor\nmeasured in this run, which no copy path can beat: on your machine, compare with it. A "
+        "MISS does\nnot change the exit code:"
+    )
     for c in checks:
         floor = ""
         if c["floor_s"] is not None:

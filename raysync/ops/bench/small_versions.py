@@ -386,7 +386,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{ms('bare_put_s'):>7} {ms('put_and_call_s'):>11} {ms('apply_s'):>8} "
             f"{ms('noop_calls_s'):>16}  {r.get('verified', '-')}"
         )
-    print("\nTargets (issue 17):")
+    print(
+        "\nTargets (the project's, set on its 2-core reference machine; a MISS does not change the "
+        "exit code):"
+    )
     for c in targets(rows):
         print(
             f"  {'met ' if c['met'] else 'MISS'}  {c['size']:>8}  {c['what']}: "
