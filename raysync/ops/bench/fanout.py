@@ -355,7 +355,7 @@ def build_parser(
         epilog=fanout_report.RUNS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    harness.add_options(p, sizes_mib=None, actors=None)
+    harness.add_options(p, helps=_LATER, sizes_mib=None, actors=None)
     p.add_argument(
         "--apply",
         nargs="+",
@@ -363,7 +363,7 @@ def build_parser(
         default=["copy", "view"],
         help="the receivers' apply modes (default: copy view)",
     )
-    harness.add_options(p, repeats=None, warmup=None, tensors=16)
+    harness.add_options(p, helps=_LATER, repeats=None, warmup=None, tensors=16)
     p.add_argument("--keep", type=int, default=2, help="versions the hub keeps (default: 2)")
     harness.add_options(p, timeout=300.0)
     p.add_argument(
@@ -379,7 +379,7 @@ def build_parser(
         help="floor receivers copy from one shared /dev/shm source or each from its own buffer "
         "(private: 2x the model per actor, too much for 1 GiB x 8 on 24 GiB; default: shared)",
     )
-    harness.add_options(p, object_store_mib=None)
+    harness.add_options(p, helps=_LATER, object_store_mib=None)
     p.add_argument(
         "--no-prefault",
         action="store_true",
@@ -401,8 +401,6 @@ def build_parser(
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats (under a minute)"
     )
-    for action in p._actions:  # the options whose default depends on others: their help says how
-        action.help = _LATER.get(action.dest, action.help)
     return p
 
 

@@ -564,7 +564,11 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any], str]] = {
 
 
 def add_options(
-    parser: argparse.ArgumentParser, *, verbose: bool = False, **defaults: Any
+    parser: argparse.ArgumentParser,
+    *,
+    verbose: bool = False,
+    helps: dict[str, str] | None = None,
+    **defaults: Any,
 ) -> argparse.ArgumentParser:
     """Add the options benchmarks share, each one named in ``defaults``, with that default.
 
@@ -573,7 +577,7 @@ def add_options(
     ones first), ``tensors`` (equal fp32 tensors per model), ``timeout`` (seconds
     for any one wait), ``object_store_mib``, ``json`` (results) and ``png``
     (plot); ``verbose=True`` adds ``--verbose``. A default of None means "the
-    scenario decides" (say, after ``--quick``).
+    scenario decides" (say, after ``--quick``); ``helps`` replaces an option's help.
 
     Raises:
         TypeError: a name that is not one of these.
@@ -588,7 +592,8 @@ def add_options(
         raise TypeError(f"add_options() got unknown options {unknown}; known: {sorted(_OPTIONS)}")
     for name, default in defaults.items():
         flag, kwargs, text = _OPTIONS[name]
-        parser.add_argument(flag, default=default, help=_default(text, default), **kwargs)
+        text = (helps or {}).get(name) or _default(text, default)
+        parser.add_argument(flag, default=default, help=text, **kwargs)
     if verbose:
         parser.add_argument("--verbose", action="store_true", help="debug logging, Ray worker logs shown")
     return parser
