@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from raysync.core.layout import Manifest, TensorEntry
 from raysync.errors import (
+    AmbiguousModelError,
     ApplyError,
     ChecksumError,
     InvalidWeightsError,
@@ -66,6 +67,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmbiguousModelError",
     "ApplyError",
     "ChecksumError",
     "Follower",

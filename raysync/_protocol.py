@@ -223,6 +223,11 @@ class ApplyReport:
         bytes_fetched: bytes it fetched.
         prefetched: applied by swapping in a prefetched copy.
         receivers: an adapter's receivers, one row each.
+        modified_since: the version it holds, if its own code changed those weights in
+            place since it applied them (a module in training mode updating running
+            statistics, an optimizer step); ``None``: held as applied (or not said).
+            Sent alone (``applied`` None) by the heartbeat that first sees a change;
+            only an apply of a newer version clears it on the hub.
     """
 
     applied: int | None = None
@@ -239,6 +244,7 @@ class ApplyReport:
     bytes_fetched: int | None = None
     prefetched: bool = False
     receivers: tuple[dict[str, Any], ...] | None = None
+    modified_since: int | None = None
 
     def holds(self, version: int) -> bool:
         """Whether the subscriber holds ``version`` or a newer one."""
@@ -481,6 +487,7 @@ def compact(
             and r.lost is None
             and r.receivers is None
             and not r.prefetched
+            and r.modified_since is None
         )
         if plain:
             assert r is not None

@@ -8,6 +8,7 @@ a caller would already catch for that kind of failure::
     ├── WeightMismatchError     (ValueError)     keys / shapes / dtypes do not match the model
     ├── InvalidWeightsError     (TypeError)      not weights at all: empty, non-tensor leaves
     ├── UnknownModelError       (KeyError)       no version was ever pushed for that model_id
+    ├── AmbiguousModelError     (ValueError)     which model? the actor syncs several; pass model_id
     ├── ChecksumError           (ValueError)     a bucket's bytes do not match its checksum
     ├── ApplyError              (RuntimeError)   a subscriber failed to apply a version
     ├── StaleWriterError        (PermissionError) another live process holds the model's writer lease
@@ -110,6 +111,23 @@ class UnknownModelError(RaySyncError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; we want it plain.
         return str(self.args[0]) if self.args else ""
+
+
+class AmbiguousModelError(RaySyncError, ValueError):
+    """A call that names no ``model_id`` on an actor that syncs several models.
+
+    Attributes:
+        models: the model ids the actor syncs.
+
+    Example:
+        >>> self.raysync_version()  # doctest: +SKIP
+        raysync.AmbiguousModelError: ActorCritic syncs 2 models (['actor', 'critic']): say which,
+        e.g. self.raysync_version(model_id='actor')
+    """
+
+    def __init__(self, message: str, models: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.models = list(models or [])
 
 
 class ChecksumError(RaySyncError, ValueError):

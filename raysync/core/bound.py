@@ -9,12 +9,13 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from raysync._compat import version_counters
 from raysync.core import codec
 from raysync.core.codec import unpack
 from raysync.core.extract import module_schema
@@ -83,6 +84,11 @@ class BoundModel:
         self._held: Any = None  # view mode: the buffers the parameters point into
         self._flat: list[torch.Tensor] = []
         self._expected: list[tuple[dict[str, Any], str, int]] = []
+        self._tensors: list[torch.Tensor] = []  # per _expected entry: the tensor bound
+        self._bucket_of: list[int] = []  # per _expected tensor: its bucket
+        self._owner_of: list[int] = []  # per _expected tensor: its submodule (an index into _owner_buckets)
+        self._owner_buckets: list[set[int]] = []  # per submodule: the buckets of its own tensors
+        self._clean: list[int] = []  # per _expected tensor: its version counter when last applied
         self.ids: list[str | None] = [None] * manifest.num_buckets  # what the live buffers hold
         self._spare: list[torch.Tensor] = []
         self.spare_ids: list[str | None] = [None] * manifest.num_buckets
@@ -117,14 +123,73 @@ class BoundModel:
         return all(children.get(name) is child for children, name, child in self._tree)
 
     def _expect(self) -> None:
-        """Remember what each parameter and buffer points at now (see :meth:`intact`)."""
+        """Remember what each parameter and buffer points at now (see :meth:`intact`), all as applied."""
+        bucket = {e.key: e.bucket for e in self.manifest.entries}
+        owners: dict[int, int] = {}
         with torch._C.DisableTorchFunctionSubclass():
-            self._expected = []
-            for owner, name, is_param in self._slots.values():
+            self._expected, self._tensors, self._bucket_of, self._owner_of = [], [], [], []
+            self._owner_buckets = []
+            for key, (owner, name, is_param) in self._slots.items():
                 slots = owner._parameters if is_param else owner._buffers
                 t = slots[name]
                 assert t is not None
                 self._expected.append((slots, name, t.data_ptr()))
+                self._tensors.append(t)
+                self._bucket_of.append(bucket[key])
+                index = owners.setdefault(id(owner), len(owners))
+                if index == len(self._owner_buckets):
+                    self._owner_buckets.append(set())
+                self._owner_buckets[index].add(bucket[key])
+                self._owner_of.append(index)
+        self.mark_clean()
+
+    def _counters(self) -> list[int]:
+        """The version counter of each tensor bound (a re-pointed one is :meth:`intact`'s to find)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return version_counters(self._tensors)
+
+    def mark_clean(self, buckets: Iterable[int] | None = None) -> None:
+        """Take what the tensors of ``buckets`` (default: all) hold now as the applied version's.
+
+        :meth:`written` compares against this. Called after each apply: raysync's own
+        ``copy_`` counts as an in-place write too.
+        """
+        now = self._counters()
+        if buckets is None or len(self._clean) != len(now):
+            self._clean = now
+            return
+        chosen = set(buckets)
+        self._clean = [
+            n if b in chosen else c for n, c, b in zip(now, self._clean, self._bucket_of, strict=True)
+        ]
+
+    def written(self) -> list[int]:
+        """Buckets to take again because a tensor was changed in place since it was applied (sorted).
+
+        A submodule with one tensor changed counts as changed whole: the buckets of
+        all its own parameters and buffers are returned. Exact for every in-place
+        write through the module's tensors (``add_``, ``copy_``, optimizer steps,
+        ``num_batches_tracked += 1``, indexed assignment), under ``no_grad`` and
+        ``inference_mode`` too; one integer read per tensor (torch's version
+        counters, see :mod:`raysync._compat`). Not seen: writes through
+        ``tensor.data`` or raw memory (numpy views), and writes by kernels that do
+        not declare them, unless their submodule changes another tensor too: batch
+        norm's update of ``running_mean`` and ``running_var`` in training mode is
+        seen through its ``num_batches_tracked += 1``.
+
+        Example:
+            >>> with torch.no_grad():
+            ...     model.weight.add_(1)
+            >>> bound.written()
+            [0]
+        """
+        now = self._counters()
+        if now == self._clean:
+            return []
+        if len(now) != len(self._clean):
+            return sorted(set(self._bucket_of))
+        owners = {o for n, c, o in zip(now, self._clean, self._owner_of, strict=True) if n != c}
+        return sorted({b for o in owners for b in self._owner_buckets[o]})
 
     def _point_at(self, flat: list[torch.Tensor]) -> None:
         for key, target in codec.views(self.manifest, flat).items():
@@ -140,12 +205,17 @@ class BoundModel:
                 owner._buffers[name] = target
         self._expect()
 
-    def needed(self, ids: Sequence[str | None], *, staging: bool = False) -> list[int]:
-        """Indices of the buckets whose bytes differ from those held (live or spare set)."""
+    def needed(self, ids: Sequence[str | None], *, staging: bool = False, written: bool = True) -> list[int]:
+        """Indices of the buckets whose bytes differ from those held (live or spare set).
+
+        With ``written`` (the default), live buckets changed in place since they were
+        applied (:meth:`written`) are needed too, whatever their ids.
+        """
         if self.view:
             return list(range(self.manifest.num_buckets))
         held = self.spare_ids if staging else self.ids
-        return [b for b, i in enumerate(ids) if i is None or held[b] != i]
+        changed = set(self.written()) if written and not staging else set()
+        return [b for b, i in enumerate(ids) if i is None or held[b] != i or b in changed]
 
     def apply(
         self,
@@ -193,6 +263,7 @@ class BoundModel:
         self._copy_into(self._flat, by_index)
         for b in by_index:
             self.ids[b] = ids[b]
+        self.mark_clean(by_index)
 
     def stage(
         self,
@@ -274,6 +345,8 @@ class BoundModel:
         """Make the staged version current: set its extra state, re-point every parameter, no copy."""
         _set_extra_state(self._spare_extra)
         self._spare_extra = []
+        for b in self.written():  # the live set becomes the spare one: it no longer holds those ids
+            self.ids[b] = None
         self._point_at(self._spare)
         self._flat, self._spare = self._spare, self._flat
         self.ids, self.spare_ids = self.spare_ids, self.ids
@@ -289,6 +362,7 @@ class BoundModel:
             for live, src in zip(self._flat, flats, strict=True):
                 live.copy_(src)
         self.ids = [None] * self.manifest.num_buckets
+        self.mark_clean()
 
 
 def _extra_targets(

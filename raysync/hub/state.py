@@ -112,6 +112,7 @@ class Subscriber:
     last_prefetched: bool = False
     last_error: str | None = None
     error_version: int | None = None  # the version last_error is about (None: not about one)
+    modified_since: int | None = None  # the version it holds, if its own code changed it in place since
     state: str = "live"  # live | unreachable | restoring | dead
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
@@ -334,7 +335,7 @@ class HubState:
         if report.lost is not None:
             self.forget_version(sub.model_id, report.lost, f"subscriber {sub.sub_id} could not fetch it")
         if report.reset:
-            sub.applied, sub.sent, sub.failed = None, 0, 0
+            sub.applied, sub.sent, sub.failed, sub.modified_since = None, 0, 0, None
             sub.last_error = report.error_text()
             return
         applied = report.applied
@@ -344,6 +345,11 @@ class HubState:
         newer = applied is not None and (sub.applied is None or applied > sub.applied)
         if newer:
             sub.applied = applied
+        # Only an apply of a newer version clears it; a report of an older held version is stale.
+        if report.modified_since is not None and report.modified_since == sub.applied:
+            sub.modified_since = report.modified_since
+        elif newer:
+            sub.modified_since = None
         # A report of an apply describes it (a skipped or deferred one does not): the report
         # of a prefetched swap may arrive after the delivery's reply for the same version.
         if report.describes_apply() and (newer or applied == sub.applied):
@@ -379,6 +385,8 @@ class HubState:
         sub.last_seen = time.monotonic()
         if (sub.applied is not None and version < sub.applied) or not self.believable(sub, version):
             return
+        if version != sub.applied:
+            sub.modified_since = None
         sub.applied = version
         sub.last_apply_time = now
         sub.last_apply_s, sub.last_pause_s = apply_s, pause_s
@@ -818,6 +826,7 @@ class HubState:
                     "mode": sub.mode,
                     "apply": sub.info.apply,
                     "applied": sub.applied,
+                    "modified_since": sub.modified_since,  # its own code changed `applied` in place
                     # versions published since the one it holds (numbers skip at a new writer)
                     "lag": held.versions_after(sub.applied) if held is not None else 0,
                     "last_apply_time": sub.last_apply_time,

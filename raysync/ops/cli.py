@@ -447,7 +447,7 @@ def render_status(
             cell(s.get("class_name") or "-"),
             cell(str(s.get("node_id") or "-")[:8]),
             cell(f"{s.get('mode')}/{s.get('apply') or 'copy'}"),
-            _fmt(s.get("applied")),
+            _applied(s),
             cell(_fmt(lag), "yellow" if lag else ""),
             cell(state, "" if state == "live" else "red"),
             "-" if s.get("last_apply_s") is None else f"{s['last_apply_s'] * 1e3:.1f} ms",
@@ -457,6 +457,16 @@ def render_status(
     if not status.get("subscribers"):
         subs.add_row("-", "(none)", *["-"] * 9)
     console.print(subs)
+    modified = [s for s in status.get("subscribers", []) if s.get("modified_since") is not None]
+    if modified:
+        console.print(Text("modified locally (* above)", style="bold"))
+        for s in modified:
+            console.print(
+                f"  {s.get('subscriber')} ({s.get('model_id')}): its own code changed version "
+                f"{s['modified_since']} in place since applying it (a module in training mode? call "
+                ".eval() on rollout actors); the next version applied clears it",
+                markup=False,
+            )
     errors = [s for s in status.get("subscribers", []) if s.get("last_error")]
     if errors:
         console.print(Text("last errors", style="bold"))
@@ -466,6 +476,15 @@ def render_status(
 
 def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
+
+
+def _applied(row: Mapping[str, Any]) -> Any:
+    """A subscriber's applied version; ``3*`` when its own code changed 3 in place since (modified)."""
+    from rich.text import Text
+
+    if row.get("modified_since") is None:
+        return _fmt(row.get("applied"))
+    return Text(f"{row.get('applied')}*", style="yellow")
 
 
 def _mib(nbytes: Any) -> str:

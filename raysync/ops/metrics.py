@@ -22,6 +22,10 @@ metric                               kind      what it measures
 ``raysync_subscribers``              gauge     subscribers per ``state`` (``live``,
                                                ``unreachable``, ``failing``: live, but its
                                                last apply failed). Hub
+``raysync_modified_subscribers``     gauge     subscribers whose weights their own code
+                                               changed in place since the version they
+                                               applied (``raysync_modified_since()``: a
+                                               module left in training mode). Hub
 ==================================== ========= ===========================================
 
 Ray adds its own ``ray_`` prefix where it exports them to Prometheus, and
@@ -78,6 +82,7 @@ DURATION_BOUNDARIES = [
 METRIC_NAMES = (
     "raysync_apply_duration_seconds",
     "raysync_latest_version",
+    "raysync_modified_subscribers",
     "raysync_push_bytes_total",
     "raysync_push_duration_seconds",
     "raysync_pushes_total",
@@ -111,6 +116,7 @@ class _Metrics:
     latest_version: Any
     subscriber_lag: Any
     subscribers: Any
+    modified: Any
 
 
 _lock = threading.Lock()
@@ -160,6 +166,11 @@ def _get() -> _Metrics | None:
                         "raysync_subscribers",
                         description="subscribers per state (live, unreachable, failing)",
                         tag_keys=(*model, "state"),
+                    ),
+                    modified=Gauge(
+                        "raysync_modified_subscribers",
+                        description="subscribers whose weights changed in place since the version applied",
+                        tag_keys=model,
                     ),
                 )
             except Exception as err:  # metrics are an aid: never let them break a push
@@ -282,6 +293,7 @@ class HubGauges:
 
     def _set(self, m: _Metrics, models: Mapping[str, Any], subs: Iterable[Any]) -> None:
         counts: dict[str, dict[str, int]] = {}
+        modified: dict[str, int] = {}
         lagging: dict[tuple[str, str, str], dict[str, str]] = {}
         for model_id, model in models.items():
             m.latest_version.set(float(model.latest or 0), tags={"hub": self.hub, "model_id": model_id})
@@ -294,6 +306,8 @@ class HubGauges:
             state = "failing" if sub.state == "live" and sub.last_error else sub.state
             per_model = counts.setdefault(sub.model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
             per_model[state] = per_model.get(state, 0) + 1
+            if sub.modified_since is not None:
+                modified[sub.model_id] = modified.get(sub.model_id, 0) + 1
             tags = {
                 "hub": self.hub,
                 "model_id": sub.model_id,
@@ -310,3 +324,4 @@ class HubGauges:
         for model_id in self._models_seen:
             for state, count in counts.get(model_id, dict.fromkeys(SUBSCRIBER_STATES, 0)).items():
                 m.subscribers.set(float(count), tags={"hub": self.hub, "model_id": model_id, "state": state})
+            m.modified.set(float(modified.get(model_id, 0)), tags={"hub": self.hub, "model_id": model_id})

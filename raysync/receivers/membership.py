@@ -30,7 +30,12 @@ logger = logging.getLogger(__name__)
 
 
 class Member(Protocol):
-    """Something that subscribes to a hub (a subscription, an adapter)."""
+    """Something that subscribes to a hub (a subscription, an adapter).
+
+    A member may also define ``heartbeat_report() -> ApplyReport | None``: asked at
+    each heartbeat, what it returns is reported to the hub (``@synced_model``
+    subscriptions tell that their weights were changed in place, once per change).
+    """
 
     @property
     def sub_id(self) -> str: ...
@@ -157,6 +162,14 @@ class Membership:
                 member.start_from(self.call(member, proto.REGISTER, member.registration()))
             except Exception as err:
                 logger.warning("%s could not register again: %s", member.sub_id, err)
+        for member in members:
+            tell = getattr(member, "heartbeat_report", None)
+            try:
+                report = tell() if tell is not None else None
+                if report is not None:
+                    self.report(member, report)
+            except Exception as err:  # never let one member stop the heartbeat
+                logger.warning("%s could not tell the hub of local changes: %s", member.sub_id, err)
 
 
 _MEMBERSHIP: Membership | None = None

@@ -28,6 +28,7 @@ from raysync.core.codec import require_checksums, verify_checksums
 from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest, validate
 from raysync.errors import ApplyError, RaySyncError, UnknownModelError
+from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
 from raysync.receivers.pull import PullSync
 from raysync.transports.doorbell import Segment, doorbell
@@ -61,13 +62,14 @@ class SyncSpec:
     verify: bool
     fetch_timeout: float
     prefetch: bool = False
+    allow_train_mode: bool = False
 
 
 _Fetched = tuple[int, Manifest, list[ray.ObjectRef], dict[int, Any], list[int], float]
 """A fetched version waiting for its apply: version, manifest, refs, buckets, their indices, start time."""
 
 
-class _Subscription(PullSync):
+class _Subscription(PullSync, LocalChanges):
     """One (actor, model_id): the version held, the binding of the module to a layout."""
 
     def __init__(self, sync: _ActorSync, spec: SyncSpec) -> None:
@@ -114,6 +116,7 @@ class _Subscription(PullSync):
         """Register with the hub (waiting while it restarts) and apply its newest version."""
         actor_id = ctx.get_actor_id()
         self.sub_id = f"{actor_id}:{self.spec.model_id}"
+        self.warn_train_mode(type(self.sync.owner).__name__, self.module())
         self.actor_handle = ctx.current_actor
         self._info = SubscriberInfo(
             mode=self.spec.mode,
@@ -169,6 +172,7 @@ class _Subscription(PullSync):
 
     def registration(self) -> Registration:
         assert self._info is not None
+        self._told_modified = None  # a hub that (re-)registers it knows nothing of local changes
         schema = module_schema(self.module())
         bell = doorbell() if self._info.doorbell else None
         return Registration(
@@ -267,7 +271,7 @@ class _Subscription(PullSync):
             if bound is None:
                 bound = BoundModel(self.module(), manifest, view=self.spec.apply == "view")
                 self.bound = bound
-            missing = [b for b in bound.needed(ids) if b not in fetched]
+            missing = [b for b in bound.needed(ids, written=False) if b not in fetched]
             if missing:
                 raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
             bound.apply(fetched, ids, extra_state=manifest.extra_state)
@@ -363,9 +367,7 @@ class _Subscription(PullSync):
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(
-            version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
-        )
+        return self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
 
     def _defer(self, item: _Fetched) -> None:
         """Hand an apply to the applier thread (the newest deferred version wins)."""
@@ -422,9 +424,7 @@ class _Subscription(PullSync):
             del fetched, arrays
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(
-            version, t0, None, pause, len(needed), sum(manifest.bucket_nbytes[b] for b in needed)
-        )
+        return self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
 
     def _receive_nixl(
         self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], t0: float

@@ -33,7 +33,7 @@ import ray
 
 from raysync._checks import check_timeout
 from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
-from raysync.errors import RaySyncError
+from raysync.errors import AmbiguousModelError, RaySyncError
 from raysync.receivers.locks import AsyncRWLock, RWLock
 from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription
 
@@ -46,7 +46,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-_RAYSYNC_METHODS = {"raysync_version", "raysync_sync", "_raysync_notify", "_raysync_ping"}
+_RAYSYNC_METHODS = {
+    "raysync_version",
+    "raysync_modified_since",
+    "raysync_sync",
+    "_raysync_notify",
+    "_raysync_ping",
+}
 
 
 def synced_model(
@@ -60,6 +66,7 @@ def synced_model(
     verify: bool = False,
     fetch_timeout: float = 300.0,
     prefetch: bool = False,
+    allow_train_mode: bool = False,
 ) -> Callable[[type[T]], type[T]]:
     """Keep the ``nn.Module`` in ``self.<attr>`` of an actor in step with the hub.
 
@@ -86,10 +93,19 @@ def synced_model(
             start of a method call, or the hub's delivery) applying is a
             pointer swap. Costs a second copy of the weights; ``apply="copy"``
             and non-async actors only.
+        allow_train_mode: keep the module in training mode knowingly. Without
+            it, a module registered in training mode with running statistics
+            (BatchNorm, InstanceNorm with ``track_running_stats``) gets one
+            warning saying to call ``.eval()`` on rollout actors, and the first
+            change its code makes to the weights in place is logged. Either way
+            such a change is reported (``raysync_modified_since()``).
 
-    The class gains ``raysync_version(model_id=None) -> int | None`` (callable
-    remotely) and ``raysync_sync(timeout=None, model_id=None) -> bool``
-    (``async`` on async actors).
+    The class gains ``raysync_version(model_id=None) -> int | None`` and
+    ``raysync_modified_since(model_id=None) -> int | None`` (callable remotely),
+    and ``raysync_sync(timeout=None, model_id=None) -> bool`` (``async`` on
+    async actors). On a class with several synced models, ``raysync_version``
+    and ``raysync_modified_since`` need ``model_id``
+    (:class:`raysync.AmbiguousModelError` without it).
 
     Example:
         >>> @ray.remote
@@ -113,7 +129,16 @@ def synced_model(
     if prefetch and apply != "copy":
         raise ValueError("prefetch=True needs apply='copy' (with apply='view' there is nothing to copy)")
     spec = SyncSpec(
-        attr, model_id, hub, namespace, mode, apply, bool(verify), float(fetch_timeout), bool(prefetch)
+        attr,
+        model_id,
+        hub,
+        namespace,
+        mode,
+        apply,
+        bool(verify),
+        float(fetch_timeout),
+        bool(prefetch),
+        bool(allow_train_mode),
     )
 
     def decorate(cls: type[T]) -> type[T]:
@@ -141,6 +166,7 @@ def _synced_class(cls: type[T], spec: SyncSpec) -> type[T]:
         "__doc__": cls.__doc__,
         "__init_subclass__": _init_subclass,
         "raysync_version": _raysync_version,
+        "raysync_modified_since": _raysync_modified_since,
         "_raysync_ping": _raysync_ping,
     }
     synced = type(cls.__name__, (cls,), namespace)
@@ -249,13 +275,50 @@ def _raysync_version(self: Any, model_id: str | None = None) -> int | None:
     ``None`` also after user code re-pointed the module's parameters (for example
     ``load_state_dict(..., assign=True)``, ``.double()``): the module then holds
     no version of the hub's, and in push mode the newest one is applied again.
+    If the actor's own code changed the weights in place since the apply (a
+    BatchNorm in training mode, an optimizer step), it still says the version
+    applied, and ``raysync_modified_since()`` says it was changed since.
+
+    Raises:
+        AmbiguousModelError: no ``model_id`` on an actor that syncs several models.
     """
     sync = _ActorSync.of(self)
     if sync is None:
         return None
-    sub = sync.subscription(model_id)
+    sub = sync.subscription(model_id, "raysync_version")
     sub.check_binding()
     return sub.version
+
+
+def _raysync_modified_since(self: Any, model_id: str | None = None) -> int | None:
+    """The version held, if this actor's own code changed its weights in place since it was applied.
+
+    ``None``: the module holds the version ``raysync_version()`` names exactly (or
+    holds none). Otherwise the module is "modified locally since" that version: a
+    module in training mode updated running statistics (BatchNorm's forward), an
+    optimizer step or another in-place write changed a parameter or buffer. The
+    next version applied clears it. Detection is exact for in-place writes through
+    the module's tensors and costs one integer read per tensor; writes through
+    ``tensor.data`` or raw memory (numpy views) are not seen. The hub learns of it
+    within a heartbeat (2 s): ``status()`` shows ``modified_since`` per subscriber.
+
+    Args:
+        model_id: the model (needed on an actor that syncs several).
+
+    Raises:
+        AmbiguousModelError: no ``model_id`` on an actor that syncs several models.
+
+    Example:
+        >>> def rollout(self):
+        ...     out = self.policy(obs)   # a BatchNorm left in training mode changes the weights
+        ...     return out, self.raysync_version(), self.raysync_modified_since()   # (out, 3, 3)
+    """
+    sync = _ActorSync.of(self)
+    if sync is None:
+        return None
+    sub = sync.subscription(model_id, "raysync_modified_since")
+    sub.check_binding()
+    return sub.modified_since()
 
 
 def _raysync_ping(self: Any) -> bool:
@@ -387,8 +450,15 @@ class _ActorSync:
         for sub in sync.subs.values():
             sub.join(ctx)  # registers (waiting while the hub restarts), applies the newest
 
-    def subscription(self, model_id: str | None) -> _Subscription:
+    def subscription(self, model_id: str | None, method: str = "raysync_version") -> _Subscription:
         if model_id is None:
+            if len(self.subs) > 1:
+                models = sorted(self.subs)
+                raise AmbiguousModelError(
+                    f"{type(self.owner).__name__} syncs {len(models)} models ({models}): say which, "
+                    f"e.g. self.{method}(model_id={models[0]!r})",
+                    models=models,
+                )
             return next(iter(self.subs.values()))
         try:
             return self.subs[model_id]

@@ -70,3 +70,15 @@ def test_ids_are_never_cut_and_ages_come_from_the_hub() -> None:
     text = out.getvalue()
     assert long_id in _column(text, "subscribers", 1)  # wrapped if need be, never cut with an ellipsis
     assert "2.5 s ago" in _column(text, "subscribers", 9)  # the hub's own age, measured with the push's
+
+
+def test_a_subscriber_modified_locally_is_marked_and_explained() -> None:
+    out = io.StringIO()
+    cli.render_status(_status(["policy"], modified_since=3, last_error=None), file=out)
+    text = out.getvalue()
+    assert "3*" in _column(text, "subscribers", 5)
+    words = " ".join(text.split())  # however the terminal wrapped it
+    assert "modified locally" in words and "changed version 3 in place" in words and ".eval()" in words
+    plain = io.StringIO()
+    cli.render_status(_status(["policy"], modified_since=None, last_error=None), file=plain)
+    assert "3*" not in plain.getvalue() and "modified locally" not in plain.getvalue()

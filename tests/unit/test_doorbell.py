@@ -434,3 +434,13 @@ def test_max_bytes_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     assert doorbell.max_bytes() == 8 << 20
     monkeypatch.delenv("RAYSYNC_DOORBELL_BYTES")
     assert doorbell.max_bytes() == 8 << 20
+
+
+def test_an_ack_carries_a_local_change_and_is_then_no_plain_row() -> None:
+    key = os.urandom(wire.KEY_BYTES)
+    acks = [RelayAck("a:policy", ApplyReport(applied=3, skipped=3, modified_since=3))]
+    reply = compact(3, [RelayAck("b:policy", ApplyReport(applied=3, apply_s=0.1, modified_since=3))])
+    assert reply.applied == () and len(reply.acks) == 1  # a row would lose it
+    _, _, decoded = wire.decode_ack(key, wire.encode_ack(key, 9, 3, compact(3, acks)))
+    report = decoded.acks[0].report
+    assert report is not None and (report.applied, report.modified_since) == (3, 3)

@@ -372,3 +372,29 @@ def test_the_hub_believes_no_version_it_never_issued() -> None:
     ghost = _join(state, "b", applied=10**9)  # registers claiming a version never issued
     assert ghost.applied is None and "never issued" in (ghost.last_error or "")
     assert all(r["lag"] >= 0 for r in state.status()["subscribers"])
+
+
+def test_a_subscriber_modified_locally_shows_until_it_applies_a_newer_version() -> None:
+    """``modified_since``: set by a subscriber's report (a heartbeat's, or an apply's), cleared only
+    by an apply of a newer version or a reset; a late report about an older version changes nothing."""
+    state = _state()
+    state.grant("policy", 3, TRAINER)
+    sub = _join(state, "a")
+    state.record(sub, ApplyReport(applied=1, apply_s=0.1))
+    state.record(sub, ApplyReport(modified_since=1))  # the heartbeat that saw it
+    assert state.status()["subscribers"][0]["modified_since"] == 1
+    assert (sub.applied, sub.last_apply_s) == (1, 0.1)  # the heartbeat's report is no apply
+    state.record(sub, ApplyReport(applied=1, skipped=1))  # a redelivery of 1 does not undo it
+    state.record(sub, ApplyReport(applied=1, apply_s=0.2))  # a late reply of the apply of 1 neither
+    assert sub.modified_since == 1
+    state.record(sub, ApplyReport(applied=2, apply_s=0.1))
+    assert sub.modified_since is None
+    state.record(sub, ApplyReport(modified_since=1))  # a late heartbeat's, about 1
+    assert sub.modified_since is None
+    state.record(sub, ApplyReport(applied=3, modified_since=3))  # changed again right after the apply
+    assert state.status()["subscribers"][0]["modified_since"] == 3
+    state.record(sub, ApplyReport(reset=True, error=ApplyError("re-pointed")))
+    assert sub.modified_since is None
+    state.record(sub, ApplyReport(applied=2, modified_since=2))
+    state.record_applied(sub, 3, 0.1, 0.0, 1, None, now=1.0)  # a relay's compact row of an apply of 3
+    assert sub.modified_since is None

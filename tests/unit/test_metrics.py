@@ -25,13 +25,28 @@ class _Recorder:
         return sum(hits) if hits else None
 
 
-def _sub(sub_id: str, applied: int | None, state: str = "live", error: str | None = None) -> Subscriber:
+def _sub(
+    sub_id: str,
+    applied: int | None,
+    state: str = "live",
+    error: str | None = None,
+    modified_since: int | None = None,
+) -> Subscriber:
     info = SubscriberInfo(class_name="C")
-    return Subscriber(sub_id, "policy", None, info, applied=applied, state=state, last_error=error)
+    return Subscriber(
+        sub_id,
+        "policy",
+        None,
+        info,
+        applied=applied,
+        state=state,
+        last_error=error,
+        modified_since=modified_since,
+    )
 
 
 def test_gauges_count_states_set_lag_and_zero_the_gone(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = metrics._Metrics(*(_Recorder() for _ in range(7)))
+    fake = metrics._Metrics(*(_Recorder() for _ in range(8)))
     monkeypatch.setattr(metrics, "_get", lambda: fake)
     models = {"policy": types.SimpleNamespace(latest=5)}
     subs = {
@@ -51,3 +66,19 @@ def test_gauges_count_states_set_lag_and_zero_the_gone(monkeypatch: pytest.Monke
     gauges.changed(models, subs)
     assert fake.subscriber_lag.get(subscriber="b") == 0
     assert fake.subscribers.get(state="live") == 1
+
+
+def test_the_modified_gauge_counts_subscribers_changed_in_place_since_their_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = metrics._Metrics(*(_Recorder() for _ in range(8)))
+    monkeypatch.setattr(metrics, "_get", lambda: fake)
+    models = {"policy": types.SimpleNamespace(latest=5)}
+    subs = {"a": _sub("a", 5, modified_since=5), "b": _sub("b", 4, modified_since=4), "c": _sub("c", 5)}
+    gauges = metrics.HubGauges("h")
+    gauges.changed(models, subs)
+    assert fake.modified.get(model_id="policy") == 2
+    assert "raysync_modified_subscribers" in metrics.METRIC_NAMES
+    subs["a"] = _sub("a", 6)  # applied a newer version: no longer modified
+    gauges.changed(models, subs)
+    assert fake.modified.get(model_id="policy") == 1

@@ -496,3 +496,34 @@ def test_case13_failed_set_extra_state_changes_nothing() -> None:
     with pytest.raises(raysync.WeightMismatchError, match=r"'9\._extra_state'"):
         BoundModel(dst, manifest).apply(pack(tensors, manifest), extra_state=odd.extra_state)
     assert extract_extra_state(dst) == before_state
+
+
+def _bn_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+def test_a_bound_module_tells_which_buckets_were_changed_in_place_since_the_apply() -> None:
+    """What ``raysync_modified_since()`` rests on: torch's version counters, read per tensor."""
+    model, src = _bn_model(), _bn_model()
+    tensors = extract_tensors(src)
+    manifest = plan_layout(tensors, bucket_bytes=16)  # one bucket per tensor
+    bn_buckets = sorted({e.bucket for e in manifest.entries if e.key.startswith("1.")})
+    bound = BoundModel(model, manifest)
+    ids = [f"v1:{b}" for b in range(manifest.num_buckets)]
+    bound.apply(pack(tensors, manifest), ids)
+    assert bound.written() == []  # raysync's own copy_ is no local change
+    with torch.no_grad():
+        model.eval()(torch.randn(3, 4))
+    assert bound.written() == []  # eval mode writes nothing
+    with torch.inference_mode():
+        model.train()(torch.randn(3, 4))  # updates running_mean, running_var, num_batches_tracked
+    # the whole BatchNorm, though only num_batches_tracked's write is counted by torch
+    assert bound.written() == bn_buckets
+    assert bound.needed(ids) == bn_buckets  # the same version offered again: those are taken again
+    assert bound.needed(ids, written=False) == []
+    bound.apply({b: pack(tensors, manifest)[b] for b in bn_buckets}, ids)
+    assert bound.written() == []
+    assert_same_weights(dict(model.state_dict()), dict(src.state_dict()))
+    with torch.no_grad():
+        model[2].weight.add_(1)  # an optimizer step, say
+    assert bound.written() == sorted({e.bucket for e in manifest.entries if e.key.startswith("2.")})

@@ -79,7 +79,16 @@ _ROW = struct.Struct("<ddqq")
 _OUTCOMES = ("ok", "died", "unreachable", "failed", "unknown")
 
 # ApplyReport fields, in wire order: optional ints, optional floats, flags.
-_INT_FIELDS = ("applied", "skipped", "deferred", "failed", "lost", "buckets_fetched", "bytes_fetched")
+_INT_FIELDS = (
+    "applied",
+    "skipped",
+    "deferred",
+    "failed",
+    "lost",
+    "buckets_fetched",
+    "bytes_fetched",
+    "modified_since",
+)
 _FLOAT_FIELDS = ("apply_s", "pause_s")
 _BOOL_FIELDS = ("reset", "timed_out", "prefetched")
 
