@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import functools
 import logging
 import time
@@ -762,10 +763,17 @@ class HubState:
         """Who a wait for ``version`` still waits for, and who failed it."""
         laggards: list[Laggard] = []
         failures: list[Laggard] = []
+        model = self.models.get(model_id)
+        kept = model.versions.get(version) if model is not None else None
         for sub in self.subscribers(model_id):
             if not (include_pull or sub.waited_for):
                 continue
             if sub.applied is not None and sub.applied >= version:
+                continue
+            why = None if kept is None else self.misfit(sub, kept.manifest)
+            if why is not None:  # it is not offered a version of another layout: it cannot get there
+                row = sub.laggard()
+                failures.append(dataclasses.replace(row, error=f"WeightMismatchError: {why}"))
                 continue
             (failures if sub.failed >= version else laggards).append(sub.laggard())
         return laggards, failures

@@ -302,7 +302,6 @@ class HubGauges:
             if sub.state == "dead":
                 continue
             model = models.get(sub.model_id)
-            latest = model.latest if model is not None else 0
             state = "failing" if sub.state == "live" and sub.last_error else sub.state
             per_model = counts.setdefault(sub.model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
             per_model[state] = per_model.get(state, 0) + 1
@@ -315,7 +314,9 @@ class HubGauges:
                 "actor": str(sub.info.class_name or ""),
             }
             lagging[(sub.model_id, sub.sub_id, tags["actor"])] = tags
-            m.subscriber_lag.set(float(max(0, latest - (sub.applied or 0))), tags=tags)
+            # versions published since the one it holds (numbers skip at a new writer; lag does not)
+            lag = model.versions_after(sub.applied) if model is not None else 0
+            m.subscriber_lag.set(float(lag), tags=tags)
         for key, tags in self._lagging.items():
             if key not in lagging:  # gone: a gauge cannot be deleted, so it reads 0
                 m.subscriber_lag.set(0.0, tags=tags)

@@ -147,14 +147,29 @@ def test_wait_names_the_laggard_and_applies_stay_in_order(hub: raysync.HubClient
 
 
 def test_failed_apply_keeps_previous_version_and_is_reported(hub: raysync.HubClient, hub_name: str) -> None:
-    hub.push({"w": torch.ones(3)})  # no subscriber yet: nothing to validate against
+    checked = make_collector(hub_name, verify=True).remote()  # refuses versions it cannot check
+    ray.get(checked.raysync_version.remote())
+    v1 = hub.push(small_policy(1), checksum=True, wait=True, timeout=60)
+    v2 = hub.push(small_policy(2))  # no checksums: refused by that subscriber
+    row = wait_for_condition(lambda: hub.status()["subscribers"][0]["last_error"], what="error reported")
+    assert "ChecksumError" in row
+    with pytest.raises(raysync.ApplyError, match=f"failed to apply version {v2}"):
+        hub.wait(v2, timeout=10)
+    assert ray.get(checked.raysync_version.remote()) == v1
+    assert_same_weights(ray.get(checked.weights.remote()), small_policy(1).state_dict())
+
+
+def test_a_version_of_another_layout_is_not_offered_and_a_wait_says_why(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    v = hub.push({"w": torch.ones(3)})  # no subscriber yet: nothing to validate against
     odd = make_collector(hub_name).remote()  # its model has other keys
     assert ray.get(odd.raysync_version.remote()) is None
     before = ray.get(odd.weights.remote())
-    row = wait_for_condition(lambda: hub.status()["subscribers"][0]["last_error"], what="error reported")
-    assert "WeightMismatchError" in row and "missing keys" in row
-    with pytest.raises(raysync.ApplyError, match="failed to apply version 1"):
-        hub.wait(1, timeout=10)
+    row = hub.status()["subscribers"][0]
+    assert row["last_error"] is None and "missing keys" in row["waiting_for"]  # not tried, so no error
+    with pytest.raises(raysync.ApplyError, match=f"failed to apply version {v}.*missing keys"):
+        hub.wait(v, timeout=10)  # it never can: said at once, not after the timeout
     assert_same_weights(ray.get(odd.weights.remote()), before)
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from raysync._protocol import SubscriberInfo
-from raysync.hub.state import Subscriber
+from raysync.hub.state import Model, Subscriber
 from raysync.ops import metrics
 
 
@@ -48,7 +46,7 @@ def _sub(
 def test_gauges_count_states_set_lag_and_zero_the_gone(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = metrics._Metrics(*(_Recorder() for _ in range(8)))
     monkeypatch.setattr(metrics, "_get", lambda: fake)
-    models = {"policy": types.SimpleNamespace(latest=5)}
+    models = {"policy": Model(latest=5, stamps=[1, 2, 3, 4, 5])}
     subs = {
         "a": _sub("a", 5),
         "b": _sub("b", 2),
@@ -67,13 +65,17 @@ def test_gauges_count_states_set_lag_and_zero_the_gone(monkeypatch: pytest.Monke
     assert fake.subscriber_lag.get(subscriber="b") == 0
     assert fake.subscribers.get(state="live") == 1
 
+    models["policy"] = Model(latest=105, stamps=[1, 2, 3, 4, 5, 105])  # a new writer: numbers jump
+    gauges.changed(models, subs)
+    assert fake.subscriber_lag.get(subscriber="a") == 1  # one version behind, not 100
+
 
 def test_the_modified_gauge_counts_subscribers_changed_in_place_since_their_apply(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake = metrics._Metrics(*(_Recorder() for _ in range(8)))
     monkeypatch.setattr(metrics, "_get", lambda: fake)
-    models = {"policy": types.SimpleNamespace(latest=5)}
+    models = {"policy": Model(latest=5, stamps=[1, 2, 3, 4, 5])}
     subs = {"a": _sub("a", 5, modified_since=5), "b": _sub("b", 4, modified_since=4), "c": _sub("c", 5)}
     gauges = metrics.HubGauges("h")
     gauges.changed(models, subs)
