@@ -735,7 +735,11 @@ class WeightHub:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not state.check_waitable(model_id, version):
             # Granted to its writer, not published yet: its publish may be on its way (another
-            # process's wait can overtake it). A moment, then it counts as never pushed.
+            # process's wait can overtake it), or a restart lost it: its writer (report_missing)
+            # offers it again. A moment, then it counts as never pushed.
+            if report_missing:
+                laggards, failures = state.pending(model_id, version, include_pull)
+                return WaitResult(tuple(laggards), tuple(failures), missing=True)
             grace = _PUBLISH_GRACE_S if timeout is None else min(timeout, _PUBLISH_GRACE_S)
             await self._published(model_id, version, grace)
             state.check_waitable(model_id, version, granted=False)

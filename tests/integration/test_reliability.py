@@ -399,7 +399,7 @@ BAD_PUSHES = [
         raysync.WeightMismatchError,
         r"unexpected keys \['bonus'\]",
     ),
-    ("non-tensor leaf", _with(p3="weights"), {}, raysync.InvalidWeightsError, "'p3' is a str"),
+    ("non-tensor leaf", _with(p3="weights"), {}, raysync.InvalidWeightsError, "'p3' is of type str"),
     ("empty model", dict, {}, raysync.InvalidWeightsError, "empty"),
     ("too large", _too_large, {}, raysync.InvalidWeightsError, "more than this node's object store"),
     (
