@@ -1,4 +1,4 @@
-"""Legitimate pushes while a hostile local process floods every raysync socket, against the same pushes without.
+"""Legitimate pushes while a hostile local process floods every raysync socket, beside pushes without.
 
 Three phases of ``--seconds`` each, in one run, on one hub with ``--actors``
 ``@synced_model`` actors (256 KiB in 8 tensors: small versions go by doorbell):
@@ -189,9 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| phase | pushes | median push+wait ms | p90 ms | x quiet |\n|---|---|---|---|---|")
     for name in ("quiet", "busy", "flood"):
         r = rows[name]
-        print(
-            f"| {name} | {r['pushes']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {r['median_ms'] / q:.2f} |"
-        )
+        ms, p90, ratio = r["median_ms"], r["p90_ms"], r["median_ms"] / q
+        cells = [name, r["pushes"], f"{ms:.2f}", f"{p90:.2f}", f"{ratio:.2f}"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
     print(json.dumps({k: rows[k] for k in ("attacker", "hub_rings", "wire")}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

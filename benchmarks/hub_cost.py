@@ -83,7 +83,7 @@ class LightSubscribers:
         return str(ray.get_runtime_context().get_node_id())
 
     async def doorbell(self, sub_ids: list[str]) -> tuple[str, bytes] | None:
-        """Answer rings for ``sub_ids`` as a ``@synced_model`` process would (at once); its address and key."""
+        """Answer rings for ``sub_ids`` as a ``@synced_model`` process would (at once); address and key."""
         bell = doorbell()
         if bell is None:
             return None
