@@ -19,6 +19,44 @@ Uses:
     that a forward ran, not whether it wrote anything, and sees no write made
     outside ``forward`` (optimizer steps, ``copy_``).
 
+``torch._C.DisableTorchFunctionSubclass`` (:func:`plain_tensors`)
+    Reads of read-only weights (``ReadOnlyTensor``, a ``__torch_function__``
+    subclass) and of bound modules' tensors without going through the
+    subclass's ``__torch_function__``: the read-only guard's own calls and a
+    pointer compare per tensor would otherwise run the guard on themselves.
+    ``torch.overrides`` has no public way to turn subclass dispatch off.
+
+``torch._ops.OpOverloadPacket`` (:data:`OP_OVERLOAD_PACKET`)
+    The type of ``torch.ops.aten.add_`` and its kin, whose schemas say which
+    arguments an ATen op writes: the read-only guard refuses those writes.
+    Public torch gives the schema (``_schema``), not the packet's type.
+
+Ray (checked with :data:`RAY_CHECKED`):
+
+``ray.experimental.internal_kv._internal_kv_*`` (:func:`kv_put` and its kin)
+    The GCS key-value store: where the hub keeps what outlives its process
+    (version counters, leases, subscriptions). Ray has no public key-value API;
+    a detached actor's memory dies with its process.
+
+``ray._private.state.actors`` / ``jobs`` (:func:`actor_state`, :func:`job_alive`)
+    Whether an actor or a job (a driver) is alive, asked of the GCS, from the hub:
+    the public ``ray.util.state`` needs the dashboard's API server, which clusters
+    may run without (the tests do), and ``ray.get_actor`` finds named actors only.
+
+``ray._private.state`` actor table, ``gcs_pb2``, ``ray._raylet.PlacementGroupID``
+    (:func:`actor_placement`, :func:`placement_group`). Which placement group (and
+    bundles) another actor runs in, and that group as a ``PlacementGroup``:
+    ``ray.util.get_current_placement_group`` answers only for the caller itself.
+
+``ray._config.metrics_report_interval_ms`` (:func:`metrics_report_interval_s`)
+    How often Ray exports metrics, so that an idle hub sets its gauges again in
+    time; no public API says it.
+
+``ray._private.internal_api.get_memory_info_reply`` (:func:`object_store_bytes_used`)
+    Bytes in use in the node's object store, for benchmarks that count copies
+    per version: ``ray.available_resources`` rounds the store to whole objects'
+    worth and lags.
+
 Example:
     >>> import torch
     >>> from raysync import _compat
@@ -38,7 +76,27 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-__all__ = ["TORCH_CHECKED", "TORCH_VERSION_COUNTER", "check_versions", "tensor_version", "version_counters"]
+__all__ = [
+    "OP_OVERLOAD_PACKET",
+    "RAY_CHECKED",
+    "RAY_USES",
+    "TORCH_CHECKED",
+    "TORCH_VERSION_COUNTER",
+    "actor_placement",
+    "actor_state",
+    "check_versions",
+    "job_alive",
+    "kv_delete",
+    "kv_get",
+    "kv_list",
+    "kv_put",
+    "metrics_report_interval_s",
+    "object_store_bytes_used",
+    "placement_group",
+    "plain_tensors",
+    "tensor_version",
+    "version_counters",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +104,142 @@ TORCH_VERSION_COUNTER = "torch.Tensor._version"
 """The name of the private torch attribute :func:`tensor_version` reads."""
 
 TORCH_CHECKED = ((2, 4), (2, 13))
-"""The torch releases (major, minor), first and last, whose ``Tensor._version`` was checked."""
+"""The torch releases (major, minor), first and last, whose private uses were checked."""
+
+RAY_CHECKED = ((2, 56), (2, 60))
+"""The Ray releases (major, minor), first and last, whose private uses were checked."""
+
+RAY_USES = (
+    "ray.experimental.internal_kv._internal_kv_*",
+    "ray._private.state.actors / jobs",
+    "ray._private.state actor table, gcs_pb2.ActorTableData, ray._raylet.PlacementGroupID",
+    "ray._config.metrics_report_interval_ms",
+    "ray._private.internal_api.get_memory_info_reply",
+)
+"""Every private use of Ray, by name (see the module docstring for why each)."""
+
+
+def plain_tensors() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is off (``torch._C``, private).
+
+    Example:
+        >>> with plain_tensors():
+        ...     ptr = weight.data_ptr()   # no read-only guard runs for it
+    """
+    import torch
+
+    # Why private: torch.overrides offers no public switch for subclass dispatch.
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def _op_overload_packet() -> type:
+    import torch
+
+    # Why private: the type of torch.ops.aten.<op> is only in torch._ops.
+    return torch._ops.OpOverloadPacket  # type: ignore[no-any-return]
+
+
+class _Lazy:
+    """:data:`OP_OVERLOAD_PACKET` without importing torch when this module is imported."""
+
+    def __instancecheck__(self, obj: Any) -> bool:
+        return isinstance(obj, _op_overload_packet())
+
+
+OP_OVERLOAD_PACKET: Any = _Lazy()
+"""``torch._ops.OpOverloadPacket``, for ``isinstance`` (torch loaded on first use)."""
+
+
+# ---------------------------------------------------------------------------- Ray
+def _internal_kv() -> Any:
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+def kv_put(key: bytes, value: bytes, *, namespace: str) -> Any:
+    """Write a key of Ray's GCS key-value store (private: Ray has no public one)."""
+    return _internal_kv()._internal_kv_put(key, value, namespace=namespace)
+
+
+def kv_get(key: bytes, *, namespace: str) -> bytes | None:
+    """Read a key of Ray's GCS key-value store (``None``: absent)."""
+    value: bytes | None = _internal_kv()._internal_kv_get(key, namespace=namespace)
+    return value
+
+
+def kv_list(prefix: bytes, *, namespace: str) -> list[bytes]:
+    """The keys of Ray's GCS key-value store that start with ``prefix``."""
+    return list(_internal_kv()._internal_kv_list(prefix, namespace=namespace))
+
+
+def kv_delete(key: bytes, *, namespace: str) -> Any:
+    """Delete a key of Ray's GCS key-value store."""
+    return _internal_kv()._internal_kv_del(key, namespace=namespace)
+
+
+def actor_state(actor_id: str) -> str | None:
+    """The GCS's state of an actor (``"ALIVE"``, ``"RESTARTING"``, ``"DEAD"``, ...; ``None``: unknown).
+
+    Example:
+        >>> actor_state(ray.get_runtime_context().get_actor_id())  # doctest: +SKIP
+        'ALIVE'
+    """
+    from ray._private import state
+
+    # Why private: ray.util.state needs the dashboard's API server, which may not run.
+    record = state.actors(actor_id=actor_id)
+    return None if not record else record.get("State")
+
+
+def job_alive(job_id: str) -> bool:
+    """Whether the GCS lists the job (a driver) as running (``False``: dead or unknown)."""
+    from ray._private import state
+
+    # Why private: as actor_state.
+    for job in state.jobs():
+        if job.get("JobID") == job_id:
+            return not job.get("IsDead", False)
+    return False
+
+
+def actor_placement(actor_id: str) -> tuple[bytes, list[str]] | None:
+    """Another actor's placement group id and the names of the resources it holds (``None``: unknown)."""
+    import ray
+    from ray._private import state
+    from ray.core.generated import gcs_pb2
+
+    # Why private: ray.util.get_current_placement_group answers for the caller only.
+    raw = state.state._connect_and_get_accessor().get_actor_info(ray.ActorID.from_hex(actor_id))
+    if raw is None:
+        return None
+    record = gcs_pb2.ActorTableData.FromString(raw)  # type: ignore[attr-defined]
+    return bytes(record.placement_group_id), list(record.required_resources)
+
+
+def placement_group(pg_id: bytes) -> Any:
+    """The ``PlacementGroup`` of an id read from the GCS (see :func:`actor_placement`)."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    # Why private: PlacementGroup takes a PlacementGroupID, which only ray._raylet makes.
+    return PlacementGroup(PlacementGroupID(pg_id))
+
+
+def metrics_report_interval_s() -> float:
+    """How often Ray exports metrics, in seconds (``ray._config``, private)."""
+    import ray
+
+    return float(ray._config.metrics_report_interval_ms()) / 1000.0
+
+
+def object_store_bytes_used() -> int:
+    """Bytes in use in this node's object store (``ray._private.internal_api``, private)."""
+    import ray
+    from ray._private import internal_api
+
+    state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
+    return int(internal_api.get_memory_info_reply(state).store_stats.object_store_bytes_used)
 
 
 def tensor_version(tensor: Any) -> int:
@@ -105,34 +298,58 @@ def _torch_version() -> str | None:
         return None
 
 
-def check_versions(torch_version: str | None = None) -> list[str]:
+def _installed(name: str) -> str | None:
+    module = sys.modules.get(name)
+    if module is not None and hasattr(module, "__version__"):
+        return str(module.__version__)
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _outside(found: str | None, checked: tuple[tuple[int, int], tuple[int, int]]) -> bool:
+    release = _release(found) if found else None
+    return release is not None and not checked[0] <= release <= checked[1]
+
+
+def check_versions(torch_version: str | None = None, ray_version: str | None = None) -> list[str]:
     """The private uses whose library's installed version is outside the versions checked.
 
     Logs a warning for each (once per call); run at import with the installed
-    versions.
+    versions (a version compare: neither torch nor Ray is imported for it).
 
     Args:
         torch_version: the torch version to check (default: the installed one).
+        ray_version: the Ray version to check (default: the installed one).
 
     Returns:
         One line per use outside its checked versions (empty: all checked).
 
     Example:
-        >>> check_versions("2.13.0+cpu")
+        >>> check_versions("2.13.0+cpu", "2.60.0")
         []
     """
+    lines = []
     found = torch_version if torch_version is not None else _torch_version()
-    release = _release(found) if found else None
-    if release is None or TORCH_CHECKED[0] <= release <= TORCH_CHECKED[1]:
-        return []
-    first, last = (".".join(map(str, r)) for r in TORCH_CHECKED)
-    line = (
-        f"raysync reads {TORCH_VERSION_COUNTER} (to tell weights changed in place since an apply), "
-        f"checked with torch {first} to {last}; torch {found} is installed: if it changed, "
-        "tests/unit/test_compat.py fails naming it"
-    )
-    logger.warning("%s", line)
-    return [line]
+    if _outside(found, TORCH_CHECKED):
+        first, last = (".".join(map(str, r)) for r in TORCH_CHECKED)
+        lines.append(
+            f"raysync reads {TORCH_VERSION_COUNTER} (to tell weights changed in place since an apply), "
+            f"checked with torch {first} to {last}; torch {found} is installed: if it changed, "
+            "tests/unit/test_compat.py fails naming it"
+        )
+    found_ray = ray_version if ray_version is not None else _installed("ray")
+    if _outside(found_ray, RAY_CHECKED):
+        first, last = (".".join(map(str, r)) for r in RAY_CHECKED)
+        lines.append(
+            f"raysync uses private parts of Ray ({'; '.join(RAY_USES)}), checked with Ray {first} to "
+            f"{last}; Ray {found_ray} is installed: if one changed, tests/unit/test_compat.py and "
+            "tests/integration/test_compat_ray.py fail naming it"
+        )
+    for line in lines:
+        logger.warning("%s", line)
+    return lines
 
 
 check_versions()

@@ -10,6 +10,8 @@ from typing import Any
 
 import ray
 
+from raysync import _compat
+
 __all__ = ["placement_group_of", "placement_of"]
 
 logger = logging.getLogger(__name__)
@@ -18,13 +20,6 @@ logger = logging.getLogger(__name__)
 _BUNDLE_RESOURCE = re.compile(r"_group_(\d+)_([0-9a-f]+)$")
 
 
-def _actor_record(actor_id: str) -> Any:
-    """The GCS actor-table entry of an actor (placement group id, resources with bundle indices)."""
-    from ray._private import state
-    from ray.core.generated import gcs_pb2
-
-    raw = state.state._connect_and_get_accessor().get_actor_info(ray.ActorID.from_hex(actor_id))
-    return None if raw is None else gcs_pb2.ActorTableData.FromString(raw)  # type: ignore[attr-defined]
 
 
 def _bundle_of(resources: Any, pg_id: str | None) -> int | None:
@@ -54,8 +49,8 @@ def placement_of() -> dict[str, Any]:
     actor_id = ctx.get_actor_id()
     if pg_id is not None and actor_id is not None:
         try:
-            record = _actor_record(actor_id)
-            bundle = None if record is None else _bundle_of(record.required_resources, pg_id)
+            record = _compat.actor_placement(actor_id)
+            bundle = None if record is None else _bundle_of(record[1], pg_id)
         except Exception as err:  # private GCS API: never fail the adapter over it
             logger.debug("could not read the bundle index: %s", err)
     return {
@@ -87,13 +82,11 @@ def placement_group_of(target: Any = None) -> Any:
     actor_id = getattr(target, "_actor_id", None)
     if actor_id is None:
         raise TypeError(f"expected a PlacementGroup or an actor handle, got {type(target).__name__}")
-    from ray._raylet import PlacementGroupID
-
-    record = _actor_record(actor_id.hex())
-    pg_id = b"" if record is None else bytes(record.placement_group_id)
+    record = _compat.actor_placement(actor_id.hex())
+    pg_id = b"" if record is None else record[0]
     if not pg_id or set(pg_id) == {0xFF}:
         raise ValueError(f"actor {actor_id.hex()} does not run in a placement group")
-    return PlacementGroup(PlacementGroupID(pg_id))
+    return _compat.placement_group(pg_id)
 
 
 def _choose_bundles(group: Any, bundles: Sequence[int] | None, per: str) -> list[int]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from raysync import _compat
 from raysync._compat import version_counters
 from raysync.core import codec
 from raysync.core.codec import unpack
@@ -115,7 +116,7 @@ class BoundModel:
         ``module.to(...)``, ``.double()``, a replaced submodule): applies would then
         go where the module no longer looks. Costs one pointer compare per tensor.
         """
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.plain_tensors():
             for slots, name, ptr in self._expected:
                 t = slots.get(name)
                 if t is None or t.data_ptr() != ptr:
@@ -126,7 +127,7 @@ class BoundModel:
         """Remember what each parameter and buffer points at now (see :meth:`intact`), all as applied."""
         bucket = {e.key: e.bucket for e in self.manifest.entries}
         owners: dict[int, int] = {}
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.plain_tensors():
             self._expected, self._tensors, self._bucket_of, self._owner_of = [], [], [], []
             self._owner_buckets = []
             for key, (owner, name, is_param) in self._slots.items():
@@ -145,7 +146,7 @@ class BoundModel:
 
     def _counters(self) -> list[int]:
         """The version counter of each tensor bound (a re-pointed one is :meth:`intact`'s to find)."""
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.plain_tensors():
             return version_counters(self._tensors)
 
     def mark_clean(self, buckets: Iterable[int] | None = None) -> None:

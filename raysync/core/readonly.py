@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from raysync import _compat
 from raysync.errors import (
     ReadOnlyWeightsError,
 )
@@ -112,7 +113,7 @@ class ReadOnlyTensor(torch.Tensor):
                 "(apply='view'); clone() them first, or use @synced_model(..., apply='copy') "
                 "for weights this actor changes"
             )
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.plain_tensors():
             result = func(*args, **(kwargs or {}))
             return result if spec.fresh else _keep_read_only(result, args)
 
@@ -163,12 +164,12 @@ def _schemas(func: Any, base: str) -> list[Any]:
         schema = getattr(func, "_schema", None)
         if schema is not None:  # torch.ops.aten.add_.Tensor
             return [schema]
-        if isinstance(func, torch._ops.OpOverloadPacket):  # torch.ops.aten.add_
+        if isinstance(func, _compat.OP_OVERLOAD_PACKET):  # torch.ops.aten.add_
             return [getattr(func, o)._schema for o in func.overloads()]
         if base and isinstance(func, (BuiltinFunctionType, MethodDescriptorType)):
             # torch.add_, Tensor.add_, torch._fused_adam_: bindings generated from ATen, same arguments.
             packet = getattr(torch.ops.aten, base, None)
-            if isinstance(packet, torch._ops.OpOverloadPacket):
+            if isinstance(packet, _compat.OP_OVERLOAD_PACKET):
                 return [getattr(packet, o)._schema for o in packet.overloads()]
     except (AttributeError, RuntimeError):  # no such op, or a schema torch cannot parse
         pass

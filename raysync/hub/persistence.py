@@ -3,7 +3,7 @@
 And the GCS's word on whether a writer or a subscriber's actor still lives. Ray has no
 public key-value or actor-table API that works without the dashboard (``ray.util.state``
 needs it), so this module is the one place raysync reaches into
-``ray.experimental.internal_kv`` and ``ray._private.state``.
+Ray's GCS key-value store and actor and job tables (private parts of Ray: ``raysync._compat``).
 
 Example:
     >>> store = HubStore("raysync")
@@ -18,6 +18,7 @@ import logging
 import threading
 from typing import Any
 
+from raysync import _compat
 from raysync.hub.state import Model, Subscriber
 
 __all__ = ["HubStore", "actor_alive", "writer_alive"]
@@ -29,14 +30,13 @@ _SOON_S = 0.02  # a published version's record is written this late: one GCS wri
 
 
 def _kv() -> Any:
-    """Ray's GCS key-value store (survives the hub process, not the cluster)."""
-    from ray.experimental import internal_kv
+    """Ray's GCS key-value store (survives the hub process, not the cluster): see raysync._compat."""
 
     class _KV:
-        put = staticmethod(internal_kv._internal_kv_put)
-        get = staticmethod(internal_kv._internal_kv_get)
-        list = staticmethod(internal_kv._internal_kv_list)
-        delete = staticmethod(internal_kv._internal_kv_del)
+        put = staticmethod(_compat.kv_put)
+        get = staticmethod(_compat.kv_get)
+        list = staticmethod(_compat.kv_list)
+        delete = staticmethod(_compat.kv_delete)
 
     return _KV
 
@@ -163,23 +163,16 @@ def actor_alive(actor_id: str | None) -> bool:
     """Whether an actor is not DEAD, asked of the GCS (restarting counts as alive; unsure too)."""
     if not actor_id:
         return True
-    from ray._private import state
-
     try:
-        return bool(state.actors(actor_id=actor_id).get("State") != "DEAD")
+        return _compat.actor_state(actor_id) != "DEAD"
     except Exception:
         return True
 
 
 def job_alive(job_id: str | None) -> bool:
     """Whether a Ray job (a driver process) still runs, asked of the GCS (unsure means alive)."""
-    from ray._private import state
-
     try:
-        for job in state.jobs():
-            if job.get("JobID") == job_id:
-                return not job.get("IsDead", False)
-        return False
+        return _compat.job_alive(job_id) if job_id else False
     except Exception:
         return True
 

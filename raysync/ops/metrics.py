@@ -48,6 +48,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from raysync import _compat
+
 __all__ = [
     "DURATION_BOUNDARIES",
     "HubGauges",
@@ -99,9 +101,7 @@ _GAUGE_INTERVAL_S = 0.5  # the hub refreshes its gauges at most this often
 def _keepalive_s() -> float:
     """How often an idle hub sets its gauges again: half Ray's report interval, 0.5 to 5 s."""
     try:
-        import ray
-
-        interval_s = float(ray._config.metrics_report_interval_ms()) / 1000.0
+        interval_s = _compat.metrics_report_interval_s()
     except Exception:
         interval_s = 10.0
     return min(5.0, max(0.5, interval_s / 2))

@@ -74,3 +74,24 @@ def test_torch_outside_the_checked_versions_is_named_at_import(caplog: pytest.Lo
     assert len(lines) == 1 and USE in lines[0] and "torch 3.0.0" in lines[0]
     assert USE in caplog.text
     assert len(_compat.check_versions("2.3.1")) == 1
+
+
+def test_ray_outside_the_checked_versions_is_named_at_import(caplog: pytest.LogCaptureFixture) -> None:
+    import ray
+
+    assert _compat.check_versions(torch.__version__, ray.__version__) == [], (
+        f"Ray {ray.__version__} is outside _compat.RAY_CHECKED {_compat.RAY_CHECKED}: probe its private "
+        "uses (tests/integration/test_compat_ray.py) and widen it"
+    )
+    with caplog.at_level(logging.WARNING, logger="raysync._compat"):
+        lines = _compat.check_versions(torch.__version__, "2.70.0")
+    assert len(lines) == 1 and "Ray 2.70.0" in lines[0]
+    assert all(use in lines[0] for use in _compat.RAY_USES)
+
+
+def test_private_torch_dispatch_pieces_are_there() -> None:
+    assert isinstance(torch.ops.aten.add_, _compat.OP_OVERLOAD_PACKET), "torch._ops.OpOverloadPacket"
+    overload = torch.ops.aten.add_.Tensor
+    assert not isinstance(overload, _compat.OP_OVERLOAD_PACKET), "torch._ops.OpOverloadPacket"
+    with _compat.plain_tensors():  # torch._C.DisableTorchFunctionSubclass
+        pass

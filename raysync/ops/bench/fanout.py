@@ -503,8 +503,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
         raysync_source_sha1={"start": source_start, "end": source_end},
         torch_threads_driver=torch.get_num_threads(),
         object_store_bytes=store,
-        object_store_gauge="ray._private.internal_api.get_memory_info_reply().store_stats"
-        ".object_store_bytes_used",
+        object_store_gauge="raysync._compat.object_store_bytes_used",
         floor_source=args.floor_source,
         object_store_prefault_s=prefault_s,
         config=args,

@@ -284,17 +284,11 @@ class ObjectStoreGauge:
         16777216
     """
 
-    def __init__(self) -> None:
-        import ray
-        from ray._private import internal_api
-
-        self._api = internal_api
-        self._state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
-
     def used(self) -> int:
         """Bytes in use now."""
-        reply = self._api.get_memory_info_reply(self._state)
-        return int(reply.store_stats.object_store_bytes_used)
+        from raysync import _compat
+
+        return _compat.object_store_bytes_used()
 
     def settle(self, at_most: int | None = None, timeout: float = 10.0, *, poll: float = 0.1) -> int:
         """Bytes in use once Ray's batched frees landed: until ``<= at_most``, or two equal reads.
