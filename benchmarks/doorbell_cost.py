@@ -95,7 +95,6 @@ def raysync_doorbell(n: int, rounds: int) -> dict[str, float]:
     import asyncio
 
     import numpy as np
-
     import torch
 
     from raysync.core.layout import plan_layout
