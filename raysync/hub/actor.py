@@ -34,27 +34,20 @@ from raysync._protocol import (
     Grant,
     Publication,
     Registration,
-    RelayDelivery,
-    RelayReply,
     WaitResult,
 )
 from raysync.core.layout import Manifest
-from raysync.errors import ApplyError, WeightMismatchError
+from raysync.errors import WeightMismatchError
+from raysync.hub.delivery import Delivery
 from raysync.hub.handles import class_free_handles
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
 from raysync.hub.priority import control_plane_priority
 from raysync.hub.relay import (
-    Late,
     NodeDelivery,
-    compact,
-    late_acks,
-    notify_members,
     quiet_threaded_gets,
     relay_name,
-    rings,
-    start_relay,
 )
-from raysync.hub.state import Group, HubState, Subscriber, Version, Waiter
+from raysync.hub.state import HubState, Subscriber, Waiter
 from raysync.ops import metrics
 
 __all__ = ["WeightHub"]
@@ -67,8 +60,6 @@ _SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking 
 _STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
 _PING_TIMEOUT_S = 0.5
 _UNREACHABLE = (ActorUnavailableError, RayActorError)
-_RELAY_START_S = 120.0  # how long a relay may take to (re)start before the hub gives up for a while
-_RELAY_RETRY_S = 5.0  # after a relay failed to start, deliver directly this long before trying again
 
 
 def _actor_id() -> str:
@@ -79,9 +70,6 @@ def relay_enabled() -> bool:
     """Whether hubs deliver through one relay per node (the default; ``RAYSYNC_RELAY=0`` turns it off)."""
     return os.environ.get("RAYSYNC_RELAY", "1").strip().lower() not in ("0", "false", "no", "off")
 
-
-Prior = dict[Subscriber, int]
-"""What each subscriber of a delivery had been sent before it (restored if the delivery is lost)."""
 
 
 def rings_own_node() -> bool:
@@ -96,7 +84,7 @@ def _cancel(task: asyncio.Task[None] | None) -> None:
 
 
 @ray.remote(num_cpus=0)
-class WeightHub:
+class WeightHub(Delivery):
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
 
     def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
@@ -119,10 +107,6 @@ class WeightHub:
         self._gauges = metrics.HubGauges(name)
         self._sweeper: asyncio.Task[None] | None = None
         self._restored = self._restore()
-
-    @property
-    def _name(self) -> str:
-        return self._state.name
 
     # ------------------------------------------------------------------ restart
     def _restore(self) -> list[str]:
@@ -356,246 +340,6 @@ class WeightHub:
         """A client found a kept version's bytes gone: stop offering it."""
         self._state.forget_version(model_id, version, "a client could not fetch it")
 
-    # ------------------------------------------------------------------ delivery
-    def _kick_model(self, model_id: str) -> None:
-        for sub in self._state.subscribers(model_id):
-            if sub.mode == "push":
-                self._kick(sub)
-
-    def _kick(self, sub: Subscriber) -> None:
-        if sub.handle is None:  # it gets the newest when it registers (again)
-            return
-        loop = asyncio.get_running_loop()
-        key = sub.group
-        if key is not None:
-            group = self._state.groups.get(key)
-            if group is not None and (group.task is None or group.task.done()):
-                if group.node_id is not None:
-                    group.task = loop.create_task(self._deliver_relay(sub.model_id, group))
-                else:
-                    group.task = loop.create_task(self._deliver_group(sub.model_id, group))
-        elif sub.task is None or sub.task.done():
-            sub.task = loop.create_task(self._deliver(sub))
-
-    async def _deliver(self, sub: Subscriber) -> None:
-        """Hand the newest version to one subscriber until it holds it (one call in flight)."""
-        while (due := self._state.due(sub)) is not None:
-            sub.sent = due.version
-            self._state.delivery_calls += 1
-            try:
-                report = await getattr(sub.handle, proto.NOTIFY).remote(due.announce(sub.model_id))
-            except ActorDiedError as err:
-                self._drop(sub, f"actor died ({type(err).__name__})")
-                return
-            except _UNREACHABLE as err:  # restarting or unreachable: it registers again when back
-                self._state.unreachable(sub, err)
-                return
-            except Exception as err:  # the notify itself failed: record, do not loop
-                self._state.delivery_failed(sub, due.version, err)
-                return
-            self._record(sub, report)
-
-    async def _deliver_group(self, model_id: str, group: Group) -> None:
-        """Batched delivery: one call carries every member that lacks the newest version.
-
-        Each member is in at most one call at a time and gets the newest version,
-        exactly as with :meth:`_deliver`; the actor answers one report per member.
-        """
-        while True:
-            newest, due = self._state.due_in_group(model_id, group)
-            if newest is None or not due:
-                return
-            for sub in due:
-                sub.sent = newest.version
-            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-            self._state.delivery_calls += 1
-            try:
-                reports = await getattr(due[0].handle, proto.NOTIFY_BATCH).remote(announcement)
-                if len(reports) != len(due):
-                    raise ApplyError(f"batched notify: {len(reports)} reports for {len(due)} subscribers")
-            except ActorDiedError as err:
-                for sub in list(group.members.values()):
-                    self._drop(sub, f"actor died ({type(err).__name__})")
-                return
-            except _UNREACHABLE as err:
-                for sub in due:
-                    self._state.unreachable(sub, err)
-                return
-            except Exception as err:
-                for sub in due:
-                    self._state.delivery_failed(sub, newest.version, err)
-                return
-            for sub, report in zip(due, reports, strict=True):
-                self._record(sub, report)
-
-    async def _relay(self, node_id: str) -> Any:
-        """The node's relay, once it answers (started or found by name; one start at a time per node)."""
-        if node_id in self._ready:
-            return self._relays[node_id]
-        start = self._relay_starts.get(node_id)
-        if start is None or start.done():
-            start = asyncio.get_running_loop().create_task(self._start_and_ping(node_id))
-            self._relay_starts[node_id] = start
-        return await asyncio.shield(start)
-
-    async def _start_and_ping(self, node_id: str) -> Any:
-        # The hub keeps every relay's handle while it lives: a relay is the hub's child,
-        # and Ray ends an actor whose owner let go of its last handle.
-        relay: Any = self._relays.get(node_id)
-        if relay is None:
-            relay = await asyncio.to_thread(start_relay, self._name, node_id)
-            self._relays[node_id] = relay
-        deadline = time.monotonic() + _RELAY_START_S
-        while True:
-            try:
-                await relay.stats.remote()  # up
-                break
-            except ActorDiedError:
-                self._relays.pop(node_id, None)  # gone for good (its node died?): the next try starts another
-                raise
-            except _UNREACHABLE:  # restarting: Ray refuses calls until it is back
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-        self._ready.add(node_id)
-        return relay
-
-    async def _deliver_relay(self, model_id: str, group: Group) -> None:
-        """Deliver through the node's relay: one message per version for every member that lacks it.
-
-        The relay answers with every member's ack in one reply. While the relay is not
-        up (starting, restarting after it died), the hub delivers to the members itself,
-        and starts (or waits for) the relay in the background. A relay that dies
-        mid-delivery or mid-ack loses nothing: members whose ack did not come back are
-        due again and get the newest version; a member that applied it already skips it.
-        """
-        assert group.node_id is not None
-        while True:
-            newest, due = self._state.due_in_group(model_id, group)
-            if newest is None or not due:
-                return
-            prior = {sub: sub.sent for sub in due}
-            for sub in due:
-                sub.sent = newest.version
-            # On the hub's own node, subscribers with a doorbell are rung from here: no relay hop.
-            here = [s for s in due if s.ringable] if self._rings_here(group, newest) else []
-            there = [s for s in due if not s.ringable] if here else due
-            await asyncio.gather(
-                self._ring_here(model_id, group, newest, here, prior),
-                self._via_relay(model_id, group, newest, there, prior),
-            )
-
-    def _rings_here(self, group: Group, newest: Version) -> bool:
-        """Whether the hub rings this node's doorbells itself: its own node, a version that fits."""
-        return self._here is not None and group.node_id == self._here_node and rings(newest.manifest)
-
-    async def _ring_here(
-        self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
-    ) -> None:
-        """One version to ``due`` on the hub's own node: the hub rings their doorbells itself."""
-        if not due:
-            return
-        assert self._here is not None
-        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-        members = {s.sub_id: s.relay_member() for s in due}
-        reply = await self._here.deliver(RelayDelivery(announcement, members))
-        self._acks(group, newest.version, reply, prior)
-
-    async def _via_relay(
-        self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
-    ) -> None:
-        """One version to ``due`` through their node's relay (or directly while it is not up)."""
-        if not due:
-            return
-        assert group.node_id is not None
-        node_id = group.node_id
-        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-        # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
-        # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
-        nixl = newest.manifest.transport == "nixl"
-        relay = self._relays.get(node_id) if node_id in self._ready and not nixl else None
-        if relay is None:  # not up yet (or a NIXL version): deliver directly, start it meanwhile
-            if not nixl:
-                self._start_relay(node_id)
-            members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
-            acks, late, calls = await notify_members(announcement, members)
-            self._state.delivery_calls += calls
-            pending = tuple(s for ids, _ in late for s in ids)
-            self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
-            if late:
-                asyncio.get_running_loop().create_task(self._late(model_id, node_id, newest.version, late))
-            return
-        members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
-        self._state.delivery_calls += 1
-        try:
-            reply = await getattr(relay, proto.RELAY_DELIVER).remote(RelayDelivery(announcement, members))
-        except Exception as err:  # it died or restarts: deliver directly until it answers again
-            logger.info("hub %r: relay on node %s: %s; delivering directly", self._name, node_id, err)
-            group.relay_lost()
-            for sub in due:
-                sub.sent = prior[sub]
-            self._ready.discard(node_id)
-            return
-        if group.relay_pid is not None and reply.relay_pid != group.relay_pid:
-            group.relay_lost()  # it restarted since it last answered: its late acks will not come
-        group.relay_pid = reply.relay_pid
-        group.known.update(members)
-        self._acks(group, newest.version, reply, prior)
-
-    def _acks(self, group: Group, version: int, reply: RelayReply, prior: dict[Subscriber, int]) -> None:
-        """Record a relay's acks (members that left meanwhile are skipped)."""
-        for sub_id in reply.pending:
-            sub = group.members.get(sub_id)
-            if sub is not None:
-                sub.relay_pending = True
-        now = time.time()
-        for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
-            sub = group.members.get(sub_id)
-            if sub is None or self._state.subs.get(sub_id) is not sub:
-                continue
-            sub.relay_pending = False
-            self._state.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
-            metrics.record_apply(self._name, sub.model_id, apply_s)
-        if reply.applied:
-            self._gauges.changed(self._state.models, self._state.subs)
-        for ack in reply.acks:
-            sub = group.members.get(ack.sub_id)
-            if sub is None or self._state.subs.get(ack.sub_id) is not sub:
-                continue
-            sub.relay_pending = False
-            if ack.outcome == "ok" and ack.report is not None:
-                self._record(sub, ack.report)
-            elif ack.outcome == "unknown":  # a restarted relay: send it the handle again
-                group.known.discard(ack.sub_id)
-                sub.sent = prior.get(sub, 0)
-            elif ack.outcome == "died":
-                self._drop(sub, f"actor died ({ack.error})")
-            elif ack.outcome == "unreachable":
-                self._state.unreachable(sub, ack.error or RuntimeError("unreachable"))
-            else:
-                self._state.delivery_failed(sub, version, ack.error or RuntimeError(ack.outcome))
-
-    async def _late(self, model_id: str, node_id: str, version: int, late: Late) -> None:
-        """The hub's own direct delivery: record the acks of slow subscribers as their calls end."""
-        async for batch in late_acks(late):
-            await self.relay_acks(node_id, model_id, version, compact(version, batch))
-
-    def _late_here(self, model_id: str, version: int, reply: RelayReply) -> None:
-        """Late acks of the subscribers the hub rang itself (no relay process to check)."""
-        reply = RelayReply(reply.acks, reply.applied, None, reply.pending)
-        asyncio.get_running_loop().create_task(self.relay_acks(self._here_node, model_id, version, reply))
-
-    async def relay_acks(self, node_id: str, model_id: str, version: int, reply: RelayReply) -> None:
-        """Acks of subscribers still applying when their relay answered; then deliver what is due."""
-        group = self._state.groups.get(f"{model_id}@node:{node_id}")
-        if group is None:
-            return
-        if reply.relay_pid is not None and group.relay_pid is not None and reply.relay_pid != group.relay_pid:
-            return  # from a relay process the hub no longer counts on
-        self._acks(group, version, reply, {})
-        if group.task is None or group.task.done():
-            group.task = asyncio.get_running_loop().create_task(self._deliver_relay(model_id, group))
-
     def _record(self, sub: Subscriber, report: ApplyReport) -> None:
         self._state.record(sub, report)
         if report.describes_apply():
@@ -627,23 +371,6 @@ class WeightHub:
         )
         self._gauges.changed(self._state.models, self._state.subs)
         return newest
-
-    def _start_relay(self, node_id: str) -> None:
-        """Start (or wait for) the node's relay in the background; nobody waits for it."""
-        starting = self._relay_starts.get(node_id)
-        if starting is not None and not starting.done():
-            return
-        if time.monotonic() - self._relay_failed.get(node_id, -_RELAY_RETRY_S) < _RELAY_RETRY_S:
-            return
-
-        async def start() -> None:
-            try:
-                await self._relay(node_id)
-            except Exception as err:  # delivered directly meanwhile; tried again later
-                self._relay_failed[node_id] = time.monotonic()
-                logger.warning("hub %r could not start the relay on node %s: %s", self._name, node_id, err)
-
-        asyncio.get_running_loop().create_task(start())
 
     async def heartbeat(self, sub_ids: list[str]) -> list[str]:
         """Subscribers check in; returns the ids to register again (the hub restarted or dropped them)."""

@@ -1,0 +1,212 @@
+"""The hub's records: a kept version, a model, a subscription, a wait, a delivery group (plain data)."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from raysync._protocol import (
+    Announcement,
+    Laggard,
+    RelayMember,
+    SubscriberInfo,
+)
+from raysync.core.layout import Manifest
+
+__all__ = ["Group", "Model", "StateBase", "Subscriber", "Version", "Waiter"]
+
+_STAMPS_KEPT = 100_000  # published version numbers remembered per model (lag counts versions)
+
+
+@dataclass
+class Version:
+    """One kept version: the hub holds its refs (borrowed from the pusher), never its bytes."""
+
+    version: int
+    manifest: Manifest
+    refs: list[Any]
+    pushed_at: float
+    pusher: dict[str, Any]
+
+    def announce(self, model_id: str, sub_ids: tuple[str, ...] = ()) -> Announcement:
+        return Announcement(model_id, self.version, self.manifest, tuple(self.refs), sub_ids)
+
+
+@dataclass
+class Model:
+    versions: dict[int, Version] = field(default_factory=dict)
+    latest: int = 0
+    pushes: int = 0
+    bytes_pushed: int = 0
+    last_push_time: float | None = None
+    writer: dict[str, Any] | None = None  # the process (or actor) holding the writer lease
+    epoch: int = 0  # the lease's fencing epoch: it changes whenever the lease passes to another process
+    session: str | None = None  # the process (of the writer) that holds the current epoch
+    reserved: int = 0  # every number up to this one was granted or stamped (persisted before use)
+    stamps: list[int] = field(default_factory=list)  # numbers of the versions published (newest kept)
+
+    def published(self, version: int) -> None:
+        """Count a version as published (for lag in versions: numbers skip at a new writer)."""
+        if not self.stamps or version > self.stamps[-1]:
+            self.stamps.append(version)
+        elif version not in self.stamps:
+            bisect.insort(self.stamps, version)
+        if len(self.stamps) > _STAMPS_KEPT:
+            del self.stamps[: len(self.stamps) - _STAMPS_KEPT]
+
+    def versions_after(self, applied: int | None) -> int:
+        """How many published versions are newer than ``applied`` (``None``: it holds none, so all)."""
+        return len(self.stamps) - bisect.bisect_right(self.stamps, applied or 0)
+
+    @property
+    def issued(self) -> int:
+        """The highest number ever handed out (granted to a writer or stamped here)."""
+        return max(self.latest, self.reserved)
+
+    @property
+    def newest(self) -> Version | None:
+        return self.versions.get(self.latest)
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """One subscription as the hub sees it."""
+
+    sub_id: str
+    model_id: str
+    handle: Any  # None: the hub cannot call it (known from before a restart, or a plain process)
+    info: SubscriberInfo
+    schema: dict[str, tuple[tuple[int, ...], str]] | None = None
+    applied: int | None = None
+    sent: int = 0  # newest version handed to it (a delivery in flight or done)
+    failed: int = 0  # newest version that failed to apply
+    last_apply_time: float | None = None
+    last_apply_s: float | None = None
+    last_pause_s: float | None = None
+    last_buckets_fetched: int | None = None
+    last_bytes_fetched: int | None = None
+    last_prefetched: bool = False
+    last_error: str | None = None
+    error_version: int | None = None  # the version last_error is about (None: not about one)
+    modified_since: int | None = None  # the version it holds, if its own code changed it in place since
+    state: str = "live"  # live | unreachable | restoring | dead
+    receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
+    last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
+    task: Any = None  # the actor's delivery loop for it (the state never touches it)
+    via_node: bool = False  # delivered through its node's relay (set when indexed)
+    relay_pending: bool = False  # its relay is still handing it a version (its ack comes later)
+    doorbell_key: bytes | None = field(default=None, repr=False)  # never persisted or shown
+
+    @property
+    def mode(self) -> str:
+        return self.info.mode
+
+    @property
+    def ringable(self) -> bool:
+        """Whether its node's relay (or the hub) can ring its doorbell: an address and the key."""
+        return bool(self.info.doorbell and self.doorbell_key)
+
+    @property
+    def waited_for(self) -> bool:
+        """Whether a wait counts it without ``include_pull``: push and follow subscribers."""
+        return self.info.mode != "pull"
+
+    def relay_member(self) -> RelayMember:
+        """What its node's relay (or the hub, on its own node) needs to hand it a version."""
+        return RelayMember(
+            self.handle, self.info.actor_id, self.info.batch, self.info.doorbell, self.doorbell_key
+        )
+
+    @functools.cached_property
+    def schema_key(self) -> Any:
+        """Subscribers with equal schemas are validated together (and once per layout)."""
+        if self.schema is None:
+            return None
+        return tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in self.schema.items()))
+
+    @property
+    def group(self) -> str | None:
+        """Subscriptions delivered together share one delivery loop.
+
+        Through relays (the default), every push subscription of a model on one node:
+        one message per node per version. Otherwise, subscriptions of one actor that
+        asked for batched notifications.
+        """
+        if self.via_node:
+            return f"{self.model_id}@node:{self.info.node_id}"
+        if not self.info.batch or not self.info.actor_id:
+            return None
+        return f"{self.model_id}/{self.info.actor_id}"
+
+    def settled(self, version: int) -> bool:
+        """Holds ``version`` (or newer), or failed to apply it: a wait for it no longer waits."""
+        return (self.applied is not None and self.applied >= version) or self.failed >= version
+
+    def laggard(self) -> Laggard:
+        return Laggard(self.sub_id, self.info.class_name, self.applied, self.last_error, self.state)
+
+    def persisted(self) -> dict[str, Any]:
+        """What the hub keeps of it in the GCS, so that a restarted hub knows whom to wait for."""
+        return {"model_id": self.model_id, "info": self.info.row()}
+
+    @classmethod
+    def restored(cls, sub_id: str, record: dict[str, Any]) -> Subscriber:
+        """A subscription known from before a restart: waited for until it registers again."""
+        return cls(sub_id, record["model_id"], None, SubscriberInfo(**record["info"]), state="restoring")
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One wait: the subscribers it still waits for, and the event set when none is left."""
+
+    version: int
+    pending: set[str]
+    include_pull: bool = False
+    need: int = 0  # subscribers that must have registered too (``wait(subscribers=n)``)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def counts(self, sub: Subscriber) -> bool:
+        return self.include_pull or sub.waited_for
+
+
+@dataclass(eq=False)
+class Group:
+    """Subscriptions delivered by one message: one actor's batched ones, or one node's (via its relay)."""
+
+    members: dict[str, Subscriber] = field(default_factory=dict)
+    task: Any = None
+    node_id: str | None = None  # set: the members are delivered through this node's relay
+    known: set[str] = field(default_factory=set)  # members whose handle the relay has been sent
+    relay_pid: int | None = None  # the relay process that answered last
+
+    def relay_lost(self) -> None:
+        """The relay died or restarted: what it was still doing is lost; hand it all again."""
+        self.known.clear()
+        for sub in self.members.values():
+            if sub.relay_pending:
+                sub.relay_pending = False
+                sub.sent = 0
+
+
+class StateBase:
+    """What every part of :class:`~raysync.hub.state.HubState` keeps (set in its ``__init__``)."""
+
+    name: str
+    keep: int
+    relay: bool
+    delivery_calls: int
+    models: dict[str, Model]
+    subs: dict[str, Subscriber]
+    by_model: dict[str, dict[str, Subscriber]]
+    groups: dict[str, Group]
+    waiters: dict[str, set[Waiter]]
+    _fits: set[tuple[str, Any]]
+    _misfits: dict[tuple[str, Any], str]
+
+    def subscribers(self, model_id: str) -> list[Subscriber]:
+        """The model's subscribers that are not dead."""
+        return [s for s in self.by_model.get(model_id, {}).values() if s.state != "dead"]

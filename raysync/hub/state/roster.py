@@ -1,0 +1,215 @@
+"""The hub's subscribers: who holds what, who is behind, who is gone."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from raysync._protocol import (
+    Announcement,
+    ApplyReport,
+    Registration,
+)
+from raysync.hub.state.records import Group, Subscriber
+from raysync.hub.state.versions import Versions
+
+__all__ = ["Roster"]
+
+logger = logging.getLogger(__name__)
+
+
+class Roster(Versions):
+    """Registrations, reports and drops, indexed by model and by delivery group."""
+
+    # ------------------------------------------------------------------ subscribers
+    def register(self, reg: Registration) -> tuple[Subscriber, Subscriber | None, Announcement | None]:
+        """Add (or re-add) a subscription; the registration it replaces; the newest version to apply.
+
+        The subscriber applies the newest version itself (from its ``__init__``), so
+        it counts as sent.
+        """
+        sub = Subscriber(reg.sub_id, reg.model_id, reg.handle, reg.info, reg.schema)
+        sub.doorbell_key = reg.doorbell_key
+        if reg.applied is not None and self.believable(sub, reg.applied):
+            sub.applied = reg.applied
+        replaced = self.add(sub)
+        newest = self.newest(reg.model_id)
+        if newest is None or (sub.applied is not None and sub.applied >= newest.version):
+            return sub, replaced, None
+        why = self.misfit(sub, newest.manifest)
+        if why is not None:  # say, another job's versions under the same model_id: not offered
+            logger.info(
+                "hub %r: %s does not take %r version %d (another layout: %s); it waits for a push that fits",
+                self.name,
+                sub.sub_id,
+                reg.model_id,
+                newest.version,
+                why[:300],
+            )
+            return sub, replaced, None
+        sub.sent = newest.version
+        return sub, replaced, newest.announce(reg.model_id)
+
+    def add(self, sub: Subscriber) -> Subscriber | None:
+        """Index a subscription; returns the one of the same id it replaces (now removed)."""
+        old = self.subs.get(sub.sub_id)
+        if old is not None:
+            self.remove(old)
+        self.subs[sub.sub_id] = sub
+        self.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
+        sub.via_node = self.relay and sub.mode == "push" and bool(sub.info.node_id)
+        if sub.group is not None:
+            node = sub.info.node_id if sub.via_node else None
+            group = self.groups.setdefault(sub.group, Group(node_id=node))
+            group.members[sub.sub_id] = sub
+            group.known.discard(sub.sub_id)  # a new registration may carry a new handle
+        for waiter in self.waiters.get(sub.model_id, ()):
+            if waiter.counts(sub) and not sub.settled(waiter.version):
+                waiter.pending.add(sub.sub_id)
+            elif waiter.need and waiter.counts(sub) and not waiter.pending:
+                waiter.event.set()  # one more of the subscribers it waits to see: look again
+        return old
+
+    def remove(self, sub: Subscriber) -> Group | None:
+        """Forget a subscription (indexes and the waits that waited for it); its emptied group, if any."""
+        if self.subs.get(sub.sub_id) is sub:
+            del self.subs[sub.sub_id]
+        members = self.by_model.get(sub.model_id)
+        if members is not None and members.get(sub.sub_id) is sub:
+            del members[sub.sub_id]
+            if not members:
+                del self.by_model[sub.model_id]
+        emptied = None
+        key = sub.group
+        group = self.groups.get(key) if key is not None else None
+        if group is not None and group.members.get(sub.sub_id) is sub:
+            del group.members[sub.sub_id]
+            if not group.members:
+                emptied = self.groups.pop(key)  # type: ignore[arg-type]
+        for waiter in self.waiters.get(sub.model_id, ()):
+            waiter.pending.discard(sub.sub_id)
+            if not waiter.pending:
+                waiter.event.set()
+        return emptied
+
+    def drop(self, sub: Subscriber, why: str) -> Group | None:
+        """A subscriber that is gone for good: forget it and say so."""
+        emptied = self.remove(sub)
+        sub.state = "dead"
+        logger.warning(
+            "hub %r dropped subscriber %s of %r (at version %s): %s",
+            self.name,
+            sub.sub_id,
+            sub.model_id,
+            sub.applied,
+            why,
+        )
+        return emptied
+
+    def settle(self, sub: Subscriber) -> None:
+        """Tell the waits on ``sub``'s model that it holds (or failed) what they wait for."""
+        for waiter in self.waiters.get(sub.model_id, ()):
+            if sub.sub_id in waiter.pending and sub.settled(waiter.version):
+                waiter.pending.discard(sub.sub_id)
+                if not waiter.pending:
+                    waiter.event.set()
+
+    def record(self, sub: Subscriber, report: ApplyReport) -> None:
+        """What a subscriber said after it was handed a version (or on its own)."""
+        sub.last_seen = time.monotonic()
+        if report.lost is not None:
+            self.forget_version(sub.model_id, report.lost, f"subscriber {sub.sub_id} could not fetch it")
+        if report.reset:
+            sub.applied, sub.sent, sub.failed, sub.modified_since = None, 0, 0, None
+            sub.last_error = report.error_text()
+            return
+        applied = report.applied
+        if applied is not None and not self.believable(sub, applied):
+            self.settle(sub)
+            return
+        newer = applied is not None and (sub.applied is None or applied > sub.applied)
+        if newer:
+            sub.applied = applied
+        # Only an apply of a newer version clears it; a report of an older held version is stale.
+        if report.modified_since is not None and report.modified_since == sub.applied:
+            sub.modified_since = report.modified_since
+        elif newer:
+            sub.modified_since = None
+        # A report of an apply describes it (a skipped or deferred one does not): the report
+        # of a prefetched swap may arrive after the delivery's reply for the same version.
+        if report.describes_apply() and (newer or applied == sub.applied):
+            sub.last_apply_time = time.time()
+            sub.last_apply_s = report.apply_s
+            sub.last_pause_s = report.pause_s
+            sub.last_buckets_fetched = report.buckets_fetched
+            sub.last_bytes_fetched = report.bytes_fetched
+            sub.last_prefetched = report.prefetched
+        if report.error is not None:
+            sub.last_error = report.error_text()
+            sub.error_version = report.failed
+            sub.failed = max(sub.failed, report.failed or 0)
+        elif applied is not None:
+            sub.last_error = sub.error_version = None
+        if report.receivers is not None:
+            sub.receivers = list(report.receivers)
+        if sub.state == "unreachable":
+            sub.state = "live"
+        self.settle(sub)
+
+    def record_applied(
+        self,
+        sub: Subscriber,
+        version: int,
+        apply_s: float | None,
+        pause_s: float | None,
+        buckets: int | None,
+        nbytes: int | None,
+        now: float,
+    ) -> None:
+        """What :meth:`record` does with a plain report of an apply of ``version`` (a relay's compact row)."""
+        sub.last_seen = time.monotonic()
+        if (sub.applied is not None and version < sub.applied) or not self.believable(sub, version):
+            return
+        if version != sub.applied:
+            sub.modified_since = None
+        sub.applied = version
+        sub.last_apply_time = now
+        sub.last_apply_s, sub.last_pause_s = apply_s, pause_s
+        sub.last_buckets_fetched, sub.last_bytes_fetched, sub.last_prefetched = buckets, nbytes, False
+        sub.last_error = sub.error_version = None
+        if sub.state == "unreachable":
+            sub.state = "live"
+        self.settle(sub)
+
+    def believable(self, sub: Subscriber, version: int) -> bool:
+        """Whether ``sub`` may hold ``version``: this hub issued it. A report of a version it never
+        issued (forged, or of another hub's numbering) is refused, logged, and shown as the
+        subscriber's error; what it held before stands.
+        """
+        model = self.models.get(sub.model_id)
+        issued = model.issued if model is not None else 0
+        if version <= issued:
+            return True
+        sub.last_error = (
+            f"RaySyncError: reported holding version {version} of {sub.model_id!r}, which this hub never "
+            f"issued (newest issued: {issued or None}); report ignored"
+        )
+        logger.error("hub %r: subscriber %s %s", self.name, sub.sub_id, sub.last_error)
+        return False
+
+    def delivery_failed(self, sub: Subscriber, version: int, error: BaseException) -> None:
+        """Handing ``version`` to ``sub`` raised (not a report of its own): record it as a failure."""
+        sub.last_error = f"{type(error).__name__}: {str(error)[:500]}"
+        sub.error_version = version
+        sub.failed = max(sub.failed, version)
+        self.settle(sub)
+
+    def unreachable(self, sub: Subscriber, error: BaseException) -> None:
+        """Restarting or not answering: it registers again when it is back."""
+        sub.state = "unreachable"
+        sub.sent = 0
+        sub.last_error = f"{type(error).__name__}: {str(error)[:300]}"
+
+    def stale(self, before: float) -> list[Subscriber]:
+        """Subscribers not heard from since ``before`` (monotonic seconds)."""
+        return [s for s in self.subs.values() if s.last_seen < before]

@@ -1,0 +1,282 @@
+"""The hub's versions: numbers granted and stamped, the newest ``keep`` kept, what a layout fits."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from raysync._protocol import (
+    Announcement,
+    Grant,
+)
+from raysync.core.layout import Manifest, validate
+from raysync.errors import StaleWriterError, UnknownModelError, WeightMismatchError
+from raysync.hub.state.leases import Leases, lease_record, who
+from raysync.hub.state.records import Group, Model, Subscriber, Version
+
+__all__ = ["Versions"]
+
+logger = logging.getLogger(__name__)
+
+_FITS_KEPT = 4096  # (layout, schema) pairs remembered as fitting before the memo starts afresh
+
+
+class Versions(Leases):
+    """Stamping, granting, keeping and handing out versions; whether a layout fits a subscriber."""
+
+    # ------------------------------------------------------------------ versions
+    def latest(self, model_id: str) -> int | None:
+        model = self.models.get(model_id)
+        return model.latest if model and model.latest else None
+
+    def newest(self, model_id: str) -> Version | None:
+        model = self.models.get(model_id)
+        return model.newest if model else None
+
+    def misfit(self, sub: Subscriber, manifest: Manifest) -> str | None:
+        """Why a version's layout does not fit ``sub``'s model (``None``: it fits, or nothing to check).
+
+        Remembered per (layout, schema): a hub that kept another job's versions under the same
+        ``model_id`` checks each new subscriber once, not once per delivery.
+        """
+        if sub.schema is None:
+            return None
+        key = (manifest.layout_hash, sub.schema_key)
+        if key in self._fits:
+            return None
+        why = self._misfits.get(key)
+        if why is None:
+            try:
+                validate(manifest, sub.schema)
+            except WeightMismatchError as err:
+                why = str(err)
+            if len(self._fits) + len(self._misfits) > _FITS_KEPT:
+                self._fits.clear()
+                self._misfits.clear()
+            if why is None:
+                self._fits.add(key)
+                return None
+            self._misfits[key] = why
+        return why
+
+    def mismatches(
+        self, model_id: str, manifest: Manifest
+    ) -> list[tuple[WeightMismatchError, list[Subscriber]]]:
+        """Why a version does not fit the subscribers' models: one error per schema, with its subscribers."""
+        by_schema: dict[Any, list[Subscriber]] = {}
+        for sub in self.subscribers(model_id):
+            if sub.schema is not None and (manifest.layout_hash, sub.schema_key) not in self._fits:
+                by_schema.setdefault(sub.schema_key, []).append(sub)
+        found = []
+        for key, subs in by_schema.items():
+            try:
+                validate(manifest, subs[0].schema)  # type: ignore[arg-type]
+            except WeightMismatchError as err:
+                found.append((err, subs))
+                continue
+            if len(self._fits) > _FITS_KEPT:
+                self._fits.clear()
+            self._fits.add((manifest.layout_hash, key))  # a layout fits a schema or not, for good
+        return found
+
+    def grant(self, model_id: str, count: int, pusher: dict[str, Any]) -> Grant:
+        """A block of ``count`` version numbers for the lease holder (persist before replying).
+
+        A process of the writer other than the one holding the epoch (a restarted
+        trainer, another task of a job) gets a new epoch: the other process's later
+        publishes are refused, never interleaved with this one's.
+        """
+        model = self.models.setdefault(model_id, Model())
+        session = pusher.get("session")
+        if session != model.session:
+            model.epoch += 1
+            model.session = session
+            if pusher.get("writer_id") is not None:
+                model.writer = lease_record(pusher)
+        first = model.issued + 1
+        model.reserved = first + max(1, int(count)) - 1
+        return Grant(model_id, model.epoch, first, model.reserved)
+
+    def accept(
+        self,
+        model_id: str,
+        manifest: Manifest,
+        refs: list[Any],
+        pusher: dict[str, Any],
+        version: int,
+        epoch: int,
+    ) -> Version:
+        """Keep a version its writer stamped from a :class:`Grant` (no reply awaited).
+
+        An older one arriving after a newer one (an async actor may run one caller's
+        calls out of order) is kept as an older version, never made the newest; the
+        same version offered again (after a hub restart lost it) is kept once.
+
+        Raises:
+            StaleWriterError: the lease passed to another writer (older ``epoch``), or
+                ``version`` was never granted.
+        """
+        model = self.models.get(model_id)
+        if model is not None and epoch != model.epoch and model.writer is not None:
+            same = model.writer.get("writer_id") == pusher.get("writer_id")
+            if same:
+                raise StaleWriterError(
+                    f"another process of this writer ({who(model.writer)}) took the writer lease of "
+                    f"model {model_id!r} after this process ({who(pusher)}) stamped version {version}, "
+                    "so that version was refused; push from one process at a time (this process's "
+                    "next push takes the lease back)"
+                )
+        if model is None or epoch != model.epoch:
+            holder = who(model.writer) if model is not None and model.writer else "no writer"
+            raise StaleWriterError(
+                f"model {model_id!r} is now written by {holder} (lease epoch "
+                f"{model.epoch if model else 0}); this process ({who(pusher)}) lost its writer lease "
+                f"(epoch {epoch}), so its version {version} was refused. Stop the other trainer, push "
+                "under another model_id, or take over with raysync.connect(..., takeover=True)"
+            )
+        if version > model.reserved:
+            raise StaleWriterError(
+                f"version {version} of {model_id!r} was never granted (granted up to {model.reserved}); "
+                "push again"
+            )
+        kept = model.versions.get(version)
+        if kept is not None:
+            return kept
+        v = Version(version, manifest, list(refs), time.time(), pusher)
+        model.versions[version] = v
+        model.latest = max(model.latest, version)
+        model.published(version)
+        model.pushes += 1
+        model.bytes_pushed += manifest.total_nbytes
+        model.last_push_time = v.pushed_at
+        self.trim(model)
+        return v
+
+    def stamp(self, model_id: str, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]) -> Version:
+        """Give a version its number and keep it (the oldest beyond ``keep`` are let go).
+
+        The number follows every number ever granted to a writer (persist before replying),
+        and it ends the blocks granted before it (a new epoch): a writer stamping from one
+        would publish versions older than this one.
+        """
+        model = self.models.setdefault(model_id, Model())
+        if model.session is not None:
+            model.epoch += 1
+            model.session = None
+        model.latest = model.reserved = model.issued + 1
+        v = Version(model.latest, manifest, list(refs), time.time(), pusher)
+        model.versions[v.version] = v
+        model.published(v.version)
+        model.pushes += 1
+        model.bytes_pushed += manifest.total_nbytes
+        model.last_push_time = time.time()
+        self.trim(model)
+        return v
+
+    def offer_again(
+        self, model_id: str, version: int, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]
+    ) -> bool:
+        """The writer offers its newest version again after a restart lost it; whether it is kept now.
+
+        Accepted for a number not older than the newest the hub knows (a restarted hub
+        knows the newest of a moment before it died) and not newer than it ever issued,
+        when nothing of it is kept, and only from the lease holder.
+        """
+        model = self.models.get(model_id)
+        if model is None or not model.latest <= version <= model.issued or version in model.versions:
+            return False
+        writer = model.writer
+        if writer is not None and writer.get("writer_id") != pusher.get("writer_id"):
+            return False
+        model.versions[version] = Version(version, manifest, list(refs), time.time(), pusher)
+        model.latest = version
+        model.published(version)
+        self.trim(model)
+        logger.info("hub %r: %r version %d offered again by its writer", self.name, model_id, version)
+        return True
+
+    def forget_version(self, model_id: str, version: int, why: str) -> None:
+        """Stop offering a version whose bytes are gone (its pusher died)."""
+        model = self.models.get(model_id)
+        if model is not None and model.versions.pop(version, None) is not None:
+            logger.warning(
+                "hub %r: version %d of %r is lost (%s; the process that pushed it died); the next push "
+                "brings subscribers forward",
+                self.name,
+                version,
+                model_id,
+                why,
+            )
+
+    def trim(self, model: Model) -> None:
+        for v in sorted(model.versions)[: -self.keep]:
+            del model.versions[v]  # drops the hub's borrow of that version's objects
+
+    def raise_keep(self, keep: int | None) -> bool:
+        """Keep at least ``keep`` versions per model; never fewer than another client asked. Changed?"""
+        if keep is None or keep == self.keep:
+            return False
+        if keep < self.keep:
+            logger.warning(
+                "hub %r: a client asked for keep=%d; it keeps %d versions per model, as another client "
+                "asked (a hub never lowers keep under a client that relies on it)",
+                self.name,
+                keep,
+                self.keep,
+            )
+            return False
+        logger.info("hub %r now keeps %d versions per model (was %d)", self.name, keep, self.keep)
+        self.keep = int(keep)
+        for model in self.models.values():
+            self.trim(model)
+        return True
+
+    def get(
+        self, model_id: str, version: int | None = None, newer_than: int | None = None
+    ) -> Announcement | None:
+        """A kept version (the newest by default); None if it is not newer than ``newer_than``.
+
+        Raises:
+            UnknownModelError: nothing kept of ``model_id``, or not ``version``.
+        """
+        model = self.models.get(model_id)
+        if model is None or not model.versions:
+            raise UnknownModelError(
+                f"no version of model {model_id!r} on hub {self.name!r}; models here: "
+                f"{sorted(self.models)}. Push one first with hub.push(model, model_id={model_id!r})"
+            )
+        v = model.versions.get(version if version is not None else model.latest)
+        if v is None:
+            raise UnknownModelError(
+                f"version {version} of model {model_id!r} is not kept (kept: {sorted(model.versions)}); "
+                "raise keep= on connect() to keep more"
+            )
+        if newer_than is not None and v.version <= newer_than:
+            return None
+        return v.announce(model_id)
+
+    def due(self, sub: Subscriber) -> Version | None:
+        """The version a push subscriber should be handed now (the newest it lacks), if any."""
+        newest = self.newest(sub.model_id)
+        if sub.state == "dead" or newest is None or newest.version <= max(sub.applied or 0, sub.sent):
+            return None
+        if self.misfit(sub, newest.manifest) is not None:
+            return None  # another layout (kept from another job): it waits for one that fits
+        return newest
+
+    def due_in_group(self, model_id: str, group: Group) -> tuple[Version | None, list[Subscriber]]:
+        newest = self.newest(model_id)
+        if newest is None:
+            return None, []
+        due = [
+            s
+            for s in group.members.values()
+            if s.state != "dead"
+            and s.mode == "push"
+            and s.handle is not None
+            and not s.relay_pending
+            and newest.version > max(s.applied or 0, s.sent)
+            and self.misfit(s, newest.manifest) is None
+        ]
+        return newest, due

@@ -1,0 +1,153 @@
+"""Who a wait still waits for, and the hub's status as plain data."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from raysync._protocol import (
+    Laggard,
+)
+from raysync.errors import UnknownModelError
+from raysync.hub.state.records import Waiter
+from raysync.hub.state.roster import Roster
+
+__all__ = ["Waits"]
+
+
+class Waits(Roster):
+    """Waits for versions (and registrations), and ``status()``."""
+
+    # ------------------------------------------------------------------ waits
+    def check_waitable(self, model_id: str, version: int, *, granted: bool = True) -> bool:
+        """Raise if ``version`` of ``model_id`` was never pushed (a wait for it could only run out).
+
+        Returns whether it was published. A number granted to the writer but not published
+        yet (its publish is on its way, or was refused) is waitable with ``granted``; the
+        caller gives the publish a moment, then asks again with ``granted=False``.
+        """
+        model = self.models.get(model_id)
+        limit = (model.issued if granted else model.latest) if model is not None else 0
+        if model is None or version > limit:
+            raise UnknownModelError(
+                f"version {version} of model {model_id!r} was never pushed on hub {self.name!r} "
+                f"(newest pushed: {model.latest if model and model.latest else None}; models here: "
+                f"{sorted(self.models)}); wait for a version push() returned (a refused push's "
+                "number is never pushed)"
+            )
+        return version <= model.latest
+
+    def kept_from(self, model_id: str, version: int) -> bool:
+        """Whether a version this new or newer is kept."""
+        model = self.models.get(model_id)
+        return model is not None and any(v >= version for v in model.versions)
+
+    def pending(
+        self, model_id: str, version: int, include_pull: bool = True
+    ) -> tuple[list[Laggard], list[Laggard]]:
+        """Who a wait for ``version`` still waits for, and who failed it."""
+        laggards: list[Laggard] = []
+        failures: list[Laggard] = []
+        model = self.models.get(model_id)
+        kept = model.versions.get(version) if model is not None else None
+        for sub in self.subscribers(model_id):
+            if not (include_pull or sub.waited_for):
+                continue
+            if sub.applied is not None and sub.applied >= version:
+                continue
+            why = None if kept is None else self.misfit(sub, kept.manifest)
+            if why is not None:  # it is not offered a version of another layout: it cannot get there
+                row = sub.laggard()
+                failures.append(dataclasses.replace(row, error=f"WeightMismatchError: {why}"))
+                continue
+            (failures if sub.failed >= version else laggards).append(sub.laggard())
+        return laggards, failures
+
+    def counted(self, model_id: str, include_pull: bool = False) -> int:
+        """How many live subscribers of ``model_id`` a wait counts (push and follow; pull too with
+        ``include_pull``)."""
+        return sum(1 for s in self.subscribers(model_id) if include_pull or s.waited_for)
+
+    def add_waiter(self, model_id: str, waiter: Waiter) -> None:
+        self.waiters.setdefault(model_id, set()).add(waiter)
+
+    def remove_waiter(self, model_id: str, waiter: Waiter) -> None:
+        waiters = self.waiters.get(model_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self.waiters[model_id]
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors), as plain data."""
+        now = time.time()
+        models = {}
+        for model_id, model in sorted(self.models.items()):
+            newest = model.newest
+            models[model_id] = {
+                "latest": model.latest or None,
+                "versions_kept": sorted(model.versions),
+                "bytes_per_version": newest.manifest.total_nbytes if newest else 0,
+                "buckets": newest.manifest.num_buckets if newest else 0,
+                "layout_hash": newest.manifest.layout_hash if newest else None,
+                "pushes": model.pushes,
+                "bytes_pushed": model.bytes_pushed,
+                "last_push_time": model.last_push_time,
+                "last_push_age_s": None if model.last_push_time is None else now - model.last_push_time,
+                "writer": model.writer,
+            }
+        subs = []
+        for sub in sorted(self.subs.values(), key=lambda s: (s.model_id, s.sub_id)):
+            held = self.models.get(sub.model_id)
+            latest = held.latest if held is not None else 0
+            # An error about a version older than the newest belongs to a superseded version:
+            # the subscriber moves on with the next one (or its next pull), so status drops it.
+            error = sub.last_error
+            if error is not None and sub.error_version is not None and sub.error_version < latest:
+                error = None
+            newest = held.newest if held is not None else None
+            misfit = None if newest is None or sub.applied is not None else self.misfit(sub, newest.manifest)
+            subs.append(
+                {
+                    "subscriber": sub.sub_id,
+                    "model_id": sub.model_id,
+                    "actor_id": sub.info.actor_id,
+                    "class_name": sub.info.class_name,
+                    "node_id": sub.info.node_id,
+                    "pid": sub.info.pid,
+                    "mode": sub.mode,
+                    "apply": sub.info.apply,
+                    "applied": sub.applied,
+                    "modified_since": sub.modified_since,  # its own code changed `applied` in place
+                    # versions published since the one it holds (numbers skip at a new writer)
+                    "lag": held.versions_after(sub.applied) if held is not None else 0,
+                    "last_apply_time": sub.last_apply_time,
+                    # measured at the same moment as the models' last_push_age_s
+                    "last_apply_age_s": None if sub.last_apply_time is None else now - sub.last_apply_time,
+                    "last_apply_s": sub.last_apply_s,
+                    "last_pause_s": sub.last_pause_s,
+                    "last_buckets_fetched": sub.last_buckets_fetched,
+                    "last_bytes_fetched": sub.last_bytes_fetched,
+                    "last_prefetched": sub.last_prefetched,
+                    "last_error": error,
+                    "state": sub.state,
+                    # why it holds nothing yet: the newest version has another layout
+                    "waiting_for": None if misfit is None else f"a version that fits ({misfit[:200]})",
+                    "receivers": sub.receivers,
+                    "placement": sub.info.placement,
+                }
+            )
+        delivery = {
+            "relay": self.relay,
+            "calls": self.delivery_calls,
+            "nodes": sorted({g.node_id for g in self.groups.values() if g.node_id is not None}),
+        }
+        return {
+            "hub": self.name,
+            "keep": self.keep,
+            "models": models,
+            "subscribers": subs,
+            "delivery": delivery,
+        }
