@@ -26,6 +26,7 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
 from raysync.receivers.membership import membership
+from raysync.transports.registry import transport_class
 
 __all__ = ["KINDS", "Kind"]
 
@@ -157,14 +158,10 @@ class _Adapter:
         self._reap()
         live = [r for r in self._receivers if r.state == "live"]
         try:
-            if manifest.transport != "object_store":
-                raise RaySyncError(
-                    "adapters read versions from the object store; this one came over "
-                    f"{manifest.transport!r} (push with transport='object_store')"
-                )
             if not live:
                 raise RaySyncError(f"{self.name} has no live receivers left")
-            buckets = ray.get(list(refs), timeout=self.timeout)
+            transport = transport_class(manifest.transport)  # one received in place refuses to be fetched
+            buckets = transport.fetch(manifest, refs, range(manifest.num_buckets), timeout=self.timeout)
             self._fetches += 1
             self._bytes_fetched += sum(manifest.bucket_nbytes)
             self._fan_out(model_id, version, manifest, buckets, live)

@@ -120,17 +120,11 @@ def require_checksums(manifest: Manifest) -> None:
     """
     if manifest.checksums is not None:
         return
-    if manifest.transport == "nixl":
-        raise ChecksumError(
-            f"this version (layout {manifest.layout_hash}) came over NIXL, which carries no checksums "
-            "(hub.push(..., transport='nixl') refuses checksum=), so a verify=True subscriber refuses it: "
-            "push with hub.push(..., transport='object_store', checksum=True), or subscribe without "
-            "verify=True"
-        )
     raise ChecksumError(
-        f"this version (layout {manifest.layout_hash}) carries no checksums, so a verify=True "
-        "subscriber cannot check its bytes and refuses it: push with hub.push(..., checksum=True), "
-        "or subscribe without verify=True"
+        f"this version (layout {manifest.layout_hash}, came over {manifest.transport!r}) carries no "
+        "checksums, so a verify=True subscriber cannot check its bytes and refuses it: push with "
+        "hub.push(..., checksum=True) over transport='object_store' (NIXL carries none), or subscribe "
+        "without verify=True"
     )
 
 

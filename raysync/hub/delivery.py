@@ -18,6 +18,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from raysync import _protocol as proto
 from raysync._protocol import ApplyReport, RelayDelivery, RelayReply
 from raysync.errors import ApplyError
+from raysync.hub import metrics
 from raysync.hub.relay import (
     Late,
     NodeDelivery,
@@ -28,7 +29,7 @@ from raysync.hub.relay import (
     start_relay,
 )
 from raysync.hub.state import Group, HubState, Subscriber, Version
-from raysync.ops import metrics
+from raysync.transports.registry import info as transport_info
 
 __all__ = ["Delivery", "Prior"]
 
@@ -219,10 +220,10 @@ class Delivery:
         announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
         # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
         # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
-        nixl = newest.manifest.transport == "nixl"
-        relay = self._relays.get(node_id) if node_id in self._ready and not nixl else None
+        direct = not transport_info(newest.manifest.transport, load=False).relayable
+        relay = self._relays.get(node_id) if node_id in self._ready and not direct else None
         if relay is None:  # not up yet (or a NIXL version): deliver directly, start it meanwhile
-            if not nixl:
+            if not direct:
                 self._start_relay(node_id)
             members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
             acks, late, calls = await notify_members(announcement, members)

@@ -32,6 +32,7 @@ from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, p
 from raysync.errors import InvalidWeightsError
 from raysync.hub.state import Version
 from raysync.transports.base import HubTransport, Reuse, transport_for
+from raysync.transports.registry import transport_class
 
 __all__ = ["PushPipeline", "PushRequest", "Pushed"]
 
@@ -85,8 +86,10 @@ class PushPipeline:
         transport = self._transports.get(request.transport) or self._transports.setdefault(
             request.transport, transport_for(request.transport)
         )
-        if not transport.supports_partial and (request.keys is not None or request.delta or request.checksum):
-            raise ValueError("transport='nixl' sends whole versions: drop keys=, delta= and checksum=")
+        if not transport.info.partial and (request.keys is not None or request.delta or request.checksum):
+            raise ValueError(
+                f"transport={request.transport!r} sends whole versions: drop keys=, delta= and checksum="
+            )
         tensors = self._tensors(request)
         selected = _select_keys(tensors, request.keys) if request.keys is not None else None
         prev, prev_buckets = (
@@ -179,7 +182,10 @@ class PushPipeline:
             return None, None
         try:
             require_ray("push")
-            return prev, list(ray.get(list(prev.refs)))
+            every = range(prev.manifest.num_buckets)
+            return prev, list(
+                transport_class(prev.manifest.transport).fetch(prev.manifest, prev.refs, every, timeout=None)
+            )
         except (ObjectLostError, RayTaskError) as err:
             if isinstance(err, RayTaskError) and not isinstance(err.cause, ObjectLostError):
                 raise

@@ -57,6 +57,7 @@ from raysync._protocol import (
 from raysync.hub.handles import class_free_handles
 from raysync.hub.priority import control_plane_priority
 from raysync.transports import doorbell
+from raysync.transports.registry import info as transport_info
 
 __all__ = [
     "ACK_WINDOW_S",
@@ -281,7 +282,7 @@ def rings(manifest: Any) -> bool:
     limit = doorbell.max_bytes()
     return (
         limit > 0
-        and manifest.transport == "object_store"
+        and transport_info(manifest.transport, load=False).node_shared
         and not manifest.extra_state
         and sum(manifest.bucket_nbytes) <= limit
         and doorbell.available()

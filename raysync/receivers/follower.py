@@ -40,6 +40,7 @@ from raysync.core.extract import module_schema
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.hub.locate import call_hub
 from raysync.receivers.membership import membership
+from raysync.transports.registry import transport_class
 
 __all__ = ["Follower", "follow"]
 
@@ -288,7 +289,8 @@ class Follower:
                     bound = BoundModel(module, ann.manifest, non_persistent=self.non_persistent)
                 ids = [r.hex() for r in ann.refs]
                 needed = bound.needed(ids)
-                arrays = ray.get([ann.refs[b] for b in needed], timeout=self.timeout)
+                transport = transport_class(ann.manifest.transport)
+                arrays = transport.fetch(ann.manifest, list(ann.refs), needed, timeout=self.timeout)
                 fetched = dict(zip(needed, arrays, strict=True))
                 if ann.manifest.checksums:
                     verify_checksums(ann.manifest, fetched)

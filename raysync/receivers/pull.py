@@ -21,6 +21,7 @@ from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
 from raysync.hub.locate import call_hub_async
 from raysync.receivers.membership import membership
+from raysync.transports.registry import info as transport_info
 
 if TYPE_CHECKING:
     from raysync.receivers.membership import Member
@@ -137,10 +138,11 @@ class PullSync:
         version, manifest, refs = info.version, info.manifest, list(info.refs)
         t0 = time.perf_counter()
         try:
-            if manifest.transport != "object_store":
+            if transport_info(manifest.transport).in_place:
                 raise RaySyncError(
-                    "a NIXL version cannot be applied from a plain method of an async actor: call "
-                    "`await self.raysync_sync()` from an async method"
+                    f"a version that came over {manifest.transport!r} (received in place) cannot be "
+                    "applied from a plain method of an async actor: call `await self.raysync_sync()` "
+                    "from an async method"
                 )
             needed = self._plan(version, manifest, bucket_ids(refs))
             if needed is None:

@@ -32,7 +32,8 @@ from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
 from raysync.receivers.pull import PullSync
 from raysync.transports.doorbell import Segment, doorbell
-from raysync.transports.nixl import receive_into
+from raysync.transports.registry import info as transport_info
+from raysync.transports.registry import transport_class
 from raysync.transports.store_pages import populate_store_mapping
 
 if TYPE_CHECKING:
@@ -245,7 +246,7 @@ class _Subscription(PullSync, LocalChanges):
         self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int], timeout: float | None = None
     ) -> dict[int, Any]:
         timeout = self.spec.fetch_timeout if timeout is None else timeout
-        arrays = ray.get([refs[b] for b in needed], timeout=timeout)
+        arrays = transport_class(manifest.transport).fetch(manifest, refs, needed, timeout=timeout)
         return self._fetched(manifest, needed, arrays)
 
     def _fetched(self, manifest: Manifest, needed: list[int], arrays: list[Any]) -> dict[int, Any]:
@@ -341,8 +342,8 @@ class _Subscription(PullSync, LocalChanges):
         not hold one of the actor's concurrency slots meanwhile.
         """
         t0 = time.perf_counter()
-        if manifest.transport == "nixl":
-            return self._receive_nixl(version, manifest, refs, t0)
+        if transport_info(manifest.transport).in_place:
+            return self._receive_in_place(version, manifest, refs, t0)
         try:
             if self.spec.prefetch:
                 swapped = self.swap_if_staged(version)
@@ -408,16 +409,19 @@ class _Subscription(PullSync, LocalChanges):
         """Same as :meth:`receive` for async actors: waits without blocking the event loop."""
         t0 = time.perf_counter()
         self.sync.loop = asyncio.get_running_loop()
-        if manifest.transport == "nixl":
-            return await asyncio.to_thread(self._receive_nixl, version, manifest, refs, t0)
+        if transport_info(manifest.transport).in_place:
+            return await asyncio.to_thread(self._receive_in_place, version, manifest, refs, t0)
         try:
             needed = self._plan(version, manifest, bucket_ids(refs))
             if needed is None:
                 return self._skipped(version)
-            arrays = await asyncio.wait_for(
-                asyncio.gather(*[refs[b] for b in needed]),
-                self.spec.fetch_timeout if fetch_timeout is None else fetch_timeout,
-            )
+            timeout = self.spec.fetch_timeout if fetch_timeout is None else fetch_timeout
+            transport = transport_class(manifest.transport)
+            fetch_async = getattr(transport, "fetch_async", None)  # without a thread, where it can
+            if fetch_async is not None:
+                arrays = await asyncio.wait_for(fetch_async(manifest, refs, needed), timeout)
+            else:
+                arrays = await asyncio.to_thread(transport.fetch, manifest, refs, needed, timeout=timeout)
             fetched = self._fetched(manifest, needed, arrays)
             async with self.sync.async_lock.write():
                 pause = self._commit(version, manifest, bucket_ids(refs), fetched)
@@ -426,19 +430,20 @@ class _Subscription(PullSync, LocalChanges):
             return self._reply(version, t0, err)
         return self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
 
-    def _receive_nixl(
+    def _receive_in_place(
         self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], t0: float
     ) -> ApplyReport:
-        """NIXL: receive into the spare buffer set, then swap it in under the write lock."""
+        """A path that receives in place (NIXL): into the spare buffer set, then swapped in under
+        the write lock."""
         try:
             if self.spec.apply != "copy":
                 raise RaySyncError(
                     f"{self.sub_id}: apply={self.spec.apply!r} needs the object store; this version came "
-                    "over NIXL (push with transport='object_store' or use apply='copy')"
+                    f"over {manifest.transport!r} (push with transport='object_store' or use apply='copy')"
                 )
             self.check_binding()
             if self.spec.verify:
-                require_checksums(manifest)  # NIXL versions carry none: refused, not taken unchecked
+                require_checksums(manifest)  # such versions carry none: refused, not taken unchecked
             with self._stage_lock:
                 if self.version is not None and version <= self.version:
                     return self._skipped(version)
@@ -448,7 +453,7 @@ class _Subscription(PullSync, LocalChanges):
                     with self._write_lock(), self._binding_lock:
                         bound = self.bound = BoundModel(self.module(), manifest)
                 ids = bucket_ids(refs)
-                nbytes = receive_into(
+                nbytes = transport_class(manifest.transport).receive_into(
                     bound, refs, ids, timeout=self.spec.fetch_timeout, extra_state=manifest.extra_state
                 )
                 with self._write_lock(), self._binding_lock:
@@ -515,8 +520,8 @@ class _Subscription(PullSync, LocalChanges):
                 continue
             version, manifest, refs = info.version, info.manifest, list(info.refs)
             known = max(known, version)
-            if manifest.transport != "object_store":
-                continue  # NIXL versions are received straight into the spare set anyway
+            if transport_info(manifest.transport).in_place:
+                continue  # received straight into the spare set anyway
             try:
                 with self._stage_lock:
                     bound = self._bound_for(manifest)

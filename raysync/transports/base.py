@@ -1,4 +1,4 @@
-"""The interface every hub data path implements: take a version's snapshot, hand back refs.
+"""The interface every data path implements, both sides: a version's snapshot, its fetch.
 
 Example:
     >>> transport = transport_for("object_store")
@@ -8,25 +8,29 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from raysync.core.layout import Manifest
+from raysync.transports import registry
+from raysync.transports.registry import TransportInfo
 
 __all__ = [
     "TRANSPORTS",
     "HubTransport",
     "Reuse",
     "Snapshot",
+    "Transport",
+    "TransportInfo",
     "check_transport",
     "transport_for",
 ]
 
-TRANSPORTS = ("object_store", "nixl")
-"""The hub's data paths, by name (``hub.push(..., transport=...)``, ``raysync.connect(transport=...)``)."""
+TRANSPORTS = tuple(registry.BUILTIN)
+"""raysync's own data paths, by name (``hub.push(transport=...)``, ``raysync.connect(transport=...)``)."""
 
 
 Reuse = Callable[[int, list[Any]], Any]
@@ -54,11 +58,20 @@ class Snapshot:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class HubTransport(Protocol):
-    """A data path for the hub: the trainer's side of it (receivers are in :mod:`raysync.receivers`)."""
+class Transport(Protocol):
+    """One data path, both sides: the trainer's snapshot and the receivers' fetch.
+
+    A data path is one module with one such class. raysync's are ``object_store`` and
+    ``nixl``; another is named ``"<module>:<Class>"`` (:mod:`raysync.transports.registry`).
+
+    Example:
+        >>> t = transport_for("object_store")
+        >>> snap = t.snapshot("policy", tensors, manifest)                 # trainer
+        >>> buckets = type(t).fetch(snap.manifest, snap.refs, [0], timeout=30)   # receiver
+    """
 
     name: str
-    supports_partial: bool  # keys= / delta= / checksum=
+    info: TransportInfo  # what it allows: relays, node shared memory, in-place receives, ...
 
     def snapshot(
         self,
@@ -69,22 +82,44 @@ class HubTransport(Protocol):
         checksum: bool = False,
         reuse: Reuse | None = None,
     ) -> Snapshot:
-        """Copy the tensors once into where receivers read them; the caller may change them after."""
+        """Trainer side: copy the tensors once into where receivers read them; the caller may
+        change them after. The manifest it returns names this data path."""
+        ...
+
+    @staticmethod
+    def fetch(
+        manifest: Manifest, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None
+    ) -> list[Any]:
+        """Receiver side: the buckets ``needed`` (indices into ``refs``) as a receiver reads them, to
+        copy from (each a list of uint8 arrays)."""
+        ...
+
+    @staticmethod
+    def receive_into(
+        bound: Any,
+        refs: Sequence[Any],
+        ids: Sequence[str | None],
+        *,
+        timeout: float,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> int:
+        """Receiver side of a path that receives in place (``info.in_place``): into the spare
+        buffers of ``bound`` (a :class:`~raysync.core.bound.BoundModel`), which the caller swaps in;
+        the bytes received."""
         ...
 
 
+HubTransport = Transport
+"""The name this interface had when it was the trainer's side only."""
+
+
 def check_transport(transport: Any) -> None:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    """Raise ``ValueError`` unless ``transport`` names a data path (see :mod:`.registry`)."""
+    registry.check_transport(transport)
 
 
-def transport_for(name: str) -> HubTransport:
+def transport_for(name: str) -> Transport:
     """A fresh instance of the named data path (one per client: NIXL keeps buffer pools)."""
-    check_transport(name)
-    if name == "nixl":
-        from raysync.transports.nixl import NixlTransport
-
-        return NixlTransport()
-    from raysync.transports.object_store import ObjectStoreTransport
-
-    return ObjectStoreTransport()
+    cls = registry.transport_class(name)
+    instance: Transport = cls()
+    return instance

@@ -40,7 +40,8 @@ import torch
 from raysync.core import codec
 from raysync.core.bound import BoundModel
 from raysync.core.layout import Manifest
-from raysync.errors import SyncTimeoutError
+from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot
 
 __all__ = ["UCX_ENV", "NixlSnapshotPool", "NixlTransport", "receive_into"]
@@ -120,10 +121,31 @@ class NixlSnapshotPool:
 
 
 class NixlTransport:
-    """The NIXL data path, trainer side: one buffer pool per model (whole versions only)."""
+    """The NIXL data path, both sides: the trainer keeps one buffer pool per model (whole versions
+    only); receivers receive in place (:func:`receive_into`)."""
 
     name = "nixl"
-    supports_partial = False
+    info = registry.info("nixl")
+
+    @staticmethod
+    def fetch(
+        manifest: Manifest, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None
+    ) -> list[Any]:
+        raise RaySyncError(
+            "this version came over NIXL, which receives in place into a subscriber's own buffers; "
+            "a receiver that copies from fetched buckets needs transport='object_store'"
+        )
+
+    @staticmethod
+    def receive_into(
+        bound: Any,
+        refs: Sequence[Any],
+        ids: Sequence[str | None],
+        *,
+        timeout: float,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> int:
+        return receive_into(bound, refs, ids, timeout=timeout, extra_state=extra_state)
 
     def __init__(self) -> None:
         self._pools: dict[str, NixlSnapshotPool] = {}

@@ -10,7 +10,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ray
 import torch
@@ -18,6 +20,7 @@ import torch
 from raysync._checks import require_ray
 from raysync.core.codec import bucket_checksums, pack
 from raysync.core.layout import Manifest
+from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot
 from raysync.transports.store_pages import populate_store_mapping
 
@@ -25,10 +28,10 @@ __all__ = ["ObjectStoreTransport"]
 
 
 class ObjectStoreTransport:
-    """The object-store data path (the hub's default)."""
+    """The object-store data path (the hub's default): both sides."""
 
     name = "object_store"
-    supports_partial = True
+    info = registry.info("object_store")
 
     def snapshot(
         self,
@@ -55,3 +58,30 @@ class ObjectStoreTransport:
         del buckets
         populate_store_mapping(True, put_bytes)  # once per process: later puts take no page faults
         return Snapshot(manifest, refs, put_bytes, puts)
+
+    @staticmethod
+    def fetch(
+        manifest: Manifest, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None
+    ) -> list[Any]:
+        """Receiver side: the buckets, zero-copy views of this node's object store."""
+        require_ray("fetch a version")
+        buckets: list[Any] = ray.get([refs[b] for b in needed], timeout=timeout)
+        return buckets
+
+    @staticmethod
+    async def fetch_async(manifest: Manifest, refs: Sequence[Any], needed: Sequence[int]) -> list[Any]:
+        """:meth:`fetch` on an event loop (an async actor's): awaits the refs, no thread."""
+        return list(await asyncio.gather(*[refs[b] for b in needed]))
+
+    @staticmethod
+    def receive_into(
+        bound: Any,
+        refs: Sequence[Any],
+        ids: Sequence[str | None],
+        *,
+        timeout: float,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> int:
+        raise NotImplementedError(
+            "object-store versions are fetched, then copied in (info.in_place is False)"
+        )

@@ -77,7 +77,7 @@ def test_case6_verifying_subscribers_refuse_nixl_versions(nixl_hub: raysync.HubC
     ray.get([careful.raysync_version.remote(), trusting.raysync_version.remote()])
     src = small_policy(4)
     v = nixl_hub.push(src)
-    with pytest.raises(raysync.ApplyError, match=r"1 subscriber\(s\).*came over NIXL.*checksum=True"):
+    with pytest.raises(raysync.ApplyError, match=r"1 subscriber\(s\).*came over 'nixl'.*checksum=True"):
         nixl_hub.wait(v, timeout=30)
     assert ray.get(careful.raysync_version.remote()) is None
     assert_same_weights(ray.get(trusting.weights.remote()), src.state_dict())
