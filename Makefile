@@ -10,7 +10,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.raysync-installed
 
-.PHONY: demo demo-torchrl test lint typecheck unit bench clean
+.PHONY: demo demo-torchrl test lint typecheck unit pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,15 +27,20 @@ demo-torchrl: $(STAMP)
 	$(BIN)/python examples/torchrl_ppo.py --check
 
 lint: $(STAMP)
-	$(BIN)/ruff check raysync tests examples benchmarks
+	$(BIN)/ruff check raysync tests examples benchmarks .ci
+	$(BIN)/python .ci/layers.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy raysync
 
+# The unit tests only (seconds, no Ray cluster); `make test` runs every level.
 unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+pytest: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10
 
-test: lint typecheck unit
+test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/push_fanout.py

@@ -52,6 +52,10 @@ Ray (checked with :data:`RAY_CHECKED`):
     How often Ray exports metrics, so that an idle hub sets its gauges again in
     time; no public API says it.
 
+``RuntimeContext.worker.mode`` (:func:`in_worker`)
+    Whether the process is a Ray worker, not a driver (a task's lease names its job): the public
+    ``get_task_id()`` logs a warning on every call from a driver.
+
 ``ray._private.internal_api.get_memory_info_reply`` (:func:`object_store_bytes_used`)
     Bytes in use in the node's object store, for benchmarks that count copies
     per version: ``ray.available_resources`` rounds the store to whole objects'
@@ -94,6 +98,7 @@ __all__ = [
     "object_store_bytes_used",
     "placement_group",
     "plain_tensors",
+    "in_worker",
     "tensor_version",
     "version_counters",
 ]
@@ -114,6 +119,7 @@ RAY_USES = (
     "ray._private.state.actors / jobs",
     "ray._private.state actor table, gcs_pb2.ActorTableData, ray._raylet.PlacementGroupID",
     "ray._config.metrics_report_interval_ms",
+    "ray.runtime_context.RuntimeContext.worker.mode",
     "ray._private.internal_api.get_memory_info_reply",
 )
 """Every private use of Ray, by name (see the module docstring for why each)."""
@@ -224,6 +230,17 @@ def placement_group(pg_id: bytes) -> Any:
 
     # Why private: PlacementGroup takes a PlacementGroupID, which only ray._raylet makes.
     return PlacementGroup(PlacementGroupID(pg_id))
+
+
+def in_worker(ctx: Any) -> bool:
+    """Whether this process is a Ray worker (it runs tasks or an actor), not a driver.
+
+    ``RuntimeContext.worker.mode`` (private): ``get_task_id()`` would log a warning on every
+    push from a driver.
+    """
+    import ray
+
+    return getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE
 
 
 def metrics_report_interval_s() -> float:

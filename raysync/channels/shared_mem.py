@@ -248,7 +248,7 @@ class SharedMemTransport(MPTransport):
         With a pipe and no keyword: ``(model_id, tensors)`` in private memory, or
         ``None`` after ``timeout`` (see :class:`~raysync.channels.pipe.MPTransport`).
         Given ``weights`` and ``model``: copy the weights into the model, whole or
-        not at all, with ``strategy`` (default: raysync's ``WeightStrategy``), and
+        not at all, with ``strategy`` (default: :meth:`default_strategy`), and
         return ``weights``; ``None`` when either is missing.
 
         Raises:
@@ -259,11 +259,14 @@ class SharedMemTransport(MPTransport):
         if weights is None or model is None:
             return None
         if strategy is None:
-            from raysync.torchrl.strategy import WeightStrategy  # the torchrl layer sits above channels
-
-            strategy = WeightStrategy()
+            strategy = self.default_strategy()
         strategy.apply_weights(model, weights)
         return weights
+
+    def default_strategy(self) -> Any:
+        """What applies shared weights when no ``strategy=`` is given: the torchrl layer's
+        ``raysync.torchrl.SharedMemTransport`` gives its ``WeightStrategy`` (this layer has none)."""
+        raise TypeError("pass strategy= (a WeightStrategy), or use raysync.torchrl.SharedMemTransport")
 
     def send_ack(self, message: str = "updated") -> None:
         """Worker: acknowledge the last version (with a pipe; without one there is no ack)."""

@@ -38,6 +38,7 @@ from raysync._protocol import (
 )
 from raysync.core.layout import Manifest
 from raysync.errors import WeightMismatchError
+from raysync.hub import metrics
 from raysync.hub.delivery import Delivery
 from raysync.hub.handles import class_free_handles
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
@@ -48,7 +49,6 @@ from raysync.hub.relay import (
     relay_name,
 )
 from raysync.hub.state import HubState, Subscriber, Waiter
-from raysync.ops import metrics
 
 __all__ = ["WeightHub"]
 

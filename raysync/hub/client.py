@@ -17,21 +17,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
-import socket
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import ray
 import torch
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
-from raysync._checks import check_timeout, not_running, ray_shut_down, require_ray
+from raysync._checks import check_timeout, require_ray
 from raysync._protocol import (
     ACQUIRE,
     BLOCK,
@@ -46,13 +41,16 @@ from raysync._protocol import (
 from raysync.core.codec import unpack
 from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
-from raysync.errors import ApplyError, RaySyncError, StaleWriterError, SyncTimeoutError, UnknownModelError
+from raysync.errors import RaySyncError, StaleWriterError, UnknownModelError
+from raysync.hub import metrics
+from raysync.hub.identity import writer_identity
 from raysync.hub.lease import Publishes, WriterLease, lease_of
-from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor
+from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
 from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.state import Version
-from raysync.ops import metrics
+from raysync.hub.waiting import early_result, raise_for
 from raysync.transports.base import check_transport
+from raysync.transports.registry import transport_class
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -60,30 +58,6 @@ if TYPE_CHECKING:
 __all__ = ["HubClient", "connect"]
 
 logger = logging.getLogger(__name__)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _needs_ray(method: _F) -> _F:
-    """A client call that needs Ray in this process: :class:`RayNotRunningError` without it,
-    and for whatever Ray raises when it was shut down meanwhile (from another thread)."""
-    what = method.__name__
-
-    @functools.wraps(method)
-    def call(self: HubClient, *args: Any, **kwargs: Any) -> Any:
-        if not ray.is_initialized():
-            raise not_running(what)
-        try:
-            return method(self, *args, **kwargs)
-        except RaySyncError:
-            raise
-        except Exception as err:
-            if ray_shut_down():
-                raise not_running(what) from err
-            raise
-
-    return call  # type: ignore[return-value]
 
 
 def connect(
@@ -216,7 +190,7 @@ class HubClient:
         do not fit a subscriber raise here; other pushes return without it and the answer
         is read on the next push, ``wait`` or query.
         """
-        pusher = {**_writer_identity(), **self.last_push}
+        pusher = {**writer_identity(), **self.last_push}
         lease = lease_of(self.name, self.namespace, model_id)
         with lease.lock:
             version, epoch = lease.take(
@@ -286,7 +260,7 @@ class HubClient:
         self._call("lost", model_id, version)
 
     # ------------------------------------------------------------------ push
-    @_needs_ray
+    @needs_ray
     def push(
         self,
         weights: Any,
@@ -381,7 +355,7 @@ class HubClient:
             weights, model_id, keys, dtype, delta, bucket_bytes, checksum, check_finite, transport
         )
         self.last_push = {"model_id": model_id}
-        pushed = self._pipeline.push(request, writer=_writer_identity())
+        pushed = self._pipeline.push(request, writer=writer_identity())
         self.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
         metrics.record_push(
             self.name,
@@ -394,7 +368,7 @@ class HubClient:
             self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
         return pushed.version
 
-    @_needs_ray
+    @needs_ray
     def next_version(self, model_id: str = "policy") -> int:
         """The version number this writer's next push of ``model_id`` gets (nothing is pushed).
 
@@ -414,13 +388,13 @@ class HubClient:
         """
         _check_model_id(model_id)
         self._settle(model_id, wait=False)
-        pusher = {**_writer_identity(), **self.last_push}
+        pusher = {**writer_identity(), **self.last_push}
         lease = self._lease(model_id)
         with lease.lock:
             return lease.peek(lambda: self._acquire(model_id, pusher))
 
     # ------------------------------------------------------------------ wait / query
-    @_needs_ray
+    @needs_ray
     def wait(
         self,
         version: int,
@@ -505,43 +479,17 @@ class HubClient:
                 with contextlib.suppress(Exception):
                     ray.cancel(early)
             raise
-        result: WaitResult | None = None if early is None else _early_result(early, timeout)
+        result: WaitResult | None = None if early is None else early_result(early, timeout)
         if result is None:
             result = self._call("wait", *args)
         if result.missing and mine is not None:
             # The hub restarted and lost the version: offer ours again, then wait as usual.
-            self._call("restore", model_id, mine.version, mine.manifest, mine.refs, _writer_identity())
+            self._call("restore", model_id, mine.version, mine.manifest, mine.refs, writer_identity())
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             result = self._call("wait", model_id, version, left, include_pull, False, need)
-        if result.laggards or (result.registered is not None and result.registered < need):
-            rows = [r.row() for r in result.laggards]
-            names = ", ".join(
-                f"{r['subscriber']} ({r['actor']}, applied {r['applied']}"
-                + (f", {r['state']}" if r["state"] != "live" else "")
-                + (f", error: {r['error']}" if r["error"] else "")
-                + ")"
-                for r in rows[:10]
-            )
-            short = (
-                f"; only {result.registered} of the {need} subscribers waited for had registered"
-                if result.registered is not None and result.registered < need
-                else ""
-            )
-            raise SyncTimeoutError(
-                f"{len(rows)} subscriber(s) of {model_id!r} did not apply version {version} "
-                f"within {timeout} s: {names or '-'}{short}",
-                laggards=rows,
-            )
-        if result.failures and raise_failures:
-            rows = [r.row() for r in result.failures]
-            names = "; ".join(f"{r['subscriber']} ({r['actor']}): {r['error']}" for r in rows[:10])
-            raise ApplyError(
-                f"{len(rows)} subscriber(s) of {model_id!r} failed to apply version {version} "
-                f"and kept their previous weights: {names}",
-                failures=rows,
-            )
+        raise_for(result, model_id, version, timeout, need=need, failures=raise_failures)
 
-    @_needs_ray
+    @needs_ray
     def latest(self, model_id: str = "policy") -> int | None:
         """The newest version of ``model_id`` (``None`` before the first push).
 
@@ -564,7 +512,7 @@ class HubClient:
         self, model_id: str = ..., version: int | None = ..., *, state_dict: Literal[True]
     ) -> dict[str, torch.Tensor]: ...
 
-    @_needs_ray
+    @needs_ray
     def pull(
         self, model_id: str = "policy", version: int | None = None, *, state_dict: bool = False
     ) -> TensorDict | dict[str, torch.Tensor]:
@@ -593,12 +541,14 @@ class HubClient:
         self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
-        require_ray("pull")
-        buckets = ray.get(list(info.refs))
+        every = range(info.manifest.num_buckets)
+        buckets = transport_class(info.manifest.transport).fetch(
+            info.manifest, list(info.refs), every, timeout=None
+        )
         tensors = {k: t.clone() for k, t in unpack(info.manifest, buckets).items()}
         return tensors if state_dict else to_tensordict(tensors)
 
-    @_needs_ray
+    @needs_ray
     def status(self) -> dict[str, Any]:
         """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors).
 
@@ -614,24 +564,6 @@ class HubClient:
 _POST_RETRIES = 10  # hub restarts a call sent without waiting goes through before it fails
 
 
-def _early_result(ref: Any, timeout: float | None) -> WaitResult | None:
-    """The answer to a wait sent with publishes in flight; ``None``: ask again the usual way.
-
-    The usual way retries through a hub restart and offers a version a restart lost;
-    an early wait that met either (or arrived first after all) gives way to it.
-    """
-    try:
-        result: WaitResult = ray.get(ref, timeout=None if timeout is None else timeout + 30.0)
-    except RayTaskError as err:
-        cause = getattr(err, "cause", None)
-        if isinstance(cause, UnknownModelError):
-            return None
-        raise cause if isinstance(cause, RaySyncError) else err from None
-    except (ActorDiedError, ActorUnavailableError, GetTimeoutError):
-        return None
-    return result
-
-
 def _alive(ref: weakref.ReferenceType[HubClient]) -> HubClient:
     client = ref()
     assert client is not None, "a HubClient's pipeline outlived it"
@@ -642,41 +574,6 @@ def _restore_client(
     name: str, namespace: str, takeover: bool = False, transport: str = "object_store"
 ) -> HubClient:
     return HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
-
-
-def _writer_identity() -> dict[str, Any]:
-    """Who is pushing: an actor, or a job (its driver and its tasks share one lease).
-
-    Task workers are pooled and outlive their tasks, so a lease held by one would
-    outlive the task and name an idle process; a job's tasks and driver are one writer.
-    """
-    pid = os.getpid()
-    cached = _identity.get(pid)
-    if cached is None:
-        _identity.clear()
-        cached = _identity[pid] = _look_up_identity()
-    return dict(cached)
-
-
-_identity: dict[int, dict[str, Any]] = {}  # per process (a forked child looks itself up again)
-
-
-def _look_up_identity() -> dict[str, Any]:
-    ctx = ray.get_runtime_context()
-    actor_id = ctx.get_actor_id()
-    job_id = ctx.get_job_id()
-    # get_task_id() would log a warning on every push from a driver: ask the worker's mode.
-    is_task = getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE
-    kind = "actor" if actor_id else ("tasks" if is_task else "driver")
-    return {
-        "session": uuid.uuid4().hex,  # this process: a writer's processes get epochs of their own
-        "writer_id": actor_id or f"job:{job_id}",
-        "kind": kind,
-        "actor_id": actor_id,
-        "job_id": job_id,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-    }
 
 
 def _check_model_id(model_id: Any) -> None:

@@ -11,20 +11,21 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
-from raysync._checks import not_running, require_ray
+from raysync._checks import not_running, ray_shut_down, require_ray
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
 from raysync.errors import RaySyncError
 from raysync.hub.actor import WeightHub
 
-__all__ = ["RETRY_S", "call_hub", "call_hub_async", "get_hub_actor"]
+__all__ = ["RETRY_S", "call_hub", "call_hub_async", "get_hub_actor", "needs_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,30 @@ def get_hub_actor(
         max_restarts=-1,
         max_concurrency=10_000,
     ).remote(name=name, keep=DEFAULT_KEEP if keep is None else keep)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def needs_ray(method: _F) -> _F:
+    """A client call that needs Ray in this process: :class:`RayNotRunningError` without it,
+    and for whatever Ray raises when it was shut down meanwhile (from another thread)."""
+    what = method.__name__
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not ray.is_initialized():
+            raise not_running(what)
+        try:
+            return method(self, *args, **kwargs)
+        except RaySyncError:
+            raise
+        except Exception as err:
+            if ray_shut_down():
+                raise not_running(what) from err
+            raise
+
+    return call  # type: ignore[return-value]
 
 
 def _unwrapped(err: RayTaskError) -> BaseException:

@@ -34,7 +34,7 @@ created at import: the metric objects are made on first use, in the process
 that records them, and recording never raises (a failure is logged once).
 
 Example:
-    >>> from raysync.ops import metrics
+    >>> from raysync.hub import metrics
     >>> metrics.record_push("raysync", "policy", seconds=0.012, nbytes=2**20)  # doctest: +SKIP
 """
 

@@ -15,7 +15,6 @@ from typing import Any
 
 from raysync.channels.base import TransportBackend
 from raysync.channels.pipe import MPTransport
-from raysync.channels.shared_mem import SharedMemTransport
 from raysync.torchrl.base import WeightSyncScheme
 from raysync.torchrl.legacy import MultiProcessedRemoteWeightUpdate
 from raysync.torchrl.module_transform import (
@@ -34,7 +33,7 @@ from raysync.torchrl.schemes import (
     SharedMemWeightSyncScheme,
 )
 from raysync.torchrl.sender import WeightSender
-from raysync.torchrl.strategy import WeightStrategy, resolve_model
+from raysync.torchrl.strategy import SharedMemTransport, WeightStrategy, resolve_model
 
 
 def __getattr__(name: str) -> Any:

@@ -54,9 +54,7 @@ def receiver_for(model_id: str, instance: Any = None, path: str | None = None) -
     key = (model_id, path)
     if key not in cache:
         model = resolve_model(instance, path or model_id)
-        from raysync.torchrl.schemes import NoWeightSyncScheme  # a scheme is built on receivers
-
-        receiver = WeightReceiver(NoWeightSyncScheme())
+        receiver = WeightReceiver(None)  # fed by the sender's Ray calls: no transport of its own
         receiver._model_id = model_id
         receiver._register_model(model)
         cache[key] = receiver
@@ -80,7 +78,7 @@ class WeightReceiver:
         ...     receiver.receive(timeout=0.01)   # applies a version if one arrived
     """
 
-    def __init__(self, scheme: WeightSyncScheme) -> None:
+    def __init__(self, scheme: WeightSyncScheme | None) -> None:
         self._scheme = scheme
         self._transport: Any = None
         self._model_ref: Any = None
@@ -126,6 +124,8 @@ class WeightReceiver:
     def _register_worker_transport(self, pipe_or_transport: Any) -> None:
         if hasattr(pipe_or_transport, "receive_weights"):
             self._transport = pipe_or_transport
+        elif self._scheme is None:
+            raise TypeError(f"{pipe_or_transport!r} is not a transport; no scheme here to make one")
         else:
             self._transport = self._scheme.create_transport(pipe_or_transport)
 

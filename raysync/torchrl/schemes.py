@@ -12,12 +12,11 @@ import torch
 
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.channels.pipe import MPTransport, SnapshotPool
-from raysync.channels.shared_mem import SharedMemTransport
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.torchrl.base import WeightSyncScheme, _endpoints, _NoOpTransport, _policy_of
 from raysync.torchrl.receiver import BackgroundReceiver
 from raysync.torchrl.sender import WeightSender
-from raysync.torchrl.strategy import ExtractAs
+from raysync.torchrl.strategy import ExtractAs, SharedMemTransport
 
 if TYPE_CHECKING:
     from raysync.torchrl.ray_transport import RayTransport

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from raysync.channels.shared_mem import SharedMemTransport as _ChannelSharedMem
 from raysync.core import codec
 from raysync.core.bound import BoundModel, _extra_targets, _set_extra_state
 from raysync.core.codec import pack
@@ -31,7 +32,7 @@ from raysync.errors import (
 if TYPE_CHECKING:
     pass
 
-__all__ = ["ExtractAs", "WeightStrategy", "resolve_model", "split_extra_state"]
+__all__ = ["ExtractAs", "SharedMemTransport", "WeightStrategy", "resolve_model", "split_extra_state"]
 
 
 ExtractAs = Literal["tensordict", "state_dict"]
@@ -295,3 +296,16 @@ def _target_for(destination: Any, *, non_persistent: bool = False) -> _Target:
 
 def _strategy(name: str) -> WeightStrategy:
     return WeightStrategy(extract_as=name)  # type: ignore[arg-type]
+
+
+class SharedMemTransport(_ChannelSharedMem):  # type: ignore[misc]
+    """:class:`raysync.channels.shared_mem.SharedMemTransport` with torchrl's default: a
+    ``receive_weights(weights=, model=)`` without ``strategy=`` applies with :class:`WeightStrategy`.
+
+    Example:
+        >>> transport = SharedMemTransport()
+        >>> transport.receive_weights(weights=shared, model=policy)   # whole or not at all
+    """
+
+    def default_strategy(self) -> Any:
+        return WeightStrategy()

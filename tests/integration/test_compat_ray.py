@@ -65,8 +65,26 @@ def test_another_actors_placement_group_and_bundle(ray_start_regular: dict[str, 
 
 def test_metrics_interval_and_store_bytes(ray_start_regular: dict[str, Any]) -> None:
     assert _compat.metrics_report_interval_s() > 0, _compat.RAY_USES[3]
-    use = _compat.RAY_USES[4]
+    use = _compat.RAY_USES[5]
     before = _compat.object_store_bytes_used()
     ref = ray.put(np.zeros(8 << 20, dtype=np.uint8))
     assert _compat.object_store_bytes_used() - before >= 8 << 20, use
     del ref
+
+
+@ray.remote(num_cpus=0)
+def _task_in_worker() -> bool:
+    return _compat.in_worker(ray.get_runtime_context())
+
+
+def test_a_worker_is_told_from_a_driver(ray_start_regular: dict[str, Any]) -> None:
+    use = _compat.RAY_USES[4]
+    assert _compat.in_worker(ray.get_runtime_context()) is False, use  # this driver
+    assert ray.get(_task_in_worker.remote()) is True, use
+
+    @ray.remote(num_cpus=0)
+    class _Actor:
+        def in_worker(self) -> bool:  # a worker process too
+            return _compat.in_worker(ray.get_runtime_context())
+
+    assert ray.get(_Actor.remote().in_worker.remote()) is True, use

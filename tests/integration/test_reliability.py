@@ -163,7 +163,7 @@ def test_hub_killed_for_good_comes_back_by_name_and_sync_resumes(
     ray.get([s.check.remote() for s in subs])
     push(hub, 1)
     push(hub, 2, wait=True, timeout=60)
-    ray.kill(hub.actor)  # no restart: the hub actor is gone
+    kill_until_gone(hub.actor)  # no restart: the hub actor is gone (ray.kill returns before its process is)
     # The next call makes a new hub under the same name; it continues the version numbers...
     assert hub.latest() == 2
     # ...but what the dead hub kept is lost until the next push (documented in the README).

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from raysync._protocol import SubscriberInfo
+from raysync.hub import metrics
 from raysync.hub.state import Model, Subscriber
-from raysync.ops import metrics
 
 
 class _Recorder:

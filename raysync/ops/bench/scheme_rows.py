@@ -45,7 +45,7 @@ import ray
 import torch
 
 import raysync
-from raysync import schemes
+from raysync import torchrl as schemes
 from raysync.ops.bench import harness
 
 __all__ = [
