@@ -74,9 +74,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FAULTS = ("exit_mid_delivery", "exit_before_reply")
-
-
 def relay_name(hub: str, hub_actor_id: str, node_id: str) -> str:
     """The relay's actor name (in raysync's namespace): one per hub and node.
 
@@ -99,7 +96,6 @@ class NodeDelivery:
         self._node_id = node_id
         self._send_late = send_late
         self._members: dict[str, RelayMember] = {}
-        self.fault: str | None = None
         self.delivered = 0  # calls made to subscribers
         self.deliveries = 0  # messages from the hub
         self.rung = 0  # doorbells rung (one per subscriber process and version)
@@ -119,13 +115,11 @@ class NodeDelivery:
         a = delivery.announcement
         members = {s: m for s in a.sub_ids if (m := self._members.get(s)) is not None}
         unknown = [RelayAck(s, None, "unknown") for s in a.sub_ids if s not in members]
-        exit_mid = self.fault == "exit_mid_delivery"
         t0 = time.perf_counter()
         tokens, called = await self._ring(a, members)
         t1 = time.perf_counter()
         (acks, late, calls), (rung_acks, rung_pending) = await asyncio.gather(
-            notify_members(a, called, on_first_ack=_exit if exit_mid else None),
-            self._rung_acks(tokens, exit_mid),
+            notify_members(a, called), self._rung_acks(tokens)
         )
         self._timing.append((t1 - t0, time.perf_counter() - t1))
         if rung_pending:
@@ -137,8 +131,6 @@ class NodeDelivery:
         self.delivered += calls
         acks += rung_acks
         self._forget_dead(acks)
-        if self.fault == "exit_before_reply":
-            _exit()
         if late:
             asyncio.get_running_loop().create_task(self._forward(a.model_id, a.version, late))
         pending = tuple(s for ids, _ in late for s in ids)
@@ -171,13 +163,9 @@ class NodeDelivery:
             called[sub_id] = bells[sub_id]
         return tokens, called
 
-    async def _rung_acks(self, tokens: list[int], exit_mid: bool) -> tuple[list[RelayAck], list[str]]:
+    async def _rung_acks(self, tokens: list[int]) -> tuple[list[RelayAck], list[str]]:
         if not tokens:
             return [], []
-        if exit_mid:  # a test's fault: die once the first ack is in
-            ringer = self._doorbell()[0]
-            await ringer.wait(tokens[:1], timeout=ACK_WINDOW_S)
-            _exit()
         return await self._doorbell()[0].wait(tokens, ACK_WINDOW_S)
 
     def _doorbell(self) -> tuple[doorbell.Ringer, doorbell.SegmentWriter]:
@@ -260,12 +248,6 @@ class NodeRelay:
         """Its process, node, and the calls it made so far (for tests and benchmarks)."""
         return self._node.stats()
 
-    async def _raysync_test_fault(self, kind: str) -> None:
-        """Tests: die at a chosen point of the next delivery (once: a restarted relay forgets it)."""
-        if kind not in _FAULTS:
-            raise ValueError(f"fault must be one of {_FAULTS}, got {kind!r}")
-        self._node.fault = kind
-
 
 _FETCH_S = 30.0  # a version's bytes not at hand by then (pusher gone?): the Ray way instead
 
@@ -319,10 +301,6 @@ def _write_and_ring(
     return tokens, gone, busy
 
 
-def _exit() -> None:
-    os._exit(1)  # a test's fault: the relay dies with acks unsent
-
-
 ACK_WINDOW_S = 0.2
 """How long a delivery waits for every subscriber before it answers with the acks it has.
 
@@ -355,7 +333,6 @@ async def notify_members(
     members: dict[str, RelayMember],
     *,
     window: float | None = ACK_WINDOW_S,
-    on_first_ack: Any = None,
 ) -> tuple[list[RelayAck], Late, int]:
     """Hand a version to ``members`` (one call each, one per actor for batched ones).
 
@@ -385,9 +362,6 @@ async def notify_members(
         refs = [ref for _, ref in calls]
         if not refs:
             return [], []
-        if on_first_ack is not None:
-            ray.wait(refs, num_returns=1)
-            on_first_ack()
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=window)[0])
         acks = [ack for ids, ref in calls if ref in ready for ack in _acks_of(ids, ref)]
         return acks, [(ids, ref) for ids, ref in calls if ref not in ready]
