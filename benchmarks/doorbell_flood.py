@@ -8,6 +8,10 @@ Three phases of ``--seconds`` each, in one run, on one hub with ``--actors``
 ``busy``
     the same while a process burns one core (no datagrams): what the attacker's
     CPU alone costs on this machine, the floor of any flood.
+``churn``
+    the same while the attacker's very loop runs against a socket of its own that
+    nobody serves (its backlog full): the kernel work of its connection attempts,
+    without raysync on the other end.
 ``flood``
     the same while ``tests/_attacker.py junk`` sends random bytes, ring- and
     ack-shaped records with made-up MACs and descriptors to every raysync socket
@@ -31,9 +35,11 @@ import argparse
 import hashlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -165,6 +171,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows["busy"] = phase(hub, actors, args.seconds, seed)
     burner.kill()
     seed = rows["busy"]["seed"]
+    dummy = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dummy_path = os.path.join(tempfile.mkdtemp(prefix="flood-"), "nobody-serves")
+    dummy.bind(dummy_path)
+    dummy.listen(16)
+    os.chmod(os.path.dirname(dummy_path), 0o755)
+    os.chmod(dummy_path, 0o777)
+    churn = subprocess.Popen(
+        [*attacker, "junk", json.dumps({"seconds": args.seconds + 2, "targets": [dummy_path]})],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    rows["churn"] = phase(hub, actors, args.seconds, seed)
+    churn.communicate(timeout=120)
+    dummy.close()
+    seed = rows["churn"]["seed"]
     flood = subprocess.Popen(
         [*attacker, "junk", json.dumps({"seconds": args.seconds + 2})], stdout=subprocess.PIPE, text=True
     )
@@ -187,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ray.shutdown()
     q = rows["quiet"]["median_ms"]
     print("| phase | pushes | median push+wait ms | p90 ms | x quiet |\n|---|---|---|---|---|")
-    for name in ("quiet", "busy", "flood"):
+    for name in ("quiet", "busy", "churn", "flood"):
         r = rows[name]
         ms, p90, ratio = r["median_ms"], r["p90_ms"], r["median_ms"] / q
         cells = [name, r["pushes"], f"{ms:.2f}", f"{p90:.2f}", f"{ratio:.2f}"]

@@ -229,10 +229,10 @@ def attack_fifo(s: _Sender, fifo: str, sub_ids: list[str]) -> None:
     os.close(fd)
 
 
-def attack_junk(s: _Sender, count: int, seconds: float = 0.0) -> None:
+def attack_junk(s: _Sender, count: int, seconds: float = 0.0, only: list[str] | None = None) -> None:
     """Random bytes, ring-shaped records with made-up MACs and descriptors, silent connections,
     to every socket; ``count`` each, or as many as fit in ``seconds``."""
-    found = targets()
+    found = only or targets()
     fd, st = _memfd(b"\0" * 4096)
     deadline = time.monotonic() + seconds
     i = 0
@@ -267,7 +267,7 @@ def main() -> None:
     elif mode == "fifo":
         attack_fifo(s, args["fifo"], args["sub_ids"])
     elif mode == "junk":
-        attack_junk(s, args.get("count", 0), args.get("seconds", 0.0))
+        attack_junk(s, args.get("count", 0), args.get("seconds", 0.0), args.get("targets"))
     else:
         raise SystemExit(f"unknown mode {mode}")
     summary = {"uid": os.getuid(), "targets": targets(), "sent": s.sent, "refused": s.refused}

@@ -33,8 +33,8 @@ __all__ = ["ACCEPT_PER_S", "PROBATION", "PROBATION_S", "Doorbell", "Handler", "d
 logger = logging.getLogger(__name__)
 
 _BATCH = 64  # messages read per trusted connection per round
-ACCEPT_PER_S = 200.0
-"""New connections accepted per second at most (a relay connects once per process it rings)."""
+ACCEPT_PER_S = 20.0
+"""New connections accepted per second at most (a ringer connects once per process it rings)."""
 PROBATION = 16
 """Connections that have not yet sent a ring, at most (others wait in the kernel's queue)."""
 PROBATION_S = 2.0
