@@ -30,9 +30,11 @@ from raysync.errors import (
     UnknownModelError,
     WeightMismatchError,
 )
+from raysync.hub.settings import HubSettings
 
 if TYPE_CHECKING:
-    from raysync.hub.client import HubClient, connect
+    from raysync.hub.client import HubClient
+    from raysync.hub.connect import connect
     from raysync.receivers.follower import Follower, follow
     from raysync.receivers.module_transform import RayModuleTransform
     from raysync.receivers.synced import synced_model
@@ -43,7 +45,7 @@ _LAZY = {
     "Follower": "raysync.receivers.follower",
     "follow": "raysync.receivers.follower",
     "HubClient": "raysync.hub.client",
-    "connect": "raysync.hub.client",
+    "connect": "raysync.hub.connect",
     "RayModuleTransform": "raysync.receivers.module_transform",
     "synced_model": "raysync.receivers.synced",
 }
@@ -72,6 +74,7 @@ __all__ = [
     "ChecksumError",
     "Follower",
     "HubClient",
+    "HubSettings",
     "InvalidWeightsError",
     "Manifest",
     "RayModuleTransform",

@@ -74,23 +74,6 @@ def hub(hub_name: str) -> Iterator[raysync.HubClient]:
     ray.kill(client.actor)
 
 
-def start_hub(name: str, **env: str) -> raysync.HubClient:
-    """A hub whose process runs with ``env`` (e.g. ``RAYSYNC_HUB_RINGS="0"``), as ``connect`` makes it."""
-    from raysync._protocol import DEFAULT_KEEP, DEFAULT_NAMESPACE
-    from raysync.hub.actor import WeightHub
-
-    WeightHub.options(  # type: ignore[attr-defined]
-        name=name,
-        namespace=DEFAULT_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        max_restarts=-1,
-        max_concurrency=10_000,
-        runtime_env={"env_vars": env},
-    ).remote(name=name, keep=DEFAULT_KEEP)
-    return raysync.connect(name)
-
-
 def kill_until_gone(actor: Any, *, no_restart: bool = True) -> int:
     """``ray.kill`` an actor and return once its process is gone (``ray.kill`` returns before).
 

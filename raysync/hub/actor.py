@@ -48,6 +48,7 @@ from raysync.hub.relay import (
     quiet_threaded_gets,
     relay_name,
 )
+from raysync.hub.settings import HubSettings
 from raysync.hub.state import HubState, Subscriber, Waiter
 
 __all__ = ["WeightHub"]
@@ -66,17 +67,6 @@ def _actor_id() -> str:
     return ray.get_runtime_context().get_actor_id() or "driver"
 
 
-def relay_enabled() -> bool:
-    """Whether hubs deliver through one relay per node (the default; ``RAYSYNC_RELAY=0`` turns it off)."""
-    return os.environ.get("RAYSYNC_RELAY", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-
-def rings_own_node() -> bool:
-    """Whether a hub rings its own node's doorbells itself (``RAYSYNC_HUB_RINGS=0``: a relay does)."""
-    return os.environ.get("RAYSYNC_HUB_RINGS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def _cancel(task: asyncio.Task[None] | None) -> None:
     """Stop a delivery loop, unless it is the one running this code (it returns by itself)."""
     if task is not None and task is not asyncio.current_task():
@@ -87,11 +77,15 @@ def _cancel(task: asyncio.Task[None] | None) -> None:
 class WeightHub(Delivery):
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
 
-    def __init__(self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP) -> None:
-        control_plane_priority()  # RAYSYNC_HUB_NICE, else Ray's: see hub/priority.py
+    def __init__(
+        self, name: str = DEFAULT_HUB, keep: int = DEFAULT_KEEP, settings: HubSettings | None = None
+    ) -> None:
+        # Fixed for the hub's life (a restart runs this again with the same arguments).
+        self._settings = (settings or HubSettings()).resolved()
+        control_plane_priority(self._settings.nice)  # see hub/priority.py
         quiet_threaded_gets()
         class_free_handles()  # subscribers' handles without importing their code (hub/handles.py)
-        self._state = HubState(name, keep, relay=relay_enabled())
+        self._state = HubState(name, keep, relay=bool(self._settings.relays))
         self._relays: dict[str, Any] = {}  # node id -> its relay's handle
         self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)
         self._relay_starts: dict[str, asyncio.Task[Any]] = {}
@@ -99,7 +93,9 @@ class WeightHub(Delivery):
         # The hub's own node needs no relay for subscribers with a doorbell: the hub rings them.
         self._here_node = ray.get_runtime_context().get_node_id()
         self._here = (
-            NodeDelivery(self._here_node, self._late_here) if relay_enabled() and rings_own_node() else None
+            NodeDelivery(self._here_node, self._late_here, self._settings.doorbell_bytes or 0)
+            if self._settings.relays and self._settings.rings_own_node
+            else None
         )
         self._store = HubStore(name)
         self._cond: asyncio.Condition | None = None  # wakes long polls (wait_newer) on publish
@@ -223,6 +219,10 @@ class WeightHub(Delivery):
             "cpu_s": time.process_time(),  # cheap counters for benchmarks (status() is O(subscribers))
             "delivery_calls": self._state.delivery_calls,
         }
+
+    async def settings(self) -> HubSettings:
+        """The settings this hub delivers with (fixed when it was created)."""
+        return self._settings
 
     # ------------------------------------------------------------------ publish
     async def acquire(

@@ -1,4 +1,4 @@
-"""What users hold: ``connect()`` and the picklable ``HubClient`` (push, wait, pull, status).
+"""What users hold: the picklable ``HubClient`` (push, wait, pull, status), from :func:`raysync.connect`.
 
 Ownership: Ray >= 2.56 has no ``ray.put(_owner=...)``, so the process that pushed a
 version owns its objects. If that process dies, the versions it pushed can no longer
@@ -47,6 +47,7 @@ from raysync.hub.identity import writer_identity
 from raysync.hub.lease import Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
 from raysync.hub.push import PushPipeline, PushRequest
+from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
 from raysync.hub.waiting import early_result, raise_for
 from raysync.transports.base import check_transport
@@ -55,54 +56,9 @@ from raysync.transports.registry import transport_class
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-__all__ = ["HubClient", "connect"]
+__all__ = ["HubClient"]
 
 logger = logging.getLogger(__name__)
-
-
-def connect(
-    name: str = DEFAULT_HUB,
-    *,
-    namespace: str | None = None,
-    keep: int | None = None,
-    takeover: bool = False,
-    transport: str = "object_store",
-) -> HubClient:
-    """Connect to the hub called ``name``, creating it if no one has.
-
-    Args:
-        name: the hub's actor name; one hub serves many models.
-        namespace: Ray namespace of the hub; ``None`` is raysync's own
-            (``"raysync"``), so every driver, job and the CLI share it.
-        keep: how many versions per model the hub keeps at least (older ones are
-            released). ``None`` leaves the hub's setting alone (2 for a new hub);
-            a hub never lowers ``keep`` because one client asked for fewer than
-            another (an evaluation job's ``connect()`` cannot drop versions a
-            trainer keeps).
-        takeover: push even to models another live trainer writes; that
-            trainer's later pushes are then refused (``StaleWriterError``).
-            Without it, a second writer gets ``StaleWriterError``. A writer
-            is a process or an actor: every client it makes shares one lease.
-        transport: the client's default data path, ``"object_store"`` or
-            ``"nixl"`` (Ray's tensor transport; see :mod:`raysync.transports.nixl`).
-
-    Returns:
-        A picklable :class:`HubClient`: hand it to trainer actors or tasks.
-
-    Example:
-        >>> import ray, raysync, torch
-        >>> ray.init()  # doctest: +SKIP
-        >>> hub = raysync.connect()
-        >>> v = hub.push(torch.nn.Linear(4, 2))
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"hub name must be a non-empty string, got {name!r}")
-    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-        raise ValueError(f"keep must be None or an integer >= 1 (versions kept per model), got {keep!r}")
-    client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
-    client._handle = get_hub_actor(name, namespace, keep=keep, start_ray=True)  # a new hub: `keep`
-    client._call("configure", keep)  # waits through a hub restart, as every call does
-    return client
 
 
 class HubClient:
@@ -558,6 +514,17 @@ class HubClient:
         """
         self._settle_all()
         result: dict[str, Any] = self._call("status")
+        return result
+
+    @needs_ray
+    def settings(self) -> HubSettings:
+        """How this hub delivers (fixed when it was created; every field set).
+
+        Example:
+            >>> hub.settings().doorbell_bytes
+            8388608
+        """
+        result: HubSettings = self._call("settings")
         return result
 
 

@@ -28,6 +28,7 @@ from raysync.hub.relay import (
     rings,
     start_relay,
 )
+from raysync.hub.settings import HubSettings
 from raysync.hub.state import Group, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info
 
@@ -54,6 +55,7 @@ class Delivery:
     _here: NodeDelivery | None  # the hub's own node, whose doorbells it rings itself
     _here_node: str
     _gauges: metrics.HubGauges
+    _settings: HubSettings
 
     @property
     def _name(self) -> str:
@@ -151,7 +153,7 @@ class Delivery:
         # and Ray ends an actor whose owner let go of its last handle.
         relay: Any = self._relays.get(node_id)
         if relay is None:
-            relay = await asyncio.to_thread(start_relay, self._name, node_id)
+            relay = await asyncio.to_thread(start_relay, self._name, node_id, self._settings)
             self._relays[node_id] = relay
         deadline = time.monotonic() + _RELAY_START_S
         while True:
@@ -195,7 +197,8 @@ class Delivery:
 
     def _rings_here(self, group: Group, newest: Version) -> bool:
         """Whether the hub rings this node's doorbells itself: its own node, a version that fits."""
-        return self._here is not None and group.node_id == self._here_node and rings(newest.manifest)
+        limit = self._settings.doorbell_bytes or 0
+        return self._here is not None and group.node_id == self._here_node and rings(newest.manifest, limit)
 
     async def _ring_here(
         self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior

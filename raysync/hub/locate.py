@@ -24,6 +24,7 @@ from raysync._checks import not_running, ray_shut_down, require_ray
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
 from raysync.errors import RaySyncError
 from raysync.hub.actor import WeightHub
+from raysync.hub.settings import HubSettings
 
 __all__ = ["RETRY_S", "call_hub", "call_hub_async", "get_hub_actor", "needs_ray"]
 
@@ -36,11 +37,18 @@ _RESTARTING = (ActorDiedError, ActorUnavailableError)
 
 
 def get_hub_actor(
-    name: str = DEFAULT_HUB, namespace: str | None = None, *, keep: int | None = None, start_ray: bool = False
+    name: str = DEFAULT_HUB,
+    namespace: str | None = None,
+    *,
+    keep: int | None = None,
+    settings: HubSettings | None = None,
+    start_ray: bool = False,
 ) -> Any:
     """Get or create the named, detached hub actor (safe when many processes race).
 
     Args:
+        keep, settings: what a hub created by this call starts with (an existing one
+            keeps its own).
         start_ray: start a local Ray if this process has none (what :func:`raysync.connect`
             does, logging it once); otherwise a process without Ray gets
             :class:`~raysync.errors.RayNotRunningError`.
@@ -64,7 +72,7 @@ def get_hub_actor(
         get_if_exists=True,
         max_restarts=-1,
         max_concurrency=10_000,
-    ).remote(name=name, keep=DEFAULT_KEEP if keep is None else keep)
+    ).remote(name=name, keep=DEFAULT_KEEP if keep is None else keep, settings=settings)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -6,12 +6,12 @@ actors, so they keep that by default: measured with ``examples/quickstart.py``
 (2 cores, 4 alternations), a hub at nice 0 made the trainer's median push
 slower (5.8-7.2 ms against 3.8-4.5 ms at nice 15): at equal priority the hub's
 deliveries compete with the trainer for the cores. Where deliveries matter more
-than the trainer's blocking time, ``RAYSYNC_HUB_NICE=<n>`` in the hub's
-environment sets the hub's and relays' niceness (lowering it needs root or
+than the trainer's blocking time, ``HubSettings(nice=<n>)`` (or ``RAYSYNC_HUB_NICE=<n>``
+in the hub's environment) sets the hub's and relays' niceness (lowering it needs root or
 ``CAP_SYS_NICE``; without it they keep Ray's, never an error).
 
 Example:
-    >>> control_plane_priority()   # in the hub's or a relay's constructor
+    >>> control_plane_priority(None)   # in the hub's or a relay's constructor
     15
 """
 
@@ -24,27 +24,19 @@ __all__ = ["control_plane_priority"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NICE = "ray"
-"""Keep the niceness Ray gave the process (see the module docstring for why)."""
 
+def control_plane_priority(target: int | None) -> int | None:
+    """Set this process's niceness to ``target`` (``None``: keep Ray's); return the niceness it has.
 
-def control_plane_priority() -> int | None:
-    """Set this process's niceness to ``RAYSYNC_HUB_NICE`` (default: keep Ray's); return the niceness it has.
-
-    Never raises: without the right to raise a priority the process keeps the one
-    Ray gave it (logged at debug level). ``None`` where the OS has no niceness.
+    ``target`` is the hub's :attr:`~raysync.hub.settings.HubSettings.nice`. Never raises:
+    without the right to raise a priority the process keeps the one Ray gave it (logged
+    at debug level). ``None`` where the OS has no niceness.
     """
-    wanted = os.environ.get("RAYSYNC_HUB_NICE", DEFAULT_NICE).strip().lower()
     try:
         current = os.getpriority(os.PRIO_PROCESS, 0)
     except (AttributeError, OSError):
         return None
-    if wanted in ("", "ray"):
-        return current
-    try:
-        target = int(wanted)
-    except ValueError:
-        logger.warning("RAYSYNC_HUB_NICE=%r is not an integer or 'ray': keeping niceness %d", wanted, current)
+    if target is None:
         return current
     if target != current:
         try:

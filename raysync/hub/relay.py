@@ -20,7 +20,7 @@ hub hands the newest version again to every subscriber whose ack it did not get,
 and subscribers ignore versions not newer than the one they hold.
 
 Example:
-    >>> relay = start_relay("raysync", node_id)   # in the hub
+    >>> relay = start_relay("raysync", node_id, settings)   # in the hub
     >>> reply = ray.get(relay.deliver.remote(RelayDelivery(announcement, members)))
     >>> [ack.outcome for ack in reply.acks]
     ['ok', 'ok']
@@ -56,6 +56,7 @@ from raysync._protocol import (
 )
 from raysync.hub.handles import class_free_handles
 from raysync.hub.priority import control_plane_priority
+from raysync.hub.settings import HubSettings
 from raysync.transports import doorbell
 from raysync.transports.registry import info as transport_info
 
@@ -92,8 +93,11 @@ class NodeDelivery:
     version, reply)`` takes the acks of subscribers slower than the window.
     """
 
-    def __init__(self, node_id: str, send_late: Callable[[str, int, RelayReply], None]) -> None:
+    def __init__(
+        self, node_id: str, send_late: Callable[[str, int, RelayReply], None], doorbell_bytes: int
+    ) -> None:
         self._node_id = node_id
+        self._doorbell_bytes = doorbell_bytes  # the largest version handed over by doorbell
         self._send_late = send_late
         self._members: dict[str, RelayMember] = {}
         self.delivered = 0  # calls made to subscribers
@@ -144,7 +148,7 @@ class NodeDelivery:
         Returns the rings' tokens and the members to call the Ray way.
         """
         bells = {s: m for s, m in members.items() if m.doorbell is not None and m.doorbell_key is not None}
-        if not bells or not rings(a.manifest):
+        if not bells or not rings(a.manifest, self._doorbell_bytes):
             return [], members
         ringer, writer = self._doorbell()
         try:  # in one worker thread: fetch, write, ring (the loop keeps reading acks meanwhile)
@@ -226,15 +230,15 @@ class NodeDelivery:
 class NodeRelay:
     """The relay actor of one hub on one node; the hub starts it (:func:`start_relay`)."""
 
-    def __init__(self, hub: Any, node_id: str) -> None:
-        control_plane_priority()  # as the hub's (hub/priority.py)
+    def __init__(self, hub: Any, node_id: str, settings: HubSettings) -> None:
+        control_plane_priority(settings.nice)  # as the hub's (hub/priority.py)
         quiet_threaded_gets()
         class_free_handles()  # subscribers' handles without importing their code (hub/handles.py)
 
         def send_late(model_id: str, version: int, reply: RelayReply) -> None:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
 
-        self._node = NodeDelivery(node_id, send_late)
+        self._node = NodeDelivery(node_id, send_late, settings.doorbell_bytes or 0)
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
         """See :meth:`NodeDelivery.deliver`."""
@@ -258,10 +262,10 @@ def quiet_threaded_gets() -> None:
     os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 
 
-def rings(manifest: Any) -> bool:
-    """Whether a version goes by doorbell: object-store bytes, no larger than the limit, no
-    pickled extra state (the doorbell's wire format carries none), here."""
-    limit = doorbell.max_bytes()
+def rings(manifest: Any, limit: int) -> bool:
+    """Whether a version goes by doorbell: object-store bytes, no larger than ``limit`` (the
+    hub's ``doorbell_bytes``), no pickled extra state (the doorbell's wire format carries
+    none), here."""
     return (
         limit > 0
         and transport_info(manifest.transport, load=False).node_shared
@@ -393,11 +397,11 @@ def _plain(err: BaseException) -> BaseException:
     return RuntimeError(f"{type(err).__name__}: {str(err)[:500]}")
 
 
-def start_relay(hub: str, node_id: str) -> Any:
+def start_relay(hub: str, node_id: str, settings: HubSettings) -> Any:
     """Get or create the calling hub's relay on ``node_id`` (blocking: call it off the event loop).
 
     Example:
-        >>> relay = start_relay("raysync", ray.get_runtime_context().get_node_id())  # in the hub
+        >>> relay = start_relay("raysync", ray.get_runtime_context().get_node_id(), HubSettings().resolved())
     """
     cls: Any = NodeRelay
     ctx = ray.get_runtime_context()
@@ -407,4 +411,4 @@ def start_relay(hub: str, node_id: str) -> Any:
         namespace=DEFAULT_NAMESPACE,
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(ctx.current_actor, node_id)
+    ).remote(ctx.current_actor, node_id, settings)

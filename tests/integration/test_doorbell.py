@@ -1,7 +1,7 @@
 """Small versions reach a node's subscribers by doorbell: no Ray call per subscriber, whole and in order.
 
 Each test runs twice: the hub ringing its own node's doorbells (the default), and the
-node's relay ringing them (``RAYSYNC_HUB_RINGS=0``, as on every other node).
+node's relay ringing them (``HubSettings(rings_own_node=False)``, as on every other node).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from tests.conftest import (
     assert_same_weights,
     kill_until_gone,
     small_policy,
-    start_hub,
     wait_for_condition,
 )
 from tests.integration.test_relay import _check_all, _relay
@@ -32,9 +31,8 @@ pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux an
 @pytest.fixture(params=["hub", "relay"])
 def ringer(request: pytest.FixtureRequest, hub_name: str) -> Iterator[str]:
     """Who rings this node's doorbells: the hub itself, or the node's relay."""
-    client = (
-        raysync.connect(hub_name) if request.param == "hub" else start_hub(hub_name, RAYSYNC_HUB_RINGS="0")
-    )
+    settings = raysync.HubSettings(rings_own_node=request.param == "hub")
+    client = raysync.connect(hub_name, settings=settings)
     yield request.param
     ray.kill(client.actor)
 

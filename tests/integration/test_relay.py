@@ -1,7 +1,7 @@
 """Delivery through one relay per node: one hub message per node per version; dying relays lose nothing.
 
 On one machine the only node is the hub's own, whose doorbells the hub rings itself by
-default; these tests start hubs with ``RAYSYNC_HUB_RINGS=0`` so that a relay serves it.
+default; these tests start hubs with ``HubSettings(rings_own_node=False)`` so that a relay serves it.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import ray
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE
 from raysync.hub.relay import relay_name
-from tests.conftest import assert_same_weights, kill_until_gone, small_policy, start_hub, wait_for_condition
+from tests.conftest import assert_same_weights, kill_until_gone, small_policy, wait_for_condition
 from tests.integration.test_synced import make_collector
 
 
 @pytest.fixture
 def hub(hub_name: str) -> Iterator[raysync.HubClient]:
     """A hub that leaves its own node to a relay too (by default it rings doorbells there itself)."""
-    client = start_hub(hub_name, RAYSYNC_HUB_RINGS="0")
+    client = raysync.connect(hub_name, settings=raysync.HubSettings(rings_own_node=False))
     yield client
     ray.kill(client.actor)
 
@@ -100,6 +100,28 @@ def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, h
     v = hub.push(small_policy(9))
     _check_all(hub, actors, v, 9)
     assert _calls(hub) - before == 1
+
+
+def test_settings_are_the_hubs_for_its_life(hub_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``connect(settings=...)`` makes a hub without relays: it calls every subscriber itself;
+    a later connect asking for others gets a warning naming them, and the hub keeps its own."""
+    direct = raysync.connect(hub_name, settings=raysync.HubSettings(relays=False, doorbell_bytes=0))
+    try:
+        assert direct.settings().relays is False and direct.settings().doorbell_bytes == 0
+        actors = [make_collector(hub_name).remote() for _ in range(3)]
+        ray.get([a.raysync_version.remote() for a in actors])
+        for seed in (1, 2):
+            before = _calls(direct)
+            v = direct.push(small_policy(seed))
+            _check_all(direct, actors, v, seed)
+            assert _calls(direct) - before == 3  # one call per subscriber: no relay, no doorbell
+        assert direct.status()["relays"] == {}
+        with caplog.at_level("WARNING", logger="raysync.hub.connect"):
+            again = raysync.connect(hub_name, settings=raysync.HubSettings(relays=True))
+        assert "relays=False (asked True)" in caplog.text
+        assert again.settings().relays is False
+    finally:
+        ray.kill(direct.actor)
 
 
 def _arm(relay: Any, fault: str) -> None:

@@ -425,17 +425,6 @@ def test_a_runtime_directory_someone_else_made_is_not_used(
         os.rmdir(chosen)
 
 
-def test_max_bytes_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RAYSYNC_DOORBELL_BYTES", "0")
-    assert doorbell.max_bytes() == 0
-    monkeypatch.setenv("RAYSYNC_DOORBELL_BYTES", "1024")
-    assert doorbell.max_bytes() == 1024
-    monkeypatch.setenv("RAYSYNC_DOORBELL_BYTES", "lots")
-    assert doorbell.max_bytes() == 8 << 20
-    monkeypatch.delenv("RAYSYNC_DOORBELL_BYTES")
-    assert doorbell.max_bytes() == 8 << 20
-
-
 def test_an_ack_carries_a_local_change_and_is_then_no_plain_row() -> None:
     key = os.urandom(wire.KEY_BYTES)
     acks = [RelayAck("a:policy", ApplyReport(applied=3, skipped=3, modified_since=3))]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from raysync.hub.priority import control_plane_priority
+from raysync.hub.settings import HubSettings
 
 
 def _in_fork(fn: Callable[..., Any], *args: Any) -> Any:
@@ -24,13 +25,12 @@ def _in_fork(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _started_at(start_nice: int, env: str | None) -> tuple[int | None, int]:
-    """What control_plane_priority reports in a process Ray started at ``start_nice``, and what it has."""
+    """What control_plane_priority reports in a process Ray started at ``start_nice``, with the
+    hub's settings read from ``RAYSYNC_HUB_NICE=env`` (unset: ``None``), and what it has."""
     os.nice(start_nice - os.getpriority(os.PRIO_PROCESS, 0))  # as Ray starts its workers
-    if env is None:
-        os.environ.pop("RAYSYNC_HUB_NICE", None)
-    else:
-        os.environ["RAYSYNC_HUB_NICE"] = env
-    return control_plane_priority(), os.getpriority(os.PRIO_PROCESS, 0)
+    environ = {} if env is None else {"RAYSYNC_HUB_NICE": env}
+    settings = HubSettings().resolved(environ)
+    return control_plane_priority(settings.nice), os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _run(start_nice: int, env: str | None) -> tuple[int | None, int]:

@@ -2,7 +2,8 @@
 
 A relay hands a version to the subscribers on its node. Made as one Ray actor call
 per subscriber, that hop costs about a millisecond of CPU each. For versions of up
-to :func:`max_bytes` (8 MiB by default) a relay instead
+to the hub's ``doorbell_bytes`` (:class:`~raysync.hub.settings.HubSettings`, 8 MiB by
+default) a relay instead
 
 1. writes the version once into a *sealed* anonymous shared-memory file
    (:class:`SegmentWriter`: ``memfd_create``, then ``F_SEAL_WRITE | F_SEAL_SHRINK |
@@ -26,8 +27,9 @@ whose MAC checks was made by one of them; the segment comes as a file descriptor
 (no name to guess, open, race or replace) and is sealed, so its bytes are the
 ones the relay wrote; it disappears when the last process holding it lets go.
 
-``RAYSYNC_DOORBELL_BYTES`` in the relay's environment sets the size limit (``0``
-turns the doorbell off); ``RAYSYNC_RUNTIME_DIR`` the sockets' directory.
+``HubSettings(doorbell_bytes=...)`` (or ``RAYSYNC_DOORBELL_BYTES`` in the hub's
+environment) sets the size limit (``0`` turns the doorbell off); ``RAYSYNC_RUNTIME_DIR``
+the sockets' directory.
 
 Example:
     >>> bell = doorbell()                                   # a subscriber process
@@ -41,7 +43,7 @@ Example:
 from raysync.transports.doorbell.bell import Doorbell, Handler, doorbell
 from raysync.transports.doorbell.ringer import Ringer
 from raysync.transports.doorbell.segments import Segment, SegmentHandle, SegmentWriter, read_segment
-from raysync.transports.doorbell.sockets import LOG_EVERY_S, available, max_bytes, runtime_dir
+from raysync.transports.doorbell.sockets import LOG_EVERY_S, available, runtime_dir
 
 __all__ = [
     "LOG_EVERY_S",
@@ -53,7 +55,6 @@ __all__ = [
     "SegmentWriter",
     "available",
     "doorbell",
-    "max_bytes",
     "read_segment",
     "runtime_dir",
 ]

@@ -36,7 +36,6 @@ __all__ = [
     "available",
     "connect",
     "listen",
-    "max_bytes",
     "peer_uid",
     "receive",
     "runtime_dir",
@@ -45,36 +44,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_MAX_BYTES = 8 << 20
 _SOCK_BUF = 4 << 20
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ANC = socket.CMSG_SPACE(array.array("i").itemsize * 4)  # room for a few descriptors (more are refused)
 _BACKLOG = 16
 LOG_EVERY_S = 10.0
 """Dropped datagrams are logged at most this often (with the counts since the last line)."""
-
-
-def max_bytes() -> int:
-    """The largest version (bytes) a relay hands over by doorbell; ``0``: never.
-
-    ``RAYSYNC_DOORBELL_BYTES`` in the relay's environment sets it (8 MiB by default):
-    above it, one Ray call per subscriber costs less than the extra copy into
-    shared memory.
-
-    Example:
-        >>> max_bytes()
-        8388608
-    """
-    raw = os.environ.get("RAYSYNC_DOORBELL_BYTES", "")
-    if not raw:
-        return _DEFAULT_MAX_BYTES
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        logger.warning(
-            "RAYSYNC_DOORBELL_BYTES=%r is not a number of bytes; using %d", raw, _DEFAULT_MAX_BYTES
-        )
-        return _DEFAULT_MAX_BYTES
 
 
 def available() -> bool:

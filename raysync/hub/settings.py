@@ -1,0 +1,158 @@
+"""How a hub and its relays deliver: typed settings, fixed when the hub is created.
+
+A hub reads them once, in its constructor; its relays get them from the hub. Pass
+them to :func:`raysync.connect` (``settings=``) when it creates the hub. Where a
+field is not given, the environment variable beside it is the default, read in the
+hub's own process (so a cluster-wide ``runtime_env`` keeps working):
+
+=====================  ==========================  ==========================================
+field                  environment variable        meaning
+=====================  ==========================  ==========================================
+``relays``             ``RAYSYNC_RELAY``           one relay per node carries each version to
+                                                   that node's subscribers (default on)
+``rings_own_node``     ``RAYSYNC_HUB_RINGS``       the hub rings its own node's doorbells
+                                                   itself (default on; off: a relay does)
+``doorbell_bytes``     ``RAYSYNC_DOORBELL_BYTES``  the largest version handed over by
+                                                   doorbell (8 MiB; ``0``: never)
+``nice``               ``RAYSYNC_HUB_NICE``        the hub's and relays' niceness (default:
+                                                   keep Ray's, see :mod:`raysync.hub.priority`)
+=====================  ==========================  ==========================================
+
+Example:
+    >>> hub = raysync.connect("eval-hub", settings=raysync.HubSettings(relays=False))  # doctest: +SKIP
+    >>> hub.settings().relays                                                         # doctest: +SKIP
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_DOORBELL_BYTES", "HubSettings"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DOORBELL_BYTES = 8 << 20
+"""Above it, one Ray call per subscriber costs less than the extra copy into shared memory."""
+
+_ENV = {
+    "relays": "RAYSYNC_RELAY",
+    "rings_own_node": "RAYSYNC_HUB_RINGS",
+    "doorbell_bytes": "RAYSYNC_DOORBELL_BYTES",
+    "nice": "RAYSYNC_HUB_NICE",
+}
+_NO = ("0", "false", "no", "off")
+_YES = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """How a hub and its relays deliver versions; ``None`` fields take the environment's default.
+
+    Args:
+        relays: deliver through one relay actor per node (one hub message per node per
+            version). ``False``: the hub calls every subscriber itself.
+        rings_own_node: the hub rings the doorbells of its own node's subscribers itself
+            (no relay hop there). ``False``: a relay serves the hub's node too.
+        doorbell_bytes: versions up to this many bytes reach a node's subscribers through
+            shared memory and a doorbell; larger ones by Ray call. ``0``: never by doorbell.
+        nice: the hub's and relays' niceness (-20..19); ``None`` keeps the one Ray gave them
+            (lowering it needs root or ``CAP_SYS_NICE``; without it they keep Ray's).
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: ``doorbell_bytes`` below 0 or ``nice`` outside -20..19.
+
+    Example:
+        >>> HubSettings(relays=False, doorbell_bytes=0).relays
+        False
+    """
+
+    relays: bool | None = None
+    rings_own_node: bool | None = None
+    doorbell_bytes: int | None = None
+    nice: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("relays", "rings_own_node"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"HubSettings.{name} must be True, False or None, got {value!r}")
+        for name in ("doorbell_bytes", "nice"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"HubSettings.{name} must be an integer or None, got {value!r}")
+        if self.doorbell_bytes is not None and self.doorbell_bytes < 0:
+            raise ValueError(
+                f"HubSettings.doorbell_bytes must be >= 0 (0: no doorbell), got {self.doorbell_bytes}"
+            )
+        if self.nice is not None and not -20 <= self.nice <= 19:
+            raise ValueError(f"HubSettings.nice must be within -20..19, got {self.nice}")
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> HubSettings:
+        """Every field set: the given ones as they are, the others from ``environ`` (this process's
+        environment by default), a malformed variable logged and replaced by the default.
+
+        Example:
+            >>> HubSettings(relays=False).resolved({"RAYSYNC_DOORBELL_BYTES": "1024"})
+            HubSettings(relays=False, rings_own_node=True, doorbell_bytes=1024, nice=None)
+        """
+        env = os.environ if environ is None else environ
+        read: dict[str, Callable[[Mapping[str, str], str], Any]] = {
+            "relays": _flag,
+            "rings_own_node": _flag,
+            "doorbell_bytes": _bytes,
+            "nice": _nice,
+        }
+        given: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return HubSettings(**{k: read[k](env, k) if v is None else v for k, v in given.items()})
+
+    def differs(self, other: HubSettings) -> dict[str, tuple[Any, Any]]:
+        """The fields set here (not ``None``) whose value ``other`` does not have: name -> (here, there)."""
+        out: dict[str, tuple[Any, Any]] = {}
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is not None and mine != theirs:
+                out[f.name] = (mine, theirs)
+        return out
+
+
+def _warn(env: Mapping[str, str], name: str, what: str, default: Any) -> None:
+    logger.warning("%s=%r is not %s; using %r", _ENV[name], env[_ENV[name]], what, default)
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(_ENV[name], "").strip().lower()
+    if raw in _NO:
+        return False
+    if raw and raw not in _YES:
+        _warn(env, name, "one of " + "/".join(_YES + _NO), True)
+    return True
+
+
+def _bytes(env: Mapping[str, str], name: str) -> int:
+    raw = env.get(_ENV[name], "").strip()
+    if not raw:
+        return DEFAULT_DOORBELL_BYTES
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        _warn(env, name, "a number of bytes", DEFAULT_DOORBELL_BYTES)
+        return DEFAULT_DOORBELL_BYTES
+
+
+def _nice(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(_ENV[name], "").strip().lower()
+    if raw in ("", "ray"):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        _warn(env, name, "an integer or 'ray'", None)
+        return None
+    return min(19, max(-20, value))
