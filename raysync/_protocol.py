@@ -23,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "ACQUIRE",
+    "ANSWER",
     "BLOCK",
     "DEFAULT_HUB",
     "DEFAULT_KEEP",
@@ -33,6 +34,7 @@ __all__ = [
     "NOTIFY",
     "NOTIFY_BATCH",
     "PING",
+    "POLL",
     "PUBLISH",
     "PUBLISH_STAMPED",
     "REGISTER",
@@ -42,15 +44,19 @@ __all__ = [
     "UNREGISTER",
     "WAIT_NEWER",
     "Announcement",
+    "Answer",
     "ApplyReport",
+    "Caller",
     "Grant",
     "Laggard",
+    "PollReply",
     "Publication",
     "Registration",
     "RelayAck",
     "RelayDelivery",
     "RelayMember",
     "RelayReply",
+    "Request",
     "Ring",
     "SubscriberInfo",
     "WaitResult",
@@ -71,13 +77,22 @@ DEFAULT_KEEP = 2
 HEARTBEAT_S = 2.0
 """How often a subscriber (an actor, an adapter, a process) checks in with the hub."""
 
-# Methods a subscriber's actor answers (called by the hub).
+# Methods a subscriber's actor answers. The hub and relays hold no subscriber's handle (they
+# would have to load its class, so import its code): they queue each call as a Request, which
+# the subscriber's process collects with a long poll (POLL), runs, and answers (Answer).
 NOTIFY = "_raysync_notify"
 """``(announcement) -> ApplyReport``: apply this version (push mode)."""
 NOTIFY_BATCH = "_raysync_notify_batch"
 """``(announcement) -> list[ApplyReport]``: one per ``announcement.sub_ids`` (batched subscriptions)."""
 PING = "_raysync_ping"
-"""``() -> True``: a dead actor answers this at once with ``ActorDiedError``."""
+"""``() -> True``."""
+
+# Methods of the hub and of each relay (called by every subscriber process).
+POLL = "raysync_poll"
+"""``(caller, answers, running, timeout) -> PollReply``: answers to earlier requests, the ids
+still running; returns the calls queued for the caller's process (within ``timeout`` s)."""
+ANSWER = "raysync_answer"
+"""``(caller, answers)``: answers of requests that ended after the poll that carried them."""
 
 # Methods of a node's relay (called by the hub).
 RELAY_DELIVER = "deliver"
@@ -161,8 +176,9 @@ class Registration:
     Attributes:
         sub_id: unique per (subscriber, model): ``"<actor id>:<model id>"`` for actors.
         model_id: the model it follows.
-        handle: its actor handle; ``None`` for a subscriber the hub cannot call
-            (it follows by long-poll or pull and reports what it applied).
+        reachable: its process answers the hub's calls (it polls for them); ``False``
+            for a subscriber the hub cannot call (it follows by long-poll or pull and
+            reports what it applied).
         info: who it is.
         schema: ``{key: (shape, dtype)}`` of its model, to refuse pushes that
             would not fit before anything is published (``None``: not checked).
@@ -174,11 +190,54 @@ class Registration:
 
     sub_id: str
     model_id: str
-    handle: Any
+    reachable: bool
     info: SubscriberInfo
     schema: dict[str, tuple[tuple[int, ...], str]] | None = None
     applied: int | None = None
     doorbell_key: bytes | None = dataclasses.field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A subscriber process polling the hub or a relay for the calls it is to answer.
+
+    Attributes:
+        actor_id: its actor (the calls' address).
+        pid: its process: a new one (the actor restarted) fails calls handed to the old.
+        node_id: its node (the hub answers with that node's relay, to poll too).
+        relay: the relay it polls already (its name), if any.
+    """
+
+    actor_id: str
+    pid: int
+    node_id: str | None = None
+    relay: str | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """A call for a subscriber's actor: ``method`` (:data:`NOTIFY`, ...) with ``announcement``."""
+
+    req_id: int
+    method: str
+    announcement: Announcement | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a :class:`Request` returned (``value``), or the error it raised."""
+
+    req_id: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class PollReply:
+    """The calls queued for a process; from the hub, also its node's relay (name, handle) to poll."""
+
+    requests: tuple[Request, ...] = ()
+    relay: tuple[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -354,15 +413,14 @@ class RelayMember:
     """A subscriber a node's relay delivers to: the hub tells it once, not per version.
 
     Attributes:
-        handle: the subscriber's actor handle.
-        actor_id: its actor (subscriptions of one actor with ``batch`` share one call).
+        actor_id: its actor, whose process polls for its calls (subscriptions of one actor
+            with ``batch`` share one call).
         batch: notify it with :data:`NOTIFY_BATCH` (one call for all its subscriptions).
         doorbell: its process's doorbell address: ring it instead of calling, where the
             version fits (:mod:`raysync.transports.doorbell`).
         doorbell_key: the doorbell's secret (rings carry a MAC made with it).
     """
 
-    handle: Any
     actor_id: str | None = None
     batch: bool = False
     doorbell: str | None = None

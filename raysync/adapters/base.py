@@ -116,7 +116,7 @@ class _Adapter:
                 pid=os.getpid(),
                 placement=dict(self._placement),
             )
-            self._handle = ctx.current_actor
+            membership().serve(self, self, None)  # this actor answers the hub's calls (its poller)
             membership().join(self)  # registers, applies the newest, keeps it known
             self._in_hub = True
 
@@ -134,7 +134,7 @@ class _Adapter:
         return self._namespace
 
     def registration(self) -> Registration:
-        return Registration(self._sub_id, self.model_id, self._handle, self._info, None, self._applied())
+        return Registration(self._sub_id, self.model_id, True, self._info, None, self._applied())
 
     def start_from(self, newest: Announcement | None) -> None:
         if newest is not None:

@@ -22,16 +22,17 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from raysync import _protocol as proto
 from raysync._protocol import (
     BLOCK,
     DEFAULT_HUB,
     DEFAULT_KEEP,
     Announcement,
+    Answer,
     ApplyReport,
+    Caller,
     Grant,
+    PollReply,
     Publication,
     Registration,
     WaitResult,
@@ -40,7 +41,7 @@ from raysync.core.layout import Manifest
 from raysync.errors import WeightMismatchError
 from raysync.hub import metrics
 from raysync.hub.delivery import Delivery
-from raysync.hub.handles import class_free_handles
+from raysync.hub.mailbox import Mailboxes
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
 from raysync.hub.priority import control_plane_priority
 from raysync.hub.relay import (
@@ -59,8 +60,6 @@ _PUBLISH_GRACE_S = 2.0  # a wait for a granted, unpublished number gives its pub
 _REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
 _SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking in
 _STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
-_PING_TIMEOUT_S = 0.5
-_UNREACHABLE = (ActorUnavailableError, RayActorError)
 
 
 def _actor_id() -> str:
@@ -84,16 +83,18 @@ class WeightHub(Delivery):
         self._settings = (settings or HubSettings()).resolved()
         control_plane_priority(self._settings.nice)  # see hub/priority.py
         quiet_threaded_gets()
-        class_free_handles()  # subscribers' handles without importing their code (hub/handles.py)
         self._state = HubState(name, keep, relay=bool(self._settings.relays))
         self._relays: dict[str, Any] = {}  # node id -> its relay's handle
         self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)
         self._relay_starts: dict[str, asyncio.Task[Any]] = {}
         self._relay_failed: dict[str, float] = {}  # node id -> when its relay last failed to start
+        # Calls to subscribers' actors, collected by their processes' polls (hub/mailbox.py).
+        self._mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
         # The hub's own node needs no relay for subscribers with a doorbell: the hub rings them.
         self._here_node = ray.get_runtime_context().get_node_id()
+        self._actor_id = _actor_id()
         self._here = (
-            NodeDelivery(self._here_node, self._late_here, self._settings.doorbell_bytes or 0)
+            NodeDelivery(self._here_node, self._late_here, self._settings.doorbell_bytes or 0, self._mail)
             if self._settings.relays and self._settings.rings_own_node
             else None
         )
@@ -161,19 +162,10 @@ class WeightHub(Delivery):
         self._store.remove(sub.sub_id)
 
     async def _alive(self, sub: Subscriber) -> bool:
-        """Whether a subscriber's actor may still run (a dead actor answers a ping at once)."""
-        if sub.handle is None:  # known from before a restart, or one the hub cannot call: ask the GCS
-            if sub.info.actor_id is None and sub.info.job_id is not None:  # a plain process: its job
-                return await asyncio.to_thread(job_alive, sub.info.job_id)
-            return await asyncio.to_thread(actor_alive, sub.info.actor_id)
-        try:
-            await asyncio.wait_for(getattr(sub.handle, proto.PING).remote(), _PING_TIMEOUT_S)
-        except ActorDiedError:
-            return False
-        except (asyncio.TimeoutError, Exception):
-            return True  # busy or restarting: alive as far as we know
-        sub.last_seen = time.monotonic()
-        return True
+        """Whether a subscriber's actor (or a plain process's job) may still run: Ray's GCS says."""
+        if sub.info.actor_id is None and sub.info.job_id is not None:  # a plain process: its job
+            return await asyncio.to_thread(job_alive, sub.info.job_id)
+        return await asyncio.to_thread(actor_alive, sub.info.actor_id)
 
     async def _reap(self, sub_ids: list[str]) -> None:
         """Drop the subscribers among ``sub_ids`` whose actor is dead (one ping per actor)."""
@@ -371,6 +363,31 @@ class WeightHub(Delivery):
         )
         self._gauges.changed(self._state.models, self._state.subs)
         return newest
+
+    async def raysync_poll(
+        self, caller: Caller, answers: list[Answer], running: list[int], timeout: float
+    ) -> PollReply:
+        """A subscriber process collects the calls for its actor (see :mod:`raysync.hub.mailbox`);
+        the reply also names its node's relay, once that is up, for the process to poll it too."""
+        relay = self._relay_for(caller)
+        if relay is None:
+            requests = await self._mail.poll(caller, answers, running, timeout)
+            relay = self._relay_for(caller)  # woken because the relay came up?
+        else:
+            requests = await self._mail.poll(caller, answers, running, 0.0)
+        return PollReply(requests, relay)
+
+    async def raysync_answer(self, caller: Caller, answers: list[Answer]) -> None:
+        """Answers of calls that ended after the poll that carried them."""
+        self._mail.answer(caller, answers)
+
+    def _relay_for(self, caller: Caller) -> tuple[str, Any] | None:
+        """The name and handle of the caller's node's relay, if up and not the one it polls."""
+        node = caller.node_id
+        if node is None or node not in self._ready or node not in self._relays:
+            return None
+        name = relay_name(self._name, self._actor_id, node)
+        return None if caller.relay == name else (name, self._relays[node])
 
     async def heartbeat(self, sub_ids: list[str]) -> list[str]:
         """Subscribers check in; returns the ids to register again (the hub restarted or dropped them)."""

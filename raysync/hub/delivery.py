@@ -19,6 +19,7 @@ from raysync import _protocol as proto
 from raysync._protocol import ApplyReport, RelayDelivery, RelayReply
 from raysync.errors import ApplyError
 from raysync.hub import metrics
+from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberUnreachable
 from raysync.hub.relay import (
     Late,
     NodeDelivery,
@@ -36,7 +37,6 @@ __all__ = ["Delivery", "Prior"]
 
 logger = logging.getLogger(__name__)
 
-_UNREACHABLE = (ActorUnavailableError, RayActorError)
 _RELAY_START_S = 120.0  # how long a relay may take to (re)start before the hub gives up for a while
 _RELAY_RETRY_S = 5.0  # after a relay failed to start, deliver directly this long before trying again
 
@@ -56,6 +56,7 @@ class Delivery:
     _here_node: str
     _gauges: metrics.HubGauges
     _settings: HubSettings
+    _mail: Mailboxes  # calls to subscribers' actors, collected by their processes' polls
 
     @property
     def _name(self) -> str:
@@ -73,7 +74,7 @@ class Delivery:
                 self._kick(sub)
 
     def _kick(self, sub: Subscriber) -> None:
-        if sub.handle is None:  # it gets the newest when it registers (again)
+        if not sub.reachable:  # it gets the newest when it registers (again)
             return
         loop = asyncio.get_running_loop()
         key = sub.group
@@ -93,11 +94,11 @@ class Delivery:
             sub.sent = due.version
             self._state.delivery_calls += 1
             try:
-                report = await getattr(sub.handle, proto.NOTIFY).remote(due.announce(sub.model_id))
-            except ActorDiedError as err:
-                self._drop(sub, f"actor died ({type(err).__name__})")
+                report = await self._mail.call(_actor(sub), proto.NOTIFY, due.announce(sub.model_id))
+            except SubscriberGone as err:
+                self._drop(sub, f"actor died ({err})")
                 return
-            except _UNREACHABLE as err:  # restarting or unreachable: it registers again when back
+            except SubscriberUnreachable as err:  # restarting or not polling: it registers again when back
                 self._state.unreachable(sub, err)
                 return
             except Exception as err:  # the notify itself failed: record, do not loop
@@ -120,14 +121,14 @@ class Delivery:
             announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
             self._state.delivery_calls += 1
             try:
-                reports = await getattr(due[0].handle, proto.NOTIFY_BATCH).remote(announcement)
+                reports = await self._mail.call(_actor(due[0]), proto.NOTIFY_BATCH, announcement)
                 if len(reports) != len(due):
                     raise ApplyError(f"batched notify: {len(reports)} reports for {len(due)} subscribers")
-            except ActorDiedError as err:
+            except SubscriberGone as err:
                 for sub in list(group.members.values()):
-                    self._drop(sub, f"actor died ({type(err).__name__})")
+                    self._drop(sub, f"actor died ({err})")
                 return
-            except _UNREACHABLE as err:
+            except SubscriberUnreachable as err:
                 for sub in due:
                     self._state.unreachable(sub, err)
                 return
@@ -163,11 +164,12 @@ class Delivery:
             except ActorDiedError:
                 self._relays.pop(node_id, None)  # gone for good (its node died?): the next try starts another
                 raise
-            except _UNREACHABLE:  # restarting: Ray refuses calls until it is back
+            except (ActorUnavailableError, RayActorError):  # restarting: Ray refuses calls until it is back
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
         self._ready.add(node_id)
+        self._mail.wake()  # open polls end now: their processes learn of the relay, to poll it too
         return relay
 
     async def _deliver_relay(self, model_id: str, group: Group) -> None:
@@ -229,7 +231,7 @@ class Delivery:
             if not direct:
                 self._start_relay(node_id)
             members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
-            acks, late, calls = await notify_members(announcement, members)
+            acks, late, calls = await notify_members(announcement, members, self._mail.call)
             self._state.delivery_calls += calls
             pending = tuple(s for ids, _ in late for s in ids)
             self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
@@ -324,3 +326,10 @@ class Delivery:
 
         asyncio.get_running_loop().create_task(start())
 
+
+
+def _actor(sub: Subscriber) -> str:
+    """Where calls for ``sub`` go: its actor's process (a reachable subscriber is an actor)."""
+    if sub.info.actor_id is None:
+        raise SubscriberUnreachable(f"{sub.sub_id} is no actor: the hub cannot call it")
+    return sub.info.actor_id

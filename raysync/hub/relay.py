@@ -4,8 +4,9 @@ Without relays the hub makes one Ray call per subscriber per version (about a
 millisecond of hub CPU each). With them the hub's work per version grows with
 the number of nodes that have subscribers: one :class:`~raysync._protocol.RelayDelivery`
 per node carries every subscription there, the relay makes the node-local calls
-(one per subscriber, or one per actor for batched subscriptions) and answers the
-hub with every subscriber's report in one :class:`~raysync._protocol.RelayReply`.
+(one per subscriber, or one per actor for batched subscriptions; each queued for the
+subscriber's process, which polls the relay for them: :mod:`raysync.hub.mailbox`) and
+answers the hub with every subscriber's report in one :class:`~raysync._protocol.RelayReply`.
 Versions up to a few MiB go without a Ray call per subscriber at all: the relay
 writes them once into the node's shared memory and rings each subscriber
 process's doorbell (:mod:`raysync.transports.doorbell`).
@@ -14,7 +15,7 @@ The hub starts a relay on demand, when the first subscriber on a node registers:
 placed on that node (``NodeAffinitySchedulingStrategy(soft=False)``), named per hub
 and node (:func:`relay_name`), restarted by Ray (``max_restarts=-1``), owned by the
 hub (it goes when the hub goes; a restarted hub starts new ones). A relay holds no
-state that matters: it learns subscriber handles from the hub (once per relay
+state that matters: it learns its subscribers from the hub (once per relay
 process), and a relay that dies mid-delivery or mid-ack loses nothing, since the
 hub hands the newest version again to every subscriber whose ack it did not get,
 and subscribers ignore versions not newer than the one they hold.
@@ -39,14 +40,16 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysync import _protocol as proto
 from raysync._protocol import (
     DEFAULT_NAMESPACE,
     Announcement,
+    Answer,
     ApplyReport,
+    Caller,
+    PollReply,
     RelayAck,
     RelayDelivery,
     RelayMember,
@@ -54,7 +57,8 @@ from raysync._protocol import (
     bucket_ids,
     compact,
 )
-from raysync.hub.handles import class_free_handles
+from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberUnreachable
+from raysync.hub.persistence import actor_alive
 from raysync.hub.priority import control_plane_priority
 from raysync.hub.settings import HubSettings
 from raysync.transports import doorbell
@@ -94,9 +98,14 @@ class NodeDelivery:
     """
 
     def __init__(
-        self, node_id: str, send_late: Callable[[str, int, RelayReply], None], doorbell_bytes: int
+        self,
+        node_id: str,
+        send_late: Callable[[str, int, RelayReply], None],
+        doorbell_bytes: int,
+        mail: Mailboxes,
     ) -> None:
         self._node_id = node_id
+        self.mail = mail  # calls to this node's subscribers' actors (they poll for them)
         self._doorbell_bytes = doorbell_bytes  # the largest version handed over by doorbell
         self._send_late = send_late
         self._members: dict[str, RelayMember] = {}
@@ -123,14 +132,14 @@ class NodeDelivery:
         tokens, called = await self._ring(a, members)
         t1 = time.perf_counter()
         (acks, late, calls), (rung_acks, rung_pending) = await asyncio.gather(
-            notify_members(a, called), self._rung_acks(tokens)
+            notify_members(a, called, self.mail.call), self._rung_acks(tokens)
         )
         self._timing.append((t1 - t0, time.perf_counter() - t1))
         if rung_pending:
             # Rung, no ack within the window: busy, or its process died after the ring went out
             # (a doorbell says nothing of that). The Ray call tells which; its ack is a late one.
             slow = {s: m for s in rung_pending if (m := self._members.get(s)) is not None}
-            more_acks, more_late, more_calls = await notify_members(a, slow, window=0.0)
+            more_acks, more_late, more_calls = await notify_members(a, slow, self.mail.call, window=0.0)
             acks, late, calls = acks + more_acks, late + more_late, calls + more_calls
         self.delivered += calls
         acks += rung_acks
@@ -200,14 +209,15 @@ class NodeDelivery:
             self._send_late(model_id, version, compact(version, batch, os.getpid()))
 
     def _forget_dead(self, acks: list[RelayAck]) -> None:
-        for ack in acks:
-            if ack.outcome == "died":
-                self._members.pop(ack.sub_id, None)
+        self.forget([ack.sub_id for ack in acks if ack.outcome == "died"])
 
     def forget(self, sub_ids: list[str]) -> None:
-        """Drop subscriptions that left (their handles are not needed any more)."""
-        for sub_id in sub_ids:
-            self._members.pop(sub_id, None)
+        """Drop subscriptions that left; an actor none is left of gets no more calls."""
+        gone = {m.actor_id for s in sub_ids if (m := self._members.pop(s, None)) is not None}
+        gone -= {m.actor_id for m in self._members.values()}
+        for actor_id in gone:
+            if actor_id is not None:
+                self.mail.fail(actor_id, SubscriberGone("it left"))
 
     def stats(self) -> dict[str, Any]:
         """Its process, node, and the calls it made so far (for tests and benchmarks)."""
@@ -215,6 +225,7 @@ class NodeDelivery:
             "pid": os.getpid(),
             "node_id": self._node_id,
             "members": len(self._members),
+            "calls_pending": self.mail.pending(),
             "deliveries": self.deliveries,
             "delivered": self.delivered,
             "rung": self.rung,
@@ -233,20 +244,30 @@ class NodeRelay:
     def __init__(self, hub: Any, node_id: str, settings: HubSettings) -> None:
         control_plane_priority(settings.nice)  # as the hub's (hub/priority.py)
         quiet_threaded_gets()
-        class_free_handles()  # subscribers' handles without importing their code (hub/handles.py)
 
         def send_late(model_id: str, version: int, reply: RelayReply) -> None:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
 
-        self._node = NodeDelivery(node_id, send_late, settings.doorbell_bytes or 0)
+        mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
+        self._node = NodeDelivery(node_id, send_late, settings.doorbell_bytes or 0, mail)
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
         """See :meth:`NodeDelivery.deliver`."""
         return await self._node.deliver(delivery)
 
     async def forget(self, sub_ids: list[str]) -> None:
-        """Drop subscriptions that left (their handles are not needed any more)."""
+        """Drop subscriptions that left."""
         self._node.forget(sub_ids)
+
+    async def raysync_poll(
+        self, caller: Caller, answers: list[Answer], running: list[int], timeout: float
+    ) -> PollReply:
+        """A subscriber process collects the calls for its actor (see :mod:`raysync.hub.mailbox`)."""
+        return PollReply(await self._node.mail.poll(caller, answers, running, timeout))
+
+    async def raysync_answer(self, caller: Caller, answers: list[Answer]) -> None:
+        """Answers of calls that ended after the poll that carried them."""
+        self._node.mail.answer(caller, answers)
 
     async def stats(self) -> dict[str, Any]:
         """Its process, node, and the calls it made so far (for tests and benchmarks)."""
@@ -311,17 +332,20 @@ ACK_WINDOW_S = 0.2
 The acks of slower subscribers follow in batches (:func:`late_acks`), so one
 slow or hung subscriber never holds up the others' next version."""
 
-Late = list[tuple[tuple[str, ...], Any]]
-"""Calls still running when a delivery answered: (their subscriptions, the call's ref)."""
+Late = list[tuple[tuple[str, ...], "asyncio.Future[Any]"]]
+"""Calls still running when a delivery answered: (their subscriptions, the call's future)."""
+
+Call = Callable[[str, str, Announcement], "asyncio.Future[Any]"]
+"""``call(actor_id, method, announcement)``: a call for a subscriber's actor (:class:`Mailboxes.call`)."""
 
 
-def _acks_of(sub_ids: tuple[str, ...], ref: Any) -> list[RelayAck]:
+def _acks_of(sub_ids: tuple[str, ...], fut: asyncio.Future[Any]) -> list[RelayAck]:
     """The acks of one finished notification call (its reply, or why it failed)."""
     try:
-        reply = ray.get(ref)
-    except ActorDiedError as err:
+        reply = fut.result()
+    except SubscriberGone as err:
         return [RelayAck(s, None, "died", _plain(err)) for s in sub_ids]
-    except (ActorUnavailableError, RayActorError) as err:
+    except SubscriberUnreachable as err:
         return [RelayAck(s, None, "unreachable", _plain(err)) for s in sub_ids]
     except Exception as err:
         return [RelayAck(s, None, "failed", _plain(err)) for s in sub_ids]
@@ -335,6 +359,7 @@ def _acks_of(sub_ids: tuple[str, ...], ref: Any) -> list[RelayAck]:
 async def notify_members(
     announcement: Announcement,
     members: dict[str, RelayMember],
+    call: Call,
     *,
     window: float | None = ACK_WINDOW_S,
 ) -> tuple[list[RelayAck], Late, int]:
@@ -345,33 +370,33 @@ async def notify_members(
     ended within ``window`` seconds, the calls still running, and the calls made.
 
     Example:
-        >>> acks, late, calls = await notify_members(announcement, {"a1:policy": RelayMember(handle)})
+        >>> members = {"a1:policy": RelayMember("a1")}
+        >>> acks, late, calls = await notify_members(announcement, members, mail.call)
     """
     a = announcement
     single = Announcement(a.model_id, a.version, a.manifest, a.refs)
     calls: Late = []
     batched: dict[str, list[str]] = {}
     for sub_id, member in members.items():
-        if member.batch and member.actor_id is not None:
+        if member.actor_id is None:  # nothing to call: it registers again, and starts from the newest
+            calls.append(((sub_id,), _failed(SubscriberUnreachable(f"{sub_id} is no actor"))))
+        elif member.batch:
             batched.setdefault(member.actor_id, []).append(sub_id)
         else:
-            calls.append(((sub_id,), getattr(member.handle, proto.NOTIFY).remote(single)))
-    for sub_ids in batched.values():
+            calls.append(((sub_id,), call(member.actor_id, proto.NOTIFY, single)))
+    for actor_id, sub_ids in batched.items():
         ann = Announcement(a.model_id, a.version, a.manifest, a.refs, tuple(sub_ids))
-        calls.append((tuple(sub_ids), getattr(members[sub_ids[0]].handle, proto.NOTIFY_BATCH).remote(ann)))
+        calls.append((tuple(sub_ids), call(actor_id, proto.NOTIFY_BATCH, ann)))
+    if calls and window != 0.0:
+        await asyncio.wait([fut for _, fut in calls], timeout=window)
+    acks = [ack for ids, fut in calls if fut.done() for ack in _acks_of(ids, fut)]
+    return acks, [(ids, fut) for ids, fut in calls if not fut.done()], len(calls)
 
-    def collect() -> tuple[list[RelayAck], Late]:
-        # One blocking wait for all the calls (in a thread) costs far less than one
-        # asyncio future per call; every reply is then read on its own, errors included.
-        refs = [ref for _, ref in calls]
-        if not refs:
-            return [], []
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=window)[0])
-        acks = [ack for ids, ref in calls if ref in ready for ack in _acks_of(ids, ref)]
-        return acks, [(ids, ref) for ids, ref in calls if ref not in ready]
 
-    acks, late = await asyncio.to_thread(collect)
-    return acks, late, len(calls)
+def _failed(error: Exception) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    fut.set_exception(error)
+    return fut
 
 
 async def late_acks(late: Late, *, gather_s: float = 0.02) -> AsyncIterator[list[RelayAck]]:
@@ -381,14 +406,13 @@ async def late_acks(late: Late, *, gather_s: float = 0.02) -> AsyncIterator[list
         >>> async for batch in late_acks(late):
         ...     hub.relay_acks.remote(node_id, model_id, version, compact(version, batch))
     """
-    running = {asyncio.wrap_future(ref.future()): (ids, ref) for ids, ref in late}
+    running = {fut: ids for ids, fut in late}
     while running:
         await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
         await asyncio.sleep(gather_s)  # others ending about now go in the same message
         batch: list[RelayAck] = []
         for fut in [f for f in running if f.done()]:
-            ids, ref = running.pop(fut)
-            batch.extend(_acks_of(ids, ref))
+            batch.extend(_acks_of(running.pop(fut), fut))
         yield batch
 
 
@@ -410,5 +434,6 @@ def start_relay(hub: str, node_id: str, settings: HubSettings) -> Any:
         name=relay_name(hub, hub_actor_id, node_id),
         namespace=DEFAULT_NAMESPACE,
         get_if_exists=True,
+        max_concurrency=10_000,  # a poll stays open per subscriber process of the node
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(ctx.current_actor, node_id, settings)

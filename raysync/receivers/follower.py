@@ -176,7 +176,7 @@ class Follower:
     def registration(self) -> Registration:
         module = self._module()
         schema = module_schema(module, non_persistent=self.non_persistent) if module is not None else None
-        return Registration(self.sub_id, self.model_id, None, self._info, schema, self.version)
+        return Registration(self.sub_id, self.model_id, False, self._info, schema, self.version)
 
     def start_from(self, newest: Announcement | None) -> None:
         """Apply the version the hub hands a (re-)registration, and say so."""

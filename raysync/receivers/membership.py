@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ import ray
 from raysync import _protocol as proto
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration
 from raysync.hub.locate import call_hub, get_hub_actor
+from raysync.receivers import poller
 
 __all__ = ["Member", "Membership", "membership"]
 
@@ -98,6 +100,11 @@ class Membership:
     def call(self, member: Member, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.hub.locate.call_hub`)."""
         return call_hub(self.hub(member).handle, method, *args, timeout=timeout)
+
+    def serve(self, member: Member, owner: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Answer the calls ``member``'s hub (and its node's relay) queue for this actor with
+        ``owner``'s methods (``loop``: an async actor's event loop); once per hub and process."""
+        poller.serve(self.hub(member), owner, loop)
 
     def join(self, member: Member) -> None:
         """Register ``member`` and start it from the newest version; keep it known from now on."""

@@ -79,7 +79,6 @@ class _Subscription(PullSync, LocalChanges):
         self.version: int | None = None
         self.bound: BoundModel | None = None
         self.sub_id = ""
-        self.actor_handle: Any = None  # this actor, for the hub to call
         self._info: SubscriberInfo | None = None
         # Guards the spare buffer set (prefetch staging, NIXL receives).
         self._stage_lock = threading.Lock()
@@ -118,7 +117,6 @@ class _Subscription(PullSync, LocalChanges):
         actor_id = ctx.get_actor_id()
         self.sub_id = f"{actor_id}:{self.spec.model_id}"
         self.warn_train_mode(type(self.sync.owner).__name__, self.module())
-        self.actor_handle = ctx.current_actor
         self._info = SubscriberInfo(
             mode=self.spec.mode,
             apply=self.spec.apply,
@@ -129,6 +127,7 @@ class _Subscription(PullSync, LocalChanges):
             attr=self.spec.attr,
             doorbell=self._doorbell(),
         )
+        membership().serve(self, self.sync.owner, self.sync.loop)
         membership().join(self)
         if self.spec.prefetch and not self._prefetching:
             self.start_prefetch()
@@ -179,7 +178,7 @@ class _Subscription(PullSync, LocalChanges):
         return Registration(
             self.sub_id,
             self.spec.model_id,
-            self.actor_handle,
+            True,  # its process answers the hub's calls (receivers/poller.py)
             self._info,
             schema,
             self.version,

@@ -22,7 +22,7 @@ def _join(
     state: HubState, name: str, *, mode: str = "push", applied: int | None = None, schema: object = None
 ) -> Subscriber:
     reg = Registration(
-        f"{name}:policy", "policy", object(), SubscriberInfo(mode=mode, class_name=name), schema, applied
+        f"{name}:policy", "policy", True, SubscriberInfo(mode=mode, class_name=name), schema, applied
     )
     sub, _, _ = state.register(reg)
     return sub
@@ -68,11 +68,11 @@ def test_one_writer_per_model_until_takeover_or_hand_over() -> None:
 def test_a_new_subscriber_starts_from_the_newest_version() -> None:
     state = _state()
     state.stamp("policy", MANIFEST, ["r1"], TRAINER)
-    reg = Registration("a:policy", "policy", object(), SubscriberInfo(class_name="A"))
+    reg = Registration("a:policy", "policy", True, SubscriberInfo(class_name="A"))
     sub, replaced, newest = state.register(reg)
     assert replaced is None and newest is not None and newest.version == 1 and sub.sent == 1
     _, replaced, newest = state.register(
-        Registration("a:policy", "policy", object(), SubscriberInfo(), applied=1)
+        Registration("a:policy", "policy", True, SubscriberInfo(), applied=1)
     )
     assert replaced is sub and newest is None  # re-registration holding the newest: nothing to do
 
@@ -280,10 +280,10 @@ def test_another_process_of_the_same_writer_fences_the_first() -> None:
 
 
 def _on_node(
-    state: HubState, name: str, node: str | None, *, mode: str = "push", handle: object = "h"
+    state: HubState, name: str, node: str | None, *, mode: str = "push", reachable: bool = True
 ) -> Subscriber:
     info = SubscriberInfo(mode=mode, class_name=name, actor_id=name, node_id=node)
-    sub, _, _ = state.register(Registration(f"{name}:policy", "policy", handle, info))
+    sub, _, _ = state.register(Registration(f"{name}:policy", "policy", reachable, info))
     return sub
 
 
@@ -313,16 +313,16 @@ def test_without_relays_each_subscriber_is_its_own_delivery() -> None:
 def test_a_node_group_delivers_the_newest_to_members_that_lack_it_and_can_be_called() -> None:
     state = HubState("hub", 2, relay=True)
     a, b = _on_node(state, "a", "n1"), _on_node(state, "b", "n1")
-    restoring = _on_node(state, "r", "n1", handle=None)  # one the hub cannot call (restored, a process)
+    restoring = _on_node(state, "r", "n1", reachable=False)  # one the hub cannot call (restored, a process)
     group = state.groups["policy@node:n1"]
     group.known.update({"a:policy", "b:policy"})
     state.stamp("policy", MANIFEST, ["r1"], TRAINER)
     newest, due = state.due_in_group("policy", group)
-    assert newest is not None and newest.version == 1 and due == [a, b]  # not the one without a handle
+    assert newest is not None and newest.version == 1 and due == [a, b]  # not the one it cannot call
     a.sent = 1
     assert state.due_in_group("policy", group)[1] == [b]
-    _on_node(state, "b", "n1")  # registers again (a restarted actor): the relay must be sent its handle
-    assert group.known == {"a:policy"} and restoring.handle is None
+    _on_node(state, "b", "n1")  # registers again (a restarted actor): the relay must be told of it again
+    assert group.known == {"a:policy"} and not restoring.reachable
 
 
 def test_a_relay_reply_carries_plain_applies_as_rows_and_the_hub_records_them_forward_only() -> None:

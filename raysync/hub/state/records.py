@@ -78,7 +78,7 @@ class Subscriber:
 
     sub_id: str
     model_id: str
-    handle: Any  # None: the hub cannot call it (known from before a restart, or a plain process)
+    reachable: bool  # its process polls for the hub's calls (not: restored after a restart, plain processes)
     info: SubscriberInfo
     schema: dict[str, tuple[tuple[int, ...], str]] | None = None
     applied: int | None = None
@@ -117,9 +117,7 @@ class Subscriber:
 
     def relay_member(self) -> RelayMember:
         """What its node's relay (or the hub, on its own node) needs to hand it a version."""
-        return RelayMember(
-            self.handle, self.info.actor_id, self.info.batch, self.info.doorbell, self.doorbell_key
-        )
+        return RelayMember(self.info.actor_id, self.info.batch, self.info.doorbell, self.doorbell_key)
 
     @functools.cached_property
     def schema_key(self) -> Any:
@@ -156,7 +154,7 @@ class Subscriber:
     @classmethod
     def restored(cls, sub_id: str, record: dict[str, Any]) -> Subscriber:
         """A subscription known from before a restart: waited for until it registers again."""
-        return cls(sub_id, record["model_id"], None, SubscriberInfo(**record["info"]), state="restoring")
+        return cls(sub_id, record["model_id"], False, SubscriberInfo(**record["info"]), state="restoring")
 
 
 @dataclass(eq=False)
@@ -180,7 +178,7 @@ class Group:
     members: dict[str, Subscriber] = field(default_factory=dict)
     task: Any = None
     node_id: str | None = None  # set: the members are delivered through this node's relay
-    known: set[str] = field(default_factory=set)  # members whose handle the relay has been sent
+    known: set[str] = field(default_factory=set)  # members the relay has been told of
     relay_pid: int | None = None  # the relay process that answered last
 
     def relay_lost(self) -> None:

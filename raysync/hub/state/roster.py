@@ -28,7 +28,7 @@ class Roster(Versions):
         The subscriber applies the newest version itself (from its ``__init__``), so
         it counts as sent.
         """
-        sub = Subscriber(reg.sub_id, reg.model_id, reg.handle, reg.info, reg.schema)
+        sub = Subscriber(reg.sub_id, reg.model_id, reg.reachable, reg.info, reg.schema)
         sub.doorbell_key = reg.doorbell_key
         if reg.applied is not None and self.believable(sub, reg.applied):
             sub.applied = reg.applied
@@ -62,7 +62,7 @@ class Roster(Versions):
             node = sub.info.node_id if sub.via_node else None
             group = self.groups.setdefault(sub.group, Group(node_id=node))
             group.members[sub.sub_id] = sub
-            group.known.discard(sub.sub_id)  # a new registration may carry a new handle
+            group.known.discard(sub.sub_id)  # a new registration may carry a new doorbell
         for waiter in self.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)

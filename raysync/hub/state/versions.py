@@ -274,7 +274,7 @@ class Versions(Leases):
             for s in group.members.values()
             if s.state != "dead"
             and s.mode == "push"
-            and s.handle is not None
+            and s.reachable
             and not s.relay_pending
             and newest.version > max(s.applied or 0, s.sent)
             and self.misfit(s, newest.manifest) is None

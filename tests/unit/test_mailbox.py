@@ -1,0 +1,198 @@
+"""Calls to subscribers' actors carried by their processes' polls (raysync/hub/mailbox.py), and the
+node-local delivery built on them (notify_members, late_acks): no Ray, the process simulated."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from raysync import _protocol as proto
+from raysync._protocol import Announcement, Answer, ApplyReport, Caller, RelayMember
+from raysync.hub import mailbox
+from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberUnreachable
+from raysync.hub.relay import late_acks, notify_members
+
+A1 = Caller("a1" * 16, pid=100, node_id="n1")
+
+
+def _ann(version: int = 3, sub_ids: tuple[str, ...] = ()) -> Announcement:
+    return Announcement("policy", version, None, (), sub_ids)
+
+
+def _mail(alive: bool = True) -> Mailboxes:
+    async def is_alive(actor_id: str) -> bool:
+        return alive
+
+    return Mailboxes(alive=is_alive)
+
+
+def test_a_call_goes_out_with_the_next_poll_and_ends_with_its_answer() -> None:
+    async def main() -> None:
+        mail = _mail()
+        poll = asyncio.create_task(mail.poll(A1, [], [], timeout=5))
+        await asyncio.sleep(0.01)  # the poll is open, nothing queued
+        call = mail.call(A1.actor_id, proto.NOTIFY, _ann(3))
+        (req,) = await asyncio.wait_for(poll, 1)  # woken by the call, not after 5 s
+        assert req.method == proto.NOTIFY and req.announcement == _ann(3)
+        assert not call.done()
+        await mail.poll(A1, [Answer(req.req_id, ApplyReport(applied=3))], [], timeout=0)
+        assert (await call).applied == 3
+        assert mail.pending() == 0
+
+    asyncio.run(main())
+
+
+def test_an_error_raised_by_the_call_is_the_callers_and_an_empty_poll_ends_at_its_timeout() -> None:
+    async def main() -> None:
+        mail = _mail()
+        assert await mail.poll(A1, [], [], timeout=0.05) == ()
+        call = mail.call(A1.actor_id, proto.NOTIFY, _ann())
+        (req,) = await mail.poll(A1, [], [], timeout=1)
+        mail.answer(A1, [Answer(req.req_id, error=ValueError("shape mismatch in fc.weight"))])
+        with pytest.raises(ValueError, match=r"fc\.weight"):
+            await call
+
+    asyncio.run(main())
+
+
+def test_a_restarted_actor_fails_the_calls_its_old_process_held() -> None:
+    async def main() -> None:
+        mail = _mail()
+        call = mail.call(A1.actor_id, proto.NOTIFY, _ann())
+        await mail.poll(A1, [], [], timeout=1)  # handed to pid 100
+        restarted = Caller(A1.actor_id, pid=101, node_id="n1")
+        assert await mail.poll(restarted, [], [], timeout=0) == ()
+        with pytest.raises(SubscriberUnreachable, match="restarted"):
+            await call
+        late = Answer(1, ApplyReport(applied=3))
+        mail.answer(A1, [late])  # the old process's answer is ignored
+
+    asyncio.run(main())
+
+
+def test_a_dead_actors_calls_fail_as_gone_once_its_polls_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mailbox, "_SUSPECT_S", 0.05)
+    monkeypatch.setattr(mailbox, "_CHECK_S", 0.02)
+
+    async def main() -> None:
+        mail = _mail(alive=False)
+        call = mail.call(A1.actor_id, proto.NOTIFY, _ann())
+        await mail.poll(A1, [], [], timeout=1)  # handed out; the process then dies: no poll again
+        with pytest.raises(SubscriberGone, match="died"):
+            await asyncio.wait_for(call, 2)
+
+    asyncio.run(main())
+
+
+def test_a_live_actor_that_never_polls_is_unreachable_after_pickup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mailbox, "_CHECK_S", 0.02)
+    monkeypatch.setattr(mailbox, "PICKUP_S", 0.1)
+
+    async def main() -> None:
+        mail = _mail(alive=True)
+        call = mail.call(A1.actor_id, proto.NOTIFY, _ann())
+        with pytest.raises(SubscriberUnreachable, match="did not poll"):
+            await asyncio.wait_for(call, 2)
+
+    asyncio.run(main())
+
+
+def test_a_long_call_reported_running_is_kept_and_an_unconfirmed_one_is_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(mailbox, "_CHECK_S", 0.02)
+    monkeypatch.setattr(mailbox, "LOST_S", 0.2)
+
+    async def main() -> None:
+        mail = _mail(alive=True)
+        kept = mail.call(A1.actor_id, proto.NOTIFY, _ann(3))
+        lost = mail.call(A1.actor_id, proto.PING)
+        reqs = await mail.poll(A1, [], [], timeout=1)
+        kept_id = next(r.req_id for r in reqs if r.method == proto.NOTIFY)
+        for _ in range(8):  # 0.4 s of polls that say the notify still runs, never the ping
+            await mail.poll(A1, [], [kept_id], timeout=0.05)
+        with pytest.raises(SubscriberUnreachable, match="no answer"):
+            await lost
+        assert not kept.done()
+        await mail.poll(A1, [Answer(kept_id, ApplyReport(applied=3))], [], timeout=0)
+        assert (await kept).applied == 3
+
+    asyncio.run(main())
+
+
+class _Process:
+    """A simulated subscriber process: polls ``mail`` and answers each call after ``delay_s``."""
+
+    def __init__(self, mail: Mailboxes, caller: Caller, delay_s: float = 0.0, fail: bool = False) -> None:
+        self.mail, self.caller, self.delay_s, self.fail = mail, caller, delay_s, fail
+        self.seen: list[tuple[str, int, tuple[str, ...]]] = []
+
+    async def run(self) -> None:
+        while True:
+            for req in await self.mail.poll(self.caller, [], [], timeout=1):
+                asyncio.get_running_loop().create_task(self._answer(req))
+
+    async def _answer(self, req: Any) -> None:
+        a = req.announcement
+        self.seen.append((req.method, a.version, a.sub_ids))
+        await asyncio.sleep(self.delay_s)
+        if self.fail:
+            self.mail.answer(self.caller, [Answer(req.req_id, error=RuntimeError("out of memory"))])
+            return
+        value: Any = ApplyReport(applied=a.version)
+        if req.method == proto.NOTIFY_BATCH:
+            value = [ApplyReport(applied=a.version) for _ in a.sub_ids]
+        self.mail.answer(self.caller, [Answer(req.req_id, value)])
+
+
+def test_a_node_delivery_batches_per_actor_and_slow_acks_come_later() -> None:
+    """One call per plain subscriber, one per batched actor; a slow process's ack is late, not lost."""
+
+    async def main() -> None:
+        mail = _mail()
+        quick = _Process(mail, Caller("q" * 32, 1))
+        batched = _Process(mail, Caller("b" * 32, 2))
+        slow = _Process(mail, Caller("s" * 32, 3), delay_s=0.4)
+        broken = _Process(mail, Caller("x" * 32, 4), fail=True)
+        tasks = [asyncio.create_task(p.run()) for p in (quick, batched, slow, broken)]
+        members = {
+            "q:policy": RelayMember(quick.caller.actor_id),
+            "b1:policy": RelayMember(batched.caller.actor_id, batch=True),
+            "b2:policy": RelayMember(batched.caller.actor_id, batch=True),
+            "s:policy": RelayMember(slow.caller.actor_id),
+            "x:policy": RelayMember(broken.caller.actor_id),
+        }
+        acks, late, calls = await notify_members(_ann(7), members, mail.call, window=0.2)
+        assert calls == 4  # the two batched subscriptions share one call
+        assert batched.seen == [(proto.NOTIFY_BATCH, 7, ("b1:policy", "b2:policy"))]
+        outcome = {a.sub_id: (a.outcome, a.report.applied if a.report else None) for a in acks}
+        assert outcome == {
+            "q:policy": ("ok", 7),
+            "b1:policy": ("ok", 7),
+            "b2:policy": ("ok", 7),
+            "x:policy": ("failed", None),
+        }
+        assert [ids for ids, _ in late] == [("s:policy",)]
+        later = [ack async for batch in late_acks(late) for ack in batch]
+        assert [(a.sub_id, a.outcome, a.report.applied) for a in later] == [("s:policy", "ok", 7)]
+        for t in tasks:
+            t.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_member_that_died_mid_delivery_is_acked_as_died(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mailbox, "_SUSPECT_S", 0.05)
+    monkeypatch.setattr(mailbox, "_CHECK_S", 0.02)
+
+    async def main() -> None:
+        mail = _mail(alive=False)
+        members = {"d:policy": RelayMember("d" * 32), "p:policy": RelayMember(None)}
+        acks, late, _ = await notify_members(_ann(2), members, mail.call, window=0.05)
+        assert [(a.sub_id, a.outcome) for a in acks] == [("p:policy", "unreachable")]  # no actor to call
+        later = [ack async for batch in late_acks(late) for ack in batch]
+        assert [(a.sub_id, a.outcome) for a in later] == [("d:policy", "died")]
+
+    asyncio.run(main())
