@@ -58,9 +58,11 @@ def test_a_loader_refuses_a_misfit_naming_each_tensor() -> None:
         loader.check(other)
     assert set(info.value.shape_mismatch) == {"2.weight", "2.bias"}
     unknown = plan_layout({**extract_tensors(small_policy(1)), "extra": torch.zeros(2)})
-    with pytest.raises(raysync.WeightMismatchError, match="unknown.*extra"):
+    with pytest.raises(raysync.WeightMismatchError, match=r"unknown.*extra"):
         loader.check(unknown)
-    only_first = raysync.WeightsLoader(engine.load_weights, expected=lambda name, shape, dtype: name[0] == "0")
+    only_first = raysync.WeightsLoader(
+        engine.load_weights, expected=lambda name, shape, dtype: name[0] == "0"
+    )
     with pytest.raises(raysync.WeightMismatchError, match=r"refused by expected\(\).*2\.bias"):
         only_first.check(other)
     assert engine.calls == []
