@@ -44,8 +44,9 @@ class WeightsLoader:
 
     Args:
         load_weights: called once per version with an iterable of ``(name, tensor)``:
-            every tensor of a first version (or of a new layout), then those of the
-            buckets that changed (a ``keys=`` push: the keys pushed). The tensors are
+            every tensor of a first version (or of a new layout, such as the first
+            ``keys=`` push, which lays those keys out apart), then those of the
+            buckets that changed (the next ``keys=`` pushes: the keys pushed). The tensors are
             read-only views of the fetched bytes, valid during the call: copy them in
             (``param.copy_(t)``), never keep or write them.
         expected: what it takes, checked before anything is fetched: a mapping of

@@ -194,12 +194,13 @@ def test_a_keys_push_hands_the_engine_only_the_keys_pushed(hub: raysync.HubClien
         ray.get(host.raysync_version.remote(), timeout=120)
         v1 = hub.push(small_policy(1))
         hub.wait(v1, timeout=TIMEOUT, subscribers=2)
-        v2 = hub.push(small_policy(2), keys=["2.*"])
-        hub.wait(v2, timeout=TIMEOUT)
-        assert sorted(engine.calls[-1]) == ["2.bias", "2.weight"]
-        expected = {**policy_state(1), **{k: v for k, v in policy_state(2).items() if k.startswith("2.")}}
+        hub.push(small_policy(2), keys=["2.*"], wait=True, timeout=TIMEOUT)  # lays the keys out apart
+        v3 = hub.push(small_policy(3), keys=["2.*"])
+        hub.wait(v3, timeout=TIMEOUT)
+        assert sorted(engine.calls[-1]) == ["2.bias", "2.weight"]  # only the keys pushed
+        expected = {**policy_state(1), **{k: v for k, v in policy_state(3).items() if k.startswith("2.")}}
         assert_same_weights(engine.params, expected)
-        assert follower.version == v2 and ray.get(host.raysync_version.remote()) == v2
+        assert follower.version == v3 and ray.get(host.raysync_version.remote()) == v3
         assert_same_weights(ray.get(host.state.remote()), expected)
     finally:
         follower.stop()
