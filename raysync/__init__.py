@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     from raysync.hub.client import HubClient
     from raysync.hub.connect import connect
     from raysync.receivers.follower import Follower, follow
+    from raysync.receivers.loader import WeightsLoader
     from raysync.receivers.module_transform import RayModuleTransform
     from raysync.receivers.synced import synced_model
+    from raysync.receivers.target import Incoming, ModuleTarget, Target
 
 # Loaded on first use, so that a process that only hosts the hub (raysync.hub.actor)
 # starts without importing torch: a hub restart then takes about a second, not four.
@@ -46,8 +48,12 @@ _LAZY = {
     "follow": "raysync.receivers.follower",
     "HubClient": "raysync.hub.client",
     "connect": "raysync.hub.connect",
+    "Incoming": "raysync.receivers.target",
+    "ModuleTarget": "raysync.receivers.target",
     "RayModuleTransform": "raysync.receivers.module_transform",
     "synced_model": "raysync.receivers.synced",
+    "Target": "raysync.receivers.target",
+    "WeightsLoader": "raysync.receivers.loader",
 }
 
 
@@ -75,17 +81,21 @@ __all__ = [
     "Follower",
     "HubClient",
     "HubSettings",
+    "Incoming",
     "InvalidWeightsError",
     "Manifest",
+    "ModuleTarget",
     "RayModuleTransform",
     "RayNotRunningError",
     "RaySyncError",
     "ReadOnlyWeightsError",
     "StaleWriterError",
     "SyncTimeoutError",
+    "Target",
     "TensorEntry",
     "UnknownModelError",
     "WeightMismatchError",
+    "WeightsLoader",
     "connect",
     "follow",
     "synced_model",

@@ -25,8 +25,8 @@ from raysync.adapters.placement import placement_of
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
+from raysync.receivers import apply
 from raysync.receivers.membership import membership
-from raysync.transports.registry import transport_class
 
 __all__ = ["KINDS", "Kind"]
 
@@ -160,8 +160,12 @@ class _Adapter:
         try:
             if not live:
                 raise RaySyncError(f"{self.name} has no live receivers left")
-            transport = transport_class(manifest.transport)  # one received in place refuses to be fetched
-            buckets = transport.fetch(manifest, refs, range(manifest.num_buckets), timeout=self.timeout)
+            # raysync's apply path: through the version's data path (one received in place refuses to be
+            # fetched), checksums verified where the pusher added them; the fan-out is the commit
+            every = range(manifest.num_buckets)
+            fetched = apply.fetch(manifest, refs, every, timeout=self.timeout, verify="if_present")
+            buckets = [fetched[b] for b in every]
+            del fetched
             self._fetches += 1
             self._bytes_fetched += sum(manifest.bucket_nbytes)
             self._fan_out(model_id, version, manifest, buckets, live)

@@ -39,6 +39,7 @@ __all__ = [
     "pack",
     "require_checksums",
     "same_bytes",
+    "tensor_of",
     "unpack",
     "verify_checksums",
     "views",
@@ -183,6 +184,20 @@ def unpack(
         arr = buckets[entry.bucket][entry.index]
         out[entry.key] = _tensor_from_bytes(arr, entry, read_only=read_only)
     return out
+
+
+def tensor_of(
+    entry: TensorEntry, bucket: Sequence[np.ndarray], *, read_only: bool = False
+) -> torch.Tensor:
+    """One tensor of a received bucket (its arrays), viewing the bucket's bytes. No copy.
+
+    Example:
+        >>> t = {"w": torch.arange(3.0)}
+        >>> m = plan_layout(t)
+        >>> tensor_of(m.entries[0], pack(t, m)[0])
+        tensor([0., 1., 2.])
+    """
+    return _tensor_from_bytes(bucket[entry.index], entry, read_only=read_only)
 
 
 def _tensor_from_bytes(arr: np.ndarray, entry: TensorEntry, *, read_only: bool) -> torch.Tensor:

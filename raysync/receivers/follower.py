@@ -5,7 +5,8 @@ evaluation script: a :class:`Follower` registers with the hub (it shows in
 ``raysync status``, a push waits for it, the hub drops it when its process dies),
 long-polls the hub for newer versions in a background thread, applies each one
 whole into its module (one ``copy_`` per changed bucket, between two forward
-calls of the module, never during one) and acknowledges it.
+calls of the module, never during one) or into another target
+(``target=raysync.WeightsLoader(engine.load_weights)``) and acknowledges it.
 
 Example:
     >>> import ray, torch, raysync
@@ -15,6 +16,8 @@ Example:
     >>> follower.version  # the hub's newest, already applied  # doctest: +SKIP
     3
     >>> follower.stop()  # doctest: +SKIP
+    >>> loader = raysync.WeightsLoader(engine.load_weights)  # doctest: +SKIP
+    >>> raysync.follow(target=loader, model_id="policy")  # fed (name, tensor) pairs  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -34,13 +37,12 @@ import torch
 from raysync import _protocol as proto
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.channels.base import DEFAULT_TIMEOUT
-from raysync.core.bound import BoundModel
-from raysync.core.codec import verify_checksums
 from raysync.core.extract import module_schema
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.hub.locate import call_hub
+from raysync.receivers import apply
 from raysync.receivers.membership import membership
-from raysync.transports.registry import transport_class
+from raysync.receivers.target import ModuleTarget, Target, is_target
 
 __all__ = ["Follower", "follow"]
 
@@ -87,7 +89,8 @@ class Follower:
 
     Args:
         module: the module to keep in step, or a callable returning it (called at
-            each apply: the module may be replaced, e.g. copied onto a device).
+            each apply: the module may be replaced, e.g. copied onto a device), or a
+            :class:`~raysync.receivers.target.Target` (the same as ``target=``).
         model_id: the model on the hub.
         hub: the hub's name; namespace: its namespace (``None``: raysync's).
         sub_id: this subscription's id (unique per hub and model; default: from the
@@ -99,6 +102,10 @@ class Follower:
         non_persistent: versions also carry the module's non-persistent buffers
             (the keys of ``TensorDict.from_module``, as torchrl's own sync carries
             them): the follower registers, checks and applies those keys too.
+        target: instead of ``module``, what to apply versions into: a
+            :class:`~raysync.WeightsLoader` (an engine's ``load_weights``) or any
+            :class:`~raysync.receivers.target.Target`. Its versions are checked by the
+            target itself (the hub does not check pushes against it).
 
     A version that fails to apply (wrong shape, a ``set_extra_state`` that raises)
     leaves the module as it was and is reported: ``hub.wait``/``push(wait=True)``
@@ -109,11 +116,12 @@ class Follower:
         >>> follower.start()  # doctest: +SKIP
         >>> with follower.paused():  # no apply while the block runs  # doctest: +SKIP
         ...     evaluate(policy)
+        >>> Follower(target=raysync.WeightsLoader(engine.load_weights)).start()  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        module: torch.nn.Module | Callable[[], torch.nn.Module | None],
+        module: torch.nn.Module | Callable[[], torch.nn.Module | None] | Target | None = None,
         model_id: str = "policy",
         *,
         hub: str = proto.DEFAULT_HUB,
@@ -123,12 +131,24 @@ class Follower:
         timeout: float = DEFAULT_TIMEOUT,
         on_apply: Callable[[int], None] | None = None,
         non_persistent: bool = False,
+        target: Target | None = None,
     ) -> None:
         if not ray.is_initialized():
             raise RaySyncError("a Follower needs a connected Ray: call ray.init(address=...) first")
-        if isinstance(module, torch.nn.Module):
+        if is_target(module):
+            module, target = None, target or module  # type: ignore[assignment]
+        if (module is None) == (target is None):
+            raise TypeError("a Follower takes a module (or a callable returning one) or target=, exactly one")
+        if target is not None:
+            if not is_target(target):
+                raise TypeError(
+                    f"target must be a raysync Target (e.g. WeightsLoader), got {type(target).__name__}"
+                )
+            self._module: Callable[[], torch.nn.Module | None] = lambda: None
+            self.target: Target = target
+        elif isinstance(module, torch.nn.Module):
             ref = module
-            self._module: Callable[[], torch.nn.Module | None] = lambda: ref
+            self._module = lambda: ref
         elif callable(module):
             self._module = module
         else:
@@ -157,7 +177,8 @@ class Follower:
             pid=os.getpid(),
             job_id=job_id,
         )
-        self._bound: BoundModel | None = None
+        if target is None:
+            self.target = ModuleTarget(self._module, non_persistent=self.non_persistent, label=self.label)
         self._apply_lock = threading.Lock()  # one apply at a time (poll thread, re-registration)
         self._pause = threading.RLock()  # held by paused(): no apply meanwhile
         self._stop = threading.Event()
@@ -174,7 +195,7 @@ class Follower:
         return self._namespace
 
     def registration(self) -> Registration:
-        module = self._module()
+        module = self._module()  # None for other targets: they check each version themselves
         schema = module_schema(module, non_persistent=self.non_persistent) if module is not None else None
         return Registration(self.sub_id, self.model_id, False, self._info, schema, self.version)
 
@@ -270,44 +291,37 @@ class Follower:
         report = self._apply(ann)
         membership().report(self, report)
 
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Held while a version goes in: no ``paused()`` block runs, no forward call of the module."""
+        module = self._module()
+        with self._pause, forward_lock(module) if module is not None else contextlib.nullcontext():
+            yield
+
     def _apply(self, ann: Announcement) -> ApplyReport:
-        t0 = time.perf_counter()
         with self._apply_lock:
-            if self.version is not None and ann.version <= self.version:
-                return ApplyReport(applied=self.version, skipped=ann.version)
-            try:
-                module = self._module()
-                if module is None:
-                    raise RaySyncError(f"{self.label} has no module to apply {self.model_id!r} to")
-                bound = self._bound
-                if (
-                    bound is None
-                    or bound.module is not module
-                    or bound.layout_hash != ann.manifest.layout_hash
-                    or not bound.intact()
-                ):
-                    bound = BoundModel(module, ann.manifest, non_persistent=self.non_persistent)
-                ids = [r.hex() for r in ann.refs]
-                needed = bound.needed(ids)
-                transport = transport_class(ann.manifest.transport)
-                arrays = transport.fetch(ann.manifest, list(ann.refs), needed, timeout=self.timeout)
-                fetched = dict(zip(needed, arrays, strict=True))
-                if ann.manifest.checksums:
-                    verify_checksums(ann.manifest, fetched)
-                with self._pause, forward_lock(module):
-                    bound.apply(fetched, ids, extra_state=ann.manifest.extra_state)
-                self._bound = bound
-            except Exception as err:
-                self.last_error = err
-                logger.warning(
-                    "%s could not apply %r version %d: %s", self.label, self.model_id, ann.version, err
-                )
-                return ApplyReport(
-                    applied=self.version,
-                    failed=ann.version,
-                    error=err,
-                    timed_out=isinstance(err, ray.exceptions.GetTimeoutError),
-                )
+            if self.version is not None and not self.target.intact():
+                self.target.forget()  # user code re-pointed the module: take the next version whole
+            report = apply.apply_version(
+                self.target,
+                ann.version,
+                ann.manifest,
+                list(ann.refs),
+                held=self.version,
+                timeout=self.timeout,
+                verify="if_present",
+                guard=self._guard,
+                label=f"{self.label} ({self.model_id!r})",
+            )
+            if report.failed is not None:
+                self.last_error = report.error
+                if report.applied is None and self.version is not None:
+                    with self._applied:
+                        self.version = None  # a commit that failed part-way: it holds nothing known
+                    self.target.forget()
+                return report
+            if report.skipped is not None:
+                return report
             with self._applied:
                 self.version = ann.version
                 self._applied.notify_all()
@@ -317,11 +331,11 @@ class Follower:
                 self.on_apply(ann.version)
             except Exception as err:
                 logger.warning("%s: on_apply(%d) raised %s", self.label, ann.version, err)
-        return ApplyReport(applied=ann.version, apply_s=time.perf_counter() - t0, buckets_fetched=len(needed))
+        return report
 
 
 def follow(
-    module: torch.nn.Module | Callable[[], torch.nn.Module | None],
+    module: torch.nn.Module | Callable[[], torch.nn.Module | None] | Target | None = None,
     model_id: str = "policy",
     *,
     hub: str = proto.DEFAULT_HUB,
@@ -329,8 +343,9 @@ def follow(
     label: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     non_persistent: bool = False,
+    target: Target | None = None,
 ) -> Follower:
-    """Keep ``module`` in step with ``model_id`` on the hub, from this process (started).
+    """Keep ``module`` (or ``target``) in step with ``model_id`` on the hub, from this process (started).
 
     See :class:`Follower`.
 
@@ -338,6 +353,7 @@ def follow(
         >>> follower = raysync.follow(policy, "policy", label="evaluator")  # doctest: +SKIP
         >>> follower.version  # doctest: +SKIP
         7
+        >>> raysync.follow(target=raysync.WeightsLoader(engine.load_weights))  # doctest: +SKIP
     """
     return Follower(
         module,
@@ -347,4 +363,5 @@ def follow(
         label=label,
         timeout=timeout,
         non_persistent=non_persistent,
+        target=target,
     ).start()

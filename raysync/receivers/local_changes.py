@@ -46,7 +46,10 @@ class LocalChanges:
         spec: SyncSpec
         sub_id: str
         version: int | None
-        bound: BoundModel | None
+
+        @property
+        def bound(self) -> BoundModel | None: ...
+
         _info: Any
         _binding_lock: threading.Lock
 

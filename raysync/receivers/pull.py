@@ -20,6 +20,7 @@ from raysync._protocol import Announcement, ApplyReport, bucket_ids
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
 from raysync.hub.locate import call_hub_async
+from raysync.receivers import apply
 from raysync.receivers.membership import membership
 from raysync.transports.registry import info as transport_info
 
@@ -159,7 +160,7 @@ class PullSync:
                 pause = self._commit(version, manifest, bucket_ids(refs), fetched)
             finally:
                 lock.release_write()
-            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+            reply = self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
         except RaySyncError:
             raise
         except Exception as err:
@@ -178,7 +179,7 @@ class PullSync:
         try:
             async with self.sync.async_lock.write():
                 pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-            reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+            reply = self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
         except Exception as err:
             reply = self._reply(version, t0, err)
         self.report(reply)
@@ -191,6 +192,3 @@ def deadline_of(timeout: float | None) -> float | None:
 def left_of(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-
-def _nbytes(manifest: Manifest, buckets: list[int]) -> int:
-    return sum(manifest.bucket_nbytes[b] for b in buckets)

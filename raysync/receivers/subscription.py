@@ -1,8 +1,11 @@
 """One subscription of one actor to one model: the version held, how it is applied.
 
-Fetch (bytes first, no lock), then apply under the actor's write lock: one ``copy_``
-per changed bucket (``apply="copy"``), a pointer swap (``"view"``, prefetched or
-NIXL versions). A failed apply leaves the previous version and is reported.
+The steps are :mod:`raysync.receivers.apply`'s (plan, fetch with no lock, verify,
+commit under the actor's write lock) into the subscription's target: the module in
+``self.<attr>`` (one ``copy_`` per changed bucket with ``apply="copy"``, a pointer swap
+for ``"view"``, prefetched or NIXL versions), or a :class:`~raysync.receivers.target.Target`
+held there (e.g. a :class:`~raysync.WeightsLoader`). A failed apply leaves the previous
+version and is reported.
 """
 
 from __future__ import annotations
@@ -19,22 +22,22 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 import torch
-from ray.exceptions import ObjectLostError
 
 from raysync import _protocol as proto
 from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo, bucket_ids
 from raysync.core.bound import BoundModel
-from raysync.core.codec import require_checksums, verify_checksums
+from raysync.core.codec import require_checksums
 from raysync.core.extract import module_schema
-from raysync.core.layout import Manifest, validate
-from raysync.errors import ApplyError, RaySyncError, UnknownModelError
+from raysync.core.layout import Manifest
+from raysync.errors import RaySyncError, UnknownModelError
+from raysync.receivers import apply
 from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
 from raysync.receivers.pull import PullSync
+from raysync.receivers.target import ModuleTarget, Target, is_target
 from raysync.transports.doorbell import Segment, doorbell
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
-from raysync.transports.store_pages import populate_store_mapping
 
 if TYPE_CHECKING:
     from raysync.receivers.synced import _ActorSync
@@ -77,7 +80,7 @@ class _Subscription(PullSync, LocalChanges):
         self.sync = sync
         self.spec = spec
         self.version: int | None = None
-        self.bound: BoundModel | None = None
+        self.target: Target | None = None  # the module's ModuleTarget, or the Target in self.<attr>
         self.sub_id = ""
         self._info: SubscriberInfo | None = None
         # Guards the spare buffer set (prefetch staging, NIXL receives).
@@ -98,10 +101,44 @@ class _Subscription(PullSync, LocalChanges):
         module = getattr(self.sync.owner, self.spec.attr, None)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
-                f"@synced_model({self.spec.attr!r}) needs self.{self.spec.attr} to be an "
-                f"nn.Module once __init__ returns, found {type(module).__name__}"
+                f"@synced_model({self.spec.attr!r}) needs self.{self.spec.attr} to be an nn.Module "
+                f"(or a raysync Target such as a WeightsLoader) once __init__ returns, found "
+                f"{type(module).__name__}"
             )
         return module
+
+    @property
+    def bound(self) -> BoundModel | None:
+        """The module's binding (``None`` for targets that are not modules, or before the first apply)."""
+        return self.target.bound if isinstance(self.target, ModuleTarget) else None
+
+    def _target(self) -> Target:
+        if self.target is None:
+            held = getattr(self.sync.owner, self.spec.attr, None)
+            if is_target(held):
+                assert isinstance(held, Target)
+                if self.spec.apply != "copy" or self.spec.prefetch:
+                    raise ValueError(
+                        f"@synced_model({self.spec.attr!r}): self.{self.spec.attr} is a "
+                        f"{type(held).__name__}, which takes versions through its own commit: "
+                        "apply='view' and prefetch=True are for modules; drop them"
+                    )
+                self.target = held
+            else:
+                self.module()  # raises, naming the attribute, if it holds neither
+                self.target = ModuleTarget(
+                    lambda: getattr(self.sync.owner, self.spec.attr, None),
+                    view=self.spec.apply == "view",
+                    label=f"self.{self.spec.attr}",
+                )
+        assert self.target is not None
+        return self.target
+
+    def _module_target(self, why: str) -> ModuleTarget:
+        target = self._target()
+        if not isinstance(target, ModuleTarget):
+            raise RaySyncError(f"{self.sub_id}: {why} needs self.{self.spec.attr} to be an nn.Module")
+        return target
 
     # -------------------------------------------------------------- membership (a Member)
     @property
@@ -116,7 +153,8 @@ class _Subscription(PullSync, LocalChanges):
         """Register with the hub (waiting while it restarts) and apply its newest version."""
         actor_id = ctx.get_actor_id()
         self.sub_id = f"{actor_id}:{self.spec.model_id}"
-        self.warn_train_mode(type(self.sync.owner).__name__, self.module())
+        if isinstance(self._target(), ModuleTarget):
+            self.warn_train_mode(type(self.sync.owner).__name__, self.module())
         self._info = SubscriberInfo(
             mode=self.spec.mode,
             apply=self.spec.apply,
@@ -161,19 +199,19 @@ class _Subscription(PullSync, LocalChanges):
             if needed is None:
                 return self._skipped(version)
             fetched = {b: segment.buckets[b] for b in needed}
-            if self.spec.verify:
-                verify_checksums(manifest, fetched)
+            fetched = apply.checked(manifest, fetched, verify=self.spec.verify)
             with self._write_lock():
                 pause = self._commit(version, manifest, segment.ids, fetched)
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
 
     def registration(self) -> Registration:
         assert self._info is not None
         self._told_modified = None  # a hub that (re-)registers it knows nothing of local changes
-        schema = module_schema(self.module())
+        # the hub checks pushes against a module's schema; other targets check each version themselves
+        schema = module_schema(self.module()) if isinstance(self._target(), ModuleTarget) else None
         bell = doorbell() if self._info.doorbell else None
         return Registration(
             self.sub_id,
@@ -193,12 +231,6 @@ class _Subscription(PullSync, LocalChanges):
         membership().report(self, report)
 
     # -------------------------------------------------------------- apply
-    def _bound_for(self, manifest: Manifest) -> BoundModel | None:
-        bound = self.bound
-        if bound is None or bound.module is not self.module() or bound.layout_hash != manifest.layout_hash:
-            return None
-        return bound
-
     def check_binding(self) -> bool:
         """Whether the module still holds the version last applied; forget it if not.
 
@@ -210,11 +242,11 @@ class _Subscription(PullSync, LocalChanges):
         deliver the newest version again.
         """
         with self._binding_lock:
-            bound = self.bound
-            module = getattr(self.sync.owner, self.spec.attr, None)
-            if bound is None or (bound.module is module and bound.intact()):
+            target = self.target
+            if target is None or target.intact():
                 return True
-            held, self.bound, self.version = self.version, None, None
+            held, self.version = self.version, None
+            target.forget()
             self._staged = None
         logger.warning(
             "%s: the parameters of self.%s were re-pointed by user code (load_state_dict(assign=True), "
@@ -233,29 +265,13 @@ class _Subscription(PullSync, LocalChanges):
     def _plan(self, version: int, manifest: Manifest, ids: list[str | None]) -> list[int] | None:
         """Validate before fetching; the buckets to fetch, or None if the version is not newer."""
         self.check_binding()
-        if self.version is not None and version <= self.version:
-            return None
-        bound = self._bound_for(manifest)
-        if bound is None:
-            validate(manifest, module_schema(self.module()))
-            return list(range(manifest.num_buckets))
-        return bound.needed(ids)
+        return apply.plan(self._target(), version, manifest, ids, self.version)
 
     def _fetch(
         self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int], timeout: float | None = None
     ) -> dict[int, Any]:
         timeout = self.spec.fetch_timeout if timeout is None else timeout
-        arrays = transport_class(manifest.transport).fetch(manifest, refs, needed, timeout=timeout)
-        return self._fetched(manifest, needed, arrays)
-
-    def _fetched(self, manifest: Manifest, needed: list[int], arrays: list[Any]) -> dict[int, Any]:
-        """The fetched buckets by index, checked (``verify=True``); what every fetch path ends with."""
-        # once per process: later reads take no page faults
-        populate_store_mapping(False, sum(manifest.bucket_nbytes[b] for b in needed))
-        fetched = dict(zip(needed, arrays, strict=True))
-        if self.spec.verify:
-            verify_checksums(manifest, fetched)
-        return fetched
+        return apply.fetch(manifest, refs, needed, timeout=timeout, verify=self.spec.verify)
 
     def _commit(
         self, version: int, manifest: Manifest, ids: list[str | None], fetched: dict[int, Any]
@@ -265,16 +281,17 @@ class _Subscription(PullSync, LocalChanges):
         with self._binding_lock:
             if self.version is not None and version <= self.version:
                 return 0.0  # a newer one got in first
-            bound = self._bound_for(manifest)
-            if bound is not None and not bound.intact():  # re-pointed since the fetch was planned
-                bound, self.bound, self.version = None, None, None
-            if bound is None:
-                bound = BoundModel(self.module(), manifest, view=self.spec.apply == "view")
-                self.bound = bound
-            missing = [b for b in bound.needed(ids, written=False) if b not in fetched]
-            if missing:
-                raise RaySyncError(f"bucket(s) {missing} changed while version {version} was fetched; retry")
-            bound.apply(fetched, ids, extra_state=manifest.extra_state)
+            target = self._target()
+            if not target.intact():  # re-pointed since the fetch was planned
+                self.version = None
+                target.forget()
+            try:
+                apply.commit(target, version, manifest, ids, fetched)
+            except BaseException:
+                if not target.intact():  # a commit that failed part-way: it holds nothing known
+                    self.version = None
+                    target.forget()
+                raise
             self.version = version
         return time.perf_counter() - t0
 
@@ -312,17 +329,10 @@ class _Subscription(PullSync, LocalChanges):
             self.version,
             error,
         )
-        return ApplyReport(
-            applied=self.version,
-            failed=version,
-            error=_portable(error),
-            timed_out=isinstance(error, TimeoutError),
-            # its bytes are gone (the pusher died): the hub stops offering it
-            lost=version if isinstance(error, ObjectLostError) else None,
-        )
+        return apply.failed(version, self.version, error)
 
     def _skipped(self, version: int) -> ApplyReport:
-        return ApplyReport(applied=self.version, skipped=version)
+        return apply.skipped(self.version, version)
 
     def receive(
         self,
@@ -367,7 +377,7 @@ class _Subscription(PullSync, LocalChanges):
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
 
     def _defer(self, item: _Fetched) -> None:
         """Hand an apply to the applier thread (the newest deferred version wins)."""
@@ -391,7 +401,7 @@ class _Subscription(PullSync, LocalChanges):
             try:
                 with self.sync.lock.write():
                     pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-                reply = self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+                reply = self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
             except Exception as err:
                 reply = self._reply(version, t0, err)
             del item, fetched
@@ -415,19 +425,14 @@ class _Subscription(PullSync, LocalChanges):
             if needed is None:
                 return self._skipped(version)
             timeout = self.spec.fetch_timeout if fetch_timeout is None else fetch_timeout
-            transport = transport_class(manifest.transport)
-            fetch_async = getattr(transport, "fetch_async", None)  # without a thread, where it can
-            if fetch_async is not None:
-                arrays = await asyncio.wait_for(fetch_async(manifest, refs, needed), timeout)
-            else:
-                arrays = await asyncio.to_thread(transport.fetch, manifest, refs, needed, timeout=timeout)
-            fetched = self._fetched(manifest, needed, arrays)
+            verify = self.spec.verify
+            fetched = await apply.fetch_async(manifest, refs, needed, timeout=timeout, verify=verify)
             async with self.sync.async_lock.write():
                 pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-            del fetched, arrays
+            del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), _nbytes(manifest, needed))
+        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
 
     def _receive_in_place(
         self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], t0: float
@@ -440,24 +445,25 @@ class _Subscription(PullSync, LocalChanges):
                     f"{self.sub_id}: apply={self.spec.apply!r} needs the object store; this version came "
                     f"over {manifest.transport!r} (push with transport='object_store' or use apply='copy')"
                 )
+            target = self._module_target(f"a version that came over {manifest.transport!r}")
             self.check_binding()
             if self.spec.verify:
                 require_checksums(manifest)  # such versions carry none: refused, not taken unchecked
             with self._stage_lock:
                 if self.version is not None and version <= self.version:
                     return self._skipped(version)
-                bound = self._bound_for(manifest)
+                bound = target.binding(manifest)
                 if bound is None:
-                    validate(manifest, module_schema(self.module()))
+                    target.check(manifest)
                     with self._write_lock(), self._binding_lock:
-                        bound = self.bound = BoundModel(self.module(), manifest)
+                        bound = target.bind(manifest)
                 ids = bucket_ids(refs)
                 nbytes = transport_class(manifest.transport).receive_into(
                     bound, refs, ids, timeout=self.spec.fetch_timeout, extra_state=manifest.extra_state
                 )
                 with self._write_lock(), self._binding_lock:
                     t1 = time.perf_counter()
-                    if self.bound is bound and (self.version is None or version > self.version):
+                    if target.bound is bound and (self.version is None or version > self.version):
                         bound.swap()  # re-points every parameter: whole whatever they pointed at
                         self.version = version
                     pause = time.perf_counter() - t1
@@ -523,7 +529,8 @@ class _Subscription(PullSync, LocalChanges):
                 continue  # received straight into the spare set anyway
             try:
                 with self._stage_lock:
-                    bound = self._bound_for(manifest)
+                    target = self.target
+                    bound = target.binding(manifest) if isinstance(target, ModuleTarget) else None
                     if bound is None or (self.version is not None and version <= self.version):
                         continue  # first version or a new layout: the normal path binds it
                     ids = bucket_ids(refs)
@@ -577,13 +584,3 @@ class _Subscription(PullSync, LocalChanges):
             return reply or self._skipped(version)
         return None
 
-
-def _portable(error: BaseException) -> BaseException:
-    """The error itself if it pickles across Ray (raysync's do), else an ApplyError that says what it was."""
-    if isinstance(error, RaySyncError):
-        return error
-    return ApplyError(f"{type(error).__name__}: {str(error)[:1000]}")
-
-
-def _nbytes(manifest: Manifest, buckets: list[int]) -> int:
-    return sum(manifest.bucket_nbytes[b] for b in buckets)

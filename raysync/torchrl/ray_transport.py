@@ -10,9 +10,11 @@ Lifecycle of one version (which side runs what):
   travel nested, so only the tiny call goes to each actor. ``wait_ack`` waits
   for the reply with a timeout.
 - **actor** (:func:`apply_in_actor`, run through Ray's ``__ray_call__``, so any
-  actor works, no method to add): ``ray.get`` the buckets (zero-copy on the
-  same node), validate against the actor's model and apply the version whole
-  with :class:`raysync.core.bound.BoundModel`. The model is the receiver that
+  actor works, no method to add): raysync's apply path
+  (:mod:`raysync.receivers.apply`): check the version against the actor's
+  target, fetch the buckets it lacks (zero-copy on the same node) and commit the
+  version whole (a module through :class:`raysync.core.bound.BoundModel`, or a
+  :class:`raysync.WeightsLoader` there). The model is the receiver that
   ``scheme.init_on_receiver(model_id=..., model=...)`` registered in that
   actor, else the attribute path (``"policy"``, ``"env.transform[0]"``) on the
   actor instance.
@@ -91,10 +93,7 @@ def apply_in_actor(
 
     try:
         receiver = receiver_for(model_id, instance, path)
-        refs = wrapped[0]
-        buckets = ray.get(refs)
-        populate_store_mapping(False, manifest.total_nbytes)  # once per process: later reads take no faults
-        receiver.apply_packed(model_id, manifest, buckets, ids=[r.hex() for r in refs])
+        receiver.apply_refs(model_id, manifest, wrapped[0])  # checked, then only the buckets it lacks
     except Exception as err:
         # Reported as the ack, not raised: an exception leaving a __ray_call__ can take the
         # actor down with it (a torchrl collector's actor, say) instead of reaching the sender.

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from raysync._protocol import bucket_ids
 from raysync.core.layout import Manifest
 from raysync.errors import (
     RaySyncError,
     UnknownModelError,
 )
+from raysync.receivers import apply
 from raysync.torchrl.strategy import _Target, _target_for, resolve_model, split_extra_state
 
 if TYPE_CHECKING:
@@ -222,6 +224,29 @@ class WeightReceiver:
         """Apply a packed version (object-store buckets) whole; used inside Ray actors."""
         receiver = self._route(model_id)
         receiver._get_target().apply_packed(manifest, buckets, ids)
+        receiver.version_count += 1
+
+    def apply_refs(self, model_id: str, manifest: Manifest, refs: Sequence[Any]) -> None:
+        """Apply a version in the object store whole, through raysync's apply path (inside Ray actors).
+
+        The target checks the manifest first, then only the buckets it lacks are
+        fetched (through the version's data path) and committed whole.
+
+        Raises:
+            WeightMismatchError: the version does not fit the model (nothing fetched).
+        """
+        receiver = self._route(model_id)
+        target = receiver._get_target()
+        ids = bucket_ids(list(refs))
+        if target.target is None:  # a state dict or TensorDict: its tensors are copied into
+            fetched = apply.fetch(manifest, refs, range(manifest.num_buckets), timeout=None)
+            target.apply_packed(manifest, [fetched[b] for b in range(manifest.num_buckets)], ids)
+        else:
+            needed = apply.plan(target.target, target.versions + 1, manifest, ids, held=None)
+            assert needed is not None
+            fetched = apply.fetch(manifest, refs, needed, timeout=None)
+            with receiver._guard.lock if receiver._guard is not None else contextlib.nullcontext():
+                target.commit(manifest, fetched, ids)
         receiver.version_count += 1
 
     def __getstate__(self) -> dict[str, Any]:

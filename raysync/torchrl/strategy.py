@@ -14,20 +14,19 @@ import torch
 
 from raysync.channels.shared_mem import SharedMemTransport as _ChannelSharedMem
 from raysync.core import codec
-from raysync.core.bound import BoundModel, _extra_targets, _set_extra_state
+from raysync.core.bound import _extra_targets, _set_extra_state
 from raysync.core.codec import pack
 from raysync.core.extract import (
     _is_tensordict,
     extract_extra_state,
     extract_tensors,
-    module_schema,
-    non_persistent_buffers,
     to_tensordict,
 )
 from raysync.core.layout import _EXTRA, Manifest, plan_layout, schema_of, validate
 from raysync.errors import (
     UnknownModelError,
 )
+from raysync.receivers.target import Incoming, ModuleTarget, Target, is_target
 
 if TYPE_CHECKING:
     pass
@@ -200,52 +199,53 @@ def _own_extra_state(source: Any) -> Any:
 
 
 class _Target:
-    """A model to apply versions to: validate, then one copy per bucket (cached binding).
+    """A torchrl destination to apply versions to, through raysync's target of it.
 
-    ``non_persistent``: versions carry a module's non-persistent buffers too (the keys
-    of ``TensorDict.from_module``), checked and applied with the rest.
+    A module gets a :class:`~raysync.receivers.target.ModuleTarget` (validate, then one
+    copy per bucket into its cached binding); a :class:`~raysync.receivers.target.Target`
+    (e.g. a :class:`~raysync.WeightsLoader`) is used as it is; a state dict or TensorDict
+    gets its tensors ``copy_``'d. ``non_persistent``: versions carry a module's
+    non-persistent buffers too (the keys of ``TensorDict.from_module``).
     """
 
     def __init__(self, destination: Any, *, non_persistent: bool = False) -> None:
         self.ref = destination
         self.non_persistent = non_persistent
-        self._bound: BoundModel | None = None
+        self.target: Target | None = None
+        self.versions = 0  # what this process applied: a target's version numbers here
+        if isinstance(destination, torch.nn.Module):
+            self.target = ModuleTarget(destination, non_persistent=non_persistent, materialize=True)
+        elif is_target(destination):
+            self.target = destination
 
     @property
     def is_module(self) -> bool:
-        return isinstance(self.ref, torch.nn.Module)
+        return isinstance(self.target, ModuleTarget)
 
     def schema(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        if self.is_module:
-            return module_schema(self.ref, non_persistent=self.non_persistent)
+        if isinstance(self.target, ModuleTarget):
+            return self.target.schema()
         return schema_of(extract_tensors(self.ref))
 
-    def _weightless(self) -> bool:
-        """Whether the weights a version fills are on the meta device (no memory yet)."""
-        held = list(self.ref.state_dict().values())
-        if self.non_persistent:
-            held += non_persistent_buffers(self.ref).values()
-        return any(t.is_meta for t in held if torch.is_tensor(t))
-
-    def _binding(self, manifest: Manifest) -> BoundModel:
-        if self._bound is None and self._weightless():
-            # A weightless module (torchrl sends its workers a meta policy): give it memory first;
-            # the version being applied fills it before anything reads it.
-            self.ref.to_empty(device="cpu")
-        if self._bound is None or self._bound.layout_hash != manifest.layout_hash:
-            self._bound = BoundModel(self.ref, manifest, non_persistent=self.non_persistent)
-        return self._bound
+    def commit(
+        self, manifest: Manifest, buckets: Mapping[int, Sequence[np.ndarray]], ids: Sequence[str | None]
+    ) -> None:
+        """Check, then hand ``buckets`` (those :meth:`Target.needed` named) to the target, whole."""
+        assert self.target is not None
+        self.target.check(manifest)
+        self.versions += 1
+        self.target.commit(Incoming(self.versions, manifest, list(ids), buckets))
 
     def apply(
         self, tensors: Mapping[str, torch.Tensor], *, extra_state: Mapping[str, Any] | None = None
     ) -> None:
         manifest = plan_layout(tensors)
-        validate(manifest, self.schema())
-        if self.is_module:
-            if extra_state:
+        if self.target is not None:
+            if extra_state and self.is_module:
                 manifest = manifest.with_extra_state(extra_state)
-            self._binding(manifest).apply(pack(tensors, manifest), extra_state=manifest.extra_state)
+            self.commit(manifest, dict(enumerate(pack(tensors, manifest))), [None] * manifest.num_buckets)
             return
+        validate(manifest, self.schema())
         dest = extract_tensors(self.ref)
         with torch.no_grad():
             for key, value in tensors.items():
@@ -254,29 +254,41 @@ class _Target:
     def apply_packed(
         self, manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]], ids: Sequence[str | None] | None
     ) -> None:
-        validate(manifest, self.schema())
-        if self.is_module:
-            self._binding(manifest).apply(buckets, ids, extra_state=manifest.extra_state)
+        if self.target is not None:
+            self.commit(manifest, dict(enumerate(buckets)), ids or [None] * manifest.num_buckets)
             return
+        validate(manifest, self.schema())
         self.apply({k: v.clone() for k, v in codec.unpack(manifest, buckets).items()})
 
     def copy_from(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
         """Copy a version straight out of flat buckets (e.g. a shared snapshot): one copy per bucket."""
-        validate(manifest, self.schema())
-        if not self.is_module:
-            self.apply(codec.views(manifest, flat))
+        if not isinstance(self.target, ModuleTarget):
+            self._from_flat(manifest, flat)
             return
-        binding = self._binding(manifest)
+        self.target.check(manifest)
+        binding = self.target.binding(manifest) or self.target.bind(manifest)
         if manifest.extra_state:
-            _set_extra_state(_extra_targets(self.ref, manifest.extra_state))
+            _set_extra_state(_extra_targets(binding.module, manifest.extra_state))
         binding.copy_from(flat)
 
     def adopt(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
-        validate(manifest, self.schema())
-        if not self.is_module:
+        if not isinstance(self.target, ModuleTarget):
+            self._from_flat(manifest, flat)
+            return
+        self.target.check(manifest)
+        binding = self.target.binding(manifest) or self.target.bind(manifest)
+        binding.adopt(flat, extra_state=manifest.extra_state)
+
+    def _from_flat(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
+        if self.target is None:
+            validate(manifest, self.schema())
             self.apply(codec.views(manifest, flat))
             return
-        self._binding(manifest).adopt(flat, extra_state=manifest.extra_state)
+        buckets = {
+            b: [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
+            for b in range(manifest.num_buckets)
+        }
+        self.commit(manifest, buckets, [None] * manifest.num_buckets)
 
 
 _TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()

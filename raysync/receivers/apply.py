@@ -1,0 +1,220 @@
+"""The one apply path: plan, fetch, verify, commit whole or not at all, report.
+
+Every receiver goes through it: ``@synced_model`` subscriptions (push, pull, the
+doorbell's thread, async actors, deferred applies), ``RayModuleTransform`` hosts,
+:class:`~raysync.Follower`, adapters (fetch and verify, then their fan-out) and the
+torchrl-style receivers in Ray actors. The steps, each a function here:
+
+1. :func:`plan`: not newer than the version held, skip; else the target checks the
+   manifest against what it holds (before any byte is fetched: the error names the
+   tensor) and says which buckets it lacks.
+2. :func:`fetch` / :func:`fetch_async`: those buckets, through the receiver side of
+   the version's data path (:mod:`raysync.transports`); then :func:`verified` checks
+   their checksums (``verify``).
+3. :func:`commit`: the target takes the version whole (:meth:`Target.commit`), under
+   whatever lock the receiver holds for it.
+4. :func:`applied`, :func:`failed`, :func:`skipped`: the :class:`ApplyReport` for the hub.
+
+:func:`apply_version` runs all four for receivers with nothing in between (a follower,
+a torchrl receiver in an actor); ``@synced_model`` subscriptions run them step by step
+(their fetch and their lock are apart, and an apply may wait for running methods).
+
+Example:
+    >>> report = apply_version(target, ann.version, ann.manifest, list(ann.refs), held=3, timeout=30)
+    >>> report.applied
+    4
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+from ray.exceptions import ObjectLostError
+
+from raysync._protocol import ApplyReport, bucket_ids
+from raysync.core.codec import verify_checksums
+from raysync.core.layout import Manifest
+from raysync.errors import ApplyError, RaySyncError
+from raysync.receivers.target import Incoming, Target
+from raysync.transports.registry import transport_class
+from raysync.transports.store_pages import populate_store_mapping
+
+__all__ = [
+    "Verify",
+    "applied",
+    "apply_version",
+    "checked",
+    "commit",
+    "failed",
+    "fetch",
+    "fetch_async",
+    "nbytes",
+    "plan",
+    "portable",
+    "skipped",
+    "verified",
+]
+
+logger = logging.getLogger(__name__)
+
+
+Verify = bool | Literal["if_present"]
+"""``True``: verify checksums, refusing a version without them; ``"if_present"``: verify those
+a version carries; ``False``: do not verify."""
+
+
+def plan(
+    target: Target, version: int, manifest: Manifest, ids: Sequence[str | None], held: int | None
+) -> list[int] | None:
+    """The buckets to fetch for ``version``, or None if it is not newer than ``held``.
+
+    Raises:
+        WeightMismatchError: the version does not fit the target (nothing fetched).
+    """
+    if held is not None and version <= held:
+        return None
+    target.check(manifest)
+    return target.needed(manifest, ids)
+
+
+def fetch(
+    manifest: Manifest,
+    refs: Sequence[Any],
+    needed: Sequence[int],
+    *,
+    timeout: float | None,
+    verify: Verify = False,
+) -> dict[int, Any]:
+    """The buckets ``needed`` through the version's data path, by index, verified if asked."""
+    arrays = transport_class(manifest.transport).fetch(manifest, list(refs), list(needed), timeout=timeout)
+    return verified(manifest, needed, arrays, verify=verify)
+
+
+async def fetch_async(
+    manifest: Manifest,
+    refs: Sequence[Any],
+    needed: Sequence[int],
+    *,
+    timeout: float | None,
+    verify: Verify = False,
+) -> dict[int, Any]:
+    """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
+    transport = transport_class(manifest.transport)
+    native = getattr(transport, "fetch_async", None)
+    if native is not None:
+        arrays = await asyncio.wait_for(native(manifest, list(refs), list(needed)), timeout)
+    else:
+        arrays = await asyncio.to_thread(transport.fetch, manifest, list(refs), list(needed), timeout=timeout)
+    return verified(manifest, needed, arrays, verify=verify)
+
+
+def verified(
+    manifest: Manifest, needed: Sequence[int], arrays: Sequence[Any], *, verify: Verify
+) -> dict[int, Any]:
+    """The fetched buckets by index, their checksums checked as asked; what every fetch ends with."""
+    # once per process: later reads take no page faults
+    populate_store_mapping(False, nbytes(manifest, needed))
+    return checked(manifest, dict(zip(needed, arrays, strict=True)), verify=verify)
+
+
+def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> dict[int, Any]:
+    """``fetched``, once its checksums are checked as asked (``ChecksumError`` if one differs)."""
+    if verify is True or (verify == "if_present" and manifest.checksums):
+        verify_checksums(manifest, fetched)
+    return fetched
+
+
+def commit(
+    target: Target, version: int, manifest: Manifest, ids: Sequence[str | None], fetched: Any
+) -> float:
+    """Hand the version to the target, whole; the seconds it took (readers' pause under a lock)."""
+    t0 = time.perf_counter()
+    target.commit(Incoming(version, manifest, list(ids), fetched))
+    return time.perf_counter() - t0
+
+
+def applied(
+    version: int, t0: float, held: int | None, pause: float, needed: Sequence[int], manifest: Manifest
+) -> ApplyReport:
+    """The report of a version applied (``held``: the version held now)."""
+    return ApplyReport(
+        applied=held,
+        apply_s=time.perf_counter() - t0,
+        pause_s=pause,
+        buckets_fetched=len(needed),
+        bytes_fetched=nbytes(manifest, needed),
+    )
+
+
+def failed(version: int, held: int | None, error: BaseException) -> ApplyReport:
+    """The report of a version not applied: the receiver keeps ``held``."""
+    return ApplyReport(
+        applied=held,
+        failed=version,
+        error=portable(error),
+        timed_out=isinstance(error, TimeoutError),
+        # its bytes are gone (the pusher died): the hub stops offering it
+        lost=version if isinstance(error, ObjectLostError) else None,
+    )
+
+
+def skipped(held: int | None, version: int) -> ApplyReport:
+    """The report of a version not newer than the one held."""
+    return ApplyReport(applied=held, skipped=version)
+
+
+def apply_version(
+    target: Target,
+    version: int,
+    manifest: Manifest,
+    refs: Sequence[Any],
+    *,
+    held: int | None,
+    timeout: float | None,
+    verify: Verify = False,
+    guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    label: str = "receiver",
+) -> ApplyReport:
+    """Plan, fetch, verify and commit one version into ``target``; the report.
+
+    ``guard`` is entered around the commit only (the receiver's lock: readers wait for
+    the commit, not the fetch). Every failure is reported, never raised; the target then
+    holds ``held`` (or none, if a failed commit left it not :meth:`~Target.intact`).
+
+    Example:
+        >>> report = apply_version(ModuleTarget(policy), 2, manifest, refs, held=1, timeout=30)
+        >>> report.applied, report.buckets_fetched
+        (2, 1)
+    """
+    t0 = time.perf_counter()
+    ids = bucket_ids(list(refs))
+    try:
+        needed = plan(target, version, manifest, ids, held)
+        if needed is None:
+            return skipped(held, version)
+        fetched = fetch(manifest, refs, needed, timeout=timeout, verify=verify)
+        with guard():
+            pause = commit(target, version, manifest, ids, fetched)
+        del fetched
+    except Exception as err:
+        logger.warning("%s could not apply version %d: %s", label, version, err)
+        return failed(version, held if target.intact() else None, err)
+    return applied(version, t0, version, pause, needed, manifest)
+
+
+def portable(error: BaseException) -> BaseException:
+    """The error itself if it pickles across Ray (raysync's do), else an ApplyError that says what it was."""
+    if isinstance(error, RaySyncError):
+        return error
+    return ApplyError(f"{type(error).__name__}: {str(error)[:1000]}")
+
+
+def nbytes(manifest: Manifest, buckets: Sequence[int]) -> int:
+    """The bytes of those buckets."""
+    return sum(manifest.bucket_nbytes[b] for b in buckets)
