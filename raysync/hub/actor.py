@@ -47,8 +47,8 @@ from raysync.hub.priority import control_plane_priority
 from raysync.hub.relay import (
     NodeDelivery,
     quiet_threaded_gets,
-    relay_name,
 )
+from raysync.hub.relays import Relays
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import HubState, Subscriber, Waiter
 
@@ -66,12 +66,6 @@ def _actor_id() -> str:
     return ray.get_runtime_context().get_actor_id() or "driver"
 
 
-def _cancel(task: asyncio.Task[None] | None) -> None:
-    """Stop a delivery loop, unless it is the one running this code (it returns by itself)."""
-    if task is not None and task is not asyncio.current_task():
-        task.cancel()
-
-
 @ray.remote(num_cpus=0)
 class WeightHub(Delivery):
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
@@ -84,15 +78,13 @@ class WeightHub(Delivery):
         control_plane_priority(self._settings.nice)  # see hub/priority.py
         quiet_threaded_gets()
         self._state = HubState(name, keep, relay=bool(self._settings.relays))
-        self._relays: dict[str, Any] = {}  # node id -> its relay's handle
-        self._ready: set[str] = set()  # nodes whose relay answered (and has not failed since)
-        self._relay_starts: dict[str, asyncio.Task[Any]] = {}
-        self._relay_failed: dict[str, float] = {}  # node id -> when its relay last failed to start
         # Calls to subscribers' actors, collected by their processes' polls (hub/mailbox.py).
         self._mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
+        self._loops = {}
+        # One relay per node; when one comes up, open polls end so that its node's processes poll it.
+        self._relays = Relays(name, _actor_id(), self._settings, on_ready=self._mail.wake)
         # The hub's own node needs no relay for subscribers with a doorbell: the hub rings them.
         self._here_node = ray.get_runtime_context().get_node_id()
-        self._actor_id = _actor_id()
         self._here = (
             NodeDelivery(self._here_node, self._late_here, self._settings.doorbell_bytes or 0, self._mail)
             if self._settings.relays and self._settings.rings_own_node
@@ -147,18 +139,18 @@ class WeightHub(Delivery):
             cond.notify_all()
 
     def _forget(self, sub: Subscriber) -> None:
-        if sub.via_node and sub.info.node_id in self._relays:  # the relay lets go of its handle
-            self._relays[sub.info.node_id].forget.remote([sub.sub_id])
-        _cancel(sub.task)
+        if sub.via_node and sub.info.node_id:  # the relay forgets it too
+            self._relays.forget(sub.info.node_id, [sub.sub_id])
+        self._stop(sub)
         emptied = self._state.remove(sub)
         if emptied is not None:
-            _cancel(emptied.task)
+            self._stop(emptied)
 
     def _drop(self, sub: Subscriber, why: str) -> None:
-        _cancel(sub.task)
+        self._stop(sub)
         emptied = self._state.drop(sub, why)
         if emptied is not None:
-            _cancel(emptied.task)
+            self._stop(emptied)
         self._store.remove(sub.sub_id)
 
     async def _alive(self, sub: Subscriber) -> bool:
@@ -173,10 +165,10 @@ class WeightHub(Delivery):
         for sub_id in sub_ids:
             sub = self._state.subs.get(sub_id)
             # A subscriber whose notification is in flight needs no ping: a dead actor fails that call.
-            if sub is None or sub.relay_pending or (sub.task is not None and not sub.task.done()):
+            if sub is None or sub.relay_pending or self._delivering(sub):
                 continue
             group = self._state.groups.get(sub.group) if sub.group is not None else None
-            if group is not None and group.task is not None and not group.task.done():
+            if group is not None and self._delivering(group):
                 continue
             actors.setdefault(sub.info.actor_id or sub.sub_id, []).append(sub)
 
@@ -348,10 +340,10 @@ class WeightHub(Delivery):
         self._start_sweeper()
         sub, replaced, newest = self._state.register(reg)
         if replaced is not None:
-            _cancel(replaced.task)
+            self._stop(replaced)
         rung_here = self._here is not None and sub.info.node_id == self._here_node and sub.ringable
-        if sub.via_node and sub.info.node_id not in self._ready and not rung_here:
-            self._start_relay(sub.info.node_id)  # type: ignore[arg-type]
+        if sub.via_node and sub.info.node_id and not rung_here:
+            self._relays.start(sub.info.node_id)
         self._store.add(sub)
         logger.info(
             "hub %r: subscriber %s registered for %r at version %s (newest %s)",
@@ -383,11 +375,11 @@ class WeightHub(Delivery):
 
     def _relay_for(self, caller: Caller) -> tuple[str, Any] | None:
         """The name and handle of the caller's node's relay, if up and not the one it polls."""
-        node = caller.node_id
-        if node is None or node not in self._ready or node not in self._relays:
+        relay = None if caller.node_id is None else self._relays.handle(caller.node_id)
+        if relay is None:
             return None
-        name = relay_name(self._name, self._actor_id, node)
-        return None if caller.relay == name else (name, self._relays[node])
+        name = self._relays.name(caller.node_id)  # type: ignore[arg-type]
+        return None if caller.relay == name else (name, relay)
 
     async def heartbeat(self, sub_ids: list[str]) -> list[str]:
         """Subscribers check in; returns the ids to register again (the hub restarted or dropped them)."""
@@ -507,16 +499,17 @@ class WeightHub(Delivery):
             # Each record, drop or registration updates this waiter in O(1); it wakes once,
             # when no laggard is left (or one more subscriber registered, while too few have),
             # instead of re-scanning every subscriber per event.
-            waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull, need=subscribers)
+            woken = asyncio.Event()
+            waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull, subscribers, woken.set)
             state.add_waiter(model_id, waiter)
             try:
-                while not waiter.event.is_set():
+                while not waiter.woken:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         break
                     step = _REAP_INTERVAL_S if remaining is None else min(remaining, _REAP_INTERVAL_S)
                     try:
-                        await asyncio.wait_for(waiter.event.wait(), step)
+                        await asyncio.wait_for(woken.wait(), step)
                     except asyncio.TimeoutError:
                         await self._reap(list(waiter.pending))
             finally:
@@ -525,7 +518,7 @@ class WeightHub(Delivery):
     async def status(self) -> dict[str, Any]:
         return self._state.status() | {
             "cpu_s": time.process_time(),
-            "relays": {node: relay_name(self._name, _actor_id(), node) for node in sorted(self._ready)},
+            "relays": self._relays.names(),
             # the hub's own node, whose doorbells it rings itself (None: a relay serves it too)
             "here": None if self._here is None else self._here.stats(),
             "uptime_s": time.time() - self._started,

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
-
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from raysync import _protocol as proto
 from raysync._protocol import ApplyReport, RelayDelivery, RelayReply
@@ -27,8 +26,8 @@ from raysync.hub.relay import (
     late_acks,
     notify_members,
     rings,
-    start_relay,
 )
+from raysync.hub.relays import RelayLost, Relays
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Group, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info
@@ -37,8 +36,6 @@ __all__ = ["Delivery", "Prior"]
 
 logger = logging.getLogger(__name__)
 
-_RELAY_START_S = 120.0  # how long a relay may take to (re)start before the hub gives up for a while
-_RELAY_RETRY_S = 5.0  # after a relay failed to start, deliver directly this long before trying again
 
 Prior = dict[Subscriber, int]
 """What each subscriber of a delivery had been sent before it (restored if the delivery is lost)."""
@@ -48,15 +45,13 @@ class Delivery:
     """The hub's delivery loops (a part of :class:`~raysync.hub.actor.WeightHub`)."""
 
     _state: HubState
-    _relays: dict[str, Any]  # node id -> its relay's handle
-    _ready: set[str]  # nodes whose relay answered (and has not failed since)
-    _relay_starts: dict[str, asyncio.Task[Any]]
-    _relay_failed: dict[str, float]  # node id -> when its relay last failed to start
+    _relays: Relays  # the relay of each node (Ray's side of it)
     _here: NodeDelivery | None  # the hub's own node, whose doorbells it rings itself
     _here_node: str
     _gauges: metrics.HubGauges
     _settings: HubSettings
     _mail: Mailboxes  # calls to subscribers' actors, collected by their processes' polls
+    _loops: dict[Subscriber | Group, asyncio.Task[None]]  # the delivery loop of each, if one runs
 
     @property
     def _name(self) -> str:
@@ -76,17 +71,32 @@ class Delivery:
     def _kick(self, sub: Subscriber) -> None:
         if not sub.reachable:  # it gets the newest when it registers (again)
             return
-        loop = asyncio.get_running_loop()
         key = sub.group
         if key is not None:
             group = self._state.groups.get(key)
-            if group is not None and (group.task is None or group.task.done()):
+            if group is not None and not self._delivering(group):
                 if group.node_id is not None:
-                    group.task = loop.create_task(self._deliver_relay(sub.model_id, group))
+                    self._start(group, self._deliver_relay(sub.model_id, group))
                 else:
-                    group.task = loop.create_task(self._deliver_group(sub.model_id, group))
-        elif sub.task is None or sub.task.done():
-            sub.task = loop.create_task(self._deliver(sub))
+                    self._start(group, self._deliver_group(sub.model_id, group))
+        elif not self._delivering(sub):
+            self._start(sub, self._deliver(sub))
+
+    # One delivery loop at most per subscriber or group, kept here (the state holds no task).
+    def _delivering(self, key: Subscriber | Group) -> bool:
+        task = self._loops.get(key)
+        return task is not None and not task.done()
+
+    def _start(self, key: Subscriber | Group, loop: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(loop)
+        self._loops[key] = task
+        task.add_done_callback(lambda t: self._loops.pop(key, None) if self._loops.get(key) is t else None)
+
+    def _stop(self, key: Subscriber | Group) -> None:
+        """Stop its delivery loop, unless that is the one running this code (it returns by itself)."""
+        task = self._loops.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
 
     async def _deliver(self, sub: Subscriber) -> None:
         """Hand the newest version to one subscriber until it holds it (one call in flight)."""
@@ -138,39 +148,6 @@ class Delivery:
                 return
             for sub, report in zip(due, reports, strict=True):
                 self._record(sub, report)
-
-    async def _relay(self, node_id: str) -> Any:
-        """The node's relay, once it answers (started or found by name; one start at a time per node)."""
-        if node_id in self._ready:
-            return self._relays[node_id]
-        start = self._relay_starts.get(node_id)
-        if start is None or start.done():
-            start = asyncio.get_running_loop().create_task(self._start_and_ping(node_id))
-            self._relay_starts[node_id] = start
-        return await asyncio.shield(start)
-
-    async def _start_and_ping(self, node_id: str) -> Any:
-        # The hub keeps every relay's handle while it lives: a relay is the hub's child,
-        # and Ray ends an actor whose owner let go of its last handle.
-        relay: Any = self._relays.get(node_id)
-        if relay is None:
-            relay = await asyncio.to_thread(start_relay, self._name, node_id, self._settings)
-            self._relays[node_id] = relay
-        deadline = time.monotonic() + _RELAY_START_S
-        while True:
-            try:
-                await relay.stats.remote()  # up
-                break
-            except ActorDiedError:
-                self._relays.pop(node_id, None)  # gone for good (its node died?): the next try starts another
-                raise
-            except (ActorUnavailableError, RayActorError):  # restarting: Ray refuses calls until it is back
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-        self._ready.add(node_id)
-        self._mail.wake()  # open polls end now: their processes learn of the relay, to poll it too
-        return relay
 
     async def _deliver_relay(self, model_id: str, group: Group) -> None:
         """Deliver through the node's relay: one message per version for every member that lacks it.
@@ -226,10 +203,9 @@ class Delivery:
         # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
         # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
         direct = not transport_info(newest.manifest.transport, load=False).relayable
-        relay = self._relays.get(node_id) if node_id in self._ready and not direct else None
-        if relay is None:  # not up yet (or a NIXL version): deliver directly, start it meanwhile
+        if direct or not self._relays.up(node_id):  # not up yet (or NIXL): deliver directly, start it
             if not direct:
-                self._start_relay(node_id)
+                self._relays.start(node_id)
             members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
             acks, late, calls = await notify_members(announcement, members, self._mail.call)
             self._state.delivery_calls += calls
@@ -241,13 +217,12 @@ class Delivery:
         members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
         self._state.delivery_calls += 1
         try:
-            reply = await getattr(relay, proto.RELAY_DELIVER).remote(RelayDelivery(announcement, members))
-        except Exception as err:  # it died or restarts: deliver directly until it answers again
+            reply = await self._relays.deliver(node_id, RelayDelivery(announcement, members))
+        except RelayLost as err:  # it died or restarts: deliver directly until it answers again
             logger.info("hub %r: relay on node %s: %s; delivering directly", self._name, node_id, err)
             group.relay_lost()
             for sub in due:
                 sub.sent = prior[sub]
-            self._ready.discard(node_id)
             return
         if group.relay_pid is not None and reply.relay_pid != group.relay_pid:
             group.relay_lost()  # it restarted since it last answered: its late acks will not come
@@ -306,26 +281,8 @@ class Delivery:
         if reply.relay_pid is not None and group.relay_pid is not None and reply.relay_pid != group.relay_pid:
             return  # from a relay process the hub no longer counts on
         self._acks(group, version, reply, {})
-        if group.task is None or group.task.done():
-            group.task = asyncio.get_running_loop().create_task(self._deliver_relay(model_id, group))
-
-    def _start_relay(self, node_id: str) -> None:
-        """Start (or wait for) the node's relay in the background; nobody waits for it."""
-        starting = self._relay_starts.get(node_id)
-        if starting is not None and not starting.done():
-            return
-        if time.monotonic() - self._relay_failed.get(node_id, -_RELAY_RETRY_S) < _RELAY_RETRY_S:
-            return
-
-        async def start() -> None:
-            try:
-                await self._relay(node_id)
-            except Exception as err:  # delivered directly meanwhile; tried again later
-                self._relay_failed[node_id] = time.monotonic()
-                logger.warning("hub %r could not start the relay on node %s: %s", self._name, node_id, err)
-
-        asyncio.get_running_loop().create_task(start())
-
+        if not self._delivering(group):
+            self._start(group, self._deliver_relay(model_id, group))
 
 
 def _actor(sub: Subscriber) -> str:

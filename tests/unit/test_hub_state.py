@@ -126,12 +126,12 @@ def test_a_waiter_wakes_when_its_last_subscriber_settles_or_goes() -> None:
     waiter = Waiter(1, {a.sub_id, b.sub_id})
     state.add_waiter("policy", waiter)
     state.record(a, ApplyReport(applied=1))
-    assert waiter.pending == {b.sub_id} and not waiter.event.is_set()
+    assert waiter.pending == {b.sub_id} and not waiter.woken
     late = _join(state, "late")  # a subscriber that joins while the wait runs is waited for
     assert late.sub_id in waiter.pending
     state.drop(b, "actor died")
     state.record(late, ApplyReport(failed=1, error=ApplyError("bad")))
-    assert waiter.event.is_set() and waiter.pending == set()
+    assert waiter.woken and waiter.pending == set()
     state.remove_waiter("policy", waiter)
     assert state.waiters == {}
 
@@ -363,12 +363,12 @@ def test_the_hub_believes_no_version_it_never_issued() -> None:
     state.record(sub, ApplyReport(applied=1_000_000_000))  # forged (say, through a doorbell)
     state.record_applied(sub, 1_000_000_000, 0.01, 0.0, 1, 8, 0.0)  # the relay's compact row
     assert sub.applied == 2 and "never issued" in (sub.last_error or "")
-    assert not waiter.event.is_set() and sub.sub_id in waiter.pending  # a wait for 3 is not fooled
+    assert not waiter.woken and sub.sub_id in waiter.pending  # a wait for 3 is not fooled
     row = state.status()["subscribers"][0]
     assert row["applied"] == 2 and row["lag"] == 0 and "1000000000" in row["last_error"]
     state.stamp("policy", MANIFEST, ["r3"], TRAINER)
     state.record(sub, ApplyReport(applied=3))  # real versions still count, and clear the error
-    assert sub.applied == 3 and sub.last_error is None and waiter.event.is_set()
+    assert sub.applied == 3 and sub.last_error is None and waiter.woken
     ghost = _join(state, "b", applied=10**9)  # registers claiming a version never issued
     assert ghost.applied is None and "never issued" in (ghost.last_error or "")
     assert all(r["lag"] >= 0 for r in state.status()["subscribers"])

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +96,6 @@ class Subscriber:
     state: str = "live"  # live | unreachable | restoring | dead
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
-    task: Any = None  # the actor's delivery loop for it (the state never touches it)
     via_node: bool = False  # delivered through its node's relay (set when indexed)
     relay_pending: bool = False  # its relay is still handing it a version (its ack comes later)
     doorbell_key: bytes | None = field(default=None, repr=False)  # never persisted or shown
@@ -159,16 +158,26 @@ class Subscriber:
 
 @dataclass(eq=False)
 class Waiter:
-    """One wait: the subscribers it still waits for, and the event set when none is left."""
+    """One wait: the subscribers it still waits for; woken when none is left (or one more registered).
+
+    ``on_wake`` is the waiting side's (the hub actor sets an event of its loop): the state
+    itself holds no event loop object.
+    """
 
     version: int
     pending: set[str]
     include_pull: bool = False
     need: int = 0  # subscribers that must have registered too (``wait(subscribers=n)``)
-    event: asyncio.Event = field(default_factory=asyncio.Event)
+    on_wake: Callable[[], None] | None = None
+    woken: bool = False
 
     def counts(self, sub: Subscriber) -> bool:
         return self.include_pull or sub.waited_for
+
+    def wake(self) -> None:
+        self.woken = True
+        if self.on_wake is not None:
+            self.on_wake()
 
 
 @dataclass(eq=False)
@@ -176,7 +185,6 @@ class Group:
     """Subscriptions delivered by one message: one actor's batched ones, or one node's (via its relay)."""
 
     members: dict[str, Subscriber] = field(default_factory=dict)
-    task: Any = None
     node_id: str | None = None  # set: the members are delivered through this node's relay
     known: set[str] = field(default_factory=set)  # members the relay has been told of
     relay_pid: int | None = None  # the relay process that answered last

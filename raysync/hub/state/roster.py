@@ -67,7 +67,7 @@ class Roster(Versions):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
             elif waiter.need and waiter.counts(sub) and not waiter.pending:
-                waiter.event.set()  # one more of the subscribers it waits to see: look again
+                waiter.wake()  # one more of the subscribers it waits to see: look again
         return old
 
     def remove(self, sub: Subscriber) -> Group | None:
@@ -89,7 +89,7 @@ class Roster(Versions):
         for waiter in self.waiters.get(sub.model_id, ()):
             waiter.pending.discard(sub.sub_id)
             if not waiter.pending:
-                waiter.event.set()
+                waiter.wake()
         return emptied
 
     def drop(self, sub: Subscriber, why: str) -> Group | None:
@@ -112,7 +112,7 @@ class Roster(Versions):
             if sub.sub_id in waiter.pending and sub.settled(waiter.version):
                 waiter.pending.discard(sub.sub_id)
                 if not waiter.pending:
-                    waiter.event.set()
+                    waiter.wake()
 
     def record(self, sub: Subscriber, report: ApplyReport) -> None:
         """What a subscriber said after it was handed a version (or on its own)."""
