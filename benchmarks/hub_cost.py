@@ -57,10 +57,10 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+import _harness as harness
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.hub.actor import WeightHub
-from raysync.ops.bench import harness
 from raysync.transports.doorbell import doorbell
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "hub_cost.json"

@@ -58,9 +58,9 @@ from typing import Any
 import psutil
 import ray
 
+import _harness as harness
 import raysync
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
-from raysync.ops.bench import harness
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "many_subscribers.json"
 
