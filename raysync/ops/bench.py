@@ -24,6 +24,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import statistics
@@ -101,8 +102,8 @@ targets:
 
 exit code:
   0 when every receiver ended on the last version pushed with its weights (the ok column),
-  whether or not the targets were met; 1 when one did not, or the cluster could not be
-  reached; 2 for bad usage.
+  whether or not the targets were met; 1 when one did not, when the cluster could not be
+  reached, or when the check stopped half-way (one line says where and why); 2 for bad usage.
 """
 
 
@@ -390,12 +391,11 @@ def _steady(hub: Any, n: int, sd: dict[str, Any], timeout: float) -> None:
             return
 
 
-def _timed(fn: Callable[[], Any], into: list[float] | None) -> Any:
-    """``fn()``; its seconds appended to ``into`` (unless None: an untimed round)."""
+def _timed(fn: Callable[[], Any], into: list[float]) -> Any:
+    """``fn()``, its seconds appended to ``into``."""
     t0 = time.perf_counter()
     result = fn()
-    if into is not None:
-        into.append(time.perf_counter() - t0)
+    into.append(time.perf_counter() - t0)
     return result
 
 
@@ -414,6 +414,7 @@ def _delivery(kind: str, nbytes: int, n: int, apply: str, config: BenchConfig) -
 
     import raysync
 
+    gc.collect()  # the last configuration's client still holds its newest version, in a reference cycle
     sd = _weights(nbytes, 16 if kind == "fan-out" else 8)
     first, numels, timeout = sd["w00"], [t.numel() for t in sd.values()], config.timeout
     times: dict[str, list[float]] = {"applied": [], "floor": [], "blocked": [], "put": []}

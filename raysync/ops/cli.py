@@ -66,9 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success, 1 when the cluster or hub cannot be found (the message
-        names them), when a benchmark receiver did not end on the version
-        pushed or when ``bench`` cannot plot (before the run), 2 for bad usage.
-        A benchmark's missed targets do not change it.
+        names them), when a ``bench`` receiver did not end on the version
+        pushed or its check stopped half-way (the message says where), 2 for
+        bad usage. ``bench``'s missed targets do not change it.
         ``status`` (and ``bench --address``) give up connecting after ``--timeout`` seconds;
         if it is then still connecting, the process exits with code 1 at once
         (:func:`os._exit`) instead of returning: Ray cannot stop a connection
@@ -509,7 +509,11 @@ def _bench(args: argparse.Namespace) -> int:
         def step(description: str, done: int, total: int) -> None:
             progress.update(task, completed=done, total=total, description=description)
 
-        report = bench.run_check(config, progress=step)
+        try:
+            report = bench.run_check(config, progress=step)
+        except Exception as err:  # its hubs and actors are gone already: say where it stopped, and why
+            stage = progress.tasks[0].description
+            raise CliError(f"the check stopped at {stage!r}: {type(err).__name__}: {err}") from err
         progress.update(task, completed=progress.tasks[0].total, description="done")
     report["meta"]["address"] = address
     bench.print_report(report, where=where)

@@ -278,6 +278,26 @@ def test_bench_checks_the_cluster_it_runs_in_and_leaves_nothing_behind(
     wait_for_condition(lambda: not left(), what="no hub, relay or record of raysync bench left")
 
 
+def test_bench_that_fails_half_way_says_where_in_one_line(
+    ray_start_regular: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def stuck(*args: Any) -> list[dict[str, Any]]:
+        raise TimeoutError("2 receivers did not register with the hub within 120 s")
+
+    monkeypatch.setattr(bench, "_delivery", stuck)
+    assert cli.main(["bench", "--quick", "--json", str(tmp_path / "b.json")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and not (tmp_path / "b.json").exists()
+    (message,) = [line for line in captured.err.splitlines() if line.startswith("raysync bench: error:")]
+    assert message == (
+        "raysync bench: error: the check stopped at 'fan-out 16 MiB N=2 apply=copy': "
+        "TimeoutError: 2 receivers did not register with the hub within 120 s"
+    )
+
+
 def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> None:
     """`python -m raysync bench` runs the check installed with raysync, on a local Ray of its own.
 
