@@ -42,7 +42,8 @@ def test_bench_help_lists_every_option_with_the_defaults_of_both_runs(
     assert "(default: 5; --quick: 3)" in text  # --repeats
     assert "default: $RAY_ADDRESS, else a local Ray of its own" in text  # where it runs
     assert "default: raysync-bench/bench.json" in text.replace("raysync- bench", "raysync-bench")
-    assert "a few minutes on 2 cores" in text and "under a minute" in text  # how long each run takes
+    assert "about 3.5 minutes on 2 cores" in text and "under a minute" in text  # how long each run takes
+    assert "up to about 7 GiB of memory" in text
     assert "exit code: 0 when every receiver ended on the last version pushed" in text
     assert "whether or not the targets were met" in text
     assert "source checkout's benchmarks/" in text  # where the comparisons went
