@@ -284,10 +284,15 @@ def _fresh_hub() -> Iterator[Any]:
     finally:
         with contextlib.suppress(Exception):
             ray.kill(hub.actor)  # its relays go with it
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:  # gone before its records go: it writes some late
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # dead before its records go: it writes some of them late
+            try:
                 ray.get(hub.actor.status.remote(), timeout=1.0)
                 time.sleep(0.05)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+                continue  # busy, or on its way out
+            except Exception:
+                break  # dead
         with contextlib.suppress(Exception):
             forget_hub(hub.name)
 
