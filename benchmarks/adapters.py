@@ -1,8 +1,8 @@
 """Adapters against actors fetching on their own: N receivers behind one adapter vs N actors.
 
-The scenario lives in the package (:mod:`raysync.ops.bench.adapter_rows`, also
-what ``push_fanout.py --adapters`` adds); this script is its command line with
-the results in ``benchmarks/results/``.
+The scenario lives beside this script (``_adapter_rows.py``, also what
+``push_fanout.py --adapters`` adds); this script is its command line with the
+results in ``benchmarks/results/``.
 
 Run::
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from raysync.ops.bench.adapter_rows import main
+from _adapter_rows import main
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -42,9 +42,9 @@ from typing import Any
 import ray
 import torch
 
+import _harness as harness
 import raysync
-from raysync.ops.bench import harness
-from raysync.ops.bench.harness import MIB as MiB
+from _harness import MIB as MiB
 
 logger = logging.getLogger("async_controls")
 TENSORS = 16

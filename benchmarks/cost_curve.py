@@ -1,7 +1,7 @@
 """The cost curve: push-to-all-applied time against model size and number of actors.
 
 Reuses the fan-out scenario's measurement
-(:func:`raysync.ops.bench.fanout.measure_raysync`: a fresh hub and N
+(:func:`_fanout.measure_raysync`: a fresh hub and N
 fresh ``@raysync.synced_model`` receivers per configuration, warm-up pushes,
 then ``--repeats`` timed ones) over a grid of model sizes (``--sizes-mib``,
 fp32 state dicts of 16 equal tensors) x receiver counts (``--actors``) x
@@ -41,10 +41,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from raysync.ops.bench import harness
-from raysync.ops.bench.fanout import SnapshotLogCapture, measure_raysync
-from raysync.ops.bench.floor import ObjectStoreGauge, prefault_object_store
-from raysync.ops.bench.harness import MIB, fmt
+import _harness as harness
+from _fanout import SnapshotLogCapture, measure_raysync
+from _floor import ObjectStoreGauge, prefault_object_store
+from _harness import MIB, fmt
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("cost_curve")

@@ -42,6 +42,7 @@ Results: a table on stdout and JSON in ``--json`` (default
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import statistics
@@ -50,6 +51,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -57,10 +59,10 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+import _harness as harness
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration, SubscriberInfo
-from raysync.hub.actor import WeightHub
-from raysync.ops.bench import harness
+from raysync.receivers.membership import membership
 from raysync.transports.doorbell import doorbell
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "hub_cost.json"
@@ -79,6 +81,12 @@ class LightSubscribers:
     async def _raysync_ping(self) -> bool:
         return True
 
+    async def serve(self, hub_name: str) -> None:
+        """Answer the calls ``hub_name`` (and its relay here) queue for this actor, as every
+        subscriber process does (raysync/receivers/poller.py)."""
+        hub = SimpleNamespace(hub_name=hub_name, hub_namespace=None)
+        membership().serve(hub, self, asyncio.get_running_loop())  # type: ignore[arg-type]
+
     async def node(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
@@ -93,19 +101,9 @@ class LightSubscribers:
 
 
 def start_hub(name: str, delivery: str) -> raysync.HubClient:
-    """A fresh hub; ``direct``: started here with ``RAYSYNC_RELAY=0`` before ``connect`` finds it."""
-    if delivery == "direct":
-        cls: Any = WeightHub
-        handle = cls.options(
-            name=name,
-            namespace=DEFAULT_NAMESPACE,
-            lifetime="detached",
-            max_restarts=-1,
-            max_concurrency=10_000,
-            runtime_env={"env_vars": {"RAYSYNC_RELAY": "0"}},
-        ).remote(name=name, keep=2)
-        ray.get(handle.configure.remote())
-    return raysync.connect(name, keep=2)
+    """A fresh hub; ``direct``: one without relays (it calls every subscription itself)."""
+    settings = raysync.HubSettings(relays=delivery != "direct")
+    return raysync.connect(name, keep=2, settings=settings)
 
 
 def measure(
@@ -120,6 +118,7 @@ def measure(
             node, actor = used[i % len(used)]
             subs.setdefault(actor, []).append(f"light-{actor._actor_id.hex()[:8]}-{i}:policy")
         bells = {a: ray.get(a.doorbell.remote(ids)) if args.doorbell else None for a, ids in subs.items()}
+        ray.get([a.serve.remote(name) for a in subs])
         pending = []
         for i in range(n):
             node, actor = used[i % len(used)]
@@ -132,7 +131,7 @@ def measure(
                 doorbell=bells[actor][0] if bells[actor] else None,
             )
             key = bells[actor][1] if bells[actor] else None
-            reg = Registration(f"light-{aid[:8]}-{i}:policy", "policy", actor, info, doorbell_key=key)
+            reg = Registration(f"light-{aid[:8]}-{i}:policy", "policy", True, info, doorbell_key=key)
             pending.append(hub.actor.register.remote(reg))
         ray.get(pending)
         model = harness.small_policy()

@@ -45,6 +45,7 @@ Results: a table on stdout and JSON in ``--json`` (default
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import statistics
@@ -53,14 +54,16 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
 import ray
 
+import _harness as harness
 import raysync
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
-from raysync.ops.bench import harness
+from raysync.receivers.membership import membership
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "many_subscribers.json"
 
@@ -86,6 +89,12 @@ class LightSubscribers:
     async def _raysync_ping(self) -> bool:
         return True
 
+    async def serve(self, hub_name: str) -> None:
+        """Answer the calls ``hub_name`` (and its relay here) queue for this actor, as every
+        subscriber process does (raysync/receivers/poller.py)."""
+        hub = SimpleNamespace(hub_name=hub_name, hub_namespace=None)
+        membership().serve(hub, self, asyncio.get_running_loop())  # type: ignore[arg-type]
+
     async def stats(self) -> dict[str, int]:
         return {"calls": self.calls, "newest": self.newest}
 
@@ -102,13 +111,14 @@ def register_light(
 ) -> list[str]:
     """Register ``n`` light subscriptions of ``model_id``, spread round-robin over ``actors``."""
     ids = [a._actor_id.hex() for a in actors]
+    ray.get([a.serve.remote(hub.name) for a in actors])
     sub_ids = []
     pending = []
     for i in range(n):
         k = i % len(actors)
         sub_id = f"light-{ids[k][:8]}-{i}:{model_id}"
         info = SubscriberInfo(actor_id=ids[k], class_name="LightSubscribers", batch=batch)
-        pending.append(hub.actor.register.remote(Registration(sub_id, model_id, actors[k], info, schema)))
+        pending.append(hub.actor.register.remote(Registration(sub_id, model_id, True, info, schema)))
         sub_ids.append(sub_id)
         if len(pending) >= chunk:
             ray.get(pending)

@@ -53,9 +53,9 @@ import torch
 from ray._private import internal_api
 from ray.cluster_utils import Cluster
 
+import _harness as harness
 import raysync
-from raysync.ops.bench import harness
-from raysync.ops.bench.harness import MIB
+from _harness import MIB
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "multinode.json"
 TENSORS = 4

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from raysync.ops.bench import harness
+import _harness as harness
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -104,9 +104,14 @@ import ray
 import torch
 
 import raysync
-from raysync.ops.bench import harness
-from raysync.ops.bench.floor import ObjectStoreGauge, process_memory
-from raysync.ops.bench.harness import MIB as MiB
+
+# The sibling helpers: on the path already when this runs as a script, not when the tests import
+# it as `benchmarks.soak` (appended, so nothing of this folder shadows another module).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+import _harness as harness
+from _floor import ObjectStoreGauge, process_memory
+from _harness import MIB as MiB
 
 logger = logging.getLogger("soak")
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -21,7 +21,7 @@ from typing import Any
 from raysync import _compat
 from raysync.hub.state import Model, Subscriber
 
-__all__ = ["HubStore", "actor_alive", "writer_alive"]
+__all__ = ["HubStore", "actor_alive", "forget_hub", "writer_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,23 @@ class HubStore:
 
     def _config_key(self) -> bytes:
         return f"{self._name}/config".encode()
+
+
+def forget_hub(name: str) -> int:
+    """Delete every record of the hub called ``name`` from the GCS; returns how many there were.
+
+    Only for a hub that is gone for good (``raysync bench``'s, say): a hub started later under
+    that name then starts afresh instead of restoring its counters, leases and subscriptions.
+
+    Example:
+        >>> ray.kill(hub.actor); forget_hub(hub.name)  # doctest: +SKIP
+        3
+    """
+    kv = _kv()
+    keys = kv.list(f"{name}/".encode(), namespace=_KV_NAMESPACE)
+    for key in keys:
+        kv.delete(key, namespace=_KV_NAMESPACE)
+    return len(keys)
 
 
 def actor_alive(actor_id: str | None) -> bool:

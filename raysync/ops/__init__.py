@@ -1,1 +1,1 @@
-"""Operations: the ``raysync`` command (status, bench), metrics and the benchmarks (``ops.bench``)."""
+"""Operations: the ``raysync`` command, ``status`` (a hub's state) and ``bench`` (a compact cluster check)."""

@@ -5,13 +5,13 @@ default ``raysync`` in Ray namespace ``raysync``, where every driver and job
 puts it) and prints its models, versions, subscribers, lag and last errors as
 tables (``--json`` for the raw ``hub.status()``).
 
-``raysync bench`` runs the push fan-out scenario (:mod:`raysync.ops.bench.fanout`,
-part of the package: no source checkout needed) on a local Ray of its own,
-with a progress bar; it prints the scenario's table and target checks (each
-value beside its floor measured in the same run, and what a miss means) and
-writes a PNG plot of push-to-all-applied time against the number of actors,
-with the copy floor. ``raysync bench --help`` lists every option, the full and
-the quick run, and the exit code.
+``raysync bench`` checks a Ray cluster (``--address``, else ``RAY_ADDRESS``; with
+neither, a local Ray of its own): push fan-out and small versions, each beside
+Ray's own floor measured in the same run on that cluster (:mod:`raysync.ops.bench`),
+with a progress bar; then one line per check (the value, its floor, their ratio
+and the bound) and what each check measures and what a miss means.
+``raysync bench --help`` lists every option, the full and the quick run, and the
+exit code.
 
 Installed as the console script ``raysync``; ``python -m raysync`` is the same.
 
@@ -20,15 +20,14 @@ Example:
 
         raysync status                         # RAY_ADDRESS, or the local cluster
         raysync status --address 10.0.0.5:6379 --name my-hub --json
-        raysync bench --quick                  # under a minute; raysync-bench/push_fanout.{json,png}
-        raysync bench --sizes-mib 64 --actors 1 4 --apply view --plot fanout.png
+        raysync bench --quick                  # under a minute; raysync-bench/bench.json
+        raysync bench --address 10.0.0.5:6379 --sizes-mib 256 --actors 8 16
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import logging
 import math
@@ -40,10 +39,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, TextIO, cast
 
 from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE
+from raysync.ops import bench
 
 __all__ = ["main", "render_status"]
 
@@ -67,10 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success, 1 when the cluster or hub cannot be found (the message
-        names them), when a benchmark receiver did not end on the version
-        pushed or when ``bench`` cannot plot (before the run), 2 for bad usage.
-        A benchmark's missed targets do not change it.
-        ``status`` gives up after ``--timeout`` seconds, connecting included;
+        names them), when a ``bench`` receiver did not end on the version
+        pushed or its check stopped half-way (the message says where), 2 for
+        bad usage. ``bench``'s missed targets do not change it.
+        ``status`` (and ``bench --address``) give up connecting after ``--timeout`` seconds;
         if it is then still connecting, the process exits with code 1 at once
         (:func:`os._exit`) instead of returning: Ray cannot stop a connection
         attempt half-way, and its exit hook would wait on it.
@@ -81,16 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    if extra and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "status":
             return _status(args)
-        return _bench(args, extra)
+        return _bench(args)
     except CliError as err:
         print(_error_line(args.command, err), file=sys.stderr)
         return 1
@@ -102,7 +99,7 @@ def _error_line(command: str, err: object) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="raysync", description="Inspect a raysync hub, or benchmark push fan-out."
+        prog="raysync", description="Inspect a raysync hub, or check a Ray cluster with raysync."
     )
     sub = parser.add_subparsers(dest="command", metavar="{status,bench}")
     status = sub.add_parser(
@@ -126,50 +123,12 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds for the whole command: connecting to the cluster and the hub's answer (default: 30)",
     )
-    bench = sub.add_parser(
-        "bench",
-        help="run the push fan-out benchmark and plot it (raysync bench --help: every option)",
-        add_help=False,  # its --help lists the scenario's options too (_BenchHelp)
-    )
-    bench.add_argument("-h", "--help", action=_BenchHelp, help="show every option and exit")
-    bench.add_argument("--quick", action="store_true")  # the scenario's --quick, kept here to pass on
-    bench.add_argument("--plot", type=Path, default=None)
-    return parser
-
-
-BENCH_DESCRIPTION = """\
-Run the push fan-out benchmark that ships with raysync on a local Ray cluster of its own
-(never a running one): for each model size, apply mode and number N of receiver actors,
-a fresh hub and N fresh receivers, raysync's pushes timed beside a copy floor measured in
-the same run. A progress bar, then the table, the target checks (what each measures, its
-floor and what a miss means on your machine), the JSON and a PNG plot of push-to-all-applied
-time against N with the floor. Plotting needs matplotlib (pip install "raysync[plot]")."""
-
-
-def _bench_parser() -> argparse.ArgumentParser:
-    """``raysync bench``'s whole parser: the scenario's options and ``--plot``."""
-    from raysync.ops.bench import fanout
-
-    parser = fanout.build_parser(prog="raysync bench")
-    parser.description = BENCH_DESCRIPTION
-    parser.epilog = f"{parser.epilog}  raysync bench also exits with 1, before the run, without matplotlib.\n"
-    parser.add_argument(
-        "--plot", type=Path, default=None, help="the PNG to write (default: --json's path, with .png)"
-    )
-    return parser
-
-
-class _BenchHelp(argparse.Action):
-    """``raysync bench --help``: every option of the scenario, built only when asked (it imports torch)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
-        super().__init__(
-            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help
+    bench.add_arguments(  # the module imports neither torch nor Ray: --help stays fast
+        sub.add_parser(
+            "bench", help="check a Ray cluster: push fan-out and small versions beside Ray's floor"
         )
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        _bench_parser().print_help()
-        parser.exit()
+    )
+    return parser
 
 
 def _seconds(text: str) -> float:
@@ -523,68 +482,42 @@ def _writer(writer: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------- bench
 
 
-class _StepCounter(logging.Handler):
-    """Moves the progress bar along the scenario's own log lines ("... : floor", "...: raysync")."""
-
-    def __init__(self, progress: Any, task: Any, total: int) -> None:
-        super().__init__(level=logging.INFO)
-        self.progress, self.task, self.total, self.started = progress, task, total, 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.endswith(": floor") or message.endswith(": raysync"):
-            self.started += 1
-            self.progress.update(self.task, completed=min(self.started - 1, self.total), description=message)
-
-
-def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+def _bench(args: argparse.Namespace) -> int:
+    import ray
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from raysync.ops.bench import fanout, fanout_report
-    from raysync.ops.bench.harness import BenchError, pyplot
+    config = bench.config_from(args)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    with contextlib.ExitStack() as stack:
+        if address:
+            deadline = time.monotonic() + args.timeout
+            if _connect(address, timeout=args.timeout, deadline=deadline, command=args.command):
+                stack.callback(ray.shutdown)
+            where = address
+        elif ray.is_initialized():  # called from a process connected already (a test, a notebook)
+            where = "this process's Ray cluster"
+        else:
+            stack.enter_context(bench.local_ray(config))
+            where = "a local Ray of its own"
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        progress = stack.enter_context(Progress(*columns, console=Console(stderr=True)))
+        task = progress.add_task("starting", total=None)
 
-    argv = [*extra, *(["--quick"] if args.quick else [])]
-    options = fanout.parse_args(argv, parser=_bench_parser())
-    plot = args.plot or Path(options.json).with_suffix(".png")
-    try:
-        pyplot()  # before a run of minutes, not after it
-    except BenchError as err:
-        raise CliError(f"{err}; the run was not started") from None
-    steps = len(options.sizes_mib) * len(options.actors) * (1 + len(options.apply))
-    if options.schemes_only:
-        steps = 0
-    root = logging.getLogger()
-    quiet = None
-    if not root.handlers:  # keep the scenario's INFO chatter off the progress bar
-        quiet = logging.StreamHandler(sys.stderr)
-        quiet.setLevel(logging.WARNING)
-        root.addHandler(quiet)
-    bench_logger = logging.getLogger(fanout.__name__)
-    bench_logger.setLevel(logging.INFO)
-    captured = io.StringIO()
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        transient=False,
-    ) as progress:
-        task = progress.add_task("starting Ray", total=steps)
-        counter = _StepCounter(progress, task, steps)
-        bench_logger.addHandler(counter)
+        def step(description: str, done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total, description=description)
+
         try:
-            with contextlib.redirect_stdout(captured):
-                code = int(fanout.main(argv) or 0)
-        finally:
-            bench_logger.removeHandler(counter)
-            if quiet is not None:
-                root.removeHandler(quiet)
-        progress.update(task, completed=steps, description="done")
-    sys.stdout.write(captured.getvalue())
-    results = json.loads(Path(options.json).read_text())
-    if results.get("rows"):
-        fanout_report.plot_fanout(
-            results["rows"], plot, title=fanout_report.plot_title(results.get("meta", {}))
-        )
-        print(f"plot: {plot}")
-    return code
+            report = bench.run_check(config, progress=step)
+        except Exception as err:  # its hubs and actors are gone already: say where it stopped, and why
+            stage = progress.tasks[0].description
+            raise CliError(f"the check stopped at {stage!r}: {type(err).__name__}: {err}") from err
+        progress.update(task, completed=progress.tasks[0].total, description="done")
+    report["meta"]["address"] = address
+    bench.print_report(report, where=where)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nJSON: {args.json}")
+    return 0 if all(row["verified"] for row in report["rows"]) else 1

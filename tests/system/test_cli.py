@@ -1,5 +1,5 @@
-"""The raysync command: `status` against a hub in the session cluster; `bench` with a stand-in
-scenario, and for real (tiny) from a directory outside the checkout."""
+"""The raysync command: `status` against a hub in the session cluster; `bench` for real (tiny) on
+the session cluster, and from a directory outside the checkout on a local Ray of its own."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import pytest
 import ray
 
 import raysync
-from raysync.ops import cli
-from raysync.ops.bench import fanout, fanout_report
+from raysync import _compat
+from raysync.ops import bench, cli
 from tests.conftest import small_policy, wait_for_condition
 
 
@@ -248,100 +248,109 @@ def test_status_table_shows_last_errors_and_unhealthy_states() -> None:
     )
 
 
-def _fake_rows() -> list[dict[str, Any]]:
-    rows = []
-    for size in (16, 64):
-        for apply, factor in (("copy", 1.2), ("view", 0.6)):
-            for n in (1, 2, 4):
-                floor = 0.002 * size / 16 * (1 + n / 2)
-                rows.append(
-                    {
-                        "size_mib": size,
-                        "apply": apply,
-                        "n": n,
-                        "floor_s": floor,
-                        "push_to_all_applied_s": floor * factor,
-                    }
-                )
-    return rows
-
-
-def test_plot_fanout_writes_a_png(tmp_path: Path) -> None:
-    path = fanout_report.plot_fanout(_fake_rows(), tmp_path / "plots" / "fanout.png", title="fake")
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-
-
-def test_bench_drives_the_scenario_with_progress_table_and_plot(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_bench_checks_the_cluster_it_runs_in_and_leaves_nothing_behind(
+    ray_start_regular: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`raysync bench` parses the scenario's options, follows its log lines, prints its table, plots."""
-    calls: list[list[str]] = []
-
-    def fake_main(argv: list[str]) -> int:  # the scenario's logging and output, no Ray
-        calls.append(list(argv))
-        a = fanout.parse_args(argv)
-        for size in a.sizes_mib:
-            for n in a.actors:
-                fanout.logger.info("%d MiB, N=%d: floor", size, n)
-                for apply in a.apply:
-                    fanout.logger.info("%d MiB, N=%d, apply=%s: raysync", size, n, apply)
-        print("size apply N | applied_s floor_s")
-        rows = [r for r in _fake_rows() if r["size_mib"] in a.sizes_mib and r["n"] in a.actors]
-        a.json.write_text(json.dumps({"meta": {"cpus": 2}, "rows": rows}))
-        return 0
-
-    monkeypatch.setattr(fanout, "main", fake_main)
-    plot, results = tmp_path / "quick.png", tmp_path / "r.json"
-    assert cli.main(["bench", "--quick", "--json", str(results), "--plot", str(plot)]) == 0
+    """`raysync bench` from a process connected to a cluster checks that cluster; afterwards neither a
+    hub, nor an actor, nor a record of its hubs in the GCS is left there."""
+    results = tmp_path / "bench.json"
+    argv = ["bench", "--sizes-mib", "1", "--small-kib", "4", "--actors", "2", "--apply", "copy", "view"]
+    assert cli.main([*argv, "--repeats", "2", "--warmup", "1", "--json", str(results)]) == 0
     out = capsys.readouterr().out
-    assert "size apply N | applied_s floor_s" in out and f"plot: {plot}" in out
-    assert plot.read_bytes()[:4] == b"\x89PNG"
-    assert calls == [["--json", str(results), "--quick"]]
-    assert {r["size_mib"] for r in json.loads(results.read_text())["rows"]} == {16}  # --quick: 16 MiB
+    assert out.startswith("raysync bench on this process's Ray cluster: 1 node(s), 4 CPUs")
+    lines = [line for line in out.splitlines() if line.startswith(("  met ", "  MISS"))]
+    wheres = ["1 MiB copy N=2", "1 MiB view N=2", "4 KiB copy N=2"]
+    assert len(lines) == 6, out  # all applied and trainer blocked, for each
+    for where in wheres:
+        assert sum(where in line and line.endswith(" yes") for line in lines) == 2, out  # both checks, held
+    assert f"/{len(lines)} met" in out and f"JSON: {results}" in out
+    report = json.loads(results.read_text())
+    assert {row["check"] for row in report["rows"]} == set(bench.CHECKS)
+    for row in report["rows"]:
+        assert len(row["samples_s"]) == len(row["floor_samples_s"]) == 2, row
+        assert row["measured_s"] > 0 and row["floor_s"] > 0 and row["verified"] is True, row
 
-    assert cli.main(["bench", "--sizes-mib", "64", "--actors", "1", "2", "--json", str(results)]) == 0
-    assert "plot: " + str(results.with_suffix(".png")) in capsys.readouterr().out
+    def left() -> list[str]:
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        stored = _compat.kv_list(b"raysync-bench-", namespace="raysync")
+        return [n for n in named if n.startswith("raysync-bench-")] + [k.decode() for k in stored]
+
+    wait_for_condition(lambda: not left(), what="no hub, relay or record of raysync bench left")
+
+
+def test_bench_that_fails_half_way_says_where_in_one_line(
+    ray_start_regular: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def stuck(*args: Any) -> list[dict[str, Any]]:
+        raise TimeoutError("2 receivers did not register with the hub within 120 s")
+
+    monkeypatch.setattr(bench, "_delivery", stuck)
+    assert cli.main(["bench", "--quick", "--json", str(tmp_path / "b.json")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and not (tmp_path / "b.json").exists()
+    (message,) = [line for line in captured.err.splitlines() if line.startswith("raysync bench: error:")]
+    assert message == (
+        "raysync bench: error: the check stopped at 'fan-out 16 MiB N=2 apply=copy': "
+        "TimeoutError: 2 receivers did not register with the hub within 120 s"
+    )
 
 
 def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> None:
-    """`python -m raysync bench` runs the scenario installed with raysync, not benchmarks/ of a checkout.
+    """`python -m raysync bench` runs the check installed with raysync, on a local Ray of its own.
 
-    A real run, tiny (1 MiB, one view receiver, two timed pushes), in a working directory with
-    no benchmarks/ and nothing of the checkout on the path but the raysync package itself.
+    A real run, tiny (1 MiB to one view receiver and 4 KiB to one, two timed rounds), in a working
+    directory with no benchmarks/ and nothing of the checkout on the path but the raysync package
+    itself (the one under test, linked into a folder of its own).
     """
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
-    checkout = Path(raysync.__file__).resolve().parent.parent
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "raysync").symlink_to(Path(raysync.__file__).resolve().parent)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(site)}
+    work = tmp_path / "work"
+    work.mkdir()
     probe = (  # is the checkout, or a push_fanout.py in some `benchmarks` package, importable there?
-        "import importlib.util as u, pathlib, sys; b = u.find_spec('benchmarks'); "
+        "import importlib.util as u, pathlib, sys, raysync; b = u.find_spec('benchmarks'); "
         "print(sorted({str(pathlib.Path(p or '.').resolve()) for p in sys.path}), "
         "u.find_spec('push_fanout'), [p for p in (b.submodule_search_locations if b else []) "
-        "if (pathlib.Path(p) / 'push_fanout.py').exists()])"
+        "if (pathlib.Path(p) / 'push_fanout.py').exists()], raysync.__file__)"
     )
-    found = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    assert f"'{checkout}'" not in found.stdout and found.stdout.endswith(" None []\n"), found
-    assert Path(fanout.__file__).resolve().parent.parent.parent == Path(raysync.__file__).resolve().parent
+    found = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True)
+    checkout = Path(raysync.__file__).resolve().parent.parent
+    assert f"'{checkout}'" not in found.stdout and " None [] " in found.stdout, found
+    assert found.stdout.strip().endswith(str(site / "raysync" / "__init__.py")), found
 
     argv = [sys.executable, "-m", "raysync", "bench", "--quick", "--sizes-mib", "1", "--actors", "1"]
-    argv += ["--apply", "view", "--object-store-mib", "128", "--no-prefault", "--quiet-timeout", "0"]
-    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    argv += ["--apply", "view", "--repeats", "2", "--warmup", "1"]
+    done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=240)
     tail = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, tail
-    results = json.loads((tmp_path / "raysync-bench" / "push_fanout.json").read_text())
-    (row,) = results["rows"]
-    assert (row["size_mib"], row["n"], row["apply"], row["verified"]) == (1, 1, "view", True), row
-    assert len(row["push_to_all_applied_samples"]) == 2  # --quick's 2 repeats
-    assert results["meta"]["scenario"] == "raysync.ops.bench.fanout"
-    assert "applied_s" in done.stdout and "/3 met" in done.stdout and "plot: " in done.stdout, tail
-    assert (tmp_path / "raysync-bench" / "push_fanout.png").read_bytes()[:4] == b"\x89PNG"
-    # the checks explain themselves for this machine and name no file the package does not ship
-    assert "ANCHORS" not in done.stdout and ".md" not in done.stdout, tail
+    report = json.loads((work / "raysync-bench" / "bench.json").read_text())
+    assert [(r["check"], r["where"], r["verified"]) for r in report["rows"]] == [
+        ("fan-out: all applied", "1 MiB view N=1", True),
+        ("fan-out: trainer blocked", "1 MiB view N=1", True),
+        ("small: all applied", "4 KiB copy N=1", True),
+        ("small: trainer blocked", "4 KiB copy N=1", True),
+    ], tail
+    assert all(len(r["samples_s"]) == 2 for r in report["rows"])  # --repeats 2
     said = " ".join(done.stdout.split())
-    assert f"2-core reference machine (this machine: {os.cpu_count()} CPUs)" in said, tail
-    assert "measured floor ratio bound" in said and said.count("A miss: ") == 3, tail
-    assert "the misses are at 1 MiB, below the 256 MiB" in said or "3/3 met" in said, tail
+    assert said.startswith("raysync bench on a local Ray of its own: 1 node(s)"), tail
+    assert "measured floor ratio bound ok" in said and said.count("A miss: ") == 4, tail
+    assert "/4 met" in said and "JSON: raysync-bench/bench.json" in said, tail
+    assert "ANCHORS" not in done.stdout and ".md" not in done.stdout, tail
+
+
+def test_bench_unreachable_address_says_so(allowed_s: Callable[[float], float]) -> None:
+    """`raysync bench --address` at a closed port: exit 1 at once, naming the address, before any check."""
+    address = f"127.0.0.1:{_closed_port()}"
+    done, elapsed = _raysync("bench", "--quick", "--address", address, "--timeout", "5", limit=5)
+    assert done.returncode == 1, done.stderr
+    assert elapsed < allowed_s(5), f"took {elapsed:.1f} s"
+    (message,) = done.stderr.strip().splitlines()
+    assert message.startswith("raysync bench: error: ") and f"no Ray cluster at {address!r}" in message
+    assert done.stdout == ""
 
 
 def test_installed_as_the_raysync_console_script() -> None:

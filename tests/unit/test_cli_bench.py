@@ -1,22 +1,23 @@
-"""What ``raysync bench`` tells a user, without Ray: its --help, and its target checks for fake rows."""
+"""What ``raysync bench`` tells a user, without Ray: its --help, its options, its report for fake rows."""
 
 from __future__ import annotations
 
+import io
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import raysync
-from raysync.ops import cli
-from raysync.ops.bench import fanout, fanout_report, scheme_rows
+from raysync.ops import bench, cli
 
 MIB = 2**20
-SCENARIO_OPTIONS = {
-    "--sizes-mib", "--actors", "--apply", "--repeats", "--warmup", "--tensors", "--keep", "--timeout",
-    "--quiet-timeout", "--floor-source", "--object-store-mib", "--no-prefault", "--schemes",
-    "--schemes-only", "--adapters", "--json", "--verbose", "--quick", "--plot",
+OPTIONS = {
+    "--address", "--quick", "--sizes-mib", "--small-kib", "--actors", "--apply", "--repeats", "--warmup",
+    "--timeout", "--json", "--verbose",
 }  # fmt: skip
 
 
@@ -31,130 +32,124 @@ def test_bench_help_lists_every_option_with_the_defaults_of_both_runs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     text = _bench_help(capsys)
-    missing = sorted(flag for flag in SCENARIO_OPTIONS if flag not in text)
+    missing = sorted(flag for flag in OPTIONS if flag not in text)
     assert not missing, f"raysync bench --help does not list {missing}"
-    options = {flag for action in fanout.build_parser()._actions for flag in action.option_strings}
-    assert options <= SCENARIO_OPTIONS | {"-h", "--help"}, "a new option: add it to SCENARIO_OPTIONS"
-    for flag, key in (("--sizes-mib", "sizes_mib"), ("--actors", "actors"), ("--repeats", "repeats")):
-        full = fanout.FULL[key]
-        quick = fanout.QUICK[key]
-        shown = " ".join(map(str, full)) if isinstance(full, list) else str(full)
-        quick_shown = " ".join(map(str, quick)) if isinstance(quick, list) else str(quick)
-        assert f"{flag} {shown}" in text, f"the full run's {flag} is not in --help"
-        assert f"{flag} {quick_shown}" in text, f"--quick's {flag} is not in --help"
-    assert "default: raysync-bench/push_fanout.json" in text.replace("raysync- bench", "raysync-bench")
-    assert "about 5 minutes on 2 cores" in text and "under a minute" in text  # how long each run takes
+    shown = set(re.findall(r"\[(--[a-z-]+)", text))
+    assert shown == OPTIONS, f"a new option: add it to OPTIONS ({shown ^ OPTIONS})"
+    for flag, key in (("--sizes-mib", "sizes_mib"), ("--small-kib", "small_kib"), ("--actors", "actors")):
+        full, quick = (" ".join(map(str, run[key])) for run in (bench.FULL, bench.QUICK))
+        assert f"{flag} {full}" in text and f"{flag} {quick}" in text, f"{flag}'s runs are not in --help"
+    assert "(default: 5; --quick: 3)" in text  # --repeats
+    assert "default: $RAY_ADDRESS, else a local Ray of its own" in text  # where it runs
+    assert "default: raysync-bench/bench.json" in text.replace("raysync- bench", "raysync-bench")
+    assert "about 3.5 minutes on 2 cores" in text and "under a minute" in text  # how long each run takes
+    assert "up to about 7 GiB of memory" in text
     assert "exit code: 0 when every receiver ended on the last version pushed" in text
     assert "whether or not the targets were met" in text
+    assert "source checkout's benchmarks/" in text  # where the comparisons went
 
 
-def test_bench_help_stays_out_of_the_status_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """`raysync --help` names bench in one line; building its options is left to `raysync bench --help`."""
-    with pytest.raises(SystemExit):
-        cli.main(["--help"])
-    assert "raysync bench --help: every option" in " ".join(capsys.readouterr().out.split())
+@pytest.mark.parametrize("option", ["--schemes", "--adapters", "--plot=x.png", "--floor-source=private"])
+def test_bench_refuses_the_options_of_the_comparisons(
+    option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--quick", option])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
 
 
-def _rows() -> list[dict[str, Any]]:
-    """A --quick run as the issue saw it: 16 MiB, N = 1 2, ratios of 5.63 against <= 1.3."""
+@pytest.mark.parametrize("argv", [["--actors", "0"], ["--sizes-mib", "x"], ["--repeats", "-1"]])
+def test_bench_refuses_counts_below_one(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_bench_options_given_win_over_quick() -> None:
+    parser = cli._parser()
+    quick = bench.config_from(parser.parse_args(["bench", "--quick"]))
+    assert {key: getattr(quick, key) for key in bench.QUICK} == bench.QUICK
+    mine = bench.config_from(
+        parser.parse_args(["bench", "--quick", "--actors", "4", "1", "4", "--apply", "view"])
+    )
+    assert (mine.actors, mine.apply, mine.sizes_mib) == ((1, 4), ("view",), bench.QUICK["sizes_mib"])
+    full = bench.config_from(parser.parse_args(["bench"]))
+    assert full == bench.BenchConfig()
+    with pytest.raises(ValueError, match="apply modes"):
+        bench.BenchConfig(apply=("copy", "mmap"))
+
+
+def test_raysync_help_names_bench_and_loads_neither_torch_nor_ray() -> None:
+    """`raysync --help` and `raysync bench --help` stay fast: the check imports torch and Ray when it runs."""
+    probe = (
+        "import sys, contextlib, io; from raysync.ops import cli\n"
+        "for argv in (['--help'], ['bench', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        cli.main(argv)\n"
+        "    print(' '.join(out.getvalue().split()))\n"
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    top, _, loaded = done.stdout.strip().splitlines()
+    assert "bench check a Ray cluster: push fan-out and small versions beside Ray's floor" in top
+    assert loaded == "[]"
+
+
+def _report() -> dict[str, Any]:
+    """A --quick run on a 3-node cluster: 16 MiB misses its fan-out bound, the small version meets its."""
     rows = []
-    for apply in ("copy", "view"):
-        for n in (1, 2):
-            floor = 0.002 * (1 + n)
-            rows.append(
-                {
-                    "size_mib": 16,
-                    "model_bytes": 16 * MIB,
-                    "apply": apply,
-                    "n": n,
-                    "floor_s": floor,
-                    "push_to_all_applied_s": floor * 5.63,
-                    "ratio_to_floor": 5.63,
-                    "trainer_block_s": 0.004,
-                    "snapshot_copy_s": 0.0015,
-                    "block_vs_snapshot": 0.004 / 0.0015,
-                    "snapshot_in_push_s": 0.002,
-                    "store_bytes_per_version": 16.2 * MIB,
-                    "store_copies_per_version": 16.2 / 16,
-                    "receiver_apply_max_s": 0.003,
-                    "receiver_private_rss_bytes": 50 * MIB,
-                    "verified": True,
-                }
-            )
-    return fanout_report.add_ratios(rows)
-
-
-def _checks_output(capsys: pytest.CaptureFixture[str]) -> str:
-    fanout_report.print_checks(fanout_report.check_targets(_rows()), cpus=16)
-    return capsys.readouterr().out
-
-
-def test_bench_checks_show_each_value_beside_its_floor(capsys: pytest.CaptureFixture[str]) -> None:
-    fanout_report.print_checks(fanout_report.check_targets(_rows()))
-    out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith(("  met ", "  MISS"))]
-    assert len(lines) == 15
-    by_target = {}
-    for line in lines:
-        by_target.setdefault(line[8:45].strip(), []).append(line)
-    # push-to-all-applied 33.8 ms against the floor of 6.0 ms at N=2 (0.006 s), ratio 5.63
-    (n2_copy,) = [x for x in by_target["push-to-all-applied / floor"] if "16 MiB copy N=2" in x]
-    assert re.search(r"33\.8 ms +6\.0 ms +5\.63 +<= 1\.3$", n2_copy), n2_copy
-    (block,) = [x for x in by_target["trainer block / snapshot copy"] if "16 MiB view N=1" in x]
-    assert re.search(r"4\.0 ms +1\.5 ms +2\.67 +<= 1\.3$", block), block
-    (store,) = [x for x in by_target["object-store copies per version"] if "16 MiB view N=1" in x]
-    assert re.search(r"16\.2 MiB +16\.0 MiB +1\.01 +<= 1\.1$", store), store
-    header = next(line for line in out.splitlines() if "target" in line and "where" in line)
-    assert header.split()[-5:] == ["where", "measured", "floor", "ratio", "bound"]
-
-
-def test_bench_checks_say_what_a_miss_means_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _checks_output(capsys)
-    text = " ".join(out.split())
-    assert "ANCHORS" not in out and ".md" not in out  # no file the package does not ship
-    assert "set on its 2-core reference machine (this machine: 16 CPUs)" in text
-    assert "compare the measured column with the floor column beside it" in text
-    assert "A MISS is information, not a failure: the exit code is 0" in text
-    assert "8 of the misses are at 16 MiB, below the 256 MiB the targets are set for" in text
-    for target in (
-        "push-to-all-applied / floor",
-        "trainer block / snapshot copy",
-        "object-store copies per version",
-        "view: push-to-all-applied flat in N",
-        "trainer block flat in N",
+    for check, where, size, measured, floor in (
+        ("fan-out: all applied", "16 MiB copy N=2 on 2 nodes", 16 * MIB, 0.0338, 0.006),
+        ("fan-out: trainer blocked", "16 MiB copy N=2 on 2 nodes", 16 * MIB, 0.004, 0.0015),
+        ("small: all applied", "4 KiB copy N=2 on 2 nodes", 4096, 0.0045, 0.005),
+        ("small: trainer blocked", "4 KiB copy N=2 on 2 nodes", 4096, 0.0018, 0.0012),
     ):
-        explained = re.search(re.escape(target) + r": (.+?); floor: (.+?)\. A miss: (.+?)\.", text)
-        assert explained, f"{target!r} is not explained"
-    assert "floor: one snapshot copy_ in the driver + N simultaneous copy_ in N plain actors" in text
+        bound = bench.CHECKS[check][0]
+        ratio = measured / floor
+        rows.append(
+            {"check": check, "where": where, "bytes": size, "measured_s": measured, "floor_s": floor}
+            | {"ratio": ratio, "bound": bound, "met": ratio <= bound, "verified": True}
+        )
+    rows[-1]["verified"] = False
+    return {"meta": {"nodes": 3, "cpus": 48.0, "versions": {"ray": "2.60.0"}}, "rows": rows}
 
 
-def test_bench_scheme_checks_name_no_file_and_keep_the_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    scheme_rows.print_scheme_checks(
-        [
-            {
-                "size_mib": 64,
-                "n": 8,
-                "apply": "copy",
-                "target_x": 3.0,
-                "bound_s": 0.03,
-                "best_path": "raysync hub, apply=copy",
-                "best_s": 0.09,
-                "best_x": 1.1,
-                "met": False,
-                "floor_s": 0.04,
-                "floor_x": 2.3,
-            }
-        ]
-    )
-    out = capsys.readouterr().out
-    assert "ANCHORS" not in out and ".md" not in out
-    assert "2-core reference machine" in out and "A MISS does not change the exit code" in " ".join(
-        out.split()
-    )
+def test_bench_report_shows_each_value_beside_its_floor_and_what_a_miss_means() -> None:
+    out = io.StringIO()
+    bench.print_report(_report(), where="10.0.0.5:6379", file=out)
+    text = out.getvalue()
+    assert text.startswith("raysync bench on 10.0.0.5:6379: 3 node(s), 48 CPUs, Ray 2.60.0")
+    lines = [line for line in text.splitlines() if line.startswith(("  met ", "  MISS"))]
+    assert len(lines) == 4
+    (fanout,) = [x for x in lines if "fan-out: all applied" in x]
+    assert fanout.startswith("  MISS") and re.search(r"33\.80 ms +6\.00 ms +5\.63 +<= 1\.3 +yes$", fanout)
+    (small,) = [x for x in lines if "small: all applied" in x]
+    assert small.startswith("  met ") and re.search(r"4\.50 ms +5\.00 ms +0\.90 +<= 1\.0 +yes$", small)
+    assert lines[-1].endswith(" NO")  # a receiver that did not end on the version pushed
+    header = next(line for line in text.splitlines() if "check" in line and "where" in line)
+    assert header.split()[-6:] == ["where", "measured", "floor", "ratio", "bound", "ok"]
+    said = " ".join(text.split())
+    assert "2/4 met" in said
+    assert "set on its 2-core reference machine (this cluster: 3 node(s), 48 CPUs)" in said
+    assert "compare the measured column with the floor column beside it" in said
+    assert "A MISS is information, not a failure: the exit code is 0" in said
+    assert "Fan-out misses at 16 MiB are below the 256 MiB the fan-out targets are set for" in said
+    for check in bench.CHECKS:
+        explained = re.search(
+            re.escape(check) + r": (.+?); floor: (.+?); bound: (.+?)\. A miss: (.+?)\.", said
+        )
+        assert explained, f"{check!r} is not explained"
+    assert "floor: ray.put of the same bytes + N plain actors ray.get it" in said
 
 
-def test_no_benchmark_output_names_a_file_outside_the_package() -> None:
+def test_no_bench_output_names_a_file_outside_the_package() -> None:
     """The targets' source (a file of the project's workspace) is not shipped: no output names it."""
     root = Path(raysync.__file__).parent / "ops"
     named = [str(p.relative_to(root)) for p in root.rglob("*.py") if "ANCHORS" in p.read_text()]
     assert not named, f"{named} name ANCHORS.md, which the package does not ship"
+    out = io.StringIO()
+    bench.print_report(_report(), file=out)
+    assert ".md" not in out.getvalue()

@@ -19,14 +19,14 @@ trainer blocking
 
 object-store bytes per version
     the object store's used bytes, read from the raylet
-    (:class:`~raysync.ops.bench.floor.ObjectStoreGauge`). Reported: the
+    (:class:`_floor.ObjectStoreGauge`). Reported: the
     increase caused by the first push (one version) and, after the last push,
     ``(used - baseline) / versions kept`` (the hub keeps ``--keep``). One copy
     per version means both equal the model's size, whatever N.
 
 the copy floor (same run, same machine state)
     one ``copy_`` of the whole model in the driver plus N simultaneous
-    ``copy_`` in N plain Ray actors (:mod:`raysync.ops.bench.floor`;
+    ``copy_`` in N plain Ray actors (:mod:`_floor`;
     ``--floor-source private`` gives each actor its own source buffer).
 
 receiver memory
@@ -37,19 +37,13 @@ Each configuration gets a fresh hub and fresh actors, and everything is
 killed before the next one. Every receiver's final version and a marker value
 written into the pushed weights are checked after the last push.
 ``--schemes`` adds torchrl's schemes beside raysync's
-(:mod:`raysync.ops.bench.scheme_rows`), ``--adapters`` the adapter rows
-(:mod:`raysync.ops.bench.adapter_rows`).
+(:mod:`_scheme_rows`), ``--adapters`` the adapter rows
+(:mod:`_adapter_rows`), ``--png`` a plot of push-to-all-applied time against N
+with the copy floor (:func:`_fanout_report.plot_fanout`).
 
-Run (a full run takes about 5 minutes on 2 cores and needs about 16 GiB of RAM at its peak)::
-
-    raysync bench --quick                                 # with a progress bar and a PNG plot
-    python -m raysync.ops.bench.fanout                    # 256 MiB and 1 GiB, N = 1 2 4 8
-    python -m raysync.ops.bench.fanout --quick            # 16 MiB, N = 1 2, 2 repeats (under a minute)
-    python -m raysync.ops.bench.fanout --sizes-mib 64 --actors 1 4 --apply view --repeats 3
-
-(``benchmarks/push_fanout.py`` in a source checkout is the same command.)
-Results: a table on stdout and JSON in ``--json`` (default
-``raysync-bench/push_fanout.json``; the checkout's script: ``benchmarks/results/``).
+Run it with ``benchmarks/push_fanout.py`` (``--help``: every option; a full run takes
+about 5 minutes on 2 cores and about 16 GiB of RAM at its peak). ``raysync bench``
+(in the package) is the compact check of a cluster; this is the full scenario.
 """
 
 from __future__ import annotations
@@ -69,15 +63,16 @@ from typing import Any
 import ray
 import torch
 
+import _fanout_report as fanout_report
+import _harness as harness
 import raysync
-from raysync.ops.bench import fanout_report, harness
-from raysync.ops.bench.floor import (
+from _floor import (
     ObjectStoreGauge,
     measure_copy_floor,
     prefault_object_store,
     process_memory,
 )
-from raysync.ops.bench.harness import MIB, median, ratio
+from _harness import MIB, median, ratio
 
 __all__ = [
     "QUICK",
@@ -98,7 +93,7 @@ FULL = {"sizes_mib": [256, 1024], "actors": [1, 2, 4, 8], "repeats": 5}
 
 
 class Receiver:
-    """A receiver: holds a :class:`~raysync.ops.bench.harness.FlatModel` in ``self.policy``.
+    """A receiver: holds a :class:`_harness.FlatModel` in ``self.policy``.
 
     :func:`receiver_class` decorates it per run with
     ``@raysync.synced_model("policy", apply=...)`` and ``@ray.remote``.
@@ -342,11 +337,11 @@ def build_parser(
     """The scenario's parser: every option with its default, the runs, output and exit code in the epilog.
 
     Args:
-        results_dir: the default ``--json``'s folder (default: ``raysync-bench``).
+        results_dir: the default ``--json``'s folder (default: ``benchmarks/results``).
         prog: the program name in usage and errors.
 
     Example:
-        >>> "--quick" in build_parser(prog="raysync bench").format_help()
+        >>> "--quick" in build_parser(prog="push_fanout.py").format_help()
         True
     """
     p = argparse.ArgumentParser(
@@ -398,6 +393,8 @@ def build_parser(
         "actors fetching on their own, at the largest N",
     )
     harness.add_options(p, json=harness.results_path("push_fanout.json", results_dir), verbose=True)
+    png_help = "also plot push-to-all-applied time against N, with the floor, into this PNG (matplotlib)"
+    harness.add_options(p, png=None, helps={"png": png_help})
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 16 MiB, N = 1 2, 2 repeats (under a minute)"
     )
@@ -409,23 +406,20 @@ def parse_args(
     *,
     results_dir: str | os.PathLike[str] | None = None,
     prog: str | None = None,
-    parser: argparse.ArgumentParser | None = None,
 ) -> argparse.Namespace:
     """The scenario's options (``--help`` lists them), with ``--quick`` and the defaults applied.
 
     Args:
         argv: the arguments (default: ``sys.argv[1:]``).
-        results_dir: the default ``--json``'s folder (default: ``raysync-bench``).
+        results_dir: the default ``--json``'s folder (default: ``benchmarks/results``).
         prog: the program name in usage and errors.
-        parser: the parser to use instead of :func:`build_parser`'s (one with more options:
-            ``raysync bench`` adds ``--plot``).
 
     Example:
         >>> a = parse_args(["--quick", "--sizes-mib", "4"])
         >>> a.sizes_mib, a.actors, a.repeats, a.warmup
         ([4], [1, 2], 2, 4)
     """
-    p = parser or build_parser(results_dir=results_dir, prog=prog)
+    p = build_parser(results_dir=results_dir, prog=prog)
     args = p.parse_args(argv)
     for key, value in FULL.items():
         if getattr(args, key) is None:
@@ -445,6 +439,12 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
         0
     """
     args = parse_args(argv, results_dir=results_dir)
+    if args.png:
+        try:
+            harness.pyplot()  # before a run of minutes, not after it
+        except harness.BenchError as err:
+            print(f"push_fanout: {err}; the run was not started", file=sys.stderr)
+            return 1
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
 
     fanout_report.add_ratios(rows)
     checks = fanout_report.check_targets(rows)
-    from raysync.ops.bench import scheme_rows as schemes
+    import _scheme_rows as schemes
 
     scheme_targets = schemes.scheme_checks(scheme_rows)
     source_end = harness.raysync_fingerprint()
@@ -488,7 +488,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
         schemes.print_scheme_checks(scheme_targets)
     if adapter_rows:
         print("\nAdapters (push with wait=True until every receiver applied, median):")
-        from raysync.ops.bench.adapter_rows import print_table as print_adapter_table
+        from _adapter_rows import print_table as print_adapter_table
 
         print_adapter_table(adapter_rows)
     if source_end != source_start:
@@ -497,7 +497,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
             "after the change ran other code than the driver. Run again on a quiet checkout."
         )
     meta = harness.run_meta(
-        "raysync.ops.bench.fanout",
+        "benchmarks/push_fanout.py",
         sys.argv[1:] if argv is None else argv,
         started=t_start,
         raysync_source_sha1={"start": source_start, "end": source_end},
@@ -517,6 +517,9 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
         "adapter_rows": adapter_rows,
     }
     print(f"\nJSON: {harness.write_json(args.json, results)}")
+    if args.png and rows:
+        title = fanout_report.plot_title(meta)
+        print(f"plot: {fanout_report.plot_fanout(rows, args.png, title=title)}")
     # torchrl's aliasing process row cannot be verified (None): only a failed check fails the run.
     return 0 if all(r["verified"] is not False for r in rows + scheme_rows) else 1
 
@@ -536,7 +539,7 @@ def _measure_size(
     flat_src = torch.empty(nbytes, dtype=torch.uint8)
     flat_src.fill_(1)
     for n in args.actors if args.schemes or args.schemes_only else ():
-        from raysync.ops.bench import scheme_rows as schemes
+        import _scheme_rows as schemes
 
         logger.info("%d MiB, N=%d: torchrl and raysync schemes", size_mib, n)
         floor = measure_copy_floor(
@@ -573,7 +576,7 @@ def _measure_size(
             rows.append(row)
     del sd, flat_src
     if args.adapters:
-        from raysync.ops.bench.adapter_rows import KINDS, measure
+        from _adapter_rows import KINDS, measure
 
         for kind in KINDS:
             logger.info("%d MiB, N=%d: %s", size_mib, max(args.actors), kind)

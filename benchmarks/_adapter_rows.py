@@ -19,12 +19,12 @@ of ``last_bytes_fetched`` over the hub's subscribers).
 
 Run::
 
-    python -m raysync.ops.bench.adapter_rows               # 64 and 256 MiB, N = 8
-    python -m raysync.ops.bench.adapter_rows --quick       # 16 MiB, N = 8, 2 repeats
+    python benchmarks/adapters.py                      # 64 and 256 MiB, N = 8
+    python benchmarks/adapters.py --quick              # 16 MiB, N = 8, 2 repeats
 
-(``benchmarks/adapters.py`` in a source checkout is the same command.)
+(``benchmarks/push_fanout.py --adapters`` adds the same rows to the fan-out.)
 Results: a table on stdout and JSON in ``--json`` (default
-``raysync-bench/adapters.json``; the checkout's script: ``benchmarks/results/``).
+``benchmarks/results/adapters.json``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from typing import Any
 import ray
 import torch
 
+import _harness as harness
 import raysync
 import raysync.adapters
-from raysync.ops.bench import harness
-from raysync.ops.bench.harness import MIB
+from _harness import MIB
 
 __all__ = ["KINDS", "Holder", "main", "measure", "parse_args", "print_table", "receive_loop"]
 
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
             for k in args.kinds
         ]
     print_table(rows)
-    meta = harness.run_meta("raysync.ops.bench.adapter_rows", argv, started=t_start)
+    meta = harness.run_meta("benchmarks/adapters.py", argv, started=t_start)
     print(f"\nJSON: {harness.write_json(args.json, {'meta': meta, 'args': args, 'rows': rows}, indent=1)}")
     return 0
 

@@ -1,12 +1,12 @@
 """The push fan-out scenario's report: ratios, the table, the target checks, the PNG plot, the help.
 
-Pure functions of the rows :mod:`raysync.ops.bench.fanout` measures (or reads
+Pure functions of the rows :mod:`_fanout` measures (or reads
 back from its JSON), so a saved run can be re-reported or re-plotted without
 Ray.
 
 Example:
     >>> import json
-    >>> rows = json.load(open("raysync-bench/push_fanout.json"))["rows"]  # doctest: +SKIP
+    >>> rows = json.load(open("benchmarks/results/push_fanout.json"))["rows"]  # doctest: +SKIP
     >>> print_checks(check_targets(rows))  # doctest: +SKIP
     >>> plot_fanout(rows, "push_fanout.png")  # doctest: +SKIP
 """
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from raysync.ops.bench.harness import MIB, BenchError, fmt, pyplot, ratio, save_figure
+from _harness import MIB, BenchError, fmt, pyplot, ratio, save_figure
 
 __all__ = [
     "EXPLAINED",
@@ -106,10 +106,11 @@ targets:
 
 exit code:
   0 when every receiver ended on the last version pushed with its weights (the table's ok
-  column), whether or not the targets were met; 1 when one did not; 2 for bad usage.
+  column), whether or not the targets were met; 1 when one did not, or, before the run,
+  when --png is given without matplotlib; 2 for bad usage.
 """
-"""The scenario's ``--help`` epilog (``raysync bench --help`` too): the full and the quick run,
-the output, the targets, the exit code."""
+"""The scenario's ``--help`` epilog: the full and the quick run, the output, the targets, the
+exit code."""
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -356,7 +357,7 @@ def plot_fanout(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
         BenchError: no rows, or matplotlib is missing.
 
     Example:
-        >>> rows = json.load(open("raysync-bench/push_fanout.json"))["rows"]  # doctest: +SKIP
+        >>> rows = json.load(open("benchmarks/results/push_fanout.json"))["rows"]  # doctest: +SKIP
         >>> plot_fanout(rows, "push_fanout.png")  # doctest: +SKIP
         PosixPath('push_fanout.png')
     """

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raysync.ops.bench.harness import MIB, kill_all, median, wait_until_quiet
+from _harness import MIB, kill_all, median, wait_until_quiet
 
 __all__ = [
     "FloorReceiver",

@@ -23,7 +23,7 @@ and every actor's marker value is checked after the last send. torchrl is
 optional: without it its rows are skipped (with a warning).
 
 Example:
-    >>> from raysync.ops.bench.fanout import receiver_class
+    >>> from _fanout import receiver_class
     >>> sd = harness.make_state_dict(64 * harness.MIB)
     >>> rows = measure_scheme_rows(sd, n=8, repeats=5, warmup=2, receiver_class=receiver_class)
     >>> rows += measure_mp_rows(sd, n=8, repeats=5, warmup=2)  # doctest: +SKIP
@@ -44,9 +44,9 @@ from typing import Any, cast
 import ray
 import torch
 
+import _harness as harness
 import raysync
 from raysync import torchrl as schemes
-from raysync.ops.bench import harness
 
 __all__ = [
     "FLOOR_PATH",
@@ -242,7 +242,7 @@ def measure_raysync_hub(
     """raysync through the hub (``RayWeightSyncScheme(hub=...)``) to N @synced_model actors.
 
     Example:
-        >>> from raysync.ops.bench.fanout import receiver_class
+        >>> from _fanout import receiver_class
         >>> measure_raysync_hub(sd, 8, 5, 2, "view", receiver_class)["path"]  # doctest: +SKIP
         'raysync hub, apply=view'
     """
@@ -286,7 +286,7 @@ def measure_scheme_rows(
     by the caller in the same run) adds a row: no copy path can beat it here.
 
     Example:
-        >>> from raysync.ops.bench.fanout import receiver_class
+        >>> from _fanout import receiver_class
         >>> rows = measure_scheme_rows(sd, n=8, repeats=5, warmup=2, receiver_class=receiver_class)
     """
     rows = []

@@ -1,9 +1,10 @@
-"""The benchmark harness: models, a local cluster, timing, the object-store gauge, JSON/PNG, options.
+"""The benchmarks' harness: models, a local cluster, timing, JSON/PNG output, options.
 
-Every benchmark (:mod:`raysync.ops.bench.fanout`, the scripts in a source
-checkout's ``benchmarks/``) builds on these pieces instead of repeating them
-(and on :mod:`raysync.ops.bench.floor` for the copy floor, the object-store
-gauge and process memory):
+Every script in ``benchmarks/`` builds on these pieces instead of repeating them
+(and on :mod:`_floor` for the copy floor, the object-store gauge and process
+memory). The scripts import it as a sibling module (``import _harness as
+harness``): Python puts a script's own folder first on its path, and Ray hands
+that folder to its workers, so actors defined here load in them too.
 
 models
     :class:`FlatModel` (an fp32 model of N bytes in K equal tensors),
@@ -15,7 +16,7 @@ clusters
     (``address="local"``, a sized object store, no dashboard), shut down on exit.
 timing
     :func:`median`, :func:`ratio`, :func:`timed`, :func:`repeat` (warm-up, then
-    timed samples), :func:`wait_until_quiet`, :func:`kill_all`.
+    timed samples), :func:`wait_until_quiet`, :func:`kill_all`, :func:`kill_relays`.
 output
     :func:`run_meta` (machine, versions, checkout), :func:`write_json`,
     :func:`pyplot` (matplotlib, or a clear :class:`BenchError`), :func:`save_figure`.
@@ -24,7 +25,7 @@ options
     scenario's default) and :func:`results_path`.
 
 Example:
-    >>> from raysync.ops.bench import harness
+    >>> import _harness as harness
     >>> with harness.local_cluster(num_cpus=4, object_store_bytes=2**30):  # doctest: +SKIP
     ...     sd = harness.make_state_dict(16 * harness.MIB, 16)
     ...     samples = harness.repeat(lambda: hub.push(sd, wait=True), repeats=5, warmup=2)
@@ -52,39 +53,17 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
-    "DEFAULT_RESULTS_DIR",
-    "MIB",
-    "BenchError",
-    "FlatModel",
-    "FlatModelFactory",
-    "add_options",
-    "fmt",
-    "git_state",
-    "kill_all",
-    "kill_relays",
-    "local_cluster",
-    "make_state_dict",
-    "median",
-    "model_bytes",
-    "pyplot",
-    "ratio",
-    "raysync_fingerprint",
-    "repeat",
-    "results_path",
-    "run_meta",
-    "save_figure",
-    "small_policy",
-    "tensor_numel",
-    "timed",
-    "wait_until_quiet",
-    "write_json",
-]
+    "DEFAULT_RESULTS_DIR", "MIB", "BenchError", "FlatModel", "FlatModelFactory", "add_options", "fmt",
+    "git_state", "kill_all", "kill_relays", "local_cluster", "make_state_dict", "median", "model_bytes",
+    "pyplot", "ratio", "raysync_fingerprint", "repeat", "results_path", "run_meta", "save_figure",
+    "small_policy", "tensor_numel", "timed", "wait_until_quiet", "write_json",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
-DEFAULT_RESULTS_DIR = Path("raysync-bench")
-"""Where results go when a scenario is run from the package (relative to the working directory)."""
+DEFAULT_RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""Where results go unless ``--json`` says otherwise: ``benchmarks/results/`` (not committed)."""
 
 T = TypeVar("T")
 
@@ -275,9 +254,6 @@ def kill_all(actors: Iterable[Any]) -> None:
             ray.kill(actor)
 
 
-# ---------------------------------------------------------------------- timing
-
-
 def kill_relays(hub: Any, *, node_ids: Iterable[str] | None = None, restart: bool = True) -> int:
     """Kill the node relays of ``hub`` (a :class:`raysync.HubClient`); Ray restarts them by default.
 
@@ -303,6 +279,9 @@ def kill_relays(hub: Any, *, node_ids: Iterable[str] | None = None, restart: boo
             continue
         killed += 1
     return killed
+
+
+# ---------------------------------------------------------------------- timing
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -439,7 +418,7 @@ def run_meta(
     """What a result file says about its run: scenario, options, machine, versions, checkout.
 
     Args:
-        scenario: what ran (``"raysync.ops.bench.fanout"``, ``"benchmarks/soak.py"``).
+        scenario: what ran (``"benchmarks/push_fanout.py"``, ``"benchmarks/soak.py"``).
         argv: its command line (default: ``sys.argv[1:]``).
         started: when it started (``time.time()``; default now); ``duration_s`` is measured from
             it (None without it).
@@ -515,7 +494,7 @@ def pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise BenchError(
-            'plotting needs matplotlib: pip install "raysync[plot]" (or pass no --png/--plot)'
+            'plotting needs matplotlib: pip install "raysync[plot]" (or pass no --png)'
         ) from err
     return plt
 
@@ -541,11 +520,9 @@ def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 110) -> Pa
 def results_path(name: str, results_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where a scenario writes ``name`` by default: ``results_dir``, else :data:`DEFAULT_RESULTS_DIR`.
 
-    The scripts of a source checkout pass their own ``benchmarks/results``.
-
     Example:
-        >>> results_path("push_fanout.json")
-        PosixPath('raysync-bench/push_fanout.json')
+        >>> results_path("push_fanout.json", "/tmp/results")
+        PosixPath('/tmp/results/push_fanout.json')
     """
     return Path(results_dir if results_dir is not None else DEFAULT_RESULTS_DIR) / name
 
