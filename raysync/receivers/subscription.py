@@ -358,6 +358,10 @@ class _Subscription(PullSync, LocalChanges):
                 swapped = self.swap_if_staged(version)
                 if swapped is not None:
                     return swapped
+                if defer and self._prefetching and self._stages(manifest):
+                    # The prefetcher stages it and swaps it in between method calls (and reports
+                    # then): the hub's call must not fetch it a second time meanwhile.
+                    return ApplyReport(applied=self.version, deferred=version)
             needed = self._plan(version, manifest, bucket_ids(refs))
             if needed is None:
                 return self._skipped(version)
@@ -566,6 +570,11 @@ class _Subscription(PullSync, LocalChanges):
         return ApplyReport(
             applied=self.version, apply_s=pause, pause_s=pause, prefetched=True, bytes_fetched=staged[2]
         )
+
+    def _stages(self, manifest: Manifest) -> bool:
+        """Whether the prefetcher takes this version (a layout it is bound to; not the first)."""
+        target = self.target
+        return isinstance(target, ModuleTarget) and target.binding(manifest) is not None
 
     def swap_if_staged(self, version: int) -> ApplyReport | None:
         """Before fetching ``version`` the slow way: take it from the prefetcher if it has it.
