@@ -42,7 +42,6 @@ Results: a table on stdout and JSON in ``--json`` (default
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import statistics
@@ -85,7 +84,7 @@ class LightSubscribers:
         """Answer the calls ``hub_name`` (and its relay here) queue for this actor, as every
         subscriber process does (raysync/receivers/poller.py)."""
         hub = SimpleNamespace(hub_name=hub_name, hub_namespace=None)
-        membership().serve(hub, self, asyncio.get_running_loop())  # type: ignore[arg-type]
+        membership().serve(hub, self)  # type: ignore[arg-type]
 
     async def node(self) -> str:
         return str(ray.get_runtime_context().get_node_id())

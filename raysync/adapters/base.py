@@ -116,7 +116,7 @@ class _Adapter:
                 pid=os.getpid(),
                 placement=dict(self._placement),
             )
-            membership().serve(self, self, None)  # this actor answers the hub's calls (its poller)
+            membership().serve(self, self)  # this actor answers the hub's calls (its poller)
             membership().join(self)  # registers, applies the newest, keeps it known
             self._in_hub = True
 

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -101,10 +100,10 @@ class Membership:
         """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.hub.locate.call_hub`)."""
         return call_hub(self.hub(member).handle, method, *args, timeout=timeout)
 
-    def serve(self, member: Member, owner: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+    def serve(self, member: Member, owner: Any) -> None:
         """Answer the calls ``member``'s hub (and its node's relay) queue for this actor with
-        ``owner``'s methods (``loop``: an async actor's event loop); once per hub and process."""
-        poller.serve(self.hub(member), owner, loop)
+        ``owner``'s methods; once per hub and process (see :func:`raysync.receivers.poller.serve`)."""
+        poller.serve(self.hub(member), owner)
 
     def join(self, member: Member) -> None:
         """Register ``member`` and start it from the newest version; keep it known from now on."""

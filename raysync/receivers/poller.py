@@ -10,7 +10,7 @@ loop, exactly as Ray would run the method; answers ride on the next poll, or go 
 relay, is polled again as soon as it answers.
 
 Example:
-    >>> serve(hub, owner=self, loop=None)   # in a subscriber actor's constructor
+    >>> serve(hub, owner=self)   # in a subscriber actor's constructor
 """
 
 from __future__ import annotations
@@ -47,14 +47,20 @@ _SERVED: dict[tuple[str, str | None], _Endpoint] = {}
 _LOCK = threading.Lock()
 
 
-def serve(hub: Any, owner: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+def serve(hub: Any, owner: Any) -> None:
     """Answer ``hub``'s calls for this actor with ``owner``'s methods, from now on (once per hub).
+
+    Called from an async actor's constructor (or any of its methods), the actor's coroutine
+    methods run on its event loop, as Ray runs them.
 
     Args:
         hub: the hub as this process sees it (``.name``, ``.namespace``, ``.handle(fresh)``).
         owner: the actor instance whose ``_raysync_*`` methods answer the calls.
-        loop: an async actor's event loop (its coroutine methods run there); ``None`` otherwise.
     """
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # not on an event loop: a plain or threaded actor
+        loop = None
     ctx = ray.get_runtime_context()
     actor_id = ctx.get_actor_id()
     if actor_id is None:

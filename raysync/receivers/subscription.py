@@ -165,7 +165,7 @@ class _Subscription(PullSync, LocalChanges):
             attr=self.spec.attr,
             doorbell=self._doorbell(),
         )
-        membership().serve(self, self.sync.owner, self.sync.loop)
+        membership().serve(self, self.sync.owner)
         membership().join(self)
         if self.spec.prefetch and not self._prefetching:
             self.start_prefetch()

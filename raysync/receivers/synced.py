@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import inspect
 import logging
@@ -431,9 +430,6 @@ class _ActorSync:
     def attach(cls, owner: Any, specs: tuple[SyncSpec, ...], is_async: bool) -> None:
         sync = cls(owner, is_async)
         owner.__dict__[cls._ATTR] = sync
-        if is_async:  # Ray runs an async actor's constructor on its event loop
-            with contextlib.suppress(RuntimeError):
-                sync.loop = asyncio.get_running_loop()
         for spec in specs:
             if spec.prefetch and is_async:
                 raise ValueError(

@@ -448,3 +448,46 @@ def test_ray_module_transform_runs_the_pushed_module(hub: raysync.HubClient, hub
     assert torch.allclose(out["action"], src_td(TensorDict({"obs": x}, batch_size=[3]))["action"])
     transform.shutdown()
     td_transform.shutdown()
+
+
+def test_an_async_actor_made_after_a_push_starts_from_it_then_follows(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    """Its constructor (on its event loop) applies the newest version; later versions reach it too,
+    also after Ray restarts it (a new constructor, versions already there)."""
+
+    @ray.remote(num_cpus=0, max_restarts=1)
+    @raysync.synced_model("policy", hub=hub_name)
+    class AsyncCollector:
+        def __init__(self) -> None:
+            self.policy = small_policy()
+
+        async def weights(self) -> dict[str, torch.Tensor]:
+            return {k: v.clone() for k, v in self.policy.state_dict().items()}
+
+        async def pid(self) -> int:
+            import os
+
+            return os.getpid()
+
+    v1 = hub.push(small_policy(1))
+    actor = AsyncCollector.remote()  # type: ignore[attr-defined]
+    assert ray.get(actor.raysync_version.remote(), timeout=60) == v1
+    for seed in (2, 3):
+        v = hub.push(small_policy(seed), wait=True, timeout=60)
+        assert ray.get(actor.raysync_version.remote()) == v
+        assert_same_weights(ray.get(actor.weights.remote()), small_policy(seed).state_dict())
+    pid = ray.get(actor.pid.remote())
+    ray.kill(actor, no_restart=False)
+    wait_for_condition(lambda: _answers_pid(actor) not in (None, pid), timeout=60, what="restarted")
+    assert ray.get(actor.raysync_version.remote(), timeout=60) == v  # its constructor applied it
+    v = hub.push(small_policy(4), wait=True, timeout=60)
+    assert ray.get(actor.raysync_version.remote()) == v
+    assert_same_weights(ray.get(actor.weights.remote()), small_policy(4).state_dict())
+
+
+def _answers_pid(actor: Any) -> int | None:
+    try:
+        return int(ray.get(actor.pid.remote(), timeout=5))
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -30,7 +29,7 @@ class LightSubscribers:
         self.batch_calls: list[tuple[int, list[str]]] = []
         # Answer the calls the hub queues for this actor, as every subscriber process does.
         hub = SimpleNamespace(hub_name=hub_name, hub_namespace=None)
-        membership().serve(hub, self, asyncio.get_running_loop())  # type: ignore[arg-type]
+        membership().serve(hub, self)  # type: ignore[arg-type]
 
     async def _raysync_notify(self, a: Announcement) -> ApplyReport:
         self.single_calls += 1
