@@ -21,6 +21,7 @@ from raysync.errors import (
     AmbiguousModelError,
     ApplyError,
     ChecksumError,
+    EngineNotReadyError,
     InvalidWeightsError,
     RayNotRunningError,
     RaySyncError,
@@ -33,6 +34,7 @@ from raysync.errors import (
 from raysync.hub.settings import HubSettings
 
 if TYPE_CHECKING:
+    from raysync.engines.vllm import VLLMEngine, follow_engine
     from raysync.hub.client import HubClient
     from raysync.hub.connect import connect
     from raysync.receivers.follower import Follower, follow
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Follower": "raysync.receivers.follower",
     "follow": "raysync.receivers.follower",
+    "follow_engine": "raysync.engines.vllm",
     "HubClient": "raysync.hub.client",
     "connect": "raysync.hub.connect",
     "Incoming": "raysync.receivers.target",
@@ -53,6 +56,7 @@ _LAZY = {
     "RayModuleTransform": "raysync.receivers.module_transform",
     "synced_model": "raysync.receivers.synced",
     "Target": "raysync.receivers.target",
+    "VLLMEngine": "raysync.engines.vllm",
     "WeightsLoader": "raysync.receivers.loader",
 }
 
@@ -78,6 +82,7 @@ __all__ = [
     "AmbiguousModelError",
     "ApplyError",
     "ChecksumError",
+    "EngineNotReadyError",
     "Follower",
     "HubClient",
     "HubSettings",
@@ -94,9 +99,11 @@ __all__ = [
     "Target",
     "TensorEntry",
     "UnknownModelError",
+    "VLLMEngine",
     "WeightMismatchError",
     "WeightsLoader",
     "connect",
     "follow",
+    "follow_engine",
     "synced_model",
 ]

@@ -190,3 +190,13 @@ class RayNotRunningError(RaySyncError, RuntimeError):
         >>> ray.shutdown(); hub.push(model)  # doctest: +SKIP
         raysync.RayNotRunningError: Ray is not running in this process ...
     """
+
+
+class EngineNotReadyError(RaySyncError, RuntimeError):
+    """An inference engine asked to generate while it holds no whole version: none yet (it
+    (re)started and the hub's newest has not gone in) or a failed update tore it.
+
+    Example:
+        >>> engine.generate(prompts, params)  # doctest: +SKIP
+        raysync.EngineNotReadyError: vLLM engine holds no whole version yet
+    """

@@ -1,0 +1,336 @@
+"""A vLLM engine as a raysync receiver: it follows the hub, and every output says its version.
+
+:class:`VLLMEngine` is a :class:`~raysync.receivers.target.Target` around a vLLM ``LLM``;
+:func:`follow_engine` makes one and has it follow a model on the hub (a
+:class:`~raysync.Follower`: it shows in ``raysync status``, ``hub.wait`` and
+``push(wait=True)`` count it, a version that fails is reported to the hub).
+
+**Which vLLM mechanism, and why.** vLLM 0.32 has a weight-transfer API
+(``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``, a weight version stamped on every output) with backends
+registered by name through ``WeightTransferEngineFactory``. raysync registers one named
+``raysync`` (:mod:`raysync.engines.vllm_transfer`), so each version goes in through
+vLLM's own update path: layerwise reload and the model's own ``load_weights``, which maps
+a ``transformers`` state dict into vLLM's fused layout (q/k/v, gate/up; tied embeddings
+skip ``lm_head.weight``). A second plain ``model.load_weights`` does not work on a loaded
+vLLM model (``'Parameter' object has no attribute 'weight_loader'``), and
+``worker.reload_weights`` is the same layerwise reload without the engine's version or
+the hooks a backend gets. The offline ``LLM`` has no ``start_weight_update`` method of its
+own (only ``AsyncLLM`` does), so :class:`VLLMEngine` calls the same worker methods through
+``LLM.collective_rpc`` and sets the version with ``llm_engine.set_weight_version``, as
+``AsyncLLM.finish_weight_update(weight_version=...)`` does.
+
+The engine must be created with ``weight_transfer_config={"backend": "raysync"}``. The
+version's tensors are handed over as a list of ``(name, tensor)`` views of raysync's
+verified buckets: in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what
+the tests run) nothing is copied before vLLM's loader; with a separate engine-core process
+they go through vLLM's serialization (one copy; untested here).
+
+**What holds.**
+
+- A version is checked before any byte is fetched: every name must be one of the
+  ``transformers`` model's for the engine's config (a meta-device model, no memory), with
+  its shape, and floating point (vLLM's loader casts it to the engine's dtype); a misfit
+  is refused naming each tensor, and the engine keeps its version.
+- No request runs on part of a version: :meth:`VLLMEngine.generate` and each update hold
+  one lock, so an update waits for the running ``generate`` call and a ``generate`` waits
+  for the update (requests are held, none is dropped).
+- Each output says its version: :meth:`VLLMEngine.generate` returns the outputs with the
+  version that produced them, checked against vLLM's own stamp on each completion
+  (``weight_versions``).
+- Every version goes in whole (every tensor, also for a ``keys=`` push: vLLM's layerwise
+  reload would rebuild a fused layer from part of its weights otherwise).
+- A load that fails part-way (vLLM's loader raised): the layers that had all their weights
+  hold the new ones, the others their old ones (:mod:`raysync.engines.vllm_transfer`).
+  With ``rollback=True`` the engine keeps a copy of the version it holds (in the
+  ``transformers`` layout, host memory: one more copy of the weights, and one copy per
+  version) and loads it again through the same path, so it serves its previous version
+  whole; copying kernel tensors back would not do (vLLM's CPU kernels work from weights
+  repacked when a layer is loaded). Without it, or if that load fails too, the engine is
+  *torn*: it reports no version to the hub, :meth:`VLLMEngine.generate` refuses to run,
+  and the next version goes in whole. Either way the hub gets the error.
+- An engine that (re)starts holds no version until the hub's newest went in:
+  :meth:`VLLMEngine.generate` refuses before that.
+
+Example:
+    >>> import vllm, raysync
+    >>> from raysync.engines.vllm import follow_engine
+    >>> llm = vllm.LLM(path, weight_transfer_config={"backend": "raysync"})  # doctest: +SKIP
+    >>> engine = follow_engine(llm, "policy", rollback=True)                # doctest: +SKIP
+    >>> out = engine.generate([{"prompt_token_ids": [1, 2, 3]}], params)    # doctest: +SKIP
+    >>> out.version == engine.version                                       # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raysync import _protocol as proto
+from raysync.channels.base import DEFAULT_TIMEOUT
+from raysync.core.layout import Manifest, _short
+from raysync.errors import EngineNotReadyError, RaySyncError, WeightMismatchError
+from raysync.receivers.follower import Follower
+from raysync.receivers.target import Incoming
+
+__all__ = ["Generation", "VLLMEngine", "follow_engine", "hf_schema"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What :meth:`VLLMEngine.generate` returns: vLLM's outputs and the version that made them.
+
+    Example:
+        >>> gen = engine.generate(prompts, params)  # doctest: +SKIP
+        >>> gen.version, gen.outputs[0].outputs[0].token_ids  # doctest: +SKIP
+        (7, [13, 44, 44])
+    """
+
+    outputs: list[Any]
+    version: int
+
+
+def hf_schema(llm: Any) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the ``transformers`` model the engine serves (its state dict's names).
+
+    Built on the meta device from the engine's config: no memory, no weights read.
+
+    Example:
+        >>> hf_schema(llm)["model.layers.0.self_attn.q_proj.weight"]  # doctest: +SKIP
+        (128, 128)
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = llm.llm_engine.model_config.hf_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+class VLLMEngine:
+    """A vLLM ``LLM`` as a raysync :class:`~raysync.receivers.target.Target`.
+
+    Args:
+        llm: a ``vllm.LLM`` created with ``weight_transfer_config={"backend": "raysync"}``.
+        expected: ``{name: shape}`` the engine takes (default: :func:`hf_schema`, the
+            ``transformers`` model's names for the engine's config).
+        rollback: keep a copy of the version held, and load it again when a version
+            fails part-way, so the engine stays on its previous version (else it is torn).
+        name: who this is in logs and errors.
+
+    Attributes:
+        version: the version the engine holds whole (``None`` before one, or when torn).
+        follower: the :class:`~raysync.Follower` feeding it (set by :func:`follow_engine`).
+
+    Example:
+        >>> engine = VLLMEngine(llm, rollback=True)                      # doctest: +SKIP
+        >>> follower = raysync.Follower(target=engine, model_id="policy").start()  # doctest: +SKIP
+        >>> engine.generate(prompts, params).version                     # doctest: +SKIP
+        3
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        expected: Mapping[str, Sequence[int]] | None = None,
+        rollback: bool = False,
+        name: str = "vLLM engine",
+    ) -> None:
+        from raysync.engines import vllm_transfer
+
+        vllm_transfer.register()
+        config = llm.llm_engine.vllm_config.weight_transfer_config
+        if config is None or config.backend != vllm_transfer.BACKEND:
+            raise RaySyncError(
+                f"{name}: the engine was created with weight_transfer_config={config!r}; create it with "
+                f"vllm.LLM(..., weight_transfer_config={{'backend': {vllm_transfer.BACKEND!r}}})"
+            )
+        self.llm = llm
+        self.name = name
+        self.rollback = bool(rollback)
+        schema = hf_schema(llm) if expected is None else expected
+        self._schema = {str(k): tuple(int(n) for n in v) for k, v in schema.items()}
+        self.version: int | None = None
+        self.follower: Follower | None = None
+        self._torn = False
+        self._previous: list[tuple[str, torch.Tensor]] | None = None
+        self._lock = threading.RLock()  # generate() and every update: never both at once
+        self.updates = 0  # updates that went in whole
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+
+    def __repr__(self) -> str:
+        return f"VLLMEngine({self.name}, version={self.version}{', torn' if self._torn else ''})"
+
+    # ------------------------------------------------------------------ serving
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Generation:
+        """``llm.generate(prompts, sampling_params, **kwargs)`` on one whole version, and that version.
+
+        Waits while a version goes in (and an update waits for this call).
+
+        Raises:
+            EngineNotReadyError: the engine holds no whole version (none yet, or torn).
+        """
+        with self._lock:
+            version = self.version
+            if version is None or self._torn:
+                raise EngineNotReadyError(
+                    f"{self.name} holds no whole version "
+                    + ("(a failed update tore it; the next version goes in whole)" if self._torn else "yet")
+                )
+            kwargs.setdefault("use_tqdm", False)
+            outputs = list(self.llm.generate(prompts, sampling_params, **kwargs))
+        stamp = str(version)
+        for out in outputs:
+            for completion in getattr(out, "outputs", []):
+                spans = getattr(completion, "weight_versions", None) or []
+                wrong = [s.version for s in spans if s.version != stamp]
+                assert not wrong, f"{self.name}: output stamped {wrong} by vLLM, not version {stamp}"
+        return Generation(outputs, version)
+
+    def weight_version(self) -> str:
+        """The version vLLM itself reports (``llm_engine.get_weight_version()``), a string."""
+        return str(self.llm.llm_engine.get_weight_version())
+
+    def stop(self) -> None:
+        """Stop following the hub (the engine keeps serving the version it holds)."""
+        if self.follower is not None:
+            self.follower.stop()
+
+    # ------------------------------------------------------------------ Target
+    def check(self, manifest: Manifest) -> None:
+        """Refuse a version the engine does not take, naming every tensor that does not fit."""
+        unknown: list[str] = []
+        shapes: dict[str, tuple[Any, Any]] = {}
+        dtypes: dict[str, tuple[Any, Any]] = {}
+        for e in manifest.entries:
+            want = self._schema.get(e.key)
+            if want is None:
+                unknown.append(e.key)
+            elif tuple(e.shape) != want:
+                shapes[e.key] = (tuple(e.shape), want)
+            if not e.torch_dtype.is_floating_point:
+                dtypes[e.key] = (e.dtype, "a floating dtype")
+        if manifest.extra_state:
+            unknown += [k for k, _ in manifest.extra_state]
+        if not (unknown or shapes or dtypes):
+            return
+        parts = [f"unknown {_short(unknown)}"] if unknown else []
+        parts += [f"shape mismatch {k}: pushed {a}, expected {b}" for k, (a, b) in list(shapes.items())[:10]]
+        parts += [f"dtype mismatch {k}: pushed {a}, expected {b}" for k, (a, b) in list(dtypes.items())[:10]]
+        raise WeightMismatchError(
+            f"weights do not fit {self.name}: " + "; ".join(parts),
+            unexpected=unknown,
+            shape_mismatch=shapes,
+            dtype_mismatch=dtypes,
+        )
+
+    def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
+        """Every bucket: each version goes in whole (see the module's notes)."""
+        return list(range(manifest.num_buckets))
+
+    def commit(self, incoming: Incoming) -> None:
+        """Load the version through vLLM's update path, under the lock; the engine holds it after.
+
+        Raises:
+            RaySyncError: the load failed part-way; the message says whether the engine was
+                rolled back to its previous version (``rollback=True``) or is torn.
+        """
+        if len(incoming.buckets) != incoming.manifest.num_buckets:
+            raise RaySyncError(f"{self.name}: a version must come whole")
+        pairs = self._weights(incoming)
+        with self._lock:
+            try:
+                self._load(pairs)
+            except BaseException as err:
+                self._recover(incoming.version, err)  # raises
+            self.llm.llm_engine.set_weight_version(str(incoming.version))
+            self.version, self._torn = incoming.version, False
+            self.updates += 1
+            if self.rollback:  # what a failed update goes back to
+                self._previous = [(name, t.clone()) for name, t in pairs]
+        del pairs
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """One version through vLLM's weight-transfer calls, on every worker."""
+        rpc = self.llm.collective_rpc
+        rpc("start_weight_update")
+        rpc("update_weights", kwargs={"update_info": {"weights": pairs}})
+        rpc("finish_weight_update")
+
+    def _recover(self, version: int, err: BaseException) -> None:
+        """After a failed load (under the lock): load the previous version again, or say torn."""
+        held, previous = self.version, self._previous
+        if self.rollback and held is not None and previous is not None and not self._torn:
+            try:
+                self._load(previous)
+            except BaseException as again:
+                logger.warning("%s: loading version %s again failed: %s", self.name, held, again)
+            else:
+                raise RaySyncError(
+                    f"{self.name}: version {version} failed to load ({_brief(err)}); "
+                    f"rolled back to version {held}, which it serves"
+                ) from err
+        self._torn, self.version, self._previous = True, None, None
+        raise RaySyncError(
+            f"{self.name}: version {version} failed to load ({_brief(err)}); the engine is torn "
+            "(it serves nothing until the next version goes in whole)"
+        ) from err
+
+    def _weights(self, incoming: Incoming) -> list[tuple[str, torch.Tensor]]:
+        """The ``(name, tensor)`` pairs handed to vLLM: read-only views of the verified bytes."""
+        return list(incoming.tensors())
+
+    def intact(self) -> bool:
+        """False after a failed update that tore the engine, until a version goes in whole."""
+        return not self._torn
+
+    def forget(self) -> None:
+        """Nothing to forget: every version goes in whole."""
+
+
+def follow_engine(
+    llm: Any,
+    model_id: str = "policy",
+    *,
+    hub: str = proto.DEFAULT_HUB,
+    namespace: str | None = None,
+    label: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    rollback: bool = False,
+    expected: Mapping[str, Sequence[int]] | None = None,
+) -> VLLMEngine:
+    """Have a vLLM engine follow ``model_id`` on the hub; the engine, holding the newest version.
+
+    See :class:`VLLMEngine` (``rollback``, ``expected``) and :class:`~raysync.Follower`
+    (the rest). ``engine.follower`` is the follower; ``engine.stop()`` ends it.
+
+    Example:
+        >>> engine = follow_engine(llm, "policy", hub="raysync", rollback=True)  # doctest: +SKIP
+        >>> hub.push(model, wait=True, timeout=30)                               # doctest: +SKIP
+        >>> engine.generate(prompts, params).version == hub.latest()             # doctest: +SKIP
+        True
+    """
+    engine = VLLMEngine(llm, expected=expected, rollback=rollback, name=label or "vLLM engine")
+    engine.follower = Follower(
+        target=engine,
+        model_id=model_id,
+        hub=hub,
+        namespace=namespace,
+        label=label or engine.name,
+        timeout=timeout,
+    ).start()
+    return engine
+
+
+def _brief(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text[:300]}"

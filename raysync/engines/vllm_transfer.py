@@ -1,0 +1,163 @@
+"""The vLLM side: a weight-transfer engine named ``raysync``, registered with vLLM's factory.
+
+vLLM 0.32 updates a running engine's weights through its weight-transfer API: the engine
+is created with ``weight_transfer_config={"backend": <name>}``, and each update is
+``init_weight_transfer_engine`` (once), then ``start_weight_update``, ``update_weights``
+(one or more chunks), ``finish_weight_update``, each run on every worker. Backends are
+classes registered by name with ``WeightTransferEngineFactory``; this module is the one
+registered as ``raysync`` (by :func:`register`, which vLLM also calls in each of its
+processes as a ``vllm.general_plugins`` entry point once raysync is installed).
+
+What the backend does per version (each step is vLLM's own, as its IPC backend does it):
+
+- ``start_weight_update``: vLLM's ``initialize_layerwise_reload`` (each layer waits for
+  all its weights, then is processed: fused, repacked for the CPU's kernels, ...).
+- ``update_weights({"weights": [(name, tensor), ...]})``: the model's own
+  ``load_weights``, which maps a ``transformers`` state dict's names into vLLM's fused
+  layout (q/k/v, gate/up, tied embeddings). The pairs are raysync's verified views of
+  the version's bytes (in the engine's process: no copy; in a separate engine-core
+  process they travel through vLLM's own serialization).
+  Then vLLM's ``finalize_layerwise_reload``, in the same call (see
+  :meth:`RaySyncTransferEngine.receive_weights`).
+- ``finish_weight_update``: nothing left to do.
+
+A load that raises part-way is finished at once: the layers that got all their weights
+hold the new ones, every other layer gets its own tensors back (vLLM's path for a layer
+that got nothing), so no layer is left on the meta device, and the error says the engine
+is torn (:data:`TORN`). Copying parameters back is no rollback: vLLM's CPU kernels (and
+others) work from weights repacked when a layer is processed, so
+:class:`~raysync.engines.vllm.VLLMEngine` rolls back by loading its previous version again.
+
+Example:
+    >>> from raysync.engines.vllm_transfer import register  # doctest: +SKIP
+    >>> register()                                          # before vllm.LLM(...)
+    >>> llm = vllm.LLM(model, weight_transfer_config={"backend": "raysync"})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+__all__ = ["BACKEND", "TORN", "RaySyncInitInfo", "RaySyncTransferEngine", "RaySyncUpdateInfo", "register"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "raysync"
+"""The name the backend is registered under (``weight_transfer_config={"backend": BACKEND}``)."""
+
+TORN = "[raysync: the engine holds part of the failed version]"
+"""In the message of a failed update after which the engine is torn."""
+
+
+@dataclasses.dataclass
+class RaySyncInitInfo:
+    """``init_weight_transfer_engine``'s info: nothing to set up (the bytes come through Ray)."""
+
+
+@dataclasses.dataclass
+class RaySyncUpdateInfo:
+    """One ``update_weights`` chunk: ``(name, tensor)`` pairs, names as in the trainer's state dict."""
+
+    weights: Any = None
+
+
+class RaySyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
+    """vLLM's side of raysync: loads each version through the model's own ``load_weights``.
+
+    Example:
+        >>> llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+        >>> llm.collective_rpc("start_weight_update")  # doctest: +SKIP
+        >>> llm.collective_rpc("update_weights", kwargs={"update_info": {"weights": pairs}})  # doctest: +SKIP
+        >>> llm.collective_rpc("finish_weight_update")  # doctest: +SKIP
+    """
+
+    init_info_cls = RaySyncInitInfo
+    update_info_cls = RaySyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._started = False
+
+    def init_transfer_engine(self, init_info: RaySyncInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._started = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's default ends with torch.accelerator.synchronize(); on the CPU backend (and
+        # for this in-place load) there is nothing asynchronous to wait for.
+        info = self.parse_update_info(update_info)
+        self.receive_weights(info)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: RaySyncUpdateInfo) -> None:
+        """Load the version and finish vLLM's layerwise reload, here rather than in
+        ``finish_weight_update``: a failure there would leave vLLM's worker in its update
+        (it resets its state only when ``update_weights`` raises)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        weights: Iterable[tuple[str, torch.Tensor]] = update_info.weights or []
+        try:
+            self.model.load_weights(((str(n), t) for n, t in weights))
+            self._started = False
+            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException as err:
+            self._abort()
+            raise RuntimeError(f"{type(err).__name__}: {err} {TORN}") from err
+        finally:
+            self._started = False
+
+    def finish_weight_update(self) -> None:
+        """Nothing left to do: the version was finished in ``update_weights``."""
+        self._started = False
+
+    def shutdown(self) -> None:
+        pass
+
+    def _abort(self) -> None:
+        """After a load that raised: no layer left on the meta device, none built from part of its weights."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        if not self._started:
+            return
+        self._started = False
+        # A layer still waiting for some of its weights drops what it got, so that
+        # finishing puts its own tensors back (vLLM's path for a layer that got
+        # nothing) instead of building it from part of a version, or failing on
+        # the tensor that made the load fail.
+        for layer in self.model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load():
+                info.loaded_weights = []
+                info.load_numel = 0
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as err:
+            logger.warning("raysync: finishing vLLM's reload after a failed update failed: %s", err)
+
+
+def register() -> None:
+    """Register the ``raysync`` backend with vLLM's weight-transfer factory (again: no-op).
+
+    Called by vLLM in each of its processes (a ``vllm.general_plugins`` entry point);
+    call it yourself before creating the engine where raysync is not installed as a package.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, RaySyncTransferEngine)
+    except ValueError:  # registered already (vLLM loads plugins once per process; users may too)
+        pass

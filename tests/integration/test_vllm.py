@@ -1,0 +1,240 @@
+"""A vLLM engine follows the hub (``raysync.follow_engine``): skipped where vLLM is absent.
+
+One engine for the module (a tiny Llama built from a ``transformers`` config, no download,
+in this process, ~10-20 s to start), shared by the tests; each test follows a hub of its
+own with it. What a user of the engine would notice: after each push its greedy tokens are
+those of ``transformers`` with the pushed weights and its version is the hub's; every
+output says the version that made it; a version that does not fit is refused naming the
+tensor and the engine keeps its version; a load that fails part-way leaves the engine on
+its previous version (``rollback=True``) or torn and refusing to serve, reported to the hub
+either way; an engine that starts following serves nothing before it holds the newest.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+vllm = pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import raysync  # noqa: E402
+from raysync.engines.vllm import VLLMEngine, follow_engine  # noqa: E402
+
+TIMEOUT = 60.0
+PROMPTS = [[1, 5, 9, 13], [7, 3, 100, 42, 8]]
+NEW_TOKENS = 6
+
+
+def _config() -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # q/k/v of different sizes: the fused qkv layout matters
+        head_dim=64,  # 16 is refused by vLLM's CPU attention
+        max_position_embeddings=256,
+        tie_word_embeddings=True,  # vLLM skips lm_head.weight: the tied layout matters too
+    )
+
+
+def hf_model(seed: int, scale: float = 2.0) -> Any:
+    """A random tiny Llama; weights scaled so that versions give different tokens."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model
+
+
+def hf_tokens(model: Any) -> list[list[int]]:
+    """Greedy tokens of ``transformers`` itself for PROMPTS (no EOS stop)."""
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            out.append(ids[len(prompt) :])
+    return out
+
+
+def engine_tokens(engine: VLLMEngine) -> tuple[list[list[int]], int]:
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    gen = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [list(o.outputs[0].token_ids) for o in gen.outputs], gen.version
+
+
+def stop_soon(follower: raysync.Follower | None) -> None:
+    """Stop a follower without waiting for its long poll to end (about 5 s): it applies
+    nothing once told to stop, and its hub goes with the test."""
+    if follower is not None:
+        threading.Thread(target=follower.stop, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from raysync.engines.vllm_transfer import BACKEND, register
+
+    register()  # where raysync is not pip-installed (no vllm.general_plugins entry point)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model(0).save_pretrained(path)
+    engine = vllm.LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        gpu_memory_utilization=0.1,  # on the CPU backend: the share of RAM for the KV cache
+        max_model_len=64,
+        max_num_seqs=4,
+        enforce_eager=True,
+        weight_transfer_config={"backend": BACKEND},
+    )
+    yield engine
+    del engine
+
+
+def test_the_engine_follows_every_push(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    engine = follow_engine(llm, "policy", hub=hub_name, label="vllm-test")
+    try:
+        with pytest.raises(raysync.EngineNotReadyError, match="no whole version yet"):
+            engine.generate([{"prompt_token_ids": PROMPTS[0]}])  # the hub has none yet
+        seen = set()
+        for i in range(20):
+            model = hf_model(100 + i)
+            v = hub.push(model)
+            hub.wait(v, timeout=TIMEOUT, subscribers=1)
+            tokens, version = engine_tokens(engine)
+            assert version == v == engine.version == hub.latest()
+            assert engine.weight_version() == str(v)  # vLLM's own stamp
+            assert tokens == hf_tokens(model), f"version {v}"
+            seen.add(str(tokens))
+        assert len(seen) > 10  # versions do differ: the test would see a stale engine
+        (row,) = hub.status()["subscribers"]  # raysync status shows the engine like any subscriber
+        assert row["class_name"] == "vllm-test" and row["applied"] == v
+    finally:
+        stop_soon(engine.follower)
+
+
+def test_no_request_runs_during_an_update(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    engine = follow_engine(llm, "policy", hub=hub_name)
+    stop = threading.Event()
+    served: list[tuple[list[list[int]], int]] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                served.append(engine_tokens(engine))
+            except raysync.EngineNotReadyError:
+                pass
+            except BaseException as err:  # pragma: no cover - reported below
+                errors.append(err)
+                return
+
+    models = {}
+    thread = threading.Thread(target=client)
+    try:
+        models[hub.push(hf_model(200), wait=True, timeout=TIMEOUT)] = hf_model(200)
+        thread.start()
+        for i in range(1, 6):
+            v = hub.push(hf_model(200 + i))
+            models[v] = hf_model(200 + i)
+            hub.wait(v, timeout=TIMEOUT)
+        stop.set()
+        thread.join(TIMEOUT)
+        assert not errors, errors
+        assert len({version for _, version in served}) >= 2  # requests ran across updates
+        expected = {v: hf_tokens(m) for v, m in models.items()}
+        for tokens, version in served:  # each output made by the version it is stamped with
+            assert tokens == expected[version], f"output stamped {version}"
+    finally:
+        stop.set()
+        stop_soon(engine.follower)
+
+
+def test_a_misfit_is_refused_naming_the_tensor(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    engine = follow_engine(llm, "policy", hub=hub_name)
+    try:
+        good = hf_model(300)
+        v1 = hub.push(good, wait=True, timeout=TIMEOUT)
+        before = engine_tokens(engine)
+        extra = {**good.state_dict(), "model.layers.0.mlp.extra_proj.weight": torch.ones(4, 4)}
+        v2 = hub.push(extra)
+        with pytest.raises(raysync.ApplyError, match=r"unknown.*model\.layers\.0\.mlp\.extra_proj\.weight"):
+            hub.wait(v2, timeout=TIMEOUT)
+        wide = {k: v for k, v in good.state_dict().items()}
+        wide["model.layers.1.mlp.down_proj.weight"] = torch.ones(128, 300)
+        v3 = hub.push(wide)
+        with pytest.raises(raysync.ApplyError, match=r"shape mismatch model\.layers\.1\.mlp\.down_proj"):
+            hub.wait(v3, timeout=TIMEOUT)
+        assert engine.version == v1 and engine.weight_version() == str(v1)
+        assert engine_tokens(engine) == before
+    finally:
+        stop_soon(engine.follower)
+
+
+class FailingEngine(VLLMEngine):
+    """Hands vLLM a misfit for one tensor of the last layer while ``fail`` is set: vLLM's own
+    loader then fails part-way through the version (raysync's check saw the right shape)."""
+
+    fail = False
+    wrong = "model.layers.1.mlp.down_proj.weight"
+
+    def _weights(self, incoming: Any) -> list[tuple[str, torch.Tensor]]:
+        pairs = super()._weights(incoming)
+        if self.fail:
+            pairs = [(n, torch.zeros(128, 128) if n == self.wrong else t) for n, t in pairs]
+        return pairs
+
+
+@pytest.mark.parametrize("rollback", [True, False])
+def test_an_update_failing_midway(llm: Any, hub: raysync.HubClient, hub_name: str, rollback: bool) -> None:
+    engine = FailingEngine(llm, rollback=rollback)
+    follower = raysync.Follower(target=engine, model_id="policy", hub=hub_name).start()
+    try:
+        first = hf_model(400)
+        v1 = hub.push(first, wait=True, timeout=TIMEOUT)
+        assert engine_tokens(engine) == (hf_tokens(first), v1)
+        engine.fail = True
+        v2 = hub.push(hf_model(401))
+        why = "rolled back to version" if rollback else "the engine is torn"
+        with pytest.raises(raysync.ApplyError, match=why):
+            hub.wait(v2, timeout=TIMEOUT)
+        if rollback:  # still serving the previous version, whole
+            assert engine.version == follower.version == v1 and engine.intact()
+            assert engine_tokens(engine) == (hf_tokens(first), v1)
+            assert engine.weight_version() == str(v1)
+        else:  # torn: serves nothing, and says so to the hub
+            assert engine.version is None and follower.version is None and not engine.intact()
+            with pytest.raises(raysync.EngineNotReadyError, match="tore"):
+                engine_tokens(engine)
+        engine.fail = False
+        third = hf_model(402)
+        v3 = hub.push(third, wait=True, timeout=TIMEOUT)
+        assert engine_tokens(engine) == (hf_tokens(third), v3)
+    finally:
+        stop_soon(follower)
+
+
+def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    models = [hf_model(500 + i) for i in range(3)]
+    for m in models:
+        v = hub.push(m)
+    engine = follow_engine(llm, "policy", hub=hub_name)  # an engine (re)starting to follow
+    try:
+        assert engine.version == v  # held before follow_engine returned
+        tokens, version = engine_tokens(engine)
+        assert version == v and tokens == hf_tokens(models[-1])
+    finally:
+        stop_soon(engine.follower)
