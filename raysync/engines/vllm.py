@@ -22,9 +22,10 @@ own (only ``AsyncLLM`` does), so :class:`VLLMEngine` calls the same worker metho
 
 The engine must be created with ``weight_transfer_config={"backend": "raysync"}``. The
 version's tensors are handed over as a list of ``(name, tensor)`` views of raysync's
-verified buckets: in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, what
-the tests run) nothing is copied before vLLM's loader; with a separate engine-core process
-they go through vLLM's serialization (one copy; untested here).
+verified buckets: to an engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+what the tests run) as they are, nothing copied before vLLM's loader; to one in another
+process (vLLM's default) as plain bytes through vLLM's own messages (two copies; tried by
+hand with the tiny model, not in the tests).
 
 **What holds.**
 
@@ -156,6 +157,7 @@ class VLLMEngine:
             )
         self.llm = llm
         self.name = name
+        self._in_process = _in_process(llm)
         self.rollback = bool(rollback)
         schema = hf_schema(llm) if expected is None else expected
         self._schema = {str(k): tuple(int(n) for n in v) for k, v in schema.items()}
@@ -261,9 +263,12 @@ class VLLMEngine:
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """One version through vLLM's weight-transfer calls, on every worker."""
+        from raysync.engines.vllm_transfer import wire
+
         rpc = self.llm.collective_rpc
+        info = {"weights": pairs} if self._in_process else wire(pairs)
         rpc("start_weight_update")
-        rpc("update_weights", kwargs={"update_info": {"weights": pairs}})
+        rpc("update_weights", kwargs={"update_info": info})
         rpc("finish_weight_update")
 
     def _recover(self, version: int, err: BaseException) -> None:
@@ -329,6 +334,15 @@ def follow_engine(
         timeout=timeout,
     ).start()
     return engine
+
+
+def _in_process(llm: Any) -> bool:
+    """Whether the engine core runs in this process (tensors are then handed over as they are)."""
+    try:
+        from vllm.v1.engine.core_client import InprocClient
+    except ImportError:
+        return False
+    return isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
 
 
 def _brief(err: BaseException) -> str:

@@ -15,8 +15,8 @@ What the backend does per version (each step is vLLM's own, as its IPC backend d
 - ``update_weights({"weights": [(name, tensor), ...]})``: the model's own
   ``load_weights``, which maps a ``transformers`` state dict's names into vLLM's fused
   layout (q/k/v, gate/up, tied embeddings). The pairs are raysync's verified views of
-  the version's bytes (in the engine's process: no copy; in a separate engine-core
-  process they travel through vLLM's own serialization).
+  the version's bytes (in the engine's process: no copy); to an engine core in another
+  process they go as plain bytes (:func:`wire`) through vLLM's own messages.
   Then vLLM's ``finalize_layerwise_reload``, in the same call (see
   :meth:`RaySyncTransferEngine.receive_weights`).
 - ``finish_weight_update``: nothing left to do.
@@ -44,7 +44,15 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-__all__ = ["BACKEND", "TORN", "RaySyncInitInfo", "RaySyncTransferEngine", "RaySyncUpdateInfo", "register"]
+__all__ = [
+    "BACKEND",
+    "TORN",
+    "RaySyncInitInfo",
+    "RaySyncTransferEngine",
+    "RaySyncUpdateInfo",
+    "register",
+    "wire",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +70,55 @@ class RaySyncInitInfo:
 
 @dataclasses.dataclass
 class RaySyncUpdateInfo:
-    """One ``update_weights`` chunk: ``(name, tensor)`` pairs, names as in the trainer's state dict."""
+    """One ``update_weights`` chunk, names as in the trainer's state dict.
+
+    Either ``weights``, ``(name, tensor)`` pairs (the engine core in the caller's process:
+    passed as they are), or ``names``, ``dtypes``, ``shapes`` and ``data`` (each tensor's
+    bytes), plain values that vLLM's messages between processes carry (they do not carry
+    tensors inside an untyped dict).
+    """
 
     weights: Any = None
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[list[int]] | None = None
+    data: list[bytes] | None = None
+
+    def pairs(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The ``(name, tensor)`` pairs, read-only views of the bytes received."""
+        if self.weights is not None:
+            return ((str(n), t) for n, t in self.weights)
+        names, dtypes, shapes, data = self.names, self.dtypes, self.shapes, self.data
+        if names is None or dtypes is None or shapes is None or data is None:
+            raise ValueError("a raysync update carries weights=, or names, dtypes, shapes and data")
+        if not len(names) == len(dtypes) == len(shapes) == len(data):
+            raise ValueError("a raysync update's names, dtypes, shapes and data differ in length")
+        return (
+            (str(name), _tensor(blob, dtype, shape))
+            for name, dtype, shape, blob in zip(names, dtypes, shapes, data, strict=True)
+        )
+
+
+def wire(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """``(name, tensor)`` pairs as an update for an engine core in another process (copies the bytes)."""
+    names, dtypes, shapes, data = [], [], [], []
+    for name, t in pairs:
+        t = t.detach().contiguous().cpu()
+        names.append(name)
+        dtypes.append(str(t.dtype).removeprefix("torch."))
+        shapes.append(list(t.shape))
+        data.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"names": names, "dtypes": dtypes, "shapes": shapes, "data": data}
+
+
+def _tensor(blob: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r} in a raysync update")
+    if not blob:
+        return torch.empty(shape, dtype=torch_dtype)
+    flat = torch.frombuffer(bytearray(blob) if not isinstance(blob, bytearray) else blob, dtype=torch.uint8)
+    return flat.view(torch_dtype).reshape(shape)
 
 
 class RaySyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
@@ -108,9 +162,8 @@ class RaySyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         (it resets its state only when ``update_weights`` raises)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        weights: Iterable[tuple[str, torch.Tensor]] = update_info.weights or []
         try:
-            self.model.load_weights(((str(n), t) for n, t in weights))
+            self.model.load_weights(update_info.pairs())
             self._started = False
             finalize_layerwise_reload(self.model, self.model_config)
         except BaseException as err:
@@ -155,8 +208,11 @@ def register() -> None:
     Called by vLLM in each of its processes (a ``vllm.general_plugins`` entry point);
     call it yourself before creating the engine where raysync is not installed as a package.
     """
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError as err:  # a vLLM without the weight-transfer API: never break its start
+        logger.warning("raysync: this vLLM has no weight-transfer factory (%s); backend not registered", err)
+        return
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, RaySyncTransferEngine)
     except ValueError:  # registered already (vLLM loads plugins once per process; users may too)
