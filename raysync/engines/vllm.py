@@ -312,11 +312,16 @@ def follow_engine(
     timeout: float = DEFAULT_TIMEOUT,
     rollback: bool = False,
     expected: Mapping[str, Sequence[int]] | None = None,
+    sub_id: str | None = None,
 ) -> VLLMEngine:
     """Have a vLLM engine follow ``model_id`` on the hub; the engine, holding the newest version.
 
     See :class:`VLLMEngine` (``rollback``, ``expected``) and :class:`~raysync.Follower`
     (the rest). ``engine.follower`` is the follower; ``engine.stop()`` ends it.
+
+    In a Ray actor the subscription's id is the actor's (``sub_id`` overrides it), so a
+    restarted actor takes its subscription over: ``hub.wait`` waits for the new process,
+    not for the dead one.
 
     Example:
         >>> engine = follow_engine(llm, "policy", hub="raysync", rollback=True)  # doctest: +SKIP
@@ -325,11 +330,17 @@ def follow_engine(
         True
     """
     engine = VLLMEngine(llm, expected=expected, rollback=rollback, name=label or "vLLM engine")
+    if sub_id is None:
+        import ray
+
+        actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        sub_id = f"{actor_id}/vllm:{model_id}" if actor_id else None
     engine.follower = Follower(
         target=engine,
         model_id=model_id,
         hub=hub,
         namespace=namespace,
+        sub_id=sub_id,
         label=label or engine.name,
         timeout=timeout,
     ).start()

@@ -83,23 +83,33 @@ def stop_soon(follower: raysync.Follower | None) -> None:
         threading.Thread(target=follower.stop, daemon=True).start()
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def make_llm(path: str) -> Any:
+    """The tiny engine, in this process (also what the engine actor runs)."""
     from raysync.engines.vllm_transfer import BACKEND, register
 
     register()  # where raysync is not pip-installed (no vllm.general_plugins entry point)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf_model(0).save_pretrained(path)
-    engine = vllm.LLM(
-        model=str(path),
+    return vllm.LLM(
+        model=path,
         skip_tokenizer_init=True,
         dtype="float32",
-        gpu_memory_utilization=0.1,  # on the CPU backend: the share of RAM for the KV cache
+        kv_cache_memory_bytes=32 * 2**20,  # on the CPU backend, RAM: keep it small
         max_model_len=64,
         max_num_seqs=4,
         enforce_eager=True,
         weight_transfer_config={"backend": BACKEND},
     )
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model(0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> Iterator[Any]:
+    engine = make_llm(model_path)
     yield engine
     del engine
 
@@ -238,3 +248,52 @@ def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient,
         assert version == v and tokens == hf_tokens(models[-1])
     finally:
         stop_soon(engine.follower)
+
+
+class EngineHost:
+    """A vLLM engine in a Ray actor, following the hub from its constructor."""
+
+    def __init__(self, path: str, hub_name: str) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.engine = follow_engine(make_llm(path), "policy", hub=hub_name, label="engine actor")
+
+    def generate(self) -> tuple[list[list[int]], int]:
+        return engine_tokens(self.engine)
+
+
+def test_an_engine_actor_restarts_and_serves_only_the_newest(
+    llm: Any, model_path: str, hub: raysync.HubClient, hub_name: str
+) -> None:
+    import ray
+
+    from tests.conftest import kill_until_gone, wait_for_condition
+
+    here = follow_engine(llm, "policy", hub=hub_name)  # two engines on one node
+    host = ray.remote(num_cpus=0, max_restarts=1)(EngineHost).remote(model_path, hub_name)
+    try:
+        first = hf_model(600)
+        v1 = hub.push(first)
+        hub.wait(v1, timeout=120, subscribers=2)
+        assert ray.get(host.generate.remote(), timeout=TIMEOUT) == (hf_tokens(first), v1)
+        assert engine_tokens(here) == (hf_tokens(first), v1)
+        kill_until_gone(host, no_restart=False)
+        newest = hf_model(601)
+        v2 = hub.push(newest)  # while the actor is down or starting again
+        # the restarted actor's first output is the newest version's: it held it before serving
+        first_served = wait_for_condition(lambda: _served(host), timeout=120, what="the restarted actor")
+        assert first_served == (hf_tokens(newest), v2)
+        hub.wait(v2, timeout=TIMEOUT, subscribers=2)
+        assert engine_tokens(here) == (hf_tokens(newest), v2)
+    finally:
+        stop_soon(here.follower)
+        ray.kill(host)
+
+
+def _served(host: Any) -> tuple[list[list[int]], int] | None:
+    """The actor's output, or None while it restarts."""
+    import ray
+
+    try:
+        return ray.get(host.generate.remote(), timeout=TIMEOUT)  # type: ignore[no-any-return]
+    except ray.exceptions.ActorUnavailableError:
+        return None
