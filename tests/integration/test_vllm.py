@@ -7,7 +7,9 @@ those of ``transformers`` with the pushed weights and its version is the hub's; 
 output says the version that made it; a version that does not fit is refused naming the
 tensor and the engine keeps its version; a load that fails part-way leaves the engine on
 its previous version (``rollback=True``) or torn and refusing to serve, reported to the hub
-either way; an engine that starts following serves nothing before it holds the newest.
+either way; an engine that starts following serves nothing before it holds the newest; a
+``keys=`` push reaches it; an engine in a Ray actor, killed while a version is pushed, serves
+the newest version first once restarted, beside a second engine in this process.
 """
 
 from __future__ import annotations
@@ -170,6 +172,20 @@ def test_no_request_runs_during_an_update(llm: Any, hub: raysync.HubClient, hub_
             assert tokens == expected[version], f"output stamped {version}"
     finally:
         stop.set()
+        stop_soon(engine.follower)
+
+
+def test_a_keys_push_reaches_the_engine(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    engine = follow_engine(llm, "policy", hub=hub_name)
+    try:
+        base, other = hf_model(700), hf_model(701)
+        hub.push(base, wait=True, timeout=TIMEOUT)
+        mlp = [k for k in base.state_dict() if ".mlp." in k]  # gate/up: one fused tensor in vLLM
+        v = hub.push(other, keys=mlp, wait=True, timeout=TIMEOUT)
+        mixed = hf_model(700)
+        mixed.load_state_dict({k: other.state_dict()[k] for k in mlp}, strict=False)
+        assert engine_tokens(engine) == (hf_tokens(mixed), v)
+    finally:
         stop_soon(engine.follower)
 
 
