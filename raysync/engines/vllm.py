@@ -146,8 +146,13 @@ class VLLMEngine:
         rollback: bool = False,
         name: str = "vLLM engine",
     ) -> None:
-        from raysync.engines import vllm_transfer
-
+        try:
+            from raysync.engines import vllm_transfer
+        except ImportError as err:
+            raise RaySyncError(
+                f"{name}: following a vLLM engine needs vLLM 0.32 with its weight-transfer API "
+                f"(pip install 'raysync[vllm]'): {err}"
+            ) from err
         vllm_transfer.register()
         config = llm.llm_engine.vllm_config.weight_transfer_config
         if config is None or config.backend != vllm_transfer.BACKEND:
@@ -348,12 +353,21 @@ def follow_engine(
 
 
 def _in_process(llm: Any) -> bool:
-    """Whether the engine core runs in this process (tensors are then handed over as they are)."""
+    """Whether the engine core and its one worker run in this process (tensors then go as they are).
+
+    Anything else (an engine-core process, several workers, another executor) gets plain
+    bytes: vLLM's messages between processes do not carry tensors inside an untyped dict.
+    """
     try:
         from vllm.v1.engine.core_client import InprocClient
     except ImportError:
         return False
-    return isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    return (
+        isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
+        and parallel.world_size == 1
+        and parallel.distributed_executor_backend in (None, "uni")
+    )
 
 
 def _brief(err: BaseException) -> str:
