@@ -110,7 +110,7 @@ def hf_schema(llm: Any) -> dict[str, tuple[int, ...]]:
     """
     from transformers import AutoModelForCausalLM
 
-    config = llm.llm_engine.model_config.hf_config
+    config = _vllm_config(llm).model_config.hf_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -154,7 +154,7 @@ class VLLMEngine:
                 f"(pip install 'raysync[vllm]'): {err}"
             ) from err
         vllm_transfer.register()
-        config = llm.llm_engine.vllm_config.weight_transfer_config
+        config = _vllm_config(llm).weight_transfer_config
         if config is None or config.backend != vllm_transfer.BACKEND:
             raise RaySyncError(
                 f"{name}: the engine was created with weight_transfer_config={config!r}; create it with "
@@ -172,7 +172,7 @@ class VLLMEngine:
         self._previous: list[tuple[str, torch.Tensor]] | None = None
         self._lock = threading.RLock()  # generate() and every update: never both at once
         self.updates = 0  # updates that went in whole
-        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+        self._rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
 
     def __repr__(self) -> str:
         return f"VLLMEngine({self.name}, version={self.version}{', torn' if self._torn else ''})"
@@ -259,7 +259,7 @@ class VLLMEngine:
                 self._load(pairs)
             except BaseException as err:
                 self._recover(incoming.version, err)  # raises
-            self.llm.llm_engine.set_weight_version(str(incoming.version))
+            self._set_version(str(incoming.version))
             self.version, self._torn = incoming.version, False
             self.updates += 1
             if self.rollback:  # what a failed update goes back to
@@ -270,11 +270,18 @@ class VLLMEngine:
         """One version through vLLM's weight-transfer calls, on every worker."""
         from raysync.engines.vllm_transfer import wire
 
-        rpc = self.llm.collective_rpc
         info = {"weights": pairs} if self._in_process else wire(pairs)
-        rpc("start_weight_update")
-        rpc("update_weights", kwargs={"update_info": info})
-        rpc("finish_weight_update")
+        self._rpc("start_weight_update")
+        self._rpc("update_weights", kwargs={"update_info": info})
+        self._rpc("finish_weight_update")
+
+    def _rpc(self, method: str, **kwargs: Any) -> Any:
+        """A method run on every worker (``LLM.collective_rpc``)."""
+        return self.llm.collective_rpc(method, **kwargs)
+
+    def _set_version(self, version: str) -> None:
+        """The version vLLM stamps on what it generates from now on."""
+        self.llm.llm_engine.set_weight_version(version)
 
     def _recover(self, version: int, err: BaseException) -> None:
         """After a failed load (under the lock): load the previous version again, or say torn."""
@@ -362,12 +369,20 @@ def _in_process(llm: Any) -> bool:
         from vllm.v1.engine.core_client import InprocClient
     except ImportError:
         return False
-    parallel = llm.llm_engine.vllm_config.parallel_config
+    engine = getattr(llm, "llm_engine", None)  # an AsyncLLM has none: its core is another process
+    if engine is None:
+        return False
+    parallel = engine.vllm_config.parallel_config
     return (
-        isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
+        isinstance(getattr(engine, "engine_core", None), InprocClient)
         and parallel.world_size == 1
         and parallel.distributed_executor_backend in (None, "uni")
     )
+
+
+def _vllm_config(llm: Any) -> Any:
+    """The engine's ``VllmConfig``: an ``LLM``'s (through its ``llm_engine``) or an ``AsyncLLM``'s."""
+    return getattr(llm, "llm_engine", llm).vllm_config
 
 
 def _brief(err: BaseException) -> str:
