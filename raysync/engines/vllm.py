@@ -80,7 +80,7 @@ from raysync.errors import EngineNotReadyError, RaySyncError, WeightMismatchErro
 from raysync.receivers.follower import Follower
 from raysync.receivers.target import Incoming
 
-__all__ = ["Generation", "VLLMEngine", "follow_engine", "hf_schema"]
+__all__ = ["Generation", "VLLMEngine", "follow_engine", "hf_schema", "start_following"]
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class VLLMEngine:
         pairs = self._weights(incoming)
         with self._lock:
             try:
-                self._load(pairs)
+                self._load(pairs, version=str(incoming.version))
             except BaseException as err:
                 self._recover(incoming.version, err)  # raises
             self._set_version(str(incoming.version))
@@ -266,8 +266,12 @@ class VLLMEngine:
                 self._previous = [(name, t.clone()) for name, t in pairs]
         del pairs
 
-    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """One version through vLLM's weight-transfer calls, on every worker."""
+    def _load(self, pairs: list[tuple[str, torch.Tensor]], *, version: str | None = None) -> None:
+        """One version through vLLM's weight-transfer calls, on every worker.
+
+        ``version``: the version it is (``None``: loading the held one again). The caller
+        sets it here once the load went in (under the lock, before any request runs).
+        """
         from raysync.engines.vllm_transfer import wire
 
         info = {"weights": pairs} if self._in_process else wire(pairs)
@@ -342,6 +346,27 @@ def follow_engine(
         True
     """
     engine = VLLMEngine(llm, expected=expected, rollback=rollback, name=label or "vLLM engine")
+    return start_following(
+        engine, model_id, hub=hub, namespace=namespace, label=label, timeout=timeout, sub_id=sub_id
+    )
+
+
+def start_following(
+    engine: VLLMEngine,
+    model_id: str,
+    *,
+    hub: str = proto.DEFAULT_HUB,
+    namespace: str | None = None,
+    label: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    sub_id: str | None = None,
+) -> VLLMEngine:
+    """Start a :class:`~raysync.Follower` feeding ``engine`` (what :func:`follow_engine` does with it).
+
+    Example:
+        >>> start_following(VLLMEngine(llm), "policy").version  # doctest: +SKIP
+        3
+    """
     if sub_id is None:
         import ray
 

@@ -335,3 +335,61 @@ def test_torchrl_style_vllm_scheme(llm: Any, hub: raysync.HubClient, hub_name: s
         assert receiver.poll_and_apply() is False
     finally:
         stop_soon(receiver.engine.follower if receiver.engine is not None else None)
+
+
+def test_an_async_engine_holds_requests_while_a_version_goes_in(
+    model_path: str, hub: raysync.HubClient, hub_name: str
+) -> None:
+    """vLLM's AsyncLLM (its engine core in a process of its own): versions go in between
+    requests (vLLM's pause, mode "wait"), each output stamped with the version that made it."""
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from raysync.engines.vllm_async import follow_async_engine
+    from raysync.engines.vllm_transfer import BACKEND
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    models = {hub.push(hf_model(900)): hf_model(900)}
+
+    async def run() -> list[tuple[list[int], int]]:
+        args = AsyncEngineArgs(
+            model=model_path,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            kv_cache_memory_bytes=32 * 2**20,
+            max_model_len=64,
+            max_num_seqs=4,
+            enforce_eager=True,
+            weight_transfer_config={"backend": BACKEND},
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        try:
+            engine = await follow_async_engine(llm, "policy", hub=hub_name, rollback=True)
+            assert engine.version == max(models)  # the newest, before it serves
+
+            async def client() -> list[tuple[list[int], int]]:
+                out = []
+                for _ in range(12):
+                    gen = await engine.generate({"prompt_token_ids": PROMPTS[1]}, params)
+                    out.append((list(gen.outputs[0].outputs[0].token_ids), gen.version))
+                return out
+
+            async def pusher() -> None:
+                for i in range(1, 5):
+                    v = hub.push(hf_model(900 + i))
+                    models[v] = hf_model(900 + i)
+                    await asyncio.to_thread(hub.wait, v, timeout=TIMEOUT)
+
+            served, _ = await asyncio.gather(client(), pusher())
+            assert await asyncio.to_thread(engine.weight_version) == str(max(models))
+            stop_soon(engine.follower)
+            return served
+        finally:
+            llm.shutdown()
+
+    served = asyncio.run(run())
+    assert len({version for _, version in served}) >= 2  # requests ran across updates
+    for tokens, version in served:  # made by the version it is stamped with (vLLM's stamp too)
+        assert tokens == hf_tokens(models[version])[1], f"output stamped {version}"
