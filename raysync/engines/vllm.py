@@ -24,8 +24,8 @@ The engine must be created with ``weight_transfer_config={"backend": "raysync"}`
 version's tensors are handed over as a list of ``(name, tensor)`` views of raysync's
 verified buckets: to an engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 what the tests run) as they are, nothing copied before vLLM's loader; to one in another
-process (vLLM's default) as plain bytes through vLLM's own messages (two copies; tried by
-hand with the tiny model, not in the tests).
+process (vLLM's default) as plain bytes through vLLM's own messages (two copies; the
+tests' ``AsyncLLM`` goes this way).
 
 **What holds.**
 
