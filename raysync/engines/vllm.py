@@ -269,8 +269,9 @@ class VLLMEngine:
     def _load(self, pairs: list[tuple[str, torch.Tensor]], *, version: str | None = None) -> None:
         """One version through vLLM's weight-transfer calls, on every worker.
 
-        ``version``: the version it is (``None``: loading the held one again). The caller
-        sets it here once the load went in (under the lock, before any request runs).
+        ``version``: the version being loaded. This engine's requests wait on its lock, so
+        :meth:`commit` sets vLLM's version after the load; an engine whose requests resume
+        by themselves (the async one) sets it here, before they do.
         """
         from raysync.engines.vllm_transfer import wire
 
@@ -292,9 +293,9 @@ class VLLMEngine:
         held, previous = self.version, self._previous
         if self.rollback and held is not None and previous is not None and not self._torn:
             try:
-                self._load(previous)
+                self._load(previous, version=str(held))
             except BaseException as again:
-                logger.warning("%s: loading version %s again failed: %s", self.name, held, again)
+                logger.warning("%s: loading version %s again failed: %r", self.name, held, again)
             else:
                 raise RaySyncError(
                     f"{self.name}: version {version} failed to load ({_brief(err)}); "

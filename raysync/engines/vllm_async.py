@@ -4,9 +4,10 @@
 (what vLLM's server and most RL frameworks run): the same check, the same whole-or-nothing
 load through the ``raysync`` weight-transfer backend, the same rollback. What differs is
 how requests are held while a version goes in: with vLLM's own pause
-(``pause_generation(mode=...)`` before the update, ``resume_generation`` after), so requests
-keep arriving and wait in the engine's queue; and the version is set by
-``finish_weight_update(weight_version=...)``, which vLLM stamps on every output.
+(``pause_generation(mode=...)`` before the update, ``resume_generation`` after it, and after
+a failed one and its rollback), so requests keep arriving and wait in the engine's queue;
+and the version is set (``update_weight_version``, as ``finish_weight_update(weight_version=...)``
+does) before requests resume; vLLM stamps it on every output.
 
 The follower's thread runs each update as a coroutine on the engine's event loop (the
 loop the ``AsyncLLM`` was made on), so the loop must keep running while versions arrive;
@@ -38,7 +39,10 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.engines.vllm import Generation, VLLMEngine, start_following
 from raysync.errors import EngineNotReadyError, RaySyncError
 
-__all__ = ["VLLMAsyncEngine", "follow_async_engine"]
+__all__ = ["TORN", "VLLMAsyncEngine", "follow_async_engine"]
+
+TORN = "torn"
+"""vLLM's weight version while a failed update left the engine torn (no output is served under it)."""
 
 
 class VLLMAsyncEngine(VLLMEngine):
@@ -96,6 +100,10 @@ class VLLMAsyncEngine(VLLMEngine):
             final = out
         assert final is not None, "AsyncLLM.generate yielded nothing"
         stamps = {s.version for c in final.outputs for s in (getattr(c, "weight_versions", None) or [])}
+        if TORN in stamps:
+            raise EngineNotReadyError(
+                f"{self.name}: the output was made while a failed update tore the engine"
+            )
         assert len(stamps) <= 1, f"{self.name}: one output stamped by several versions {sorted(stamps)}"
         version = int(stamps.pop()) if stamps else self.version
         return Generation([final], int(version))
@@ -114,24 +122,35 @@ class VLLMAsyncEngine(VLLMEngine):
     def _rpc(self, method: str, **kwargs: Any) -> Any:
         return self._run(self.llm.collective_rpc(method, **kwargs))
 
-    def _load(self, pairs: list[Any], *, version: str | None = None) -> None:
-        self._run(self._paused_load(pairs, version))
+    def commit(self, incoming: Any) -> None:
+        """The version goes in while vLLM holds requests: paused before, resumed after, also
+        after a failure and its rollback (requests never run between the two)."""
+        self._run(self.llm.pause_generation(mode=self.pause_mode, clear_cache=True))
+        try:
+            super().commit(incoming)
+        finally:
+            self._run(self.llm.resume_generation())
 
-    async def _paused_load(self, pairs: list[Any], version: str | None) -> None:
+    def _load(self, pairs: list[Any], *, version: str | None = None) -> None:
+        self._run(self._load_async(pairs, version))
+
+    async def _load_async(self, pairs: list[Any], version: str | None) -> None:
         from raysync.engines.vllm_transfer import wire
 
-        await self.llm.pause_generation(mode=self.pause_mode, clear_cache=True)
         try:
             await self.llm.collective_rpc("start_weight_update")
             await self.llm.collective_rpc("update_weights", kwargs={"update_info": wire(pairs)})
             await self.llm.collective_rpc("finish_weight_update")
-            if version is not None:  # before any request runs again: outputs are stamped right
-                await self.llm.update_weight_version(version)
-        finally:
-            await self.llm.resume_generation()
+        except BaseException:
+            # Until a version goes in whole (the held one again, with rollback), what the
+            # engine makes is stamped TORN, and generate() refuses it.
+            await self.llm.update_weight_version(TORN)
+            raise
+        if version is not None:  # before requests resume: outputs are stamped right
+            await self.llm.update_weight_version(version)
 
     def _set_version(self, version: str) -> None:
-        """Set already, before requests resumed (:meth:`_paused_load`)."""
+        """Set already, before requests resume (:meth:`_load_async`)."""
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

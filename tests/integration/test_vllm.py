@@ -383,7 +383,20 @@ def test_an_async_engine_holds_requests_while_a_version_goes_in(
                     await asyncio.to_thread(hub.wait, v, timeout=TIMEOUT)
 
             served, _ = await asyncio.gather(client(), pusher())
-            assert await asyncio.to_thread(engine.weight_version) == str(max(models))
+            held = max(models)
+            assert await asyncio.to_thread(engine.weight_version) == str(held)
+            # a load failing part-way (vLLM's loader refuses a misfit): rolled back, and
+            # requests resume on the held version, stamped with it
+            wrong = FailingEngine.wrong
+            engine._weights = lambda incoming: [  # type: ignore[method-assign]
+                (n, torch.zeros(128, 128) if n == wrong else t) for n, t in incoming.tensors()
+            ]
+            bad = hub.push(hf_model(990))
+            with pytest.raises(raysync.ApplyError, match="rolled back to version"):
+                await asyncio.to_thread(hub.wait, bad, timeout=TIMEOUT)
+            gen = await engine.generate({"prompt_token_ids": PROMPTS[1]}, params)
+            assert engine.version == gen.version == held
+            served.append((list(gen.outputs[0].outputs[0].token_ids), gen.version))
             stop_soon(engine.follower)
             return served
         finally:
