@@ -170,6 +170,7 @@ class VLLMEngine:
         self.follower: Follower | None = None
         self._torn = False
         self._previous: list[tuple[str, torch.Tensor]] | None = None
+        self._failed: tuple[list[str | None], str] | None = None  # a failed version's ids, why
         self._lock = threading.RLock()  # generate() and every update: never both at once
         self.updates = 0  # updates that went in whole
         self._rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
@@ -241,7 +242,14 @@ class VLLMEngine:
         )
 
     def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
-        """Every bucket: each version goes in whole (see the module's notes)."""
+        """Every bucket: each version goes in whole (see the module's notes).
+
+        Raises:
+            RaySyncError: these are the bytes of a version whose load failed already: it is
+                not loaded (and rolled back) again; the next version is.
+        """
+        if self._failed is not None and list(ids) == self._failed[0]:
+            raise RaySyncError(f"{self._failed[1]} (not loaded again: waiting for a newer version)")
         return list(range(manifest.num_buckets))
 
     def commit(self, incoming: Incoming) -> None:
@@ -258,7 +266,12 @@ class VLLMEngine:
             try:
                 self._load(pairs, version=str(incoming.version))
             except BaseException as err:
-                self._recover(incoming.version, err)  # raises
+                try:
+                    self._recover(incoming.version, err)  # raises
+                except RaySyncError as why:
+                    if all(i is not None for i in incoming.ids):  # not tried again (see needed())
+                        self._failed = (list(incoming.ids), str(why))
+                    raise
             self._set_version(str(incoming.version))
             self.version, self._torn = incoming.version, False
             self.updates += 1
