@@ -1,0 +1,136 @@
+"""The data path of a sharded trainer's versions: every rank puts its own pieces; receivers get whole tensors.
+
+Trainer side: each rank snapshots only its own pieces through the data path underneath
+(``object_store``: one ``ray.put`` per bucket of that rank's layout). The hub makes one
+version of every rank's buckets (:func:`raysync.core.shards.merge`): its manifest lays out
+the whole tensors, and each of its buckets' refs is a :class:`~raysync.core.shards.ShardRefs`
+naming the rank buckets that bucket is made of.
+
+Receiver side (:meth:`ShardedTransport.fetch`): for the buckets asked for, fetch exactly
+the rank buckets holding their tensors' pieces (a replicated tensor's bytes come from one
+rank), and assemble each whole bucket: one copy of each piece into its box of its tensor.
+Every receiver (``@synced_model`` actors, :class:`~raysync.Follower`,
+:class:`~raysync.WeightsLoader`, ``hub.pull()``) then takes the version as any other.
+
+Example:
+    >>> buckets = ShardedTransport.fetch(manifest, refs, [0], timeout=30)   # doctest: +SKIP
+    >>> [a.nbytes for a in buckets[0]]                                      # whole tensors
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from raysync.core.layout import Manifest
+from raysync.core.shards import SHARDED, ShardPiece
+from raysync.transports import registry
+from raysync.transports.base import Reuse, Snapshot, transport_for
+
+__all__ = ["ShardedTransport", "assemble"]
+
+
+class ShardedTransport:
+    """Both sides of a sharded version's data path (see the module's docstring)."""
+
+    name = SHARDED
+    info = registry.info(SHARDED)
+
+    def snapshot(
+        self,
+        model_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        *,
+        checksum: bool = False,
+        reuse: Reuse | None = None,
+    ) -> Snapshot:
+        """Trainer side, one rank: its own pieces (laid out in ``manifest``) into the object store."""
+        return transport_for("object_store").snapshot(
+            model_id, tensors, manifest, checksum=checksum, reuse=reuse
+        )
+
+    @staticmethod
+    def fetch(
+        manifest: Manifest, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None
+    ) -> list[Any]:
+        """Receiver side: the whole-tensor buckets ``needed``, made of the rank buckets that hold them."""
+        shards = manifest.shards
+        if shards is None:
+            raise ValueError("a version over the 'sharded' data path carries a shard map; this one has none")
+        rank_refs: dict[int, Any] = {}
+        for b in needed:
+            rank_refs.update(zip(refs[b].buckets, refs[b].refs, strict=True))
+        order = sorted(rank_refs)
+        inner = registry.transport_class(shards.transport)
+        got = inner.fetch(manifest, [rank_refs[i] for i in order], list(range(len(order))), timeout=timeout)
+        arrays = dict(zip(order, got, strict=True))
+        return [assemble(manifest, b, arrays) for b in needed]
+
+    @staticmethod
+    def receive_into(
+        bound: Any,
+        refs: Sequence[Any],
+        ids: Sequence[str | None],
+        *,
+        timeout: float,
+        extra_state: Sequence[tuple[str, bytes]] = (),
+    ) -> int:
+        raise NotImplementedError("sharded versions are fetched and assembled, then copied in")
+
+
+def assemble(
+    manifest: Manifest, bucket: int, rank_buckets: Mapping[int, Sequence[np.ndarray]]
+) -> list[np.ndarray]:
+    """One whole-tensor bucket of a sharded version, from its rank buckets (``{index: arrays}``).
+
+    Returns one uint8 array per tensor, in buffer order, all views of one fresh buffer laid
+    out as the manifest says (padding zeroed).
+
+    Example:
+        >>> arrays = assemble(manifest, 0, {0: ray.get(r0), 1: ray.get(r1)})   # doctest: +SKIP
+    """
+    shards = manifest.shards
+    assert shards is not None
+    entries = manifest.bucket_entries(bucket)
+    flat = np.empty(manifest.bucket_nbytes[bucket], dtype=np.uint8)
+    out = []
+    end = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # object-store arrays are read-only; only read here
+        for entry in entries:
+            flat[end : entry.offset] = 0
+            end = entry.offset + entry.nbytes
+            view = flat[entry.offset : end]
+            out.append(view)
+            if not entry.nbytes:
+                continue
+            numel = 1
+            for n in entry.shape:
+                numel *= n
+            whole = torch.from_numpy(view).view(*entry.shape, entry.nbytes // numel)
+            for piece in shards.pieces_of(entry.key):
+                _place(whole, piece, rank_buckets[piece.bucket][piece.index])
+        flat[end:] = 0
+    return out
+
+
+def _place(whole: torch.Tensor, piece: ShardPiece, data: np.ndarray) -> None:
+    """Copy one piece's bytes into its box of the whole tensor (``whole``: ``(*shape, itemsize)`` uint8)."""
+    if not piece.nbytes:
+        return
+    if data.nbytes != piece.nbytes:
+        raise ValueError(
+            f"rank {piece.rank}'s piece of {piece.key!r} arrived with {data.nbytes} bytes, the manifest says "
+            f"{piece.nbytes}"
+        )
+    src = torch.from_numpy(np.asarray(data).reshape(-1).view(np.uint8)).view(*piece.lengths, whole.shape[-1])
+    dst = whole
+    for d, (o, n) in enumerate(zip(piece.offsets, piece.lengths, strict=True)):
+        if n != whole.shape[d]:
+            dst = dst.narrow(d, o, n)
+    dst.copy_(src)
