@@ -1,0 +1,103 @@
+"""A sharded trainer's ranks for tests/integration/test_sharded.py: Ray actors in one gloo group.
+
+Each :class:`Rank` joins a gloo process group over TCP and a 1-D CPU device mesh, holds
+:class:`Net` with its parameters as ``DTensor``\\ s (``distribute_tensor``: Shard(0) even,
+Shard(1) uneven, Shard(0) uneven, Replicate; a plain buffer), and pushes it with the same
+``hub.push(model)`` a single trainer calls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+
+PLACES = {"rows": ("shard", 0), "cols": ("shard", 1), "odd": ("shard", 0), "rep": ("replicate", None)}
+
+
+class Net(torch.nn.Module):
+    """Parameters whose shards over 2 ranks are even, uneven along dim 1, uneven along dim 0, replicated."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.nn.Parameter(torch.randn(6, 4, generator=g))
+        self.cols = torch.nn.Parameter(torch.randn(3, 5, generator=g))
+        self.odd = torch.nn.Parameter(torch.randn(5, generator=g).to(torch.float64))
+        self.rep = torch.nn.Parameter(torch.randn(2, 2, generator=g).to(torch.bfloat16))
+        self.register_buffer("steps", torch.tensor(seed, dtype=torch.int64))
+
+
+class Rank:
+    """One rank of the trainer (wrapped in ``ray.remote`` by the test)."""
+
+    def __init__(self, rank: int, world: int, port: int) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        self.rank = rank
+        self.mesh = init_device_mesh("cpu", (world,))
+        self.net: Net | None = None
+
+    def make(self, seed: int) -> None:
+        """A fresh model from ``seed``, its parameters distributed over the mesh."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        net = Net(seed)
+        for name, (kind, dim) in PLACES.items():
+            full = getattr(net, name).detach()
+            place = Shard(dim) if kind == "shard" else Replicate()
+            setattr(net, name, torch.nn.Parameter(distribute_tensor(full, self.mesh, [place])))
+        self.net = net
+
+    def step(self, seed: int) -> None:
+        """Change the weights in place, as a training step would (replicas stay equal)."""
+        assert self.net is not None
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name in PLACES:
+                local = getattr(self.net, name).to_local()
+                local.add_(torch.randn(local.shape, generator=g).to(local.dtype))
+            self.net.steps.add_(1)
+
+    def full(self) -> dict[str, torch.Tensor]:
+        """Every weight whole (``full_tensor()``: a collective, so every rank must call it)."""
+        assert self.net is not None
+        out = {}
+        for key, t in self.net.state_dict().items():
+            out[key] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+        return out
+
+    def local_nbytes(self) -> int:
+        """Bytes of this rank's local shards."""
+        assert self.net is not None
+        return sum(p.to_local().nbytes for p in self.net.parameters())
+
+    def push(self, hub_name: str, timeout: float = 30.0, extra: bool = False) -> tuple[int, dict[str, Any]]:
+        """``hub.push(model)`` on this rank; the version and the push's stats."""
+        import raysync
+
+        assert self.net is not None
+        if extra:  # this rank's model has a tensor the others lack
+            self.net.register_buffer("only_here", torch.zeros(2))
+        hub = raysync.connect(hub_name)
+        try:
+            version = hub.push(self.net, timeout=timeout)
+        finally:
+            if extra:
+                del self.net.only_here
+        return version, dict(hub.last_push)
+
+    def die(self) -> None:
+        """Exit the process at once, as a crashed rank does."""
+        os._exit(1)
