@@ -30,6 +30,12 @@ class Net(torch.nn.Module):
         self.register_buffer("steps", torch.tensor(seed, dtype=torch.int64))
 
 
+def mlp(seed: int) -> torch.nn.Module:
+    """The FSDP2 test's model (7 and 3 rows: uneven shards over 2 ranks)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
 class Rank:
     """One rank of the trainer (wrapped in ``ray.remote`` by the test)."""
 
@@ -60,6 +66,17 @@ class Rank:
             setattr(net, name, torch.nn.Parameter(distribute_tensor(full, self.mesh, [place])))
         self.net = net
 
+    def make_fsdp(self, seed: int) -> None:
+        """A small MLP under FSDP2 (``fully_shard``: each parameter Shard(0), uneven), trained one step."""
+        from torch.distributed.fsdp import fully_shard
+
+        net = mlp(seed)
+        fully_shard(net, mesh=self.mesh)
+        g = torch.Generator().manual_seed(seed + self.rank)
+        net(torch.randn(4, 5, generator=g)).square().sum().backward()
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
+        self.net = net  # type: ignore[assignment]
+
     def step(self, seed: int) -> None:
         """Change the weights in place, as a training step would (replicas stay equal)."""
         assert self.net is not None
@@ -83,7 +100,9 @@ class Rank:
         assert self.net is not None
         return sum(p.to_local().nbytes for p in self.net.parameters())
 
-    def push(self, hub_name: str, timeout: float = 30.0, extra: bool = False) -> tuple[int, dict[str, Any]]:
+    def push(
+        self, hub_name: str, timeout: float = 30.0, extra: bool = False, model_id: str = "policy"
+    ) -> tuple[int, dict[str, Any]]:
         """``hub.push(model)`` on this rank; the version and the push's stats."""
         import raysync
 
@@ -92,7 +111,7 @@ class Rank:
             self.net.register_buffer("only_here", torch.zeros(2))
         hub = raysync.connect(hub_name)
         try:
-            version = hub.push(self.net, timeout=timeout)
+            version = hub.push(self.net, model_id, timeout=timeout)
         finally:
             if extra:
                 del self.net.only_here

@@ -112,6 +112,24 @@ def test_every_receiver_gets_the_whole_tensors(
         ray.kill(collector)
 
 
+def test_an_fsdp2_trainer_pushes_from_every_rank(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    ray.get([r.make_fsdp.remote(3) for r in ranks], timeout=TIMEOUT)
+    followed = _sharded.mlp(0)
+    follower = raysync.follow(followed, "mlp", hub=hub_name)
+    try:
+        pushed = _push(ranks, hub_name, model_id="mlp")
+        assert pushed[0][0] == pushed[1][0]
+        expected = _full(ranks)
+        wait_for_condition(lambda: follower.version == pushed[0][0], timeout=TIMEOUT, what="the follower")
+        assert_same_weights(followed.state_dict(), expected)
+        assert_same_weights(dict(hub.pull("mlp").flatten_keys(".").items()), expected)
+    finally:
+        follower.stop()
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+
+
 def test_ranks_that_disagree_are_refused_naming_the_tensor(ranks: list[Any], hub_name: str) -> None:
     hub = raysync.connect(hub_name)
     futures = [ranks[0].push.remote(hub_name), ranks[1].push.remote(hub_name, extra=True)]
