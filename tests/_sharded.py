@@ -15,6 +15,14 @@ from typing import Any
 import torch
 
 PLACES = {"rows": ("shard", 0), "cols": ("shard", 1), "odd": ("shard", 0), "rep": ("replicate", None)}
+# Over a 2 x 2 mesh: sharded along both mesh dimensions (two tensor dimensions, or one twice: nested
+# uneven chunks), sharded along one and replicated along the other, replicated along both.
+PLACES_2D = {
+    "rows": (("shard", 0), ("shard", 1)),
+    "cols": (("replicate", None), ("shard", 1)),
+    "odd": (("shard", 0), ("shard", 0)),
+    "rep": (("replicate", None), ("replicate", None)),
+}
 
 
 class Net(torch.nn.Module):
@@ -39,7 +47,7 @@ def mlp(seed: int) -> torch.nn.Module:
 class Rank:
     """One rank of the trainer (wrapped in ``ray.remote`` by the test)."""
 
-    def __init__(self, rank: int, world: int, port: int) -> None:
+    def __init__(self, rank: int, world: int, port: int, mesh_shape: tuple[int, ...] | None = None) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -52,7 +60,7 @@ class Rank:
             timeout=datetime.timedelta(seconds=60),
         )
         self.rank = rank
-        self.mesh = init_device_mesh("cpu", (world,))
+        self.mesh = init_device_mesh("cpu", mesh_shape or (world,))
         self.net: Net | None = None
 
     def make(self, seed: int) -> None:
@@ -60,10 +68,11 @@ class Rank:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         net = Net(seed)
-        for name, (kind, dim) in PLACES.items():
+        places = PLACES_2D if self.mesh.ndim == 2 else {k: (v,) for k, v in PLACES.items()}
+        for name, per_dim in places.items():
             full = getattr(net, name).detach()
-            place = Shard(dim) if kind == "shard" else Replicate()
-            setattr(net, name, torch.nn.Parameter(distribute_tensor(full, self.mesh, [place])))
+            placements = [Shard(dim) if kind == "shard" else Replicate() for kind, dim in per_dim]
+            setattr(net, name, torch.nn.Parameter(distribute_tensor(full, self.mesh, placements)))
         self.net = net
 
     def make_fsdp(self, seed: int) -> None:

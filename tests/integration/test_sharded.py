@@ -32,10 +32,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _group(world: int = 2) -> list[Any]:
+def _group(world: int = 2, mesh_shape: tuple[int, ...] | None = None) -> list[Any]:
     port = _free_port()
     cls = ray.remote(num_cpus=0)(_sharded.Rank)
-    ranks = [cls.remote(r, world, port) for r in range(world)]
+    ranks = [cls.remote(r, world, port, mesh_shape) for r in range(world)]
     ray.get([r.make.remote(0) for r in ranks], timeout=120)
     return ranks
 
@@ -163,14 +163,17 @@ def test_a_rank_dying_mid_push_publishes_nothing(
         version, state = ray.get(collector.state.remote(), timeout=TIMEOUT)
         assert version == v1
         assert_same_weights(state, before)
-        # the restarted group pushes again (the dead group's lease passes to it)
+        # the restarted group pushes again (the dead group's lease passes to it): 4 ranks now, over
+        # a 2 x 2 mesh (nested uneven shards, sharded along one mesh dimension and replicated along
+        # the other, replicated along both)
         for r in ranks:
             ray.kill(r)
-        group = _group()
+        group = _group(4, (2, 2))
         ranks[:] = group
         ray.get([r.step.remote(8) for r in group], timeout=TIMEOUT)
-        (v2, _), _ = _push(group, hub_name)
-        assert v2 > v1
+        pushed = _push(group, hub_name)
+        v2 = pushed[0][0]
+        assert {v for v, _ in pushed} == {v2} and v2 > v1
         expected = _full(group)
         wait_for_condition(
             lambda: ray.get(collector.state.remote())[0] == v2, timeout=TIMEOUT, what="v2 applied"
