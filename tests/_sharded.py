@@ -129,3 +129,30 @@ class Rank:
     def die(self) -> None:
         """Exit the process at once, as a crashed rank does."""
         os._exit(1)
+
+
+def process_rank(rank: int, world: int, port: int, address: str, hub_name: str, out: Any, done: Any) -> None:
+    """A rank as a plain torch.distributed process (as torchrun starts it) that joins Ray to push.
+
+    Puts ``("ok", version, full weights)`` or ``("err", message)`` on ``out``, then stays (its
+    shards live in the object store as long as it does) until ``done`` is set.
+    """
+    import ray
+
+    try:
+        ray.init(address=address, logging_level="error", log_to_driver=False)
+        me = Rank(rank, world, port)
+        me.make(0)
+        me.step(11)
+        version, _ = me.push(hub_name)
+        full = me.full()  # a collective: both ranks
+        out.put(("ok", version, full if rank == 0 else {}))
+        done.wait(120)
+    except Exception as err:  # the test reads it
+        out.put(("err", f"{type(err).__name__}: {err}"))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        ray.shutdown()

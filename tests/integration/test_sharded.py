@@ -11,6 +11,7 @@ restarted group pushes again.
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -106,6 +107,10 @@ def test_every_receiver_gets_the_whole_tensors(
             assert_same_weights(loaded[step - 1], expected)
             assert_same_weights(dict(hub.pull().flatten_keys(".").items()), expected)
         assert hub.status()["models"]["policy"]["latest"] == version
+        # the group is the model's writer (the lease in rank 0's name): another live writer is refused
+        with pytest.raises(raysync.StaleWriterError):
+            hub.push(_sharded.Net(5))
+        assert hub.latest() == version
     finally:
         follower.stop()
         loader.stop()
@@ -128,6 +133,35 @@ def test_an_fsdp2_trainer_pushes_from_every_rank(
     finally:
         follower.stop()
         ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+
+
+def test_ranks_as_plain_torch_distributed_processes(ray_start_regular: dict[str, Any], hub_name: str) -> None:
+    """The torchrun case: ranks are processes of their own (not Ray actors) that join the cluster."""
+    ctx = multiprocessing.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    address = ray_start_regular["address"]
+    procs = [
+        ctx.Process(target=_sharded.process_rank, args=(r, 2, port, address, hub_name, out, done))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    hub = raysync.connect(hub_name)
+    try:
+        results = [out.get(timeout=120) for _ in procs]
+        assert all(r[0] == "ok" for r in results), results
+        assert len({r[1] for r in results}) == 1
+        expected = next(r[2] for r in results if r[2])
+        assert hub.latest() == results[0][1]
+        assert_same_weights(dict(hub.pull().flatten_keys(".").items()), expected)
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        ray.kill(hub.actor)
 
 
 def test_ranks_that_disagree_are_refused_naming_the_tensor(ranks: list[Any], hub_name: str) -> None:
