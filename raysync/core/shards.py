@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Sequence
@@ -28,7 +29,21 @@ from typing import Any
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, plan_specs
 from raysync.errors import InvalidWeightsError
 
-__all__ = ["SHARDED", "ShardMap", "ShardPart", "ShardPiece", "ShardRefs", "TensorSpec", "merge"]
+__all__ = [
+    "SHARDED",
+    "Box",
+    "ShardMap",
+    "ShardPart",
+    "ShardPiece",
+    "ShardRefs",
+    "TensorParallel",
+    "TensorSpec",
+    "merge",
+    "reshard",
+]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""``(offsets, lengths)``: a box of a tensor, per dimension."""
 
 SHARDED = "sharded"
 """The data path name a merged sharded version carries (``Manifest.transport``)."""
@@ -125,6 +140,8 @@ class ShardMap:
         pieces: every piece, sorted by key, then offsets; a replicated tensor has one
             piece (one rank's copy), a ``Shard(d)`` tensor one per rank holding elements.
         placements: ``(key, placement)`` of each tensor on the trainer.
+        boxes: ``(key, offsets, lengths)`` of the tensors a receiver takes only part of
+            (:func:`reshard`); the manifest's entries are then those parts. Empty: whole tensors.
 
     Example:
         >>> [p.rank for p in manifest.shards.pieces_of("w")]    # doctest: +SKIP
@@ -137,15 +154,30 @@ class ShardMap:
     bucket_nbytes: tuple[int, ...]
     pieces: tuple[ShardPiece, ...]
     placements: tuple[tuple[str, str], ...]
+    boxes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def box_of(self, key: str) -> Box | None:
+        """The part of ``key`` this view holds (None: all of it)."""
+        for k, offsets, lengths in self.boxes:
+            if k == key:
+                return offsets, lengths
+        return None
 
     def pieces_of(self, key: str) -> list[ShardPiece]:
         """The pieces of one tensor."""
         return [p for p in self.pieces if p.key == key]
 
     def buckets_of(self, keys: Sequence[str]) -> list[int]:
-        """The rank buckets that hold any byte of ``keys``, sorted."""
+        """The rank buckets that hold any byte of ``keys`` (of their boxes, in a view), sorted."""
         wanted = set(keys)
-        return sorted({p.bucket for p in self.pieces if p.key in wanted})
+        boxes = {k: (o, n) for k, o, n in self.boxes}
+        out = set()
+        for p in self.pieces:
+            if p.key in wanted and p.numel:
+                box = boxes.get(p.key)
+                if box is None or intersect((p.offsets, p.lengths), box) is not None:
+                    out.add(p.bucket)
+        return sorted(out)
 
 
 class ShardRefs:
@@ -316,4 +348,126 @@ def _overlap(a: ShardPiece, b: ShardPiece) -> bool:
     return all(
         oa < ob + nb and ob < oa + na
         for oa, na, ob, nb in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)
+    )
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box both ``a`` and ``b`` cover (None if they share no element).
+
+    Example:
+        >>> intersect(((0,), (4,)), ((2,), (4,)))
+        ((2,), (2,))
+    """
+    offsets, lengths = [], []
+    for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(oa, ob), min(oa + na, ob + nb)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return tuple(offsets), tuple(lengths)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A receiver's own placement: tensor-parallel rank ``rank`` of ``size``.
+
+    A tensor whose name matches a pattern of ``dims`` is split along that dimension into
+    ``size`` chunks as ``torch.chunk`` (and ``DTensor``'s ``Shard(d)``) splits it, and this
+    receiver holds chunk ``rank``; every other tensor is held whole (replicated). Give it to
+    a receiver of a sharded trainer's versions (``WeightsLoader(..., placement=...)``): it
+    fetches only the trainer ranks' buckets holding its parts and copies only its parts,
+    whatever the trainer's layout was.
+
+    Args:
+        rank: this receiver's place, ``0 .. size - 1``.
+        size: how many receivers split each sharded tensor.
+        dims: ``{fnmatch pattern of names: dimension}``, first match wins.
+
+    Example:
+        >>> tp = TensorParallel(1, 2, {"*.q_proj.weight": 0, "*.o_proj.weight": 1})
+        >>> tp.box("l.o_proj.weight", (4, 6))
+        ((0, 3), (4, 3))
+        >>> tp.box("l.norm.weight", (4,)) is None
+        True
+    """
+
+    rank: int
+    size: int
+    dims: tuple[tuple[str, int], ...] | dict[str, int]
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.size, int) and self.size >= 1 and isinstance(self.rank, int)):
+            raise ValueError(
+                f"TensorParallel needs integers size >= 1 and rank, got {self.rank} of {self.size}"
+            )
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TensorParallel rank must be in 0 .. {self.size - 1}, got {self.rank}")
+        if isinstance(self.dims, dict):
+            object.__setattr__(self, "dims", tuple(self.dims.items()))
+
+    def box(self, key: str, shape: tuple[int, ...]) -> Box | None:
+        """The part of tensor ``key`` (of global ``shape``) this receiver holds; None: all of it."""
+        import fnmatch
+
+        rules: Any = self.dims.items() if isinstance(self.dims, dict) else self.dims
+        for pattern, dim in rules:
+            dim = int(dim)
+            if fnmatch.fnmatchcase(key, pattern):
+                if not -len(shape) <= dim < len(shape):
+                    raise InvalidWeightsError(
+                        f"TensorParallel splits {key!r} along dimension {dim}, but it has shape {shape}"
+                    )
+                d = dim % len(shape)
+                chunk = -(-shape[d] // self.size) if shape[d] else 0
+                start = min(self.rank * chunk, shape[d])
+                length = max(0, min(shape[d], start + chunk) - start)
+                offsets = tuple(start if i == d else 0 for i in range(len(shape)))
+                return offsets, tuple(length if i == d else n for i, n in enumerate(shape))
+        return None
+
+
+def reshard(manifest: Manifest, placement: TensorParallel) -> Manifest:
+    """The view of a sharded version that a receiver with its own ``placement`` takes.
+
+    Same buckets (each bucket of the view holds this receiver's parts of the tensors of
+    that bucket of the version, so bucket ids still say which changed), entries shaped as
+    the parts; the version's shard map with the parts' boxes. A version of one writer, or
+    a placement that takes every tensor whole, is returned as it is.
+
+    Example:
+        >>> view = reshard(manifest, TensorParallel(0, 2, {"*.weight": 0}))   # doctest: +SKIP
+        >>> view.schema()["fc.weight"]                                         # doctest: +SKIP
+        ((2, 8), 'float32')
+    """
+    shards = manifest.shards
+    if shards is None:
+        return manifest
+    boxes = []
+    for e in manifest.entries:
+        box = placement.box(e.key, e.shape)
+        if box is not None and box[1] != tuple(e.shape):
+            boxes.append((e.key, box[0], box[1]))
+    if not boxes:
+        return manifest
+    by_key = {k: (o, n) for k, o, n in boxes}
+    entries = []
+    spans = []
+    for b in range(manifest.num_buckets):
+        specs = []
+        for e in manifest.bucket_entries(b):
+            box = by_key.get(e.key)
+            shape = box[1] if box is not None else e.shape
+            itemsize = e.nbytes // math.prod(e.shape) if math.prod(e.shape) else 0
+            specs.append((e.key, tuple(shape), e.dtype, math.prod(shape) * itemsize))
+        one = plan_specs(specs, bucket_bytes=2**62)  # one bucket: this bucket's parts
+        entries += [dataclasses.replace(x, bucket=b) for x in one.entries]
+        spans.append(sum(one.bucket_nbytes))
+    digest = hashlib.sha1(repr((manifest.layout_hash, tuple(boxes))).encode())
+    return dataclasses.replace(
+        manifest,
+        entries=tuple(sorted(entries, key=lambda x: x.key)),
+        bucket_nbytes=tuple(spans),
+        layout_hash=digest.hexdigest()[:16],
+        shards=dataclasses.replace(shards, boxes=tuple(boxes)),
     )

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from raysync.core.layout import Manifest
-from raysync.core.shards import SHARDED, ShardPiece
+from raysync.core.shards import SHARDED, Box, ShardPiece, intersect
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot, transport_for
 
@@ -64,7 +64,11 @@ class ShardedTransport:
             raise ValueError("a version over the 'sharded' data path carries a shard map; this one has none")
         rank_refs: dict[int, Any] = {}
         for b in needed:
-            rank_refs.update(zip(refs[b].buckets, refs[b].refs, strict=True))
+            # a receiver taking part of each tensor (shards.boxes) fetches only the rank buckets it needs
+            wanted = set(shards.buckets_of([e.key for e in manifest.bucket_entries(b)]))
+            rank_refs.update(
+                (i, r) for i, r in zip(refs[b].buckets, refs[b].refs, strict=True) if i in wanted
+            )
         order = sorted(rank_refs)
         inner = registry.transport_class(shards.transport)
         got = inner.fetch(manifest, [rank_refs[i] for i in order], list(range(len(order))), timeout=timeout)
@@ -113,24 +117,28 @@ def assemble(
             for n in entry.shape:
                 numel *= n
             whole = torch.from_numpy(view).view(*entry.shape, entry.nbytes // numel)
+            box = shards.box_of(entry.key) or ((0,) * len(entry.shape), tuple(entry.shape))
             for piece in shards.pieces_of(entry.key):
-                _place(whole, piece, rank_buckets[piece.bucket][piece.index])
+                if piece.numel and intersect((piece.offsets, piece.lengths), box) is not None:
+                    _place(whole, box, piece, rank_buckets[piece.bucket][piece.index])
         flat[end:] = 0
     return out
 
 
-def _place(whole: torch.Tensor, piece: ShardPiece, data: np.ndarray) -> None:
-    """Copy one piece's bytes into its box of the whole tensor (``whole``: ``(*shape, itemsize)`` uint8)."""
-    if not piece.nbytes:
-        return
+def _place(whole: torch.Tensor, box: Box, piece: ShardPiece, data: np.ndarray) -> None:
+    """Copy the part of one piece inside ``box`` into ``whole`` (the box as ``(*n, itemsize)`` uint8)."""
     if data.nbytes != piece.nbytes:
         raise ValueError(
             f"rank {piece.rank}'s piece of {piece.key!r} arrived with {data.nbytes} bytes, the manifest says "
             f"{piece.nbytes}"
         )
+    common = intersect((piece.offsets, piece.lengths), box)
+    assert common is not None
     src = torch.from_numpy(np.asarray(data).reshape(-1).view(np.uint8)).view(*piece.lengths, whole.shape[-1])
     dst = whole
-    for d, (o, n) in enumerate(zip(piece.offsets, piece.lengths, strict=True)):
+    for d, (o, n) in enumerate(zip(*common, strict=True)):
+        if n != piece.lengths[d]:
+            src = src.narrow(d, o - piece.offsets[d], n)
         if n != whole.shape[d]:
-            dst = dst.narrow(d, o, n)
+            dst = dst.narrow(d, o - box[0][d], n)
     dst.copy_(src)

@@ -82,6 +82,15 @@ def test_every_receiver_gets_the_whole_tensors(
         loaded.setdefault(len(loaded), {}).update({k: t.clone() for k, t in pairs})
 
     loader = raysync.Follower(target=raysync.WeightsLoader(load), model_id="policy", hub=hub_name).start()
+    # a tensor-parallel receiver (rank 1 of 2), laid out unlike the trainer: rows Shard(1), cols Shard(0)
+    tp = raysync.TensorParallel(1, 2, {"rows": 1, "cols": 0})
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+
+    def load_part(pairs: Any) -> None:
+        parts.setdefault(len(parts), {}).update({k: t.clone() for k, t in pairs})
+
+    tp_loader = raysync.WeightsLoader(load_part, placement=tp)
+    tp_follower = raysync.Follower(target=tp_loader, model_id="policy", hub=hub_name).start()
     try:
         for step in (1, 2):
             if step > 1:
@@ -106,6 +115,13 @@ def test_every_receiver_gets_the_whole_tensors(
             wait_for_condition(lambda n=step: len(loaded) == n, timeout=TIMEOUT, what="the loader")
             assert_same_weights(loaded[step - 1], expected)
             assert_same_weights(dict(hub.pull().flatten_keys(".").items()), expected)
+            wait_for_condition(
+                lambda n=step: len(parts) == n, timeout=TIMEOUT, what="the tensor-parallel loader"
+            )
+            mine = dict(expected)
+            mine["rows"] = torch.chunk(expected["rows"], 2, dim=1)[1]
+            mine["cols"] = torch.chunk(expected["cols"], 2, dim=0)[1]
+            assert_same_weights(parts[step - 1], mine)
         assert hub.status()["models"]["policy"]["latest"] == version
         # the group is the model's writer (the lease in rank 0's name): another live writer is refused
         with pytest.raises(raysync.StaleWriterError):
@@ -114,6 +130,7 @@ def test_every_receiver_gets_the_whole_tensors(
     finally:
         follower.stop()
         loader.stop()
+        tp_follower.stop()
         ray.kill(collector)
 
 

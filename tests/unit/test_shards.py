@@ -12,7 +12,7 @@ import torch
 
 from raysync.core.codec import pack, unpack
 from raysync.core.layout import plan_layout
-from raysync.core.shards import ShardPart, ShardPiece, TensorSpec, merge
+from raysync.core.shards import ShardPart, ShardPiece, TensorParallel, TensorSpec, merge, reshard
 from raysync.errors import InvalidWeightsError
 from raysync.transports.sharded import assemble
 
@@ -137,3 +137,53 @@ def test_a_missing_or_doubled_shard_is_refused_naming_the_tensor() -> None:
         merge([parts[0], (ShardPart(1, 1, 2, p1.specs, p1.manifest, twice), r1)])
     with pytest.raises(InvalidWeightsError, match="missing"):
         merge([parts[0]])
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_a_receiver_with_its_own_placement_takes_only_its_parts(tp_rank: int) -> None:
+    """Trainer: rows Shard(0), cols Shard(1); receiver: rows Shard(1), cols Shard(0), odd Shard(0)."""
+    weights = _weights()
+    manifest, _ = merge(_parts(2, weights))
+    tp = TensorParallel(tp_rank, 2, {"rows": 1, "cols": 0, "odd": 0})
+    view = reshard(manifest, tp)
+    assert view.num_buckets == manifest.num_buckets and view.shards is not None
+    want = {
+        "rows": torch.chunk(weights["rows"], 2, dim=1)[tp_rank],
+        "cols": torch.chunk(weights["cols"], 2, dim=0)[tp_rank],
+        "odd": torch.chunk(weights["odd"], 2, dim=0)[tp_rank],
+        "rep": weights["rep"],
+        "count": weights["count"],
+    }
+    assert view.schema() == {k: (tuple(t.shape), str(t.dtype)[6:]) for k, t in want.items()}
+    rank_arrays = {}
+    i = 0
+    for rank in range(2):
+        for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
+            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
+            i += 1
+    got_buckets = []
+    fetched = set()
+    for b in range(view.num_buckets):
+        wanted = view.shards.buckets_of([e.key for e in view.bucket_entries(b)])
+        fetched |= set(wanted)
+        got_buckets.append(assemble(view, b, {r: rank_arrays[r] for r in wanted}))  # only those
+    got = unpack(view, got_buckets)
+    for key, t in want.items():
+        assert torch.equal(
+            got[key].contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)
+        )
+    # bytes copied: exactly its parts plus the replicated tensors
+    assert view.total_nbytes == sum(t.numel() * t.element_size() for t in want.values())
+    # odd's trainer shards line up with the receiver's (3 + 2 both ways): the other rank's is not needed
+    odd_pieces = manifest.shards.pieces_of("odd")
+    other = odd_pieces[1 - tp_rank].bucket
+    mine = odd_pieces[tp_rank].bucket
+    assert mine in view.shards.buckets_of(["odd"]) and other not in view.shards.buckets_of(["odd"])
+    assert len(fetched) <= len(manifest.shards.bucket_ranks)
+
+
+def test_a_placement_that_takes_everything_whole_leaves_the_version_as_it_is() -> None:
+    manifest, _ = merge(_parts(2, _weights()))
+    assert reshard(manifest, TensorParallel(0, 1, {"rows": 0})) is manifest
+    with pytest.raises(ValueError, match="rank must be in"):
+        TensorParallel(2, 2, {})
