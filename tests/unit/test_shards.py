@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raysync.core.codec import pack, unpack
+from raysync.core.codec import copy_into, pack, unpack
 from raysync.core.layout import plan_layout
 from raysync.core.shards import ShardPart, ShardPiece, TensorParallel, TensorSpec, merge, reshard
 from raysync.errors import InvalidWeightsError
-from raysync.transports.sharded import assemble
+from raysync.transports.sharded import Assembly, assemble
 
 
 class _Ref:
@@ -95,6 +95,19 @@ def test_merge_then_assemble_gives_whole_tensors(world: int) -> None:
             rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
             i += 1
     buckets = [assemble(manifest, b, rank_arrays) for b in range(manifest.num_buckets)]
+    # a module's copy (apply="copy") writes each piece straight into its own buffers: the same bytes
+    for b, arrays in enumerate(buckets):
+        flat = torch.full((manifest.bucket_nbytes[b],), 0xAB, dtype=torch.uint8)
+        lazy = Assembly(manifest, b, rank_arrays)
+        copy_into([flat], manifest, {0: lazy} if b == 0 else {})
+        if b == 0:
+            expected = torch.zeros(manifest.bucket_nbytes[0], dtype=torch.uint8)
+            for e, arr in zip(manifest.bucket_entries(0), arrays, strict=True):
+                expected[e.offset : e.offset + e.nbytes] = torch.from_numpy(arr.copy())
+            assert torch.equal(flat, expected)
+        assert len(lazy) == len(arrays) and all(
+            x.nbytes == y.nbytes for x, y in zip(lazy, arrays, strict=True)
+        )
     got = unpack(manifest, buckets)
     for key, t in weights.items():
         assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
