@@ -312,6 +312,11 @@ class HubClient:
         _check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
+        if transport == "sharded":
+            raise ValueError(
+                "transport='sharded' is what the hub names a sharded trainer's versions: push DTensor "
+                "weights from every rank over the object store (the default) instead"
+            )
         # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
         # are unanswered): what the hub refused raises here.
         self._settle(model_id, wait=False)

@@ -126,6 +126,8 @@ def test_every_receiver_gets_the_whole_tensors(
         # the group is the model's writer (the lease in rank 0's name): another live writer is refused
         with pytest.raises(raysync.StaleWriterError):
             hub.push(_sharded.Net(5))
+        with pytest.raises(ValueError, match="transport='sharded' is what the hub names"):
+            hub.push(_sharded.Net(5), transport="sharded")
         assert hub.latest() == version
     finally:
         follower.stop()
