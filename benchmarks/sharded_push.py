@@ -1,6 +1,8 @@
 """Sharded trainers: 1, 2 and 4 writers pushing one model to N ``@synced_model`` actors.
 
-Each row is one group size W, run in the same session as the others:
+Each row is one group size W; the groups push models of their own (``w1``, ``w2``, ``w4``) to the
+same N actors, interleaved (each round pushes every group once), so the rows share the machine's
+moments:
 
 - W = 1: one trainer actor pushes the whole (plain) model: the single-writer reference.
 - W = 2, 4: W gloo ranks (Ray actors) hold the model as ``DTensor``\\ s (every tensor
@@ -45,8 +47,10 @@ def _model(mib: int, tensors: int) -> torch.nn.Module:
 class Writer:
     """One rank (``world`` > 1: a gloo rank with DTensor weights; 1: a plain trainer)."""
 
-    def __init__(self, rank: int, world: int, port: int, mib: int, tensors: int, hub: str) -> None:
-        self.rank, self.world = rank, world
+    def __init__(
+        self, rank: int, world: int, port: int, mib: int, tensors: int, hub: str, model_id: str
+    ) -> None:
+        self.rank, self.world, self.model_id = rank, world, model_id
         model = _model(mib, tensors)
         if world > 1:
             import torch.distributed as dist
@@ -95,7 +99,7 @@ class Writer:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         t0 = time.perf_counter()
-        version = self.hub.push(self.model, timeout=120)
+        version = self.hub.push(self.model, self.model_id, timeout=120)
         dt = time.perf_counter() - t0
         done.set()
         sampler.join()
@@ -114,10 +118,15 @@ def _private_mib() -> float:
 
 
 @ray.remote(num_cpus=0)
-@raysync.synced_model("policy", hub="bench-sharded")
+@raysync.synced_model("w1", model_id="w1", hub="bench-sharded")
+@raysync.synced_model("w2", model_id="w2", hub="bench-sharded")
+@raysync.synced_model("w4", model_id="w4", hub="bench-sharded")
 class Actor:
-    def __init__(self, mib: int, tensors: int) -> None:
-        self.policy = _model(mib, tensors)
+    """A receiver of all three writer groups' models (one model each, so the rows interleave)."""
+
+    def __init__(self, mib: int, tensors: int, worlds: list[int]) -> None:
+        for w in (1, 2, 4):
+            setattr(self, f"w{w}", _model(mib if w in worlds else 1, tensors))
 
     def ready(self) -> bool:
         return True
@@ -131,32 +140,36 @@ def _port() -> int:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     hub = raysync.connect("bench-sharded")
-    actors = [Actor.remote(args.mib, args.tensors) for _ in range(args.actors)]
+    actors = [Actor.remote(args.mib, args.tensors, args.writers) for _ in range(args.actors)]
     ray.get([a.ready.remote() for a in actors], timeout=600)
-    rows = []
+    groups = {}
     for world in args.writers:
         port = _port()
-        writers = [
-            Writer.remote(r, world, port, args.mib, args.tensors, "bench-sharded") for r in range(world)
+        groups[world] = [
+            Writer.remote(r, world, port, args.mib, args.tensors, "bench-sharded", f"w{world}")
+            for r in range(world)
         ]
-        memcpy = ray.get([w.memcpy_s.remote() for w in writers], timeout=600)
-        applied, blocking = [], []
-        for step in range(args.warmup + args.repeats):
+    memcpy = {w: ray.get([x.memcpy_s.remote() for x in g], timeout=600) for w, g in groups.items()}
+    applied: dict[int, list[float]] = {w: [] for w in groups}
+    blocking: dict[int, list[list[float]]] = {w: [] for w in groups}
+    for step in range(args.warmup + args.repeats):
+        for world, writers in groups.items():  # interleaved: each round pushes every group once
             t0 = time.perf_counter()
             pushed = ray.get([w.push.remote(step) for w in writers], timeout=600)
-            hub.wait(pushed[0][0], timeout=300, subscribers=args.actors)
+            hub.wait(pushed[0][0], f"w{world}", timeout=300, subscribers=args.actors)
             if step >= args.warmup:
-                applied.append(time.perf_counter() - t0)
-                blocking.append([s for _, s in pushed])
+                applied[world].append(time.perf_counter() - t0)
+                blocking[world].append([s for _, s in pushed])
+    rows = []
+    for world, writers in groups.items():
         peaks = ray.get([w.peak_growth_mib.remote() for w in writers], timeout=60)
-        per_rank = [statistics.median(b[r] for b in blocking) for r in range(world)]
         rows.append(
             {
                 "writers": world,
-                "applied_s": statistics.median(applied),
-                "applied_all": applied,
-                "blocking_s": per_rank,
-                "memcpy_s": memcpy,
+                "applied_s": statistics.median(applied[world]),
+                "applied_all": applied[world],
+                "blocking_s": [statistics.median(b[r] for b in blocking[world]) for r in range(world)],
+                "memcpy_s": memcpy[world],
                 "shard_mib": args.mib / world,
                 "peak_private_growth_mib": peaks,
             }
