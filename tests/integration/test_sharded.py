@@ -50,8 +50,8 @@ def _push(ranks: list[Any], hub_name: str, **opts: Any) -> list[tuple[int, dict[
     return list(ray.get([r.push.remote(hub_name, **opts) for r in ranks], timeout=TIMEOUT))
 
 
-def _collector(hub_name: str) -> Any:
-    @raysync.synced_model("policy", hub=hub_name)
+def _collector(hub_name: str, apply: Any = "copy") -> Any:
+    @raysync.synced_model("policy", hub=hub_name, apply=apply)
     class Collector:
         def __init__(self) -> None:
             self.policy = _sharded.Net(99)
@@ -73,7 +73,7 @@ def ranks(ray_start_regular: dict[str, Any]) -> Iterator[list[Any]]:
 def test_every_receiver_gets_the_whole_tensors(
     ranks: list[Any], hub: raysync.HubClient, hub_name: str
 ) -> None:
-    collector = _collector(hub_name)
+    collector = _collector(hub_name, apply="view")  # read-only views of the assembled buckets
     followed = _sharded.Net(98)
     follower = raysync.follow(followed, "policy", hub=hub_name)
     loaded: dict[int, dict[str, torch.Tensor]] = {}
