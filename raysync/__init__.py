@@ -17,6 +17,7 @@ Example:
 from typing import TYPE_CHECKING, Any
 
 from raysync.core.layout import Manifest, TensorEntry
+from raysync.core.shards import TensorParallel
 from raysync.errors import (
     AmbiguousModelError,
     ApplyError,
@@ -98,6 +99,7 @@ __all__ = [
     "SyncTimeoutError",
     "Target",
     "TensorEntry",
+    "TensorParallel",
     "UnknownModelError",
     "VLLMEngine",
     "WeightMismatchError",

@@ -449,7 +449,8 @@ class RelayAck:
         sub_id: the subscription.
         report: its report (``None`` when the call failed).
         outcome: ``"ok"``, ``"died"`` (its actor is gone for good), ``"unreachable"``
-            (restarting or not answering), ``"failed"`` (the call raised), or
+            (restarting or not answering), ``"restarted"`` (the call was for its actor's
+            previous process, which its new one's registration replaces), ``"failed"`` (the call raised), or
             ``"unknown"`` (the relay has no handle for it: the hub sends it again).
         error: why the call failed.
     """

@@ -31,6 +31,8 @@ from raysync.errors import (
 if TYPE_CHECKING:  # torch is imported where it is used: the hub process never loads it
     import torch
 
+    from raysync.core.shards import ShardMap
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "EXTRA_STATE_MAX_BYTES",
@@ -39,6 +41,7 @@ __all__ = [
     "WeightsLike",
     "cast_floating",
     "plan_layout",
+    "plan_specs",
     "schema_of",
     "validate",
 ]
@@ -116,6 +119,11 @@ class Manifest:
             (``get_extra_state()``; the key is its ``state_dict()`` key, such
             as ``"norm._extra_state"``), sorted by key. Not part of
             ``layout_hash``: it may change from version to version.
+        shards: for a version pushed by a sharded trainer (every rank its own
+            shard; ``transport="sharded"``), where each piece of each tensor
+            lives in the ranks' buckets (:class:`~raysync.core.shards.ShardMap`);
+            ``entries`` and ``bucket_nbytes`` then describe the whole tensors
+            receivers get. None for a version of one writer.
 
     Example:
         >>> m = plan_layout({"w": torch.zeros(2, 3)})
@@ -129,6 +137,7 @@ class Manifest:
     checksums: tuple[int, ...] | None = None
     transport: str = "object_store"
     extra_state: tuple[tuple[str, bytes], ...] = ()
+    shards: ShardMap | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -241,32 +250,51 @@ def plan_layout(
         >>> m.num_buckets
         2
     """
+    specs = [
+        (k, tuple(t.shape), _dtype_name(t.dtype), t.numel() * t.element_size()) for k, t in tensors.items()
+    ]
+    return plan_specs(specs, bucket_bytes=bucket_bytes, separate=separate)
+
+
+def plan_specs(
+    specs: Sequence[tuple[str, tuple[int, ...], str, int]],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    separate: Collection[str] = (),
+) -> Manifest:
+    """:func:`plan_layout` from ``(key, shape, dtype name, nbytes)`` alone (no tensors, no torch).
+
+    The hub lays out a sharded version's whole tensors this way (:mod:`raysync.core.shards`).
+
+    Example:
+        >>> plan_specs([("w", (2, 3), "float32", 24)]).total_nbytes
+        24
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    by_key = {spec[0]: spec for spec in specs}
     apart = set(separate)
-    groups: list[list[tuple[str, torch.Tensor]]] = []
-    for selection in ([k for k in sorted(tensors) if k not in apart], sorted(apart & set(tensors))):
+    groups: list[list[tuple[str, tuple[int, ...], str, int]]] = []
+    for selection in ([k for k in sorted(by_key) if k not in apart], sorted(apart & set(by_key))):
         filled = 0
         start = len(groups)
         for key in selection:
-            t = tensors[key]
-            nbytes = t.numel() * t.element_size()
+            nbytes = by_key[key][3]
             if len(groups) == start or (groups[-1] and filled + nbytes > bucket_bytes):
                 groups.append([])
                 filled = 0
-            groups[-1].append((key, t))
+            groups[-1].append(by_key[key])
             filled += nbytes
     entries: list[TensorEntry] = []
     spans: list[int] = []
     for b, group in enumerate(groups):
-        major = [(k, t) for k, t in group if t.numel() * t.element_size() >= _MAJOR_SIZE]
-        minor = [(k, t) for k, t in group if t.numel() * t.element_size() < _MAJOR_SIZE]
+        major = [spec for spec in group if spec[3] >= _MAJOR_SIZE]
+        minor = [spec for spec in group if spec[3] < _MAJOR_SIZE]
         offset = 0
-        for i, (key, t) in enumerate(major + minor):
-            nbytes = t.numel() * t.element_size()
+        for i, (key, shape, dtype, nbytes) in enumerate(major + minor):
             align = _MAJOR_ALIGN if nbytes >= _MAJOR_SIZE else _MINOR_ALIGN
             offset = -(-offset // align) * align
-            entries.append(TensorEntry(key, tuple(t.shape), _dtype_name(t.dtype), b, i, offset, nbytes))
+            entries.append(TensorEntry(key, tuple(shape), dtype, b, i, offset, nbytes))
             offset += nbytes
         spans.append(offset)
     entries.sort(key=lambda e: e.key)

@@ -50,7 +50,9 @@ from raysync.hub.relay import (
 )
 from raysync.hub.relays import Relays
 from raysync.hub.settings import HubSettings
+from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState, Subscriber, Waiter
+from raysync.hub.state.groups import Rounds
 
 __all__ = ["WeightHub"]
 
@@ -67,7 +69,7 @@ def _actor_id() -> str:
 
 
 @ray.remote(num_cpus=0)
-class WeightHub(Delivery):
+class WeightHub(Delivery, ShardedPublish):
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
 
     def __init__(
@@ -81,6 +83,8 @@ class WeightHub(Delivery):
         # Calls to subscribers' actors, collected by their processes' polls (hub/mailbox.py).
         self._mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
         self._loops = {}
+        self._rounds = Rounds()  # sharded writers' parts of the version being pushed (hub/sharded.py)
+        self._round_done = {}
         # One relay per node; when one comes up, open polls end so that its node's processes poll it.
         self._relays = Relays(name, _actor_id(), self._settings, on_ready=self._mail.wake)
         # The hub's own node needs no relay for subscribers with a doorbell: the hub rings them.

@@ -95,6 +95,7 @@ class HubClient:
             lambda *args: _alive(me)._publish(*args),
             previous=lambda model_id: _alive(me)._hub_newest(model_id),
             lost=lambda model_id, version: _alive(me)._lost(model_id, version),
+            contribute=lambda *args: _alive(me)._contribute(*args),
         )
         self.last_push: dict[str, Any] = {}
         self._publishes = Publishes()
@@ -168,6 +169,13 @@ class HubClient:
                 raise
             lease.confirmed = manifest.layout_hash
             self._publishes.sent(model_id, version, epoch)
+        return version
+
+    def _contribute(
+        self, model_id: str, part: Any, refs: list[Any], pusher: dict[str, Any], timeout: float
+    ) -> int:
+        """One rank's part of a sharded push (hub/sharded.py); the version once every rank's is in."""
+        version: int = self._call("contribute", model_id, part, refs, pusher, self.takeover, timeout)
         return version
 
     def _ask_ahead(self, model_id: str, pusher: dict[str, Any]) -> Any:
@@ -270,6 +278,14 @@ class HubClient:
                 subscribers too (by default only push subscribers hold the
                 trainer back: a pull subscriber moves only when it asks).
 
+        Sharded trainers: when ``weights`` hold ``DTensor``\\ s (FSDP2's
+        ``fully_shard``, ``distribute_tensor``), every rank calls ``push`` alike;
+        each puts only its own shards, and the call returns, on every rank, the
+        one version the hub publishes once all ranks' shards are in (``timeout``,
+        default 60 s, bounds that wait: a rank that never pushes leaves the
+        version unpublished and the others raise ``SyncTimeoutError``). Such
+        pushes take no ``keys``, ``delta``, ``checksum`` or ``transport``.
+
         Returns:
             The version number (1, 2, ... per model; a new writer, or a restarted
             one, starts past every number granted before, so numbers may skip).
@@ -296,6 +312,11 @@ class HubClient:
         _check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
+        if transport == "sharded":
+            raise ValueError(
+                "transport='sharded' is what the hub names a sharded trainer's versions: push DTensor "
+                "weights from every rank over the object store (the default) instead"
+            )
         # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
         # are unanswered): what the hub refused raises here.
         self._settle(model_id, wait=False)
@@ -308,7 +329,16 @@ class HubClient:
                 # (this push brings it forward): only laggards hold the trainer back.
                 self._wait(target, model_id, timeout, include_pull=include_pull, raise_failures=False)
         request = PushRequest(
-            weights, model_id, keys, dtype, delta, bucket_bytes, checksum, check_finite, transport
+            weights,
+            model_id,
+            keys,
+            dtype,
+            delta,
+            bucket_bytes,
+            checksum,
+            check_finite,
+            transport,
+            group_timeout=60.0 if timeout is None else timeout,
         )
         self.last_push = {"model_id": model_id}
         pushed = self._pipeline.push(request, writer=writer_identity())

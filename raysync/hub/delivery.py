@@ -258,6 +258,8 @@ class Delivery:
                 sub.sent = prior.get(sub, 0)
             elif ack.outcome == "died":
                 self._drop(sub, f"actor died ({ack.error})")
+            elif ack.outcome == "restarted":  # its new process registers (or did): that brings it up to date
+                continue
             elif ack.outcome == "unreachable":
                 self._state.unreachable(sub, ack.error or RuntimeError("unreachable"))
             else:

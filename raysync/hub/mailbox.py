@@ -13,7 +13,9 @@ What Ray's errors said before, the mailbox says itself:
 
 - :class:`SubscriberGone`: its actor is dead (asked of ``alive`` once its process stopped
   polling while a call waited for it);
-- :class:`SubscriberUnreachable`: its actor restarted (a new process polls), a call waited
+- :class:`SubscriberRestarted` (a :class:`SubscriberUnreachable`): its actor restarted (a new
+  process polls: its registration, not this call, brings it up to date);
+- :class:`SubscriberUnreachable`: a call waited
   :data:`PICKUP_S` for a poll, or a running call went unconfirmed for :data:`LOST_S`.
 
 Example:
@@ -33,7 +35,14 @@ from typing import Any
 
 from raysync._protocol import Announcement, Answer, Caller, Request
 
-__all__ = ["LOST_S", "PICKUP_S", "Mailboxes", "SubscriberGone", "SubscriberUnreachable"]
+__all__ = [
+    "LOST_S",
+    "PICKUP_S",
+    "Mailboxes",
+    "SubscriberGone",
+    "SubscriberRestarted",
+    "SubscriberUnreachable",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +60,10 @@ class SubscriberGone(Exception):
 
 class SubscriberUnreachable(Exception):
     """The subscriber's actor restarted or does not poll: it gets the newest when it is back."""
+
+
+class SubscriberRestarted(SubscriberUnreachable):
+    """The call was for the actor's previous process: a new one polls now (and registers again)."""
 
 
 @dataclass
@@ -109,9 +122,7 @@ class Mailboxes:
         box = self._boxes.setdefault(caller.actor_id, _Box())
         if box.pid is not None and box.pid != caller.pid:  # the actor restarted: its old calls are gone
             box.fail(
-                SubscriberUnreachable(
-                    f"actor {caller.actor_id[:12]} restarted (pid {box.pid} -> {caller.pid})"
-                )
+                SubscriberRestarted(f"actor {caller.actor_id[:12]} restarted (pid {box.pid} -> {caller.pid})")
             )
         box.pid = caller.pid
         self._answer(box, answers)

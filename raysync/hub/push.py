@@ -27,9 +27,11 @@ from ray.exceptions import ObjectLostError, RayTaskError
 
 from raysync._checks import require_ray
 from raysync.core.codec import same_bytes, unpack
+from raysync.core.dtensor import is_sharded
 from raysync.core.extract import extract_extra_state, extract_tensors
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
+from raysync.hub.sharded_push import push_shard
 from raysync.hub.state import Version
 from raysync.transports.base import HubTransport, Reuse, transport_for
 from raysync.transports.registry import transport_class
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 Publish = Callable[[str, Manifest, list[Any]], int]
 """``(model_id, manifest, refs) -> version``: the hub's stamp (raises what the hub refuses)."""
+Contribute = Callable[[str, Any, list[Any], dict[str, Any], float], int]
+"""``(model_id, part, refs, pusher, timeout) -> version``: a sharded rank's part to the hub."""
 Previous = Callable[[str], "Version | None"]
 """``model_id -> the hub's newest version``, for keys/delta pushes after another writer's."""
 
@@ -57,6 +61,7 @@ class PushRequest:
     checksum: bool = False
     check_finite: bool = False
     transport: str = "object_store"
+    group_timeout: float = 60.0  # a sharded push: how long to wait for every rank's shard
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,17 @@ class Pushed:
 class PushPipeline:
     """The push steps of one client (it keeps layouts, partial-push keys and the last version)."""
 
-    def __init__(self, publish: Publish, *, previous: Previous | None = None, lost: Any = None) -> None:
+    def __init__(
+        self,
+        publish: Publish,
+        *,
+        previous: Previous | None = None,
+        lost: Any = None,
+        contribute: Contribute | None = None,
+    ) -> None:
         self._publish = publish
+        self._contribute = contribute
+        self._rounds: dict[str, int] = {}  # sharded pushes of each model by this client
         self._previous_of = previous
         self._lost = lost
         self._transports: dict[str, HubTransport] = {}
@@ -90,7 +104,10 @@ class PushPipeline:
             raise ValueError(
                 f"transport={request.transport!r} sends whole versions: drop keys=, delta= and checksum="
             )
-        tensors = self._tensors(request)
+        raw = extract_tensors(request.weights)
+        if is_sharded(raw):  # DTensor weights: this rank pushes its own shards
+            return self._push_shard(request, raw, writer)
+        tensors = self._tensors(request, raw)
         selected = _select_keys(tensors, request.keys) if request.keys is not None else None
         prev, prev_buckets = (
             self._previous(model_id, partial=selected is not None)
@@ -149,8 +166,19 @@ class PushPipeline:
         )
         return Pushed(version, stats)
 
-    def _tensors(self, request: PushRequest) -> dict[str, torch.Tensor]:
-        tensors = extract_tensors(request.weights)
+    def _push_shard(self, request: PushRequest, tensors: dict[str, Any], writer: dict[str, Any]) -> Pushed:
+        if self._contribute is None:
+            raise ValueError("this push pipeline takes no sharded (DTensor) weights")
+        contribute = self._contribute
+        self._rounds[request.model_id] = round = self._rounds.get(request.model_id, 0) + 1
+
+        def hand(model_id: str, part: Any, refs: list[Any], pusher: dict[str, Any]) -> int:
+            return contribute(model_id, part, refs, pusher, request.group_timeout)
+
+        version, stats = push_shard(request, tensors, hand, round=round, writer=writer)
+        return Pushed(version, stats)
+
+    def _tensors(self, request: PushRequest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if request.dtype is not None:
             tensors = cast_floating(tensors, request.dtype)
         if request.check_finite:

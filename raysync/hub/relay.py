@@ -57,7 +57,7 @@ from raysync._protocol import (
     bucket_ids,
     compact,
 )
-from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberUnreachable
+from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberRestarted, SubscriberUnreachable
 from raysync.hub.persistence import actor_alive
 from raysync.hub.priority import control_plane_priority
 from raysync.hub.settings import HubSettings
@@ -345,6 +345,8 @@ def _acks_of(sub_ids: tuple[str, ...], fut: asyncio.Future[Any]) -> list[RelayAc
         reply = fut.result()
     except SubscriberGone as err:
         return [RelayAck(s, None, "died", _plain(err)) for s in sub_ids]
+    except SubscriberRestarted as err:  # for its old process: the new one registers (and catches up)
+        return [RelayAck(s, None, "restarted", _plain(err)) for s in sub_ids]
     except SubscriberUnreachable as err:
         return [RelayAck(s, None, "unreachable", _plain(err)) for s in sub_ids]
     except Exception as err:

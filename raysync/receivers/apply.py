@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from ray.exceptions import ObjectLostError
 from raysync._protocol import ApplyReport, bucket_ids
 from raysync.core.codec import verify_checksums
 from raysync.core.layout import Manifest
+from raysync.core.shards import TensorParallel, reshard
 from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
 from raysync.transports.registry import transport_class
@@ -59,6 +61,7 @@ __all__ = [
     "portable",
     "skipped",
     "verified",
+    "view",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,29 @@ logger = logging.getLogger(__name__)
 Verify = bool | Literal["if_present"]
 """``True``: verify checksums, refusing a version without them; ``"if_present"``: verify those
 a version carries; ``False``: do not verify."""
+
+
+def view(target: Target | None, manifest: Manifest) -> Manifest:
+    """The version as ``target`` takes it: its own parts of a sharded version, or all of it.
+
+    A target with a ``placement`` attribute (a :class:`~raysync.core.shards.TensorParallel`,
+    e.g. ``WeightsLoader(..., placement=...)``) takes, of a sharded trainer's version, only
+    its parts of each tensor (:func:`~raysync.core.shards.reshard`): checked, fetched and
+    committed as such. Every other version and target: ``manifest`` itself.
+
+    Example:
+        >>> tp = raysync.TensorParallel(0, 2, {"*.weight": 0})
+        >>> view(WeightsLoader(load, placement=tp), manifest)  # doctest: +SKIP
+    """
+    placement = getattr(target, "placement", None)
+    if placement is None or manifest.shards is None:
+        return manifest
+    return _resharded(manifest, placement)
+
+
+@functools.lru_cache(maxsize=8)
+def _resharded(manifest: Manifest, placement: TensorParallel) -> Manifest:
+    return reshard(manifest, placement)
 
 
 def plan(
@@ -79,6 +105,7 @@ def plan(
     """
     if held is not None and version <= held:
         return None
+    manifest = view(target, manifest)
     target.check(manifest)
     return target.needed(manifest, ids)
 
@@ -90,8 +117,13 @@ def fetch(
     *,
     timeout: float | None,
     verify: Verify = False,
+    target: Target | None = None,
 ) -> dict[int, Any]:
-    """The buckets ``needed`` through the version's data path, by index, verified if asked."""
+    """The buckets ``needed`` through the version's data path, by index, verified if asked.
+
+    ``target``: whose :func:`view` of the version to fetch (its own parts of a sharded one).
+    """
+    manifest = view(target, manifest)
     arrays = transport_class(manifest.transport).fetch(manifest, list(refs), list(needed), timeout=timeout)
     return verified(manifest, needed, arrays, verify=verify)
 
@@ -103,8 +135,10 @@ async def fetch_async(
     *,
     timeout: float | None,
     verify: Verify = False,
+    target: Target | None = None,
 ) -> dict[int, Any]:
     """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
+    manifest = view(target, manifest)
     transport = transport_class(manifest.transport)
     native = getattr(transport, "fetch_async", None)
     if native is not None:
@@ -135,7 +169,7 @@ def commit(
 ) -> float:
     """Hand the version to the target, whole; the seconds it took (readers' pause under a lock)."""
     t0 = time.perf_counter()
-    target.commit(Incoming(version, manifest, list(ids), fetched))
+    target.commit(Incoming(version, view(target, manifest), list(ids), fetched))
     return time.perf_counter() - t0
 
 
@@ -198,14 +232,14 @@ def apply_version(
         needed = plan(target, version, manifest, ids, held)
         if needed is None:
             return skipped(held, version)
-        fetched = fetch(manifest, refs, needed, timeout=timeout, verify=verify)
+        fetched = fetch(manifest, refs, needed, timeout=timeout, verify=verify, target=target)
         with guard():
             pause = commit(target, version, manifest, ids, fetched)
         del fetched
     except Exception as err:
         logger.warning("%s could not apply version %d: %s", label, version, err)
         return failed(version, held if target.intact() else None, err)
-    return applied(version, t0, version, pause, needed, manifest)
+    return applied(version, t0, version, pause, needed, view(target, manifest))
 
 
 def portable(error: BaseException) -> BaseException:

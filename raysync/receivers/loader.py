@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from raysync.core.layout import Manifest, _dtype_name, _short
+from raysync.core.shards import TensorParallel
 from raysync.errors import WeightMismatchError
 from raysync.receivers.target import Incoming
 
@@ -55,6 +56,10 @@ class WeightsLoader:
             alone), or a callable ``(name, shape, dtype) -> bool``. ``None`` takes
             every tensor.
         name: who this is in logs and errors.
+        placement: this receiver's own placement (:class:`~raysync.TensorParallel`): of a
+            sharded trainer's version it takes only its parts of each tensor (``expected``
+            then names the parts' shapes), fetching only the trainer ranks' buckets that
+            hold them. Versions of one writer come whole.
 
     A version is refused (:class:`~raysync.WeightMismatchError`, naming each tensor)
     when it does not fit ``expected`` or carries extra state (``get_extra_state``
@@ -79,7 +84,11 @@ class WeightsLoader:
         expected: Expected | None = None,
         *,
         name: str | None = None,
+        placement: TensorParallel | None = None,
     ) -> None:
+        if placement is not None and not isinstance(placement, TensorParallel):
+            raise TypeError(f"placement must be a raysync.TensorParallel, got {type(placement).__name__}")
+        self.placement = placement
         if not callable(load_weights):
             raise TypeError(f"load_weights must be callable, got {type(load_weights).__name__}")
         self.load_weights = load_weights

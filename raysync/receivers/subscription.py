@@ -271,7 +271,9 @@ class _Subscription(PullSync, LocalChanges):
         self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int], timeout: float | None = None
     ) -> dict[int, Any]:
         timeout = self.spec.fetch_timeout if timeout is None else timeout
-        return apply.fetch(manifest, refs, needed, timeout=timeout, verify=self.spec.verify)
+        return apply.fetch(
+            manifest, refs, needed, timeout=timeout, verify=self.spec.verify, target=self._target()
+        )
 
     def _commit(
         self, version: int, manifest: Manifest, ids: list[str | None], fetched: dict[int, Any]
@@ -430,7 +432,9 @@ class _Subscription(PullSync, LocalChanges):
                 return self._skipped(version)
             timeout = self.spec.fetch_timeout if fetch_timeout is None else fetch_timeout
             verify = self.spec.verify
-            fetched = await apply.fetch_async(manifest, refs, needed, timeout=timeout, verify=verify)
+            fetched = await apply.fetch_async(
+                manifest, refs, needed, timeout=timeout, verify=verify, target=self._target()
+            )
             async with self.sync.async_lock.write():
                 pause = self._commit(version, manifest, bucket_ids(refs), fetched)
             del fetched
@@ -592,4 +596,3 @@ class _Subscription(PullSync, LocalChanges):
         if self.version is not None and self.version >= version:
             return reply or self._skipped(version)
         return None
-

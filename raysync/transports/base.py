@@ -29,7 +29,7 @@ __all__ = [
     "transport_for",
 ]
 
-TRANSPORTS = tuple(registry.BUILTIN)
+TRANSPORTS = tuple(n for n in registry.BUILTIN if n != "sharded")  # the hub names "sharded" versions
 """raysync's own data paths, by name (``hub.push(transport=...)``, ``raysync.connect(transport=...)``)."""
 
 

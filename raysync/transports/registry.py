@@ -58,6 +58,12 @@ BUILTIN: dict[str, tuple[str, TransportInfo]] = {
         "raysync.transports.nixl:NixlTransport",
         TransportInfo("nixl", partial=False, relayable=False, in_place=True, checksummed=False),
     ),
+    # A sharded trainer's versions (every rank its own pieces); the hub names it, not the
+    # pusher. Relays forward its refs; the doorbell's copy of whole buckets is not wired to it.
+    "sharded": (
+        "raysync.transports.sharded:ShardedTransport",
+        TransportInfo("sharded", partial=False, checksummed=False),
+    ),
 }
 """The data paths raysync ships: name -> (``module:Class``, what it allows)."""
 

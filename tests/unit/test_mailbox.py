@@ -196,3 +196,38 @@ def test_a_member_that_died_mid_delivery_is_acked_as_died(monkeypatch: pytest.Mo
         assert [(a.sub_id, a.outcome) for a in later] == [("d:policy", "died")]
 
     asyncio.run(main())
+
+
+def test_a_call_for_a_restarted_actors_old_process_leaves_its_new_registration_live() -> None:
+    """The relay's call reached the old process; the new one registered (caught up by itself), then
+    polled the relay: that ack says "restarted", and the hub keeps the new registration live."""
+    from raysync._protocol import Registration, SubscriberInfo
+    from raysync.hub.delivery import Delivery
+    from raysync.hub.state import HubState
+
+    async def main() -> list[Any]:
+        mail = _mail()
+        old, new = Caller("a" * 32, pid=100, node_id="n1"), Caller("a" * 32, pid=101, node_id="n1")
+        acks, late, _ = await notify_members(
+            _ann(7), {"a:policy": RelayMember(old.actor_id)}, mail.call, window=0.05
+        )
+        assert acks == [] and len(late) == 1  # handed to nobody yet
+        await mail.poll(old, [], [], timeout=0)  # the old process takes it, and dies
+        await mail.poll(new, [], [], timeout=0)  # its new process polls
+        return [ack async for batch in late_acks(late) for ack in batch]
+
+    (ack,) = asyncio.run(main())
+    assert (ack.sub_id, ack.outcome) == ("a:policy", "restarted")
+
+    state = HubState("hub", 2, relay=True)
+    info = SubscriberInfo(mode="push", class_name="A", actor_id="a" * 32, node_id="n1")
+    state.register(Registration("a:policy", "policy", True, info))
+    sub, _, _ = state.register(Registration("a:policy", "policy", True, info))  # registered again
+    delivery = Delivery.__new__(Delivery)
+    delivery._state = state
+    group = state.groups["policy@node:n1"]
+    delivery._acks(group, 7, proto.RelayReply((ack,), ()), {})
+    assert sub.state == "live" and sub.last_error is None
+    unreachable = proto.RelayAck("a:policy", None, "unreachable", RuntimeError("no poll in 30 s"))
+    delivery._acks(group, 7, proto.RelayReply((unreachable,), ()), {})
+    assert sub.state == "unreachable"  # the test can fail: other outcomes still mark it

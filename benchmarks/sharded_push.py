@@ -1,0 +1,213 @@
+"""Sharded trainers: 1, 2 and 4 writers pushing one model to N ``@synced_model`` actors.
+
+Each row is one group size W; the groups push models of their own (``w1``, ``w2``, ``w4``) to the
+same N actors, interleaved (each round pushes every group once), so the rows share the machine's
+moments:
+
+- W = 1: one trainer actor pushes the whole (plain) model: the single-writer reference.
+- W = 2, 4: W gloo ranks (Ray actors) hold the model as ``DTensor``\\ s (every tensor
+  ``Shard(0)``) and each calls ``hub.push(model)``: each puts only its shard.
+
+Per row: the time from the push until all N actors applied it (median of ``--repeats``),
+beside the single writer's; each rank's blocking in ``push`` beside a ``clone()`` of its own
+shard (the memcpy floor), and each rank's peak private memory above what it held before
+(sampled every 2 ms during its pushes; the object store's pages are shared, not counted).
+
+    python benchmarks/sharded_push.py --mib 256 --actors 8 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+import _harness as harness
+import raysync
+
+
+def _model(mib: int, tensors: int) -> torch.nn.Module:
+    rows = mib * 2**20 // 4 // tensors // 1024
+    model = torch.nn.Module()
+    for i in range(tensors):
+        model.register_parameter(f"w{i:02d}", torch.nn.Parameter(torch.full((rows, 1024), float(i))))
+    return model
+
+
+@ray.remote(num_cpus=0)
+class Writer:
+    """One rank (``world`` > 1: a gloo rank with DTensor weights; 1: a plain trainer)."""
+
+    def __init__(
+        self, rank: int, world: int, port: int, mib: int, tensors: int, hub: str, model_id: str
+    ) -> None:
+        self.rank, self.world, self.model_id = rank, world, model_id
+        model = _model(mib, tensors)
+        if world > 1:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=120),
+            )
+            mesh = init_device_mesh("cpu", (world,))
+            for name, p in list(model.named_parameters()):
+                setattr(model, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+        self.model = model
+        self.hub = raysync.connect(hub)
+        self.private0 = _private_mib()
+        self.peak = self.private0
+
+    def local(self) -> list[torch.Tensor]:
+        return [p.to_local() if self.world > 1 else p.detach() for p in self.model.parameters()]
+
+    def memcpy_s(self) -> float:
+        """A clone of this rank's own shard (its bytes once), the floor of its blocking."""
+        local = self.local()
+        t0 = time.perf_counter()
+        copies = [t.clone() for t in local]
+        dt = time.perf_counter() - t0
+        del copies
+        return dt
+
+    def push(self, step: int) -> tuple[int, float]:
+        with torch.no_grad():
+            for t in self.local():
+                t.add_(1.0)
+        done = threading.Event()
+
+        def sample() -> None:  # private (not shared) resident memory, every 2 ms, during the push
+            while not done.is_set():
+                self.peak = max(self.peak, _private_mib())
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.perf_counter()
+        version = self.hub.push(self.model, self.model_id, timeout=120)
+        dt = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        return version, dt
+
+    def peak_growth_mib(self) -> float:
+        """The most private memory above what the rank held before its pushes (MiB), sampled."""
+        return self.peak - self.private0
+
+
+def _private_mib() -> float:
+    """Resident memory not shared with other processes (the object store's pages are shared)."""
+    with open("/proc/self/statm") as f:
+        _, resident, shared = (int(x) for x in f.read().split()[:3])
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@ray.remote(num_cpus=0)
+@raysync.synced_model("w1", model_id="w1", hub="bench-sharded")
+@raysync.synced_model("w2", model_id="w2", hub="bench-sharded")
+@raysync.synced_model("w4", model_id="w4", hub="bench-sharded")
+class Actor:
+    """A receiver of all three writer groups' models (one model each, so the rows interleave)."""
+
+    def __init__(self, mib: int, tensors: int, worlds: list[int]) -> None:
+        for w in (1, 2, 4):
+            setattr(self, f"w{w}", _model(mib if w in worlds else 1, tensors))
+
+    def ready(self) -> bool:
+        return True
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    hub = raysync.connect("bench-sharded")
+    actors = [Actor.remote(args.mib, args.tensors, args.writers) for _ in range(args.actors)]
+    ray.get([a.ready.remote() for a in actors], timeout=600)
+    groups = {}
+    for world in args.writers:
+        port = _port()
+        groups[world] = [
+            Writer.remote(r, world, port, args.mib, args.tensors, "bench-sharded", f"w{world}")
+            for r in range(world)
+        ]
+    memcpy = {w: ray.get([x.memcpy_s.remote() for x in g], timeout=600) for w, g in groups.items()}
+    applied: dict[int, list[float]] = {w: [] for w in groups}
+    blocking: dict[int, list[list[float]]] = {w: [] for w in groups}
+    for step in range(args.warmup + args.repeats):
+        for world, writers in groups.items():  # interleaved: each round pushes every group once
+            t0 = time.perf_counter()
+            pushed = ray.get([w.push.remote(step) for w in writers], timeout=600)
+            hub.wait(pushed[0][0], f"w{world}", timeout=300, subscribers=args.actors)
+            if step >= args.warmup:
+                applied[world].append(time.perf_counter() - t0)
+                blocking[world].append([s for _, s in pushed])
+    rows = []
+    for world, writers in groups.items():
+        peaks = ray.get([w.peak_growth_mib.remote() for w in writers], timeout=60)
+        rows.append(
+            {
+                "writers": world,
+                "applied_s": statistics.median(applied[world]),
+                "applied_all": applied[world],
+                "blocking_s": [statistics.median(b[r] for b in blocking[world]) for r in range(world)],
+                "memcpy_s": memcpy[world],
+                "shard_mib": args.mib / world,
+                "peak_private_growth_mib": peaks,
+            }
+        )
+        harness.kill_all(writers)
+    harness.kill_all(actors)
+    ray.kill(hub.actor)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--actors", type=int, default=8)
+    parser.add_argument("--writers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--object-store-mib", type=int, default=4096)
+    args = parser.parse_args(argv)
+    started = time.time()
+    with harness.local_cluster(num_cpus=args.actors + 8, object_store_bytes=args.object_store_mib * 2**20):
+        rows = run(args)
+    single = next((r["applied_s"] for r in rows if r["writers"] == 1), None)
+    print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}")
+    print("writers | all applied (s) | vs 1 writer | per-rank blocking (s) | memcpy of shard (s) | peak +MiB")
+    for r in rows:
+        vs = f"{r['applied_s'] / single:.2f}x" if single else "-"
+        block = ", ".join(f"{b:.3f}" for b in r["blocking_s"])
+        copy = ", ".join(f"{m:.3f}" for m in r["memcpy_s"])
+        peak = ", ".join(f"{p:.0f}" for p in r["peak_private_growth_mib"])
+        print(f"{r['writers']:7d} | {r['applied_s']:15.3f} | {vs:>11} | {block} | {copy} | {peak}")
+    harness.write_json(
+        harness.results_path("sharded_push.json"),
+        {"meta": harness.run_meta("benchmarks/sharded_push.py", argv, started=started), "rows": rows},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

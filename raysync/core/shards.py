@@ -1,0 +1,473 @@
+"""Sharded versions: what each trainer rank sends, and how the hub makes one version of them.
+
+A trainer whose weights are ``DTensor``\\ s pushes from every rank: each rank lays out and
+puts only the pieces it holds (:func:`raysync.core.dtensor.local_part`) and sends the hub a
+:class:`ShardPart`. Once every rank's part is in, :func:`merge` checks that the ranks agree
+(same tensors, shapes, dtypes, placements) and that their pieces tile every tensor exactly
+once, then lays the *whole* tensors out as one plain :class:`~raysync.core.layout.Manifest`
+(what receivers bind to and check against their models) whose :attr:`Manifest.shards`
+(a :class:`ShardMap`) says where each piece's bytes live. Receivers fetch through the
+``"sharded"`` data path (:mod:`raysync.transports.sharded`), which assembles whole tensors
+from exactly the rank buckets that hold them.
+
+Torch-free: the hub runs :func:`merge`.
+
+Example:
+    >>> manifest, refs = merge([(part0, refs0), (part1, refs1)])   # doctest: +SKIP
+    >>> manifest.shards.pieces_of("w")                             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, plan_specs
+from raysync.errors import InvalidWeightsError
+
+__all__ = [
+    "SHARDED",
+    "Box",
+    "ShardMap",
+    "ShardPart",
+    "ShardPiece",
+    "ShardRefs",
+    "TensorParallel",
+    "TensorSpec",
+    "merge",
+    "reshard",
+]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""``(offsets, lengths)``: a box of a tensor, per dimension."""
+
+SHARDED = "sharded"
+"""The data path name a merged sharded version carries (``Manifest.transport``)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a rank says of one tensor of the model; every rank must say the same.
+
+    Attributes:
+        key: the tensor's name, as in ``state_dict()``.
+        shape: its global shape (the whole tensor).
+        dtype: its dtype's name without ``torch.``.
+        itemsize: bytes per element.
+        placement: how it is laid out over the ranks, e.g.
+            ``"(Shard(dim=0),) over mesh (2,)"``; ``"plain"`` for a tensor that is
+            not a ``DTensor`` (taken from group rank 0).
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    placement: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """One rank's piece of one tensor: a box of the global tensor, and where its bytes are.
+
+    Attributes:
+        key: the tensor.
+        rank: the group rank that put it.
+        bucket: the bucket that holds it (in a :class:`ShardPart`: of that rank's own
+            layout; in a :class:`ShardMap`: of the version, every rank's buckets in rank order).
+        index: its buffer's position in the bucket.
+        nbytes: its bytes.
+        offsets: where the box starts, per dimension of the global tensor.
+        lengths: the box's size per dimension.
+    """
+
+    key: str
+    rank: int
+    bucket: int
+    index: int
+    nbytes: int
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the piece."""
+        return math.prod(self.lengths)
+
+
+@dataclass(frozen=True)
+class ShardPart:
+    """What one rank of a sharded trainer sends the hub for one push.
+
+    Attributes:
+        round: the how-many-th sharded push of this model by this rank's client; the
+            hub matches the ranks' parts of one version by it.
+        rank: this rank's place in the group (0 .. world - 1).
+        world: how many ranks hold the model's shards (the ``DTensor``\\ s' mesh).
+        specs: every tensor of the model, as this rank sees it (sorted by key).
+        manifest: the layout of this rank's own buckets (its pieces, keyed by tensor).
+        pieces: its pieces, ``bucket`` in its own layout.
+        bucket_bytes: the bucket size the whole-tensor layout uses.
+    """
+
+    round: int
+    rank: int
+    world: int
+    specs: tuple[TensorSpec, ...]
+    manifest: Manifest
+    pieces: tuple[ShardPiece, ...]
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """Where a sharded version's bytes live: the ranks' buckets and every tensor's pieces.
+
+    Attributes:
+        world: ranks that pushed it.
+        transport: the data path of the ranks' buckets (``"object_store"``).
+        bucket_ranks: the rank of each rank bucket (rank 0's buckets first).
+        bucket_nbytes: the span of each rank bucket.
+        pieces: every piece, sorted by key, then offsets; a replicated tensor has one
+            piece (one rank's copy), a ``Shard(d)`` tensor one per rank holding elements.
+        placements: ``(key, placement)`` of each tensor on the trainer.
+        boxes: ``(key, offsets, lengths)`` of the tensors a receiver takes only part of
+            (:func:`reshard`); the manifest's entries are then those parts. Empty: whole tensors.
+
+    Example:
+        >>> [p.rank for p in manifest.shards.pieces_of("w")]    # doctest: +SKIP
+        [0, 1]
+    """
+
+    world: int
+    transport: str
+    bucket_ranks: tuple[int, ...]
+    bucket_nbytes: tuple[int, ...]
+    pieces: tuple[ShardPiece, ...]
+    placements: tuple[tuple[str, str], ...]
+    boxes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def box_of(self, key: str) -> Box | None:
+        """The part of ``key`` this view holds (None: all of it)."""
+        for k, offsets, lengths in self.boxes:
+            if k == key:
+                return offsets, lengths
+        return None
+
+    def pieces_of(self, key: str) -> list[ShardPiece]:
+        """The pieces of one tensor."""
+        return [p for p in self.pieces if p.key == key]
+
+    def buckets_of(self, keys: Sequence[str]) -> list[int]:
+        """The rank buckets that hold any byte of ``keys`` (of their boxes, in a view), sorted."""
+        wanted = set(keys)
+        boxes = {k: (o, n) for k, o, n in self.boxes}
+        out = set()
+        for p in self.pieces:
+            if p.key in wanted and p.numel:
+                box = boxes.get(p.key)
+                if box is None or intersect((p.offsets, p.lengths), box) is not None:
+                    out.add(p.bucket)
+        return sorted(out)
+
+
+class ShardRefs:
+    """The ref of one whole-tensor bucket of a sharded version: the rank buckets it is made of.
+
+    The hub, relays and receivers treat it as any bucket's ref (it travels inside their
+    messages; Ray tracks the ``ObjectRef``\\ s in it); :meth:`hex` is its identity.
+
+    Example:
+        >>> ShardRefs((0, 2), (ref0, ref2)).hex()   # doctest: +SKIP
+    """
+
+    __slots__ = ("buckets", "refs")
+
+    def __init__(self, buckets: tuple[int, ...], refs: tuple[Any, ...]) -> None:
+        self.buckets = buckets
+        self.refs = refs
+
+    def hex(self) -> str:
+        """Same rank buckets, same id: a digest of their objects' ids."""
+        return hashlib.sha1(",".join(r.hex() for r in self.refs).encode()).hexdigest()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardRefs, (self.buckets, self.refs))
+
+    def __repr__(self) -> str:
+        return f"ShardRefs(buckets={self.buckets})"
+
+
+def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, list[ShardRefs]]:
+    """One version of every rank's part: the whole-tensor manifest and one ref per its bucket.
+
+    Args:
+        parts: ``(part, refs)`` of every rank (``refs``: one per bucket of its own layout).
+
+    Raises:
+        InvalidWeightsError: a rank missing or twice, ranks that disagree on the tensors
+            or their layout, or pieces that leave part of a tensor uncovered or cover it
+            twice (each message names the tensor).
+    """
+    by_rank: dict[int, tuple[ShardPart, Sequence[Any]]] = {}
+    for part, refs in parts:
+        if part.rank in by_rank:
+            raise InvalidWeightsError(f"rank {part.rank} pushed its shards twice for one version")
+        by_rank[part.rank] = (part, refs)
+    world = parts[0][0].world if parts else 0
+    missing = sorted(set(range(world)) - set(by_rank))
+    if missing or any(p.world != world for p, _ in parts):
+        raise InvalidWeightsError(
+            f"a sharded version needs one part from each of {world} ranks: missing {missing}, worlds "
+            f"{sorted({p.world for p, _ in parts})}"
+        )
+    first = by_rank[0][0]
+    specs = {s.key: s for s in first.specs}
+    for rank in range(1, world):
+        _agree(specs, by_rank[rank][0], first.rank)
+    transports = {by_rank[r][0].manifest.transport for r in range(world)}
+    if len(transports) != 1:
+        raise InvalidWeightsError(
+            f"the ranks of a sharded push used different data paths: {sorted(transports)}"
+        )
+    # every rank's buckets, in rank order
+    pieces: list[ShardPiece] = []
+    bucket_ranks: list[int] = []
+    bucket_nbytes: list[int] = []
+    all_refs: list[Any] = []
+    for rank in range(world):
+        part, refs = by_rank[rank]
+        if len(refs) != part.manifest.num_buckets:
+            raise InvalidWeightsError(
+                f"rank {rank} sent {len(refs)} bucket refs for {part.manifest.num_buckets} buckets"
+            )
+        base = len(bucket_ranks)
+        for p in part.pieces:
+            if p.rank != rank:
+                raise InvalidWeightsError(f"rank {rank} sent a piece of {p.key!r} marked as rank {p.rank}'s")
+            if p.key not in specs:
+                raise InvalidWeightsError(f"rank {rank} sent a piece of {p.key!r}, a tensor no rank declared")
+            pieces.append(ShardPiece(p.key, rank, base + p.bucket, p.index, p.nbytes, p.offsets, p.lengths))
+        bucket_ranks += [rank] * part.manifest.num_buckets
+        bucket_nbytes += list(part.manifest.bucket_nbytes)
+        all_refs += list(refs)
+    pieces.sort(key=lambda p: (p.key, p.offsets, p.rank))
+    _check_cover(specs, pieces)
+    whole = plan_specs(
+        [(s.key, s.shape, s.dtype, s.nbytes) for s in specs.values()], bucket_bytes=first.bucket_bytes
+    )
+    shard_map = ShardMap(
+        world,
+        transports.pop(),
+        tuple(bucket_ranks),
+        tuple(bucket_nbytes),
+        tuple(pieces),
+        tuple((k, s.placement) for k, s in sorted(specs.items())),
+    )
+    # The placements are part of the layout: a receiver keeps its binding only while they hold.
+    digest = hashlib.sha1(repr((whole.layout_hash, shard_map.placements, bucket_nbytes)).encode())
+    manifest = Manifest(
+        whole.entries,
+        whole.bucket_nbytes,
+        digest.hexdigest()[:16],
+        transport=SHARDED,
+        extra_state=first.manifest.extra_state,
+        shards=shard_map,
+    )
+    refs_out = []
+    for b in range(manifest.num_buckets):
+        rank_buckets = tuple(shard_map.buckets_of([e.key for e in manifest.bucket_entries(b)]))
+        refs_out.append(ShardRefs(rank_buckets, tuple(all_refs[i] for i in rank_buckets)))
+    return manifest, refs_out
+
+
+def _agree(specs: dict[str, TensorSpec], part: ShardPart, first: int) -> None:
+    """Raise unless ``part``'s rank declares the same tensors, each the same, as rank ``first``."""
+    theirs = {s.key: s for s in part.specs}
+    only_first = sorted(set(specs) - set(theirs))
+    only_theirs = sorted(set(theirs) - set(specs))
+    if only_first or only_theirs:
+        raise InvalidWeightsError(
+            f"the ranks of a sharded push disagree on the tensors: rank {first} has {only_first[:10]} that "
+            f"rank {part.rank} lacks, rank {part.rank} has {only_theirs[:10]} that rank {first} lacks; "
+            "every rank must push the same model"
+        )
+    for key, spec in specs.items():
+        other = theirs[key]
+        if other != spec:
+            raise InvalidWeightsError(
+                f"the ranks of a sharded push disagree on tensor {key!r}: rank {first} has shape "
+                f"{spec.shape} {spec.dtype} placed {spec.placement}, rank {part.rank} has shape "
+                f"{other.shape} {other.dtype} placed {other.placement}"
+            )
+
+
+def _check_cover(specs: dict[str, TensorSpec], pieces: list[ShardPiece]) -> None:
+    """Raise unless each tensor's pieces lie inside it and cover every element exactly once."""
+    by_key: dict[str, list[ShardPiece]] = {k: [] for k in specs}
+    for p in pieces:
+        by_key[p.key].append(p)
+    for key, spec in specs.items():
+        mine = by_key[key]
+        for p in mine:
+            inside = len(p.offsets) == len(spec.shape) == len(p.lengths) and all(
+                o >= 0 and n >= 0 and o + n <= size
+                for o, n, size in zip(p.offsets, p.lengths, spec.shape, strict=True)
+            )
+            if not inside or p.nbytes != p.numel * spec.itemsize:
+                raise InvalidWeightsError(
+                    f"rank {p.rank}'s piece of tensor {key!r} (offsets {p.offsets}, lengths {p.lengths}, "
+                    f"{p.nbytes} bytes) does not fit its shape {spec.shape}"
+                )
+        for i, a in enumerate(mine):
+            for b in mine[i + 1 :]:
+                if a.numel and b.numel and _overlap(a, b):
+                    raise InvalidWeightsError(
+                        f"tensor {key!r} is pushed twice: ranks {a.rank} and {b.rank} both hold elements "
+                        f"from offsets {max(a.offsets, b.offsets)} (a replicated tensor is taken from one "
+                        "rank only: check the placements)"
+                    )
+        covered = sum(p.numel for p in mine)
+        if covered != math.prod(spec.shape):
+            raise InvalidWeightsError(
+                f"tensor {key!r} is missing a shard: the ranks' pieces hold {covered} of its "
+                f"{math.prod(spec.shape)} elements"
+            )
+
+
+def _overlap(a: ShardPiece, b: ShardPiece) -> bool:
+    return all(
+        oa < ob + nb and ob < oa + na
+        for oa, na, ob, nb in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)
+    )
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box both ``a`` and ``b`` cover (None if they share no element).
+
+    Example:
+        >>> intersect(((0,), (4,)), ((2,), (4,)))
+        ((2,), (2,))
+    """
+    offsets, lengths = [], []
+    for oa, na, ob, nb in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(oa, ob), min(oa + na, ob + nb)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return tuple(offsets), tuple(lengths)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A receiver's own placement: tensor-parallel rank ``rank`` of ``size``.
+
+    A tensor whose name matches a pattern of ``dims`` is split along that dimension into
+    ``size`` chunks as ``torch.chunk`` (and ``DTensor``'s ``Shard(d)``) splits it, and this
+    receiver holds chunk ``rank``; every other tensor is held whole (replicated). Give it to
+    a receiver of a sharded trainer's versions (``WeightsLoader(..., placement=...)``): it
+    fetches only the trainer ranks' buckets holding its parts and copies only its parts,
+    whatever the trainer's layout was.
+
+    Args:
+        rank: this receiver's place, ``0 .. size - 1``.
+        size: how many receivers split each sharded tensor.
+        dims: ``{fnmatch pattern of names: dimension}``, first match wins.
+
+    Example:
+        >>> tp = TensorParallel(1, 2, {"*.q_proj.weight": 0, "*.o_proj.weight": 1})
+        >>> tp.box("l.o_proj.weight", (4, 6))
+        ((0, 3), (4, 3))
+        >>> tp.box("l.norm.weight", (4,)) is None
+        True
+    """
+
+    rank: int
+    size: int
+    dims: tuple[tuple[str, int], ...] | dict[str, int]
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.size, int) and self.size >= 1 and isinstance(self.rank, int)):
+            raise ValueError(
+                f"TensorParallel needs integers size >= 1 and rank, got {self.rank} of {self.size}"
+            )
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TensorParallel rank must be in 0 .. {self.size - 1}, got {self.rank}")
+        if isinstance(self.dims, dict):
+            object.__setattr__(self, "dims", tuple(self.dims.items()))
+
+    def box(self, key: str, shape: tuple[int, ...]) -> Box | None:
+        """The part of tensor ``key`` (of global ``shape``) this receiver holds; None: all of it."""
+        import fnmatch
+
+        rules: Any = self.dims.items() if isinstance(self.dims, dict) else self.dims
+        for pattern, dim in rules:
+            dim = int(dim)
+            if fnmatch.fnmatchcase(key, pattern):
+                if not -len(shape) <= dim < len(shape):
+                    raise InvalidWeightsError(
+                        f"TensorParallel splits {key!r} along dimension {dim}, but it has shape {shape}"
+                    )
+                d = dim % len(shape)
+                chunk = -(-shape[d] // self.size) if shape[d] else 0
+                start = min(self.rank * chunk, shape[d])
+                length = max(0, min(shape[d], start + chunk) - start)
+                offsets = tuple(start if i == d else 0 for i in range(len(shape)))
+                return offsets, tuple(length if i == d else n for i, n in enumerate(shape))
+        return None
+
+
+def reshard(manifest: Manifest, placement: TensorParallel) -> Manifest:
+    """The view of a sharded version that a receiver with its own ``placement`` takes.
+
+    Same buckets (each bucket of the view holds this receiver's parts of the tensors of
+    that bucket of the version, so bucket ids still say which changed), entries shaped as
+    the parts; the version's shard map with the parts' boxes. A version of one writer, or
+    a placement that takes every tensor whole, is returned as it is.
+
+    Example:
+        >>> view = reshard(manifest, TensorParallel(0, 2, {"*.weight": 0}))   # doctest: +SKIP
+        >>> view.schema()["fc.weight"]                                         # doctest: +SKIP
+        ((2, 8), 'float32')
+    """
+    shards = manifest.shards
+    if shards is None:
+        return manifest
+    boxes = []
+    for e in manifest.entries:
+        box = placement.box(e.key, e.shape)
+        if box is not None and box[1] != tuple(e.shape):
+            boxes.append((e.key, box[0], box[1]))
+    if not boxes:
+        return manifest
+    by_key = {k: (o, n) for k, o, n in boxes}
+    entries = []
+    spans = []
+    for b in range(manifest.num_buckets):
+        specs = []
+        for e in manifest.bucket_entries(b):
+            box = by_key.get(e.key)
+            shape = box[1] if box is not None else e.shape
+            itemsize = e.nbytes // math.prod(e.shape) if math.prod(e.shape) else 0
+            specs.append((e.key, tuple(shape), e.dtype, math.prod(shape) * itemsize))
+        one = plan_specs(specs, bucket_bytes=2**62)  # one bucket: this bucket's parts
+        entries += [dataclasses.replace(x, bucket=b) for x in one.entries]
+        spans.append(sum(one.bucket_nbytes))
+    digest = hashlib.sha1(repr((manifest.layout_hash, tuple(boxes))).encode())
+    return dataclasses.replace(
+        manifest,
+        entries=tuple(sorted(entries, key=lambda x: x.key)),
+        bucket_nbytes=tuple(spans),
+        layout_hash=digest.hexdigest()[:16],
+        shards=dataclasses.replace(shards, boxes=tuple(boxes)),
+    )

@@ -1,0 +1,101 @@
+"""One rank's push of a sharded model: lay out and put only its own pieces, hand the hub its part.
+
+:class:`~raysync.hub.push.PushPipeline` sends here a push whose weights hold ``DTensor``\\ s
+(``hub.push(model)`` on every rank of an FSDP2 or tensor-parallel trainer, unchanged).
+Nothing is gathered: the rank's local shards (views) are laid out in buckets of their own
+and put once into the object store, the only copy; the hub publishes the version when
+every rank's part is in (:mod:`raysync.hub.sharded`).
+
+Example:
+    >>> v = hub.push(fsdp_model)     # on every rank; the same version number on each   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from raysync.core.dtensor import local_part
+from raysync.core.extract import extract_extra_state
+from raysync.core.layout import plan_layout
+from raysync.core.shards import ShardPart
+from raysync.errors import InvalidWeightsError
+from raysync.transports.base import transport_for
+
+__all__ = ["Contribute", "push_shard"]
+
+Contribute = Callable[[str, ShardPart, list[Any], dict[str, Any]], int]
+"""``(model_id, part, refs, pusher) -> version``: this rank's part to the hub; the version once all are in."""
+
+
+def push_shard(
+    request: Any,
+    tensors: dict[str, torch.Tensor],
+    contribute: Contribute,
+    *,
+    round: int,
+    writer: dict[str, Any],
+) -> tuple[int, dict[str, Any]]:
+    """This rank's part of push ``round`` of a sharded model; ``(version, stats)``.
+
+    Raises:
+        ValueError: ``keys=``, ``delta=``, ``checksum=`` or a transport other than the
+            object store (not carried for sharded pushes yet).
+        InvalidWeightsError: see :func:`~raysync.core.dtensor.local_part`, and NaN/Inf in
+            this rank's pieces with ``check_finite``.
+    """
+    t0 = time.perf_counter()
+    model_id = request.model_id
+    if request.keys is not None or request.delta or request.checksum or request.transport != "object_store":
+        raise ValueError(
+            "a sharded push (DTensor weights) sends whole versions over the object store: drop keys=, "
+            "delta=, checksum= and transport="
+        )
+    part = local_part(tensors)
+    local = part.tensors
+    if request.dtype is not None:
+        local = {k: t.to(request.dtype) if t.is_floating_point() else t for k, t in local.items()}
+    if request.check_finite:
+        bad = [k for k, t in local.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise InvalidWeightsError(
+                f"rank {part.rank}'s shards of {model_id!r} hold NaN or Inf in {bad[:20]}; nothing was pushed"
+            )
+    specs = part.specs
+    if request.dtype is not None:
+        name = str(request.dtype).removeprefix("torch.")
+        size = torch.empty(0, dtype=request.dtype).element_size()
+        specs = tuple(
+            dataclasses.replace(s, dtype=name, itemsize=size) if _floating(s.dtype) else s for s in specs
+        )
+    local = {k: t.contiguous() for k, t in local.items()}  # local shards are contiguous: no copy
+    manifest = plan_layout(local, bucket_bytes=request.bucket_bytes)
+    if part.rank == 0:
+        manifest = manifest.with_extra_state(extract_extra_state(request.weights))
+    snap = transport_for("object_store").snapshot(model_id, local, manifest)
+    snapshot_s = time.perf_counter() - t0
+    del local
+    shard = ShardPart(
+        round, part.rank, part.world, specs, snap.manifest, part.pieces(snap.manifest), request.bucket_bytes
+    )
+    stats = {
+        "model_id": model_id,
+        "snapshot_s": snapshot_s,
+        "bytes_put": snap.bytes_put,
+        "buckets_put": snap.buckets_put,
+        "buckets": len(snap.refs),
+        "rank": part.rank,
+        "world": part.world,
+    }
+    version = contribute(model_id, shard, snap.refs, {**writer, **stats})
+    stats["seconds"] = time.perf_counter() - t0
+    stats["bytes"] = snap.bytes_put
+    return version, stats
+
+
+def _floating(dtype: str) -> bool:
+    return bool(getattr(torch, dtype).is_floating_point)

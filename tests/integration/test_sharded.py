@@ -1,0 +1,236 @@
+"""A sharded trainer (2 gloo ranks as Ray actors, ``DTensor`` weights) pushing to every receiver kind.
+
+Each rank calls ``hub.push(model)`` as a single trainer does and puts only its own shards;
+the hub publishes one version once both are in. A ``@synced_model`` actor, a ``Follower``
+(plain module), a ``WeightsLoader`` and ``hub.pull()`` all end up with weights bit-equal to
+the trainer's ``full_tensor()``s (Shard(0) even and uneven, Shard(1) uneven, Replicate, a
+plain buffer). Ranks that disagree on the tensors are refused naming the tensor; a rank that
+dies mid-push leaves the version unpublished and every reader on the previous one; the
+restarted group pushes again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import raysync
+from tests import _sharded
+from tests.conftest import assert_same_weights, wait_for_condition
+
+TIMEOUT = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group(world: int = 2, mesh_shape: tuple[int, ...] | None = None) -> list[Any]:
+    port = _free_port()
+    cls = ray.remote(num_cpus=0)(_sharded.Rank)
+    ranks = [cls.remote(r, world, port, mesh_shape) for r in range(world)]
+    ray.get([r.make.remote(0) for r in ranks], timeout=120)
+    return ranks
+
+
+def _full(ranks: list[Any]) -> dict[str, torch.Tensor]:
+    fulls = ray.get([r.full.remote() for r in ranks], timeout=TIMEOUT)
+    return dict(fulls[0])
+
+
+def _push(ranks: list[Any], hub_name: str, **opts: Any) -> list[tuple[int, dict[str, Any]]]:
+    return list(ray.get([r.push.remote(hub_name, **opts) for r in ranks], timeout=TIMEOUT))
+
+
+def _collector(hub_name: str, apply: Any = "copy") -> Any:
+    @raysync.synced_model("policy", hub=hub_name, apply=apply)
+    class Collector:
+        def __init__(self) -> None:
+            self.policy = _sharded.Net(99)
+
+        def state(self) -> tuple[int | None, dict[str, torch.Tensor]]:
+            return self.raysync_version(), {k: v.clone() for k, v in self.policy.state_dict().items()}
+
+    return ray.remote(num_cpus=0)(Collector).remote()
+
+
+@pytest.fixture(scope="module")
+def ranks(ray_start_regular: dict[str, Any]) -> Iterator[list[Any]]:
+    group = _group()
+    yield group
+    for r in group:
+        ray.kill(r)
+
+
+def test_every_receiver_gets_the_whole_tensors(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    collector = _collector(hub_name, apply="view")  # read-only views of the assembled buckets
+    followed = _sharded.Net(98)
+    follower = raysync.follow(followed, "policy", hub=hub_name)
+    loaded: dict[int, dict[str, torch.Tensor]] = {}
+
+    def load(pairs: Any) -> None:
+        loaded.setdefault(len(loaded), {}).update({k: t.clone() for k, t in pairs})
+
+    loader = raysync.Follower(target=raysync.WeightsLoader(load), model_id="policy", hub=hub_name).start()
+    # a tensor-parallel receiver (rank 1 of 2), laid out unlike the trainer: rows Shard(1), cols Shard(0)
+    tp = raysync.TensorParallel(1, 2, {"rows": 1, "cols": 0})
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+
+    def load_part(pairs: Any) -> None:
+        parts.setdefault(len(parts), {}).update({k: t.clone() for k, t in pairs})
+
+    tp_loader = raysync.WeightsLoader(load_part, placement=tp)
+    tp_follower = raysync.Follower(target=tp_loader, model_id="policy", hub=hub_name).start()
+    try:
+        for step in (1, 2):
+            if step > 1:
+                ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
+            pushed = _push(ranks, hub_name)
+            versions = {v for v, _ in pushed}
+            assert len(versions) == 1, pushed  # one version, the same number on every rank
+            version = versions.pop()
+            assert hub.latest() == version
+            # each rank put only its own shards (the replicated tensor and the buffer once, from rank 0)
+            shard_bytes = ray.get([r.local_nbytes.remote() for r in ranks])
+            assert pushed[1][1]["bytes_put"] < shard_bytes[1] + 64 * 4
+            expected = _full(ranks)
+            wait_for_condition(
+                lambda v=version: ray.get(collector.state.remote(), timeout=TIMEOUT)[0] == v,
+                timeout=TIMEOUT,
+                what="the collector applied the sharded version",
+            )
+            assert_same_weights(ray.get(collector.state.remote(), timeout=TIMEOUT)[1], expected)
+            wait_for_condition(lambda v=version: follower.version == v, timeout=TIMEOUT, what="the follower")
+            assert_same_weights(followed.state_dict(), expected)
+            wait_for_condition(lambda n=step: len(loaded) == n, timeout=TIMEOUT, what="the loader")
+            assert_same_weights(loaded[step - 1], expected)
+            assert_same_weights(dict(hub.pull().flatten_keys(".").items()), expected)
+            wait_for_condition(
+                lambda n=step: len(parts) == n, timeout=TIMEOUT, what="the tensor-parallel loader"
+            )
+            mine = dict(expected)
+            mine["rows"] = torch.chunk(expected["rows"], 2, dim=1)[1]
+            mine["cols"] = torch.chunk(expected["cols"], 2, dim=0)[1]
+            assert_same_weights(parts[step - 1], mine)
+        assert hub.status()["models"]["policy"]["latest"] == version
+        # the group is the model's writer (the lease in rank 0's name): another live writer is refused
+        with pytest.raises(raysync.StaleWriterError):
+            hub.push(_sharded.Net(5))
+        with pytest.raises(ValueError, match="transport='sharded' is what the hub names"):
+            hub.push(_sharded.Net(5), transport="sharded")
+        assert hub.latest() == version
+    finally:
+        follower.stop()
+        loader.stop()
+        tp_follower.stop()
+        ray.kill(collector)
+
+
+def test_an_fsdp2_trainer_pushes_from_every_rank(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    ray.get([r.make_fsdp.remote(3) for r in ranks], timeout=TIMEOUT)
+    followed = _sharded.mlp(0)
+    follower = raysync.follow(followed, "mlp", hub=hub_name)
+    try:
+        pushed = _push(ranks, hub_name, model_id="mlp")
+        assert pushed[0][0] == pushed[1][0]
+        expected = _full(ranks)
+        wait_for_condition(lambda: follower.version == pushed[0][0], timeout=TIMEOUT, what="the follower")
+        assert_same_weights(followed.state_dict(), expected)
+        assert_same_weights(dict(hub.pull("mlp").flatten_keys(".").items()), expected)
+    finally:
+        follower.stop()
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+
+
+def test_ranks_as_plain_torch_distributed_processes(ray_start_regular: dict[str, Any], hub_name: str) -> None:
+    """The torchrun case: ranks are processes of their own (not Ray actors) that join the cluster."""
+    ctx = multiprocessing.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    address = ray_start_regular["address"]
+    procs = [
+        ctx.Process(target=_sharded.process_rank, args=(r, 2, port, address, hub_name, out, done))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    hub = raysync.connect(hub_name)
+    try:
+        results = [out.get(timeout=120) for _ in procs]
+        assert all(r[0] == "ok" for r in results), results
+        assert len({r[1] for r in results}) == 1
+        expected = next(r[2] for r in results if r[2])
+        assert hub.latest() == results[0][1]
+        assert_same_weights(dict(hub.pull().flatten_keys(".").items()), expected)
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        ray.kill(hub.actor)
+
+
+def test_ranks_that_disagree_are_refused_naming_the_tensor(ranks: list[Any], hub_name: str) -> None:
+    hub = raysync.connect(hub_name)
+    futures = [ranks[0].push.remote(hub_name), ranks[1].push.remote(hub_name, extra=True)]
+    for f in futures:
+        with pytest.raises(raysync.InvalidWeightsError, match="only_here"):
+            try:
+                ray.get(f, timeout=TIMEOUT)
+            except ray.exceptions.RayTaskError as err:
+                raise err.cause from None
+    assert hub.latest() is None
+    ray.kill(hub.actor)
+
+
+def test_a_rank_dying_mid_push_publishes_nothing(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    collector = _collector(hub_name)
+    try:
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+        (v1, _), _ = _push(ranks, hub_name)
+        before = _full(ranks)
+        wait_for_condition(
+            lambda: ray.get(collector.state.remote())[0] == v1, timeout=TIMEOUT, what="v1 applied"
+        )
+        ray.get([r.step.remote(7) for r in ranks], timeout=TIMEOUT)
+        pending = ranks[0].push.remote(hub_name, timeout=3.0)  # its part reaches the hub; rank 1's never does
+        ranks[1].die.remote()
+        with pytest.raises(ray.exceptions.RayTaskError, match="did not push their shards"):
+            ray.get(pending, timeout=TIMEOUT)
+        assert hub.latest() == v1  # nothing published: readers stay on the previous version
+        version, state = ray.get(collector.state.remote(), timeout=TIMEOUT)
+        assert version == v1
+        assert_same_weights(state, before)
+        # the restarted group pushes again (the dead group's lease passes to it): 4 ranks now, over
+        # a 2 x 2 mesh (nested uneven shards, sharded along one mesh dimension and replicated along
+        # the other, replicated along both)
+        for r in ranks:
+            ray.kill(r)
+        group = _group(4, (2, 2))
+        ranks[:] = group
+        ray.get([r.step.remote(8) for r in group], timeout=TIMEOUT)
+        pushed = _push(group, hub_name)
+        v2 = pushed[0][0]
+        assert {v for v, _ in pushed} == {v2} and v2 > v1
+        expected = _full(group)
+        wait_for_condition(
+            lambda: ray.get(collector.state.remote())[0] == v2, timeout=TIMEOUT, what="v2 applied"
+        )
+        assert_same_weights(ray.get(collector.state.remote(), timeout=TIMEOUT)[1], expected)
+    finally:
+        ray.kill(collector)

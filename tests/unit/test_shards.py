@@ -1,0 +1,202 @@
+"""Sharded versions without Ray: the hub's merge of the ranks' parts, and the receivers' assembly.
+
+Each rank's pieces are cut as DTensor cuts them (``torch.chunk``), laid out and packed as a
+rank does; the merged version's whole buckets, assembled from those packed buckets, must hold
+every tensor bit for bit, and bad parts are refused naming the tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysync.core.codec import copy_into, pack, unpack
+from raysync.core.layout import plan_layout
+from raysync.core.shards import ShardPart, ShardPiece, TensorParallel, TensorSpec, merge, reshard
+from raysync.errors import InvalidWeightsError
+from raysync.transports.sharded import Assembly, assemble
+
+
+class _Ref:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def hex(self) -> str:
+        return self.name
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "rows": torch.randn(6, 4, generator=g),  # Shard(0), even
+        "cols": torch.randn(3, 5, generator=g).to(torch.bfloat16),  # Shard(1), uneven (3 + 2)
+        "odd": torch.randn(3, generator=g),  # Shard(0), uneven over 4 ranks would leave one empty
+        "rep": torch.randn(2, 2, generator=g).to(torch.float64),  # Replicate
+        "count": torch.tensor(7, dtype=torch.int64),  # a plain tensor (rank 0's)
+    }
+
+
+PLACE = {"rows": 0, "cols": 1, "odd": 0, "rep": None, "count": None}
+
+
+def _parts(world: int, weights: dict[str, torch.Tensor]) -> list[tuple[ShardPart, list[_Ref]]]:
+    """Each rank's part, as a DTensor trainer's rank makes it (pieces cut by torch.chunk)."""
+    out = []
+    for rank in range(world):
+        local: dict[str, torch.Tensor] = {}
+        boxes = {}
+        specs = []
+        for key, t in weights.items():
+            dim = PLACE[key]
+            placement = "plain" if dim is None else f"Shard({dim})"
+            specs.append(TensorSpec(key, tuple(t.shape), str(t.dtype)[6:], t.element_size(), placement))
+            if dim is None:
+                if rank == 0:
+                    local[key], boxes[key] = t, ((0,) * t.dim(), tuple(t.shape))
+                continue
+            chunks = torch.chunk(t, world, dim=dim)
+            if rank >= len(chunks) or chunks[rank].numel() == 0:
+                continue
+            start = sum(c.shape[dim] for c in chunks[:rank])
+            offsets = tuple(start if d == dim else 0 for d in range(t.dim()))
+            local[key], boxes[key] = chunks[rank].contiguous(), (offsets, tuple(chunks[rank].shape))
+        manifest = plan_layout(local, bucket_bytes=64)
+        pieces = tuple(
+            ShardPiece(e.key, rank, e.bucket, e.index, e.nbytes, *boxes[e.key]) for e in manifest.entries
+        )
+        part = ShardPart(1, rank, world, tuple(sorted(specs, key=lambda s: s.key)), manifest, pieces, 64)
+        packed = pack(local, manifest)
+        refs = [_Ref(f"r{rank}b{b}") for b in range(manifest.num_buckets)]
+        _PACKED.update({r.name: bucket for r, bucket in zip(refs, packed, strict=True)})
+        out.append((part, refs))
+    return out
+
+
+_PACKED: dict[str, list] = {}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_merge_then_assemble_gives_whole_tensors(world: int) -> None:
+    weights = _weights()
+    manifest, refs = merge(_parts(world, weights))
+    assert manifest.transport == "sharded" and manifest.schema() == {
+        k: (tuple(t.shape), str(t.dtype)[6:]) for k, t in weights.items()
+    }
+    assert manifest.shards is not None
+    # a replicated (plain) tensor is taken once, from rank 0; a Shard(d) one from every rank holding elements
+    assert [p.rank for p in manifest.shards.pieces_of("count")] == [0]
+    # 5 columns: chunks of 3 and 2 over 2 ranks; of 2, 2 and 1 over 4 (rank 3's is empty: no piece)
+    assert [p.rank for p in manifest.shards.pieces_of("cols")] == ([0, 1] if world == 2 else [0, 1, 2])
+    rank_arrays = {}
+    i = 0
+    for rank in range(world):
+        n = sum(1 for r in manifest.shards.bucket_ranks if r == rank)
+        for b in range(n):
+            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
+            i += 1
+    buckets = [assemble(manifest, b, rank_arrays) for b in range(manifest.num_buckets)]
+    # a module's copy (apply="copy") writes each piece straight into its own buffers: the same bytes
+    for b, arrays in enumerate(buckets):
+        flat = torch.full((manifest.bucket_nbytes[b],), 0xAB, dtype=torch.uint8)
+        lazy = Assembly(manifest, b, rank_arrays)
+        copy_into([flat], manifest, {0: lazy} if b == 0 else {})
+        if b == 0:
+            expected = torch.zeros(manifest.bucket_nbytes[0], dtype=torch.uint8)
+            for e, arr in zip(manifest.bucket_entries(0), arrays, strict=True):
+                expected[e.offset : e.offset + e.nbytes] = torch.from_numpy(arr.copy())
+            assert torch.equal(flat, expected)
+        assert len(lazy) == len(arrays) and all(
+            x.nbytes == y.nbytes for x, y in zip(lazy, arrays, strict=True)
+        )
+    got = unpack(manifest, buckets)
+    for key, t in weights.items():
+        assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
+        assert torch.equal(got[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
+    # each whole bucket names exactly the rank buckets its tensors' pieces are in
+    for b, ref in enumerate(refs):
+        keys = [e.key for e in manifest.bucket_entries(b)]
+        assert list(ref.buckets) == manifest.shards.buckets_of(keys)
+    assert sum(manifest.shards.bucket_nbytes) >= manifest.total_nbytes
+    assert sum(p.nbytes for p in manifest.shards.pieces) == manifest.total_nbytes  # each byte once
+
+
+def test_ranks_that_disagree_are_refused_naming_the_tensor() -> None:
+    weights = _weights()
+    parts = _parts(2, weights)
+    p1, r1 = parts[1]
+    bad_specs = tuple(
+        s if s.key != "rows" else TensorSpec("rows", (7, 4), s.dtype, 4, s.placement) for s in p1.specs
+    )
+    with pytest.raises(InvalidWeightsError, match="disagree on tensor 'rows'"):
+        merge([parts[0], (ShardPart(1, 1, 2, bad_specs, p1.manifest, p1.pieces), r1)])
+    fewer = tuple(s for s in p1.specs if s.key != "rep")
+    with pytest.raises(InvalidWeightsError, match=r"rank 0 has \['rep'\] that rank 1 lacks"):
+        merge([parts[0], (ShardPart(1, 1, 2, fewer, p1.manifest, p1.pieces), r1)])
+
+
+def test_a_missing_or_doubled_shard_is_refused_naming_the_tensor() -> None:
+    parts = _parts(2, _weights())
+    p1, r1 = parts[1]
+    no_rows = tuple(p for p in p1.pieces if p.key != "rows")
+    with pytest.raises(InvalidWeightsError, match="tensor 'rows' is missing a shard"):
+        merge([parts[0], (ShardPart(1, 1, 2, p1.specs, p1.manifest, no_rows), r1)])
+    p0 = parts[0][0]
+    twice = p1.pieces + tuple(
+        ShardPiece(p.key, 1, p.bucket, p.index, p.nbytes, p.offsets, p.lengths)
+        for p in p0.pieces
+        if p.key == "count"
+    )
+    with pytest.raises(InvalidWeightsError, match="tensor 'count' is pushed twice"):
+        merge([parts[0], (ShardPart(1, 1, 2, p1.specs, p1.manifest, twice), r1)])
+    with pytest.raises(InvalidWeightsError, match="missing"):
+        merge([parts[0]])
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_a_receiver_with_its_own_placement_takes_only_its_parts(tp_rank: int) -> None:
+    """Trainer: rows Shard(0), cols Shard(1); receiver: rows Shard(1), cols Shard(0), odd Shard(0)."""
+    weights = _weights()
+    manifest, _ = merge(_parts(2, weights))
+    tp = TensorParallel(tp_rank, 2, {"rows": 1, "cols": 0, "odd": 0})
+    view = reshard(manifest, tp)
+    assert view.num_buckets == manifest.num_buckets and view.shards is not None
+    want = {
+        "rows": torch.chunk(weights["rows"], 2, dim=1)[tp_rank],
+        "cols": torch.chunk(weights["cols"], 2, dim=0)[tp_rank],
+        "odd": torch.chunk(weights["odd"], 2, dim=0)[tp_rank],
+        "rep": weights["rep"],
+        "count": weights["count"],
+    }
+    assert view.schema() == {k: (tuple(t.shape), str(t.dtype)[6:]) for k, t in want.items()}
+    rank_arrays = {}
+    i = 0
+    for rank in range(2):
+        for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
+            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
+            i += 1
+    got_buckets = []
+    fetched = set()
+    for b in range(view.num_buckets):
+        wanted = view.shards.buckets_of([e.key for e in view.bucket_entries(b)])
+        fetched |= set(wanted)
+        got_buckets.append(assemble(view, b, {r: rank_arrays[r] for r in wanted}))  # only those
+    got = unpack(view, got_buckets)
+    for key, t in want.items():
+        assert torch.equal(
+            got[key].contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)
+        )
+    # bytes copied: exactly its parts plus the replicated tensors
+    assert view.total_nbytes == sum(t.numel() * t.element_size() for t in want.values())
+    # odd's trainer shards line up with the receiver's (3 + 2 both ways): the other rank's is not needed
+    odd_pieces = manifest.shards.pieces_of("odd")
+    other = odd_pieces[1 - tp_rank].bucket
+    mine = odd_pieces[tp_rank].bucket
+    assert mine in view.shards.buckets_of(["odd"]) and other not in view.shards.buckets_of(["odd"])
+    assert len(fetched) <= len(manifest.shards.bucket_ranks)
+
+
+def test_a_placement_that_takes_everything_whole_leaves_the_version_as_it_is() -> None:
+    manifest, _ = merge(_parts(2, _weights()))
+    assert reshard(manifest, TensorParallel(0, 1, {"rows": 0})) is manifest
+    with pytest.raises(ValueError, match="rank must be in"):
+        TensorParallel(2, 2, {})
