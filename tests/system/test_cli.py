@@ -275,7 +275,8 @@ def test_bench_checks_the_cluster_it_runs_in_and_leaves_nothing_behind(
         stored = _compat.kv_list(b"raysync-bench-", namespace="raysync")
         return [n for n in named if n.startswith("raysync-bench-")] + [k.decode() for k in stored]
 
-    wait_for_condition(lambda: not left(), what="no hub, relay or record of raysync bench left")
+    # Ray forgets a killed actor's name a moment after it is gone: slower on a loaded machine.
+    wait_for_condition(lambda: not left(), timeout=90, what="no hub, relay or record of raysync bench left")
 
 
 def test_bench_that_fails_half_way_says_where_in_one_line(
