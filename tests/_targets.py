@@ -22,6 +22,7 @@ from raysync.transports.registry import TransportInfo
 
 FLAKY = "tests._targets:FlakyTransport"
 SWITCH: dict[str, bool] = {"FAIL": False, "CORRUPT": False}
+FETCHES: list[int] = []  # one entry per fetch in this process (its manifest's version count)
 
 
 def policy_state(seed: int = 0, out: int = 4) -> dict[str, torch.Tensor]:
@@ -83,6 +84,7 @@ class FlakyTransport(ObjectStoreTransport):
     def fetch(
         manifest: Any, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None
     ) -> list[Any]:
+        FETCHES.append(len(needed))
         buckets: list[Any] = []
         for b in needed:
             if SWITCH["FAIL"] and buckets:

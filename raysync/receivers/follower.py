@@ -49,6 +49,7 @@ __all__ = ["Follower", "follow"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 5.0  # one long poll waits this long at the hub before it asks again
+_RETRY_S = (0.05, 5.0)  # a version that failed to apply is tried again after this (doubling) back-off
 _GUARDED: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _GUARD_LOCK = threading.Lock()
 
@@ -274,22 +275,36 @@ class Follower:
     # ------------------------------------------------------------------ internals
     def _follow(self) -> None:
         hub = membership().hub(self)
+        # A version that failed to apply, whether its back-off runs, and the back-off (doubling).
+        failed, waiting, backoff = 0, False, _RETRY_S[0]
         while not self._stop.is_set():
+            after, wait_s = self.version or 0, _POLL_S
+            if waiting and failed > after:  # only a newer version, until the back-off ends
+                after, wait_s = failed, backoff
             try:
-                newest = call_hub(hub.handle, proto.WAIT_NEWER, self.model_id, self.version or 0, _POLL_S)
+                newest = call_hub(hub.handle, proto.WAIT_NEWER, self.model_id, after, wait_s)
             except Exception as err:  # the hub is gone for good or the cluster is shutting down
                 if self._stop.is_set():
                     return
                 logger.warning("%s: asking hub %r failed: %s; trying again", self.label, self._hub, err)
                 self._stop.wait(1.0)
                 continue
-            if newest is not None and not self._stop.is_set():
-                self._take(newest)
+            if newest is None:
+                waiting = False  # the back-off is over (if one ran): the failed version is tried again
+                continue
+            if self._stop.is_set():
+                return
+            if self._take(newest).failed is not None:
+                backoff = min(backoff * 2, _RETRY_S[1]) if newest.version == failed else _RETRY_S[0]
+                failed, waiting = newest.version, True
+            else:
+                failed, waiting, backoff = 0, False, _RETRY_S[0]
 
-    def _take(self, ann: Announcement) -> None:
+    def _take(self, ann: Announcement) -> ApplyReport:
         """Fetch, apply and acknowledge ``ann`` (or report why not)."""
         report = self._apply(ann)
         membership().report(self, report)
+        return report
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:

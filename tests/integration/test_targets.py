@@ -10,6 +10,7 @@ test-only loopback data path (``tests/_loopback_transport.py``).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -172,6 +173,11 @@ def test_a_failed_fetch_leaves_the_engine_on_its_version(
             v2 = hub.push(small_policy(2), transport=_targets.FLAKY, bucket_bytes=small, checksum=True)
             with pytest.raises(raysync.ApplyError, match=why):
                 hub.wait(v2, timeout=TIMEOUT)
+            before = len(_targets.FETCHES)
+            time.sleep(1.5)
+            # The failed version is tried again after a doubling back-off (0.05 s, 0.1 s, ...), not
+            # hundreds of times a second until the next push.
+            assert 1 <= len(_targets.FETCHES) - before <= 8, len(_targets.FETCHES) - before
             assert loader.version == v1 and follower.version == v1
             assert len(engine.calls) == calls  # load_weights never saw it
             assert_same_weights(engine.params, small_policy(1).state_dict())
