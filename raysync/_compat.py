@@ -56,6 +56,14 @@ Ray (checked with :data:`RAY_CHECKED`):
     Whether the process is a Ray worker, not a driver (a task's lease names its job): the public
     ``get_task_id()`` logs a warning on every call from a driver.
 
+``ray.get``/``ray.put``/``ActorMethod._remote`` without Ray's auto-init (:func:`get_no_start`,
+    :func:`put_no_start`, :func:`call_no_start`): the functions under Ray's ``wrap_auto_init``
+    (their ``__wrapped__``). A client call racing ``ray.shutdown()`` from another thread can pass a
+    ``ray.is_initialized()`` check just before the shutdown ends; the public call would then start
+    a new local Ray of its own (auto-init). Without it, the call raises Ray's "not started" error,
+    which raysync turns into :class:`~raysync.errors.RayNotRunningError`. Ray's only public switch
+    is ``RAY_ENABLE_AUTO_CONNECT=0``, read once at import and process-wide: the user's choice.
+
 ``ray._private.internal_api.get_memory_info_reply`` (:func:`object_store_bytes_used`)
     Bytes in use in the node's object store, for benchmarks that count copies
     per version: ``ray.available_resources`` rounds the store to whole objects'
@@ -88,7 +96,9 @@ __all__ = [
     "TORCH_VERSION_COUNTER",
     "actor_placement",
     "actor_state",
+    "call_no_start",
     "check_versions",
+    "get_no_start",
     "job_alive",
     "kv_delete",
     "kv_get",
@@ -98,6 +108,7 @@ __all__ = [
     "object_store_bytes_used",
     "placement_group",
     "plain_tensors",
+    "put_no_start",
     "in_worker",
     "tensor_version",
     "version_counters",
@@ -121,6 +132,7 @@ RAY_USES = (
     "ray._config.metrics_report_interval_ms",
     "ray.runtime_context.RuntimeContext.worker.mode",
     "ray._private.internal_api.get_memory_info_reply",
+    "ray.get / ray.put / ActorMethod._remote .__wrapped__ (no auto-init)",
 )
 """Every private use of Ray, by name (see the module docstring for why each)."""
 
@@ -241,6 +253,52 @@ def in_worker(ctx: Any) -> bool:
     import ray
 
     return getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE
+
+
+def _without_auto_init(fn: Any, what: str) -> Any:
+    """The function under Ray's auto-init wrapper (``wrap_auto_init`` sets ``__wrapped__``)."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        raise RuntimeError(
+            f"{what} has no __wrapped__: Ray changed its auto-init wrapper (see raysync/_compat.py)"
+        )
+    return inner
+
+
+def get_no_start(refs: Any, *, timeout: float | None = None) -> Any:
+    """``ray.get`` that never starts a Ray of its own (raises Ray's "not started" error instead)."""
+    import ray
+
+    return _without_auto_init(ray.get, "ray.get")(refs, timeout=timeout)
+
+
+def put_no_start(value: Any) -> Any:
+    """``ray.put`` that never starts a Ray of its own (raises Ray's "not started" error instead)."""
+    import ray
+
+    return _without_auto_init(ray.put, "ray.put")(value)
+
+
+def call_no_start(method: Any, *args: Any, **options: Any) -> Any:
+    """``method.options(**options).remote(*args)`` for an actor method, never starting a Ray of its own.
+
+    Example:
+        >>> ref = call_no_start(hub.publish_stamped, publication, max_task_retries=3)  # doctest: +SKIP
+    """
+    from ray.actor import ActorMethod
+
+    if not isinstance(method, ActorMethod):
+        raise TypeError(f"call_no_start takes an actor method, got {type(method).__name__}")
+    import ray
+    from ray.exceptions import RaySystemError
+
+    remote = _without_auto_init(ActorMethod._remote, "ray.actor.ActorMethod._remote")
+    try:
+        return remote(method, args=args, kwargs={}, **options)
+    except AttributeError as err:  # after ray.shutdown(): the worker has no core worker any more
+        if ray.is_initialized():
+            raise
+        raise RaySystemError("Ray has not been started yet (ray.shutdown() was called).") from err
 
 
 def metrics_report_interval_s() -> float:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import ray
 import torch
 
+from raysync import _compat
 from raysync._checks import check_timeout, require_ray
 from raysync._protocol import (
     ACQUIRE,
@@ -135,9 +136,10 @@ class HubClient:
             self._posting, self._posting_to = {}, handle
         bound = self._posting.get(method)
         if bound is None:
-            bound = self._posting[method] = getattr(handle, method).options(max_task_retries=_POST_RETRIES)
-        require_ray(f"call the hub ({method})")  # Ray would start a cluster of its own for the call
-        return bound.remote(*args)
+            bound = self._posting[method] = getattr(handle, method)
+        require_ray(f"call the hub ({method})")
+        # Never Ray's auto-init: a push racing ray.shutdown() fails instead of starting a new Ray.
+        return _compat.call_no_start(bound, *args, max_task_retries=_POST_RETRIES)
 
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
         """Stamp the version from this process's block and publish it; wait only for a new layout.
@@ -457,7 +459,7 @@ class HubClient:
         early = None
         if self._publishes.unanswered(model_id):
             require_ray("wait")
-            early = self.actor.wait.remote(*args)
+            early = _compat.call_no_start(self.actor.wait, *args)
         try:
             self._settle(model_id, wait=True)
         except BaseException:

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
+from raysync import _compat
 from raysync._checks import require_ray
 from raysync._protocol import BLOCK, Grant
 from raysync.errors import RaySyncError, StaleWriterError
@@ -102,7 +102,7 @@ class WriterLease:
             return None
         require_ray("push")
         try:
-            grant: Grant = ray.get(ref, timeout=60)
+            grant: Grant = _compat.get_no_start(ref, timeout=60)
             return grant
         except RayTaskError as err:
             cause = getattr(err, "cause", None)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
+from raysync import _compat
 from raysync._checks import not_running, ray_shut_down, require_ray
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
 from raysync.errors import RaySyncError
@@ -156,7 +157,9 @@ def call_hub(
     while True:
         require_ray(f"call the hub ({method})")
         try:
-            return ray.get(getattr(handle(fresh), method).remote(*args), timeout=retries.left())
+            # Never Ray's auto-init: a call racing ray.shutdown() fails instead of starting a new Ray.
+            ref = _compat.call_no_start(getattr(handle(fresh), method), *args)
+            return _compat.get_no_start(ref, timeout=retries.left())
         except RayTaskError as err:
             raise _unwrapped(err) from None
         except _RESTARTING as err:

@@ -14,9 +14,9 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ray
 import torch
 
+from raysync import _compat
 from raysync._checks import require_ray
 from raysync.core.codec import bucket_checksums, pack
 from raysync.core.layout import Manifest
@@ -51,7 +51,7 @@ class ObjectStoreTransport:
             ref = reuse(b, bucket) if reuse is not None else None
             if ref is None:
                 require_ray("push")  # a push racing ray.shutdown(): fail, never start a new Ray
-                ref = ray.put(bucket)
+                ref = _compat.put_no_start(bucket)
                 put_bytes += manifest.bucket_nbytes[b]
                 puts += 1
             refs.append(ref)
@@ -65,7 +65,7 @@ class ObjectStoreTransport:
     ) -> list[Any]:
         """Receiver side: the buckets, zero-copy views of this node's object store."""
         require_ray("fetch a version")
-        buckets: list[Any] = ray.get([refs[b] for b in needed], timeout=timeout)
+        buckets: list[Any] = _compat.get_no_start([refs[b] for b in needed], timeout=timeout)
         return buckets
 
     @staticmethod

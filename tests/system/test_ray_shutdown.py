@@ -20,6 +20,7 @@ _SCRIPT = textwrap.dedent(
     model = torch.nn.Linear(4, 2)
     v = hub.push(model)
     hub.wait(v, timeout=30)
+    v_ref, hub_actor = ray.put(1), hub.actor
 
     errors = []
     # A push loop racing the shutdown from another thread.
@@ -51,6 +52,20 @@ _SCRIPT = textwrap.dedent(
         except Exception as err:
             errors.append((name, type(err).__name__, str(err)))
             assert isinstance(err, raysync.RaySyncError) and isinstance(err, RuntimeError)
+    # What the client calls through: Ray's calls without its auto-init (raysync/_compat.py). A
+    # public ray.put here would start a new local Ray; these raise and start nothing.
+    from raysync import _compat
+    for name, call in {
+        "put_no_start": lambda: _compat.put_no_start(b"x"),
+        "get_no_start": lambda: _compat.get_no_start(v_ref, timeout=5),
+        "call_no_start": lambda: _compat.call_no_start(hub_actor.status),
+    }.items():
+        try:
+            call()
+            errors.append((name, None, "no error"))
+        except Exception as err:
+            errors.append((name, type(err).__name__, str(err)))
+        assert not ray.is_initialized(), name
     print(json.dumps({"errors": errors, "ray_running": ray.is_initialized()}))
     """
 )
@@ -62,6 +77,9 @@ def test_calls_after_ray_shutdown_raise_and_start_no_cluster() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["ray_running"] is False  # no call started a cluster of its own
     by_call = {name: (kind, msg) for name, kind, msg in result["errors"]}
+    assert {n: by_call.pop(n)[0] for n in ("put_no_start", "get_no_start", "call_no_start")} == dict.fromkeys(
+        ("put_no_start", "get_no_start", "call_no_start"), "RaySystemError"
+    )
     assert set(by_call) == {"race", "push", "wait", "pull", "latest", "status", "next_version"}
     for name, (kind, msg) in by_call.items():
         assert kind == "RayNotRunningError", (name, kind, msg)

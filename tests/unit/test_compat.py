@@ -95,3 +95,17 @@ def test_private_torch_dispatch_pieces_are_there() -> None:
     assert not isinstance(overload, _compat.OP_OVERLOAD_PACKET), "torch._ops.OpOverloadPacket"
     with _compat.plain_tensors():  # torch._C.DisableTorchFunctionSubclass
         pass
+
+
+def test_ray_calls_without_auto_init_are_there() -> None:
+    """raysync's client calls Ray through the functions under its auto-init wrapper (_compat.py):
+    this names the use if a Ray release drops the wrapper's ``__wrapped__``."""
+    import ray
+    from ray.actor import ActorMethod
+
+    wrapped = {"ray.get": ray.get, "ray.put": ray.put, "ActorMethod._remote": ActorMethod._remote}
+    for name, fn in wrapped.items():
+        inner = getattr(fn, "__wrapped__", None)
+        assert inner is not None, f"{name} has no __wrapped__: see raysync/_compat.py (call_no_start and kin)"
+        assert "auto_init_ray" in fn.__code__.co_names, f"{name}: the outer function is no auto-init wrapper"
+        assert "auto_init_ray" not in inner.__code__.co_names, f"{name}: the inner one still auto-inits"
