@@ -426,11 +426,9 @@ def actors(ray_start_regular: dict[str, Any]) -> Iterator[list[Any]]:
 def test_ray_scheme_one_put_per_version_subsets_models_and_errors(
     actors: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raysync.transports import object_store
-
     puts: list[Any] = []
-    real_put = ray.put
-    monkeypatch.setattr(object_store.ray, "put", lambda v, **kw: puts.append(v) or real_put(v, **kw))
+    real_put = ray.put  # the scheme's direct mode puts each bucket with ray.put
+    monkeypatch.setattr(ray, "put", lambda v, **kw: puts.append(v) or real_put(v, **kw))
     scheme = schemes.RayWeightSyncScheme(timeout=TIMEOUT)
     scheme.init_on_sender(model_id="policy", remote_collectors=actors)
     src = net(7)

@@ -116,6 +116,16 @@ def llm(model_path: str) -> Iterator[Any]:
     del engine
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """In-process engines set up torch.distributed in the test process: taken down after the module."""
+    yield
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    assert not torch.distributed.is_initialized()
+
+
 def test_the_engine_follows_every_push(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
     engine = follow_engine(llm, "policy", hub=hub_name, label="vllm-test")
     try:

@@ -286,7 +286,9 @@ def test_bad_calls_raise_clear_errors() -> None:
         RPCTransport().send_ack()
     with pytest.raises(ValueError, match="timeout must be"):
         DistributedTransport(None, 1, timeout=0)
-    with pytest.raises(RuntimeError, match="not initialised"):  # no process group in this process
+    # No process group here: raysync says so. (An in-process vLLM engine, in test_vllm.py, leaves
+    # one in the test process: then torch's RPC says it has no agent.)
+    with pytest.raises(RuntimeError, match=r"not initiali[sz]ed"):
         RPCTransport("w1", worker_rank=1).send_weights({"w": torch.ones(1)})
     with pytest.raises(InvalidWeightsError):
         RPCTransport("w1", worker_rank=1).send_weights("policy", {})
