@@ -90,8 +90,8 @@ def needs_ray(method: _F) -> _F:
             raise not_running(what)
         try:
             return method(self, *args, **kwargs)
-        except RaySyncError:
-            raise
+        except (RaySyncError, ValueError, TypeError, RayTaskError):
+            raise  # raysync's own, bad input, or the hub's answer: nothing raced a shutdown
         except Exception as err:
             if ray_shut_down():
                 raise not_running(what) from err

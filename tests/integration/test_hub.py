@@ -130,7 +130,17 @@ def test_concurrent_connects_find_one_hub(hub_name: str) -> None:
     ray.kill(raysync.connect(hub_name).actor)
 
 
-def test_bad_arguments_are_refused_with_the_fix(hub: raysync.HubClient) -> None:
+def test_bad_arguments_are_refused_with_the_fix(
+    hub: raysync.HubClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused at once: bad input is not mistaken for a call that raced ``ray.shutdown()`` (whose
+    check waits up to 2 s for the shutdown to finish)."""
+    from raysync.hub import locate
+
+    def not_consulted(grace_s: float = 2.0) -> bool:
+        raise AssertionError("a refused argument waited for a Ray shutdown")
+
+    monkeypatch.setattr(locate, "ray_shut_down", not_consulted)
     with pytest.raises(ValueError, match="model_id"):
         hub.push({"w": torch.ones(1)}, "")
     with pytest.raises(ValueError, match="timeout"):
