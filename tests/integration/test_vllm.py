@@ -276,6 +276,68 @@ def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient,
         stop_soon(engine.follower)
 
 
+class GatedEngine(VLLMEngine):
+    """Loads a version only once ``gate`` is open: an engine slower than its trainer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate, self.loading = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]], *, version: str | None = None) -> None:
+        self.loading.set()
+        assert self.gate.wait(TIMEOUT), "the test never opened the gate"
+        super()._load(pairs, version=version)
+
+
+def test_max_lag_wait_and_status_count_a_slow_engine(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    """An engine still loading version 2 holds the trainer back: ``hub.wait`` and
+    ``push(max_lag=1)`` time out naming it (nothing is pushed), ``raysync status`` shows it one
+    version behind; once it loads, ``push(max_lag=1)`` goes on and ``push(wait=True)`` returns
+    with the engine serving the version pushed."""
+    import io
+
+    from raysync.ops.cli import render_status
+
+    slow = GatedEngine(llm, name="slow engine")
+    engine = start_following(slow, "policy", hub=hub_name, label="slow engine")
+
+    def open_soon() -> None:
+        engine.gate.clear()
+        threading.Timer(0.5, engine.gate.set).start()
+
+    try:
+        models = [hf_model(1000 + i) for i in range(4)]
+        v1 = hub.push(models[0], wait=True, timeout=TIMEOUT)
+        engine.gate.clear()
+        engine.loading.clear()
+        v2 = hub.push(models[1])
+        assert engine.loading.wait(TIMEOUT)  # the engine is on it, held
+        with pytest.raises(raysync.SyncTimeoutError, match="slow engine"):
+            hub.wait(v2, timeout=0.5)
+        with pytest.raises(raysync.SyncTimeoutError, match="slow engine"):
+            hub.push(models[2], max_lag=1, timeout=0.5)  # the engine is 1 behind v2: wait first
+        assert hub.latest() == v2  # nothing was pushed
+        (row,) = hub.status()["subscribers"]
+        assert (row["class_name"], row["applied"], row["lag"]) == ("slow engine", v1, 1)
+        out = io.StringIO()
+        render_status(hub.status(), file=out)  # what `raysync status` prints
+        (line,) = [ln for ln in out.getvalue().splitlines() if "slow engine" in ln]
+        assert [cell.strip() for cell in line.split("│")][6:8] == [str(v1), "1"], line  # applied, lag
+        open_soon()  # the engine finishes loading v2 in 0.5 s: the push waits for that, then goes out
+        v3 = hub.push(models[2], max_lag=1, timeout=TIMEOUT)
+        assert engine.version is not None and engine.version >= v2 and v3 == v2 + 1
+        hub.wait(v3, timeout=TIMEOUT)
+        assert engine_tokens(engine) == (hf_tokens(models[2]), v3)
+        open_soon()  # push(wait=True) returns once the slow engine serves the version pushed
+        v4 = hub.push(models[3], wait=True, timeout=TIMEOUT)
+        assert engine.version == v4 and engine_tokens(engine) == (hf_tokens(models[3]), v4)
+        assert hub.status()["subscribers"][0]["lag"] == 0
+    finally:
+        engine.gate.set()
+        stop_soon(engine.follower)
+
+
 class RecordingEngine(VLLMEngine):
     """Records the objects each version was read from (their ids, as the follower got them)."""
 
