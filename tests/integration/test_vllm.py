@@ -276,6 +276,42 @@ def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient,
         stop_soon(engine.follower)
 
 
+class WritingEngine(VLLMEngine):
+    """Writes into the tensors handed to vLLM's loader while ``write`` is set, as a loader
+    that changed its input would."""
+
+    write = False
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]], *, version: str | None = None) -> None:
+        if self.write:
+            pairs[0][1].mul_(0)
+        super()._load(pairs, version=version)
+
+
+def test_a_load_writing_into_the_shared_bytes_is_refused(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    """The bytes an in-process engine loads from are the node's object store's, read by every
+    receiver there: a first version whose load writes into them fails, naming the write, and
+    the version's bytes stay those pushed (what ``hub.pull()`` and other engines read)."""
+    engine = start_following(WritingEngine(llm), "policy", hub=hub_name)
+    try:
+        engine.write = True
+        model = hf_model(1100)
+        v1 = hub.push(model)
+        with pytest.raises(raysync.ApplyError, match="would write into weights shared read-only"):
+            hub.wait(v1, timeout=TIMEOUT)
+        pulled = hub.pull().flatten_keys(".")
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(pulled[name], tensor), name
+        assert engine.version is None
+        engine.write = False
+        v2 = hub.push(model, wait=True, timeout=TIMEOUT)
+        assert engine_tokens(engine) == (hf_tokens(model), v2)
+    finally:
+        stop_soon(engine.follower)
+
+
 class GatedEngine(VLLMEngine):
     """Loads a version only once ``gate`` is open: an engine slower than its trainer."""
 
