@@ -340,7 +340,7 @@ def test_max_lag_wait_and_status_count_a_slow_engine(llm: Any, hub: raysync.HubC
 
     def open_soon() -> None:
         engine.gate.clear()
-        threading.Timer(0.5, engine.gate.set).start()
+        threading.Timer(0.2, engine.gate.set).start()
 
     try:
         models = [hf_model(1000 + i) for i in range(4)]
@@ -350,9 +350,9 @@ def test_max_lag_wait_and_status_count_a_slow_engine(llm: Any, hub: raysync.HubC
         v2 = hub.push(models[1])
         assert engine.loading.wait(TIMEOUT)  # the engine is on it, held
         with pytest.raises(raysync.SyncTimeoutError, match="slow engine"):
-            hub.wait(v2, timeout=0.5)
+            hub.wait(v2, timeout=0.2)
         with pytest.raises(raysync.SyncTimeoutError, match="slow engine"):
-            hub.push(models[2], max_lag=1, timeout=0.5)  # the engine is 1 behind v2: wait first
+            hub.push(models[2], max_lag=1, timeout=0.2)  # the engine is 1 behind v2: wait first
         assert hub.latest() == v2  # nothing was pushed
         (row,) = hub.status()["subscribers"]
         assert (row["class_name"], row["applied"], row["lag"]) == ("slow engine", v1, 1)
@@ -360,7 +360,7 @@ def test_max_lag_wait_and_status_count_a_slow_engine(llm: Any, hub: raysync.HubC
         render_status(hub.status(), file=out)  # what `raysync status` prints
         (line,) = [ln for ln in out.getvalue().splitlines() if "slow engine" in ln]
         assert [cell.strip() for cell in line.split("│")][6:8] == [str(v1), "1"], line  # applied, lag
-        open_soon()  # the engine finishes loading v2 in 0.5 s: the push waits for that, then goes out
+        open_soon()  # the engine finishes loading v2 in 0.2 s: the push waits for that, then goes out
         v3 = hub.push(models[2], max_lag=1, timeout=TIMEOUT)
         assert engine.version is not None and engine.version >= v2 and v3 == v2 + 1
         hub.wait(v3, timeout=TIMEOUT)
