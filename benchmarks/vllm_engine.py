@@ -11,6 +11,11 @@ each a fresh state dict of the same shapes, medians of:
     announcement, the follower's fetch, and the load through vLLM's update path.
 ``push_s``
     ``hub.push`` alone (the trainer's blocking time).
+``deliver_s``
+    from ``hub.push`` returning until the engine's commit starts: the hub's announcement
+    reaching the follower, its check and the fetch (zero-copy views of the store).
+``commit_s``
+    the engine's commit: the load through vLLM's update path, and setting the version.
 ``vllm_reload_s``
     vLLM's own in-process load of the same tensors, from memory:
     ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})``.
@@ -35,6 +40,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -64,8 +70,22 @@ def build(name: str) -> Any:
 def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
     import vllm
 
-    from raysync.engines.vllm import follow_engine
+    from raysync.engines.vllm import VLLMEngine, start_following
     from raysync.engines.vllm_transfer import BACKEND, register
+
+    class TimedEngine(VLLMEngine):
+        """Says when each commit started and ended (perf_counter)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.commits: dict[int, tuple[float, float]] = {}
+            self.held = threading.Event()  # set once a version went in (no polling thread beside it)
+
+        def commit(self, incoming: Any) -> None:
+            t0 = time.perf_counter()
+            super().commit(incoming)
+            self.commits[incoming.version] = (t0, time.perf_counter())
+            self.held.set()
 
     register()
     model = build(name)
@@ -87,19 +107,21 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
         )
         startup = time.perf_counter() - t0
     hub = raysync.connect(hub_name)
-    engine = follow_engine(llm, "policy", hub=hub_name)
+    engine: Any = start_following(TimedEngine(llm), "policy", hub=hub_name)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    keys = ("push_to_serving_s", "push_s", "vllm_reload_s", "backend_s")
+    keys = ("push_to_serving_s", "push_s", "deliver_s", "commit_s", "vllm_reload_s", "backend_s")
     rows: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for i in range(repeats + 1):
             version = {k: v * (1.0 + 0.01 * (i + 1)) for k, v in state.items()}
+            engine.held.clear()
             t0 = time.perf_counter()
             v = hub.push(version)
             pushed = time.perf_counter() - t0
-            while engine.version != v:
-                time.sleep(0.0005)
+            assert engine.held.wait(60) and engine.version == v
             serving = time.perf_counter() - t0
+            began, ended = engine.commits[v]
+            deliver, commit = began - t0 - pushed, ended - began
             assert engine.generate([{"prompt_token_ids": [1, 2, 3]}], params).version == v
             pairs = list(version.items())
             t0 = time.perf_counter()
@@ -112,7 +134,7 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
             backend = time.perf_counter() - t0
             if i == 0:
                 continue  # warm-up
-            for key, value in zip(rows, (serving, pushed, reload, backend), strict=True):
+            for key, value in zip(rows, (serving, pushed, deliver, commit, reload, backend), strict=True):
                 rows[key].append(value)
     finally:
         engine.stop()
@@ -144,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             r = results[-1]
             print(
                 f"{r['model']:>5} {r['mib']:8.1f} MiB  push_to_serving {r['push_to_serving_s']:.4f} s  "
-                f"push {r['push_s']:.4f} s  vllm_reload {r['vllm_reload_s']:.4f} s  "
+                f"push {r['push_s']:.4f} s  deliver {r['deliver_s']:.4f} s  commit {r['commit_s']:.4f} s  "
+                f"vllm_reload {r['vllm_reload_s']:.4f} s  "
                 f"backend {r['backend_s']:.4f} s  ratio {r['ratio']:.2f}  "
                 f"(engine up in {r['startup_s']:.1f} s)",
                 flush=True,

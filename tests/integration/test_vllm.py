@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 import raysync  # noqa: E402
-from raysync.engines.vllm import VLLMEngine, follow_engine  # noqa: E402
+from raysync.engines.vllm import VLLMEngine, follow_engine, start_following  # noqa: E402
 
 TIMEOUT = 60.0
 PROMPTS = [[1, 5, 9, 13], [7, 3, 100, 42, 8]]
@@ -276,34 +276,165 @@ def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient,
         stop_soon(engine.follower)
 
 
+class WritingEngine(VLLMEngine):
+    """Writes into the tensors handed to vLLM's loader while ``write`` is set, as a loader
+    that changed its input would."""
+
+    write = False
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]], *, version: str | None = None) -> None:
+        if self.write:
+            pairs[0][1].mul_(0)
+        super()._load(pairs, version=version)
+
+
+def test_a_load_writing_into_the_shared_bytes_is_refused(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    """The bytes an in-process engine loads from are the node's object store's, read by every
+    receiver there: a first version whose load writes into them fails, naming the write, and
+    the version's bytes stay those pushed (what ``hub.pull()`` and other engines read)."""
+    engine = start_following(WritingEngine(llm), "policy", hub=hub_name)
+    try:
+        engine.write = True
+        model = hf_model(1100)
+        v1 = hub.push(model)
+        with pytest.raises(raysync.ApplyError, match="would write into weights shared read-only"):
+            hub.wait(v1, timeout=TIMEOUT)
+        pulled = hub.pull().flatten_keys(".")
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(pulled[name], tensor), name
+        assert engine.version is None
+        engine.write = False
+        v2 = hub.push(model, wait=True, timeout=TIMEOUT)
+        assert engine_tokens(engine) == (hf_tokens(model), v2)
+    finally:
+        stop_soon(engine.follower)
+
+
+class GatedEngine(VLLMEngine):
+    """Loads a version only once ``gate`` is open: an engine slower than its trainer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate, self.loading = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]], *, version: str | None = None) -> None:
+        self.loading.set()
+        assert self.gate.wait(TIMEOUT), "the test never opened the gate"
+        super()._load(pairs, version=version)
+
+
+def test_max_lag_wait_and_status_count_a_slow_engine(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    """An engine still loading version 2 holds the trainer back: ``hub.wait`` and
+    ``push(max_lag=1)`` time out naming it (nothing is pushed), ``raysync status`` shows it one
+    version behind; once it loads, ``push(max_lag=1)`` goes on and ``push(wait=True)`` returns
+    with the engine serving the version pushed."""
+    import io
+
+    from raysync.ops.cli import render_status
+
+    slow = GatedEngine(llm, name="slow engine")
+    engine = start_following(slow, "policy", hub=hub_name, label="slow engine")
+
+    def open_soon() -> None:
+        engine.gate.clear()
+        threading.Timer(0.2, engine.gate.set).start()
+
+    try:
+        models = [hf_model(1000 + i) for i in range(4)]
+        v1 = hub.push(models[0], wait=True, timeout=TIMEOUT)
+        engine.gate.clear()
+        engine.loading.clear()
+        v2 = hub.push(models[1])
+        assert engine.loading.wait(TIMEOUT)  # the engine is on it, held
+        with pytest.raises(raysync.SyncTimeoutError, match="slow engine"):
+            hub.wait(v2, timeout=0.2)
+        with pytest.raises(raysync.SyncTimeoutError, match="slow engine"):
+            hub.push(models[2], max_lag=1, timeout=0.2)  # the engine is 1 behind v2: wait first
+        assert hub.latest() == v2  # nothing was pushed
+        (row,) = hub.status()["subscribers"]
+        assert (row["class_name"], row["applied"], row["lag"]) == ("slow engine", v1, 1)
+        out = io.StringIO()
+        render_status(hub.status(), file=out)  # what `raysync status` prints
+        (line,) = [ln for ln in out.getvalue().splitlines() if "slow engine" in ln]
+        assert [cell.strip() for cell in line.split("│")][6:8] == [str(v1), "1"], line  # applied, lag
+        open_soon()  # the engine finishes loading v2 in 0.2 s: the push waits for that, then goes out
+        v3 = hub.push(models[2], max_lag=1, timeout=TIMEOUT)
+        assert engine.version is not None and engine.version >= v2 and v3 == v2 + 1
+        hub.wait(v3, timeout=TIMEOUT)
+        assert engine_tokens(engine) == (hf_tokens(models[2]), v3)
+        open_soon()  # push(wait=True) returns once the slow engine serves the version pushed
+        v4 = hub.push(models[3], wait=True, timeout=TIMEOUT)
+        assert engine.version == v4 and engine_tokens(engine) == (hf_tokens(models[3]), v4)
+        assert hub.status()["subscribers"][0]["lag"] == 0
+    finally:
+        engine.gate.set()
+        stop_soon(engine.follower)
+
+
+class RecordingEngine(VLLMEngine):
+    """Records the objects each version was read from (their ids, as the follower got them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: dict[int, list[str | None]] = {}
+
+    def commit(self, incoming: Any) -> None:
+        super().commit(incoming)
+        self.read[incoming.version] = list(incoming.ids)
+
+
 class EngineHost:
     """A vLLM engine in a Ray actor, following the hub from its constructor."""
 
     def __init__(self, path: str, hub_name: str) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.engine = follow_engine(make_llm(path), "policy", hub=hub_name, label="engine actor")
+        engine = RecordingEngine(make_llm(path), name="engine actor")
+        self.engine = start_following(engine, "policy", hub=hub_name, label="engine actor")
 
     def generate(self) -> tuple[list[list[int]], int]:
         return engine_tokens(self.engine)
 
+    def read(self, version: int) -> list[str | None] | None:
+        return self.engine.read.get(version)
 
-def test_an_engine_actor_restarts_and_serves_only_the_newest(
-    llm: Any, model_path: str, hub: raysync.HubClient, hub_name: str
+
+def test_two_engines_on_one_node_read_each_version_once_and_a_restarted_one_the_newest(
+    llm: Any, model_path: str, hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Two engines on one node (one in this process, one in a Ray actor) get each version's
+    bytes once: the trainer writes each bucket into the node's object store once per version
+    (its puts are counted), and both engines load the version from those very objects (the
+    ids each engine's commit got are the ids of the trainer's puts). A copy per engine, by
+    the hub or a node's relay, would be a new object with a new id (and its bytes twice in
+    the store): the ids would differ. Both serve the pushed weights (``transformers``'
+    greedy tokens) under the hub's version. Then the actor is killed while a version is
+    pushed: restarted, it serves the newest version first."""
     import ray
 
+    from raysync import _compat
     from tests.conftest import kill_until_gone, wait_for_condition
 
-    here = follow_engine(llm, "policy", hub=hub_name)  # two engines on one node
+    puts: list[str] = []
+    real_put = _compat.put_no_start  # the object-store transport's one put per bucket
+    monkeypatch.setattr(_compat, "put_no_start", lambda value: _record(puts, real_put(value)))
+    here = start_following(RecordingEngine(llm), "policy", hub=hub_name)  # two engines on one node
     host = ray.remote(num_cpus=0, max_restarts=1)(EngineHost).remote(model_path, hub_name)
     try:
-        first = hf_model(600)
-        v1 = hub.push(first)
-        hub.wait(v1, timeout=120, subscribers=2)
-        assert ray.get(host.generate.remote(), timeout=TIMEOUT) == (hf_tokens(first), v1)
-        assert engine_tokens(here) == (hf_tokens(first), v1)
+        for i in range(3):
+            model, before = hf_model(600 + i), len(puts)
+            v = hub.push(model)
+            hub.wait(v, timeout=120, subscribers=2)
+            written = puts[before:]
+            assert len(written) == hub.last_push["buckets"] >= 1  # once per version, not per engine
+            assert here.read[v] == written, f"version {v}: the engine here read other objects"
+            assert ray.get(host.read.remote(v), timeout=TIMEOUT) == written, f"version {v}: the actor"
+            assert ray.get(host.generate.remote(), timeout=TIMEOUT) == (hf_tokens(model), v)
+            assert engine_tokens(here) == (hf_tokens(model), v) and v == hub.latest()
         kill_until_gone(host, no_restart=False)
-        newest = hf_model(601)
+        newest = hf_model(610)
         v2 = hub.push(newest)  # while the actor is down or starting again
         # the restarted actor's first output is the newest version's: it held it before serving
         first_served = wait_for_condition(lambda: _served(host), timeout=120, what="the restarted actor")
@@ -313,6 +444,11 @@ def test_an_engine_actor_restarts_and_serves_only_the_newest(
     finally:
         stop_soon(here.follower)
         ray.kill(host)
+
+
+def _record(puts: list[str], ref: Any) -> Any:
+    puts.append(ref.hex())
+    return ref
 
 
 def _served(host: Any) -> tuple[list[list[int]], int] | None:
