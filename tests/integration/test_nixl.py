@@ -10,9 +10,17 @@ import ray
 import torch
 
 import raysync
+from tests._busy_threads import lowered_busy_nixl_threads
 from tests.conftest import assert_same_weights, small_policy
 from tests.integration import test_synced
 from tests.integration.test_synced import make_collector
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _busy_nixl_threads_last() -> Iterator[list[int]]:
+    """NIXL's progress threads poll a core each: they get what CPU the tests leave (see the module)."""
+    with lowered_busy_nixl_threads() as lowered:
+        yield lowered
 
 
 @pytest.fixture
