@@ -60,8 +60,18 @@ def _until(it: Iterator[Any], value: float, *, within: int, old: float | None = 
     assert [actions(next(it)) for _ in range(2)] == [{value}, {value}], seen
 
 
-@pytest.mark.parametrize("scheme_cls", PROCESS_SCHEMES, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("collector_cls", PROCESS_COLLECTORS, ids=lambda c: c.__name__)
+# Each process collector with one of the schemes, each scheme with two collectors (and both
+# schemes again below, with MultiSyncCollector): every pairing spawns its own torchrl worker
+# processes (3-4 s of CPU each), and the scheme's side does not depend on which collector calls it.
+PAIRS = [
+    (MultiSyncCollector, schemes.MultiProcessWeightSyncScheme),
+    (MultiAsyncCollector, schemes.SharedMemWeightSyncScheme),
+    (AsyncCollector, schemes.MultiProcessWeightSyncScheme),
+    (AsyncCollector, schemes.SharedMemWeightSyncScheme),
+]
+
+
+@pytest.mark.parametrize(("collector_cls", "scheme_cls"), PAIRS, ids=lambda c: c.__name__)
 def test_process_schemes_with_process_collectors(collector_cls: type, scheme_cls: type) -> None:
     scheme = scheme_cls(timeout=TIMEOUT)
     assert isinstance(scheme, TorchRLScheme)
