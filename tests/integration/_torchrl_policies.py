@@ -25,7 +25,7 @@ class Act(torch.nn.Module):
 
 
 class Moody(Act):
-    """An :class:`Act` with extra state: ``"fail"`` makes its apply raise, ``"slow"`` sleep 10 s."""
+    """An :class:`Act` with extra state: ``"fail"`` makes its apply raise, ``"slow"`` sleep 6 s."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,7 +38,7 @@ class Moody(Act):
         if state == "fail":
             raise ValueError("this policy refuses the mood 'fail'")
         if state == "slow":
-            time.sleep(10)
+            time.sleep(6)
         self.mood = state
 
 

@@ -151,7 +151,7 @@ def test_a_worker_that_fails_or_falls_behind_makes_the_update_raise(hub_name: st
         assert "refuses the mood" in str(failed.value)
         assert _actions(next(batches)) == {0.5}  # it keeps the version it held, whole
 
-        policy.module.mood = "slow"  # the worker takes 10 s to apply: longer than the timeout
+        policy.module.mood = "slow"  # the worker takes 6 s to apply: longer than the 4 s timeout
         with pytest.raises(raysync.SyncTimeoutError, match="torchrl worker 0"):
             c.update_policy_weights_()
 
