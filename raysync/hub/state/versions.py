@@ -153,19 +153,40 @@ class Versions(Leases):
         self.trim(model)
         return v
 
-    def stamp(self, model_id: str, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]) -> Version:
-        """Give a version its number and keep it (the oldest beyond ``keep`` are let go).
+    def reserve(self, model_id: str) -> int:
+        """One version number for a version the hub stamps later (:meth:`stamp` ``version=``).
 
-        The number follows every number ever granted to a writer (persist before replying),
-        and it ends the blocks granted before it (a new epoch): a writer stamping from one
-        would publish versions older than this one.
+        A sharded push's ranks get it before their round is published; persist before replying.
+        """
+        model = self.models.setdefault(model_id, Model())
+        model.reserved = model.issued + 1
+        return model.reserved
+
+    def stamp(
+        self,
+        model_id: str,
+        manifest: Manifest,
+        refs: list[Any],
+        pusher: dict[str, Any],
+        version: int | None = None,
+    ) -> Version:
+        """Give a version its number (or the one :meth:`reserve` gave it) and keep it.
+
+        The oldest beyond ``keep`` are let go. A new number follows every number ever
+        granted to a writer (persist before replying), and it ends the blocks granted
+        before it (a new epoch): a writer stamping from one would publish versions older
+        than this one.
         """
         model = self.models.setdefault(model_id, Model())
         if model.session is not None:
             model.epoch += 1
             model.session = None
-        model.latest = model.reserved = model.issued + 1
-        v = Version(model.latest, manifest, list(refs), time.time(), pusher)
+        if version is None:
+            model.latest = model.reserved = model.issued + 1
+        else:
+            assert version <= model.reserved, "a reserved number"
+            model.latest = max(model.latest, version)
+        v = Version(version or model.latest, manifest, list(refs), time.time(), pusher)
         model.versions[v.version] = v
         model.published(v.version)
         model.pushes += 1
