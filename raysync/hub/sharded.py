@@ -2,7 +2,8 @@
 
 Each rank of a sharded trainer calls :meth:`ShardedPublish.contribute` with its own part
 (its pieces' refs and layout). The first part of a push opens a *round* and the hub grants
-it one version number (written to the GCS before any rank gets it, as any grant); each
+it one version number (from a block written to the GCS before any number of it is handed
+out, as a single writer's grant); each
 rank's call returns that number as soon as its own part is recorded, without waiting for
 the other ranks (``settle=False``; a rank's first push of a layout waits for the whole
 round, so that what the hub refuses of it raises there). When the last part is in, the hub
@@ -64,6 +65,7 @@ class ShardedPublish:
     _store: HubStore
     _round_held: dict[int, _Held]
     _round_lock: dict[str, asyncio.Lock]
+    _block_saved: dict[str, asyncio.Future[None]]  # the write of each model's block of numbers
 
     publish: Callable[..., Awaitable[int]]  # the actor's
     _check_writer: Callable[[str, dict[str, Any], bool], Awaitable[None]]  # the actor's
@@ -72,6 +74,7 @@ class ShardedPublish:
         self._rounds = Rounds()
         self._round_held = {}
         self._round_lock = {}
+        self._block_saved = {}
 
     async def contribute(
         self,
@@ -118,8 +121,13 @@ class ShardedPublish:
         held = self._round_held.get(id(rnd))
         if held is None:
             loop = asyncio.get_running_loop()
-            self._rounds.granted(rnd, self._state.reserve(model_id))
-            saved = asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
+            number, persist = self._state.reserve(model_id)
+            self._rounds.granted(rnd, number)
+            saved = self._block_saved.get(model_id)
+            failed = saved is not None and saved.done() and (saved.cancelled() or saved.exception())
+            if persist or saved is None or failed:  # a new block: written before any number is handed out
+                write = self._store.save_model(model_id, self._state.models[model_id])
+                saved = self._block_saved[model_id] = asyncio.wrap_future(write)
             outcome: asyncio.Future[int] = loop.create_future()
             outcome.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved"
             held = self._round_held[id(rnd)] = _Held(outcome, saved)

@@ -92,8 +92,10 @@ def push_shard(
         "rank": part.rank,
         "world": part.world,
     }
+    t1 = time.perf_counter()
     version = contribute(model_id, shard, snap.refs, {**writer, **stats})
     stats["seconds"] = time.perf_counter() - t0
+    stats["contribute_s"] = stats["seconds"] - (t1 - t0)  # the hub's round trip (recording the part)
     stats["bytes"] = snap.bytes_put
     return version, stats
 

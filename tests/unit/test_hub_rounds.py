@@ -105,12 +105,16 @@ def test_an_abandoned_number_is_remembered_with_why() -> None:
 def test_a_reserved_number_is_published_under_that_number_or_skipped() -> None:
     state = HubState("hub", keep=2)
     state.stamp("policy", _manifest(), [], {})
-    abandoned = state.reserve("policy")
-    published = state.reserve("policy")
-    assert (abandoned, published) == (2, 3) and state.latest("policy") == 1  # granted, not published
+    abandoned, persist = state.reserve("policy", 3)  # a block of 3: written once
+    published, again = state.reserve("policy", 3)
+    assert (abandoned, published, persist, again) == (2, 3, True, False)
+    assert state.latest("policy") == 1  # granted, not published
     state.stamp("policy", _manifest(), [], {}, published)
     assert state.latest("policy") == 3 and sorted(state.models["policy"].versions) == [1, 3]
-    assert state.reserve("policy") == 4  # an abandoned number is never granted again
+    assert state.reserve("policy", 3) == (4, False)  # an abandoned number is never granted again
+    assert state.reserve("policy", 3) == (5, True)  # the block is spent: a new one
+    state.stamp("policy", _manifest(), [], {})  # another number issued: the block ends
+    assert state.reserve("policy", 3) == (9, True) and state.latest("policy") == 8
 
 
 # ------------------------------------------------------------------ the hub's side, no Ray
