@@ -22,6 +22,7 @@ import ray
 import torch
 
 import raysync
+from benchmarks import sharded_soak
 from tests import _sharded
 from tests.conftest import assert_same_weights, wait_for_condition
 
@@ -265,3 +266,18 @@ def test_a_rank_dying_mid_push_publishes_nothing(
         assert_same_weights(ray.get(collector.state.remote(), timeout=TIMEOUT)[1], expected)
     finally:
         ray.kill(collector)
+
+
+def test_a_soak_that_kills_ranks_mid_push_publishes_nothing_torn(
+    ray_start_regular: dict[str, Any], hub_name: str
+) -> None:
+    """benchmarks/sharded_soak.py, short: 2 kills of a random rank at a random moment, group restarts."""
+    result = sharded_soak.soak(
+        kills=2, seconds=20.0, kill_within=1.0, push_timeout=3.0, hub_name=hub_name, ahead=2
+    )
+    assert result["kills"] == 2 and result["groups"] == 3
+    assert result["torn"] == 0 and result["abandoned_held"] == 0 and result["numbering_errors"] == 0
+    # every number a rank got was published or abandoned, and the hub published exactly the former
+    assert result["published"] + result["abandoned"] == result["rounds"]
+    assert result["published_total"] == result["published"] > 0
+    assert result["collector_versions"] > 1 and result["loader_versions"] > 1
