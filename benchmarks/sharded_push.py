@@ -14,6 +14,9 @@ beside a memcpy of its own shard (``copy_`` into warm buffers: the floor; a ``cl
 fresh pages included, beside it), and each rank's peak private memory above what it held
 before (sampled every 2 ms during its pushes; the object store's pages are shared, not counted).
 
+``--late-ms``: the last rank of each group starts its push that much later than the others
+(a straggler); the others' blocking then shows whether a push waits for it.
+
     python benchmarks/sharded_push.py --mib 256 --actors 8 --repeats 3
 """
 
@@ -99,7 +102,8 @@ class Writer:
             copies.append(time.perf_counter() - t0)
         return statistics.median(clones), statistics.median(copies)
 
-    def push(self, step: int) -> tuple[int, float, float]:
+    def push(self, step: int, late_s: float = 0.0) -> tuple[int, float, float]:
+        time.sleep(late_s)  # a rank that comes late (its own blocking is timed from its push)
         with torch.no_grad():
             for t in self.local():
                 t.add_(1.0)
@@ -170,7 +174,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for step in range(args.warmup + args.repeats):
         for world, writers in groups.items():  # interleaved: each round pushes every group once
             t0 = time.perf_counter()
-            pushed = ray.get([w.push.remote(step) for w in writers], timeout=600)
+            late = [args.late_ms / 1e3 if r == world - 1 and world > 1 else 0.0 for r in range(world)]
+            calls = [w.push.remote(step, s) for w, s in zip(writers, late, strict=True)]
+            pushed = ray.get(calls, timeout=600)
             hub.wait(pushed[0][0], f"w{world}", timeout=300, subscribers=args.actors)
             if step >= args.warmup:
                 applied[world].append(time.perf_counter() - t0)
@@ -206,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--late-ms", type=float, default=0.0, help="the last rank of a group comes this late")
     parser.add_argument("--object-store-mib", type=int, default=4096)
     args = parser.parse_args(argv)
     started = time.time()
     with harness.local_cluster(num_cpus=args.actors + 8, object_store_bytes=args.object_store_mib * 2**20):
         rows = run(args)
     single = next((r["applied_s"] for r in rows if r["writers"] == 1), None)
-    print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}")
+    late = f", the last rank {args.late_ms:g} ms late" if args.late_ms else ""
+    print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}{late}")
     print(
         "writers | all applied (s) | vs 1 writer | per-rank blocking (s) | of it snapshot (s) | "
         "memcpy of shard (s) | blocking / memcpy | clone() of shard (s) | peak +MiB"
