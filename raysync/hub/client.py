@@ -288,8 +288,8 @@ class HubClient:
         rank never pushes its shard within ``timeout`` (default 60 s; it died or
         stalled), or the group restarts first, the number is abandoned: nothing is
         published, readers keep the previous version, and ``hub.wait`` of it (and
-        the rank's next push) raises ``SyncTimeoutError`` (or ``InvalidWeightsError``
-        for a group that moved on) saying so. Such pushes take no ``keys``,
+        the rank's next push, if abandoned by then) raises ``SyncTimeoutError`` (or
+        ``InvalidWeightsError`` for a group that moved on) saying so. Such pushes take no ``keys``,
         ``delta``, ``checksum`` or ``transport``.
 
         Returns:

@@ -20,8 +20,8 @@ pushes, or when the group runs too far ahead of it. Its number is never publishe
 stay on the previous version, later rounds get higher numbers, and ``hub.wait`` of the number
 raises why (``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a
 group that moved on, or what the hub refused of the merged version). A rank's next push
-raises it too (it names the round it pushed last), as a single writer's next push raises a
-refusal of its previous one.
+raises it too if the round failed by then (the push names the number it got last), as a
+single writer's next push raises a refusal of its previous one.
 
 Example:
     >>> v = ray.get(hub.contribute.remote("policy", part, refs, pusher, settle=False))   # doctest: +SKIP
