@@ -21,8 +21,8 @@ of its own (every version handed to it is checked in the callback). Checks:
 
 - **torn = 0**: every version a receiver holds is bit-equal to the weights of its step, and
   that step is the one the ledger says the version's number was pushed with;
-- no receiver ever holds a number the hub abandoned (``hub.wait`` of each number in the
-  ledger says published or abandoned, asked right after the next group published);
+- no receiver ever holds a number the hub abandoned (``hub.status()["abandoned"]``, read after
+  each restart: the numbers of rounds abandoned with a shard missing);
 - the last group's version reaches both receivers.
 
     python benchmarks/sharded_soak.py --kills 20 --seconds 300
@@ -231,8 +231,7 @@ def soak(
 
     ray.get([receiver.report.remote(), checker.report.remote()], timeout=120)
     started, step, group_no, killed = time.monotonic(), 0, 0, 0
-    verdicts: dict[int, str] = {}  # version -> "published" | "abandoned"
-    checked_upto = 0
+    abandoned: set[int] = set()  # numbers the hub says it abandoned (status()["abandoned"])
     pushes_per_group = 10_000
     while True:
         last = killed >= kills or time.monotonic() - started > seconds
@@ -259,15 +258,15 @@ def soak(
                 ray.get(run, timeout=60)
             except ray.exceptions.RayError:
                 pass
-        # the groups before: each number published or abandoned (their rounds are settled by
-        # now: this group's first part, or the round's deadline, abandoned what they left open)
-        checked_upto = _verdicts(hub, ledger, verdicts, checked_upto, group_no)
+        # the rounds the groups before left open are settled by now (this group's first part, or
+        # their deadline, abandoned them); the hub lists the numbers it abandoned lately
+        abandoned |= set(hub.status()["abandoned"].get(MODEL, []))
         step += pushes_per_group
         group_no += 1
     rows = ray.get(ledger.entries.remote(), timeout=60)
     final = max(v for v, _, _, g in rows if g == group_no)
     hub.wait(final, MODEL, timeout=120, subscribers=2)
-    _verdicts(hub, ledger, verdicts, checked_upto, group_no + 1)
+    abandoned |= set(hub.status()["abandoned"].get(MODEL, []))
     poll()
     seen, loader_version = ray.get(checker.report.remote(), timeout=60)
     # what each number was pushed with: one step per number, whichever rank said so
@@ -275,7 +274,6 @@ def soak(
     for version, s, _, _ in rows:
         steps_of.setdefault(version, set()).add(s)
     numbering = [v for v, s in steps_of.items() if len(s) > 1]
-    abandoned = {v for v, why in verdicts.items() if why == "abandoned"}
     held_versions = [(v, s, ok) for v, s, ok in held if v is not None]
     torn = [h for h in held_versions if not h[2] or steps_of.get(h[0], {h[1]}) != {h[1]}]
     torn += [(None, s, ok) for s, ok in seen if not ok]
@@ -287,8 +285,9 @@ def soak(
         "kills": killed,
         "pushes": len(rows),
         "rounds": len(steps_of),
-        "published": sum(1 for why in verdicts.values() if why == "published"),
-        "abandoned": len(abandoned),
+        "published": len(set(steps_of) - abandoned),
+        "abandoned": len(set(steps_of) & abandoned),
+        "abandoned_all": len(abandoned),
         "published_total": hub.status()["models"][MODEL]["pushes"],
         "collector_reports": len(held_versions),
         "collector_versions": len({v for v, _, _ in held_versions}),
@@ -309,20 +308,6 @@ def soak(
     assert not stale, f"a receiver held an abandoned number: {stale[:5]}"
     assert result["collector_final"] == final and loader_version == final, result
     return result
-
-
-def _verdicts(hub: Any, ledger: Any, verdicts: dict[int, str], upto: int, group: int) -> int:
-    """Ask the hub about each number of the groups before ``group``: published or abandoned."""
-    rows = ray.get(ledger.entries.remote(), timeout=60)
-    for version in sorted({v for v, _, _, g in rows if g < group and v > upto}):
-        try:
-            hub.wait(version, MODEL, timeout=30)
-            verdicts[version] = "published"
-        except (raysync.SyncTimeoutError, raysync.InvalidWeightsError) as err:
-            if "abandoned" not in str(err) and "did not push their shards" not in str(err):
-                raise
-            verdicts[version] = "abandoned"
-    return max(verdicts, default=upto)
 
 
 def main(argv: list[str] | None = None) -> int:

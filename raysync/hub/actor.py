@@ -535,4 +535,5 @@ class WeightHub(Delivery, ShardedPublish):
             "here": None if self._here is None else self._here.stats(),
             "uptime_s": time.time() - self._started,
             "restored_models": self._restored,
+            "abandoned": self._abandoned(),  # sharded rounds' numbers never published, lately
         }

@@ -17,8 +17,8 @@ checked when rank 0's part arrives and again at publish, so another live group i
 A round that never completes is abandoned (:mod:`raysync.hub.state.groups`): when ``timeout``
 seconds pass after its first part (a rank died or stalled), when a restarted or resized group
 pushes, or when the group runs too far ahead of it. Its number is never published: readers
-stay on the previous version, later rounds get higher numbers, and ``hub.wait`` of the number
-raises why (``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a
+stay on the previous version, later rounds get higher numbers, ``hub.status()["abandoned"]``
+lists it, and ``hub.wait`` of the number (until a newer version is published) raises why (``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a
 group that moved on, or what the hub refused of the merged version). A rank's next push
 raises it too if the round failed by then (the push names the number it got last), as a
 single writer's next push raises a refusal of its previous one.
@@ -150,14 +150,18 @@ class ShardedPublish:
     async def _round_published(self, model_id: str, version: int, timeout: float | None) -> float | None:
         """Until the sharded round granted ``version`` is published; what is left of ``timeout``.
 
-        Returns at once for a number no unsettled round holds.
+        Returns at once for a number no unsettled round holds, and for an abandoned one once
+        a newer version is published (a wait for it then waits for that one, as a wait for a
+        refused single-writer number does).
 
         Raises:
             SyncTimeoutError: the round is still missing ranks' parts after ``timeout`` seconds.
-            RaySyncError: why the round was abandoned or refused.
+            RaySyncError: why the round was abandoned or refused (while no newer version is).
         """
         failure = self._rounds.failure(model_id, version)
         if failure is not None:
+            if version < (self._state.latest(model_id) or 0):
+                return timeout
             raise failure
         rnd = self._rounds.pending(model_id, version)
         held = None if rnd is None else self._round_held.get(id(rnd))
@@ -174,6 +178,10 @@ class ShardedPublish:
                 f"{rnd.world} have not pushed their shards of it (push {rnd.round}) within {timeout} s"
             )
         return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+
+    def _abandoned(self) -> dict[str, list[int]]:
+        """The numbers of the rounds abandoned or refused lately, per model (for ``status()``)."""
+        return {model_id: sorted(failed) for model_id, failed in self._rounds.failed.items()}
 
     def _abandon(self, rounds: list[Round], why: str) -> None:
         for rnd in rounds:

@@ -199,6 +199,9 @@ def test_a_round_a_rank_never_completes_is_abandoned_and_its_number_says_why() -
         assert await hub.push(0, group="b") == 3 and await hub.push(1, group="b") == 3
         await hub._round_published("policy", 3, 10.0)
         assert hub._state.latest("policy") == 3 and sorted(hub._state.models["policy"].versions) == [1, 3]
+        assert hub._abandoned() == {"policy": [2]}
+        # a newer version is out: a wait for the abandoned number waits for it, as for any older one
+        assert await hub._round_published("policy", v, 10.0) == 10.0
 
     _run(main())
 
