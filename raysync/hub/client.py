@@ -287,10 +287,10 @@ class HubClient:
         or ``hub.wait(v)`` waits for the version to be published and applied. If a
         rank never pushes its shard within ``timeout`` (default 60 s; it died or
         stalled), or the group restarts first, the number is abandoned: nothing is
-        published, readers keep the previous version, and ``hub.wait`` of it (and
-        the rank's next push, if abandoned by then) raises ``SyncTimeoutError`` (or
-        ``InvalidWeightsError`` for a group that moved on) saying so. Such pushes take no ``keys``,
-        ``delta``, ``checksum`` or ``transport``.
+        published, readers keep the previous version, and ``hub.wait`` of it (until
+        a newer version is out; and the rank's next push, if abandoned by then) raises
+        ``SyncTimeoutError`` (``InvalidWeightsError`` for a group that moved on) saying so.
+        Such pushes take no ``keys``, ``delta``, ``checksum`` or ``transport``.
 
         Returns:
             The version number (1, 2, ... per model; a new writer, or a restarted

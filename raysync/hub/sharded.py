@@ -18,8 +18,9 @@ A round that never completes is abandoned (:mod:`raysync.hub.state.groups`): whe
 seconds pass after its first part (a rank died or stalled), when a restarted or resized group
 pushes, or when the group runs too far ahead of it. Its number is never published: readers
 stay on the previous version, later rounds get higher numbers, ``hub.status()["abandoned"]``
-lists it, and ``hub.wait`` of the number (until a newer version is published) raises why (``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a
-group that moved on, or what the hub refused of the merged version). A rank's next push
+lists it, and ``hub.wait`` of the number (until a newer version is published) raises why
+(``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a group that
+moved on, or what the hub refused of the merged version). A rank's next push
 raises it too if the round failed by then (the push names the number it got last), as a
 single writer's next push raises a refusal of its previous one.
 
