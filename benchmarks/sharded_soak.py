@@ -23,6 +23,7 @@ of its own (every version handed to it is checked in the callback). Checks:
   that step is the one the ledger says the version's number was pushed with;
 - no receiver ever holds a number the hub abandoned (``hub.status()["abandoned"]``, read after
   each restart: the numbers of rounds abandoned with a shard missing);
+- every number the hub granted was either published or abandoned (``unaccounted = 0``);
 - the last group's version reaches both receivers.
 
     python benchmarks/sharded_soak.py --kills 20 --seconds 300
@@ -288,6 +289,8 @@ def soak(
         "published": len(set(steps_of) - abandoned),
         "abandoned": len(set(steps_of) & abandoned),
         "abandoned_all": len(abandoned),
+        # every number the hub granted (1 .. final, one block after another) was published or abandoned
+        "unaccounted": final - hub.status()["models"][MODEL]["pushes"] - len(abandoned),
         "published_total": hub.status()["models"][MODEL]["pushes"],
         "collector_reports": len(held_versions),
         "collector_versions": len({v for v, _, _ in held_versions}),
@@ -306,6 +309,7 @@ def soak(
     assert not torn, f"versions published torn: {torn[:5]}"
     assert not numbering, f"one number pushed with several steps: {numbering[:5]}"
     assert not stale, f"a receiver held an abandoned number: {stale[:5]}"
+    assert result["unaccounted"] == 0, result
     assert result["collector_final"] == final and loader_version == final, result
     return result
 
