@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.mib} MiB on {args.world} trainer ranks (Shard(0)), receiver TP rank 0 of {args.k} "
         f"(Shard({args.dim})): owns {owned / 2**20:.1f} MiB, copied {copied / 2**20:.1f} MiB, reads "
-        f"{rank_bytes / 2**20:.1f} MiB of rank buckets ({len(wanted)} of {n_rank_buckets}); apply {result['apply_s'] * 1e3:.1f} ms (its copy "
+        f"{rank_bytes / 2**20:.1f} MiB of rank buckets ({len(wanted)} of {n_rank_buckets}); "
+        f"apply {result['apply_s'] * 1e3:.1f} ms (its copy "
         f"{result['load_s'] * 1e3:.1f} ms) beside a copy of its bytes {floor * 1e3:.1f} ms: "
         f"{result['apply_s'] / floor:.2f}x"
     )
