@@ -9,9 +9,13 @@ moments:
   ``Shard(0)``) and each calls ``hub.push(model)``: each puts only its shard.
 
 Per row: the time from the push until all N actors applied it (median of ``--repeats``),
-beside the single writer's; each rank's blocking in ``push`` beside a ``clone()`` of its own
-shard (the memcpy floor), and each rank's peak private memory above what it held before
-(sampled every 2 ms during its pushes; the object store's pages are shared, not counted).
+beside the single writer's; each rank's blocking in ``push`` (and the snapshot part of it)
+beside a memcpy of its own shard (``copy_`` into warm buffers: the floor; a ``clone()``,
+fresh pages included, beside it), and each rank's peak private memory above what it held
+before (sampled every 2 ms during its pushes; the object store's pages are shared, not counted).
+
+``--late-ms``: the last rank of each group starts its push that much later than the others
+(a straggler); the others' blocking then shows whether a push waits for it.
 
     python benchmarks/sharded_push.py --mib 256 --actors 8 --repeats 3
 """
@@ -76,16 +80,30 @@ class Writer:
     def local(self) -> list[torch.Tensor]:
         return [p.to_local() if self.world > 1 else p.detach() for p in self.model.parameters()]
 
-    def memcpy_s(self) -> float:
-        """A clone of this rank's own shard (its bytes once), the floor of its blocking."""
-        local = self.local()
-        t0 = time.perf_counter()
-        copies = [t.clone() for t in local]
-        dt = time.perf_counter() - t0
-        del copies
-        return dt
+    def memcpy_s(self, repeats: int = 5) -> tuple[float, float]:
+        """This rank's shard copied once: ``(clone, copy into warm buffers)`` in s, medians.
 
-    def push(self, step: int) -> tuple[int, float]:
+        ``clone()`` allocates fresh memory (its page faults included, as a first ``ray.put``
+        into a fresh store pays); ``copy_`` into buffers touched before is the bare memcpy.
+        """
+        local = self.local()
+        clones, copies = [], []
+        dst = [torch.empty_like(t) for t in local]
+        for d, t in zip(dst, local, strict=True):
+            d.copy_(t)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fresh = [t.clone() for t in local]
+            clones.append(time.perf_counter() - t0)
+            del fresh
+            t0 = time.perf_counter()
+            for d, t in zip(dst, local, strict=True):
+                d.copy_(t)
+            copies.append(time.perf_counter() - t0)
+        return statistics.median(clones), statistics.median(copies)
+
+    def push(self, step: int, late_s: float = 0.0) -> tuple[int, float, float]:
+        time.sleep(late_s)  # a rank that comes late (its own blocking is timed from its push)
         with torch.no_grad():
             for t in self.local():
                 t.add_(1.0)
@@ -103,7 +121,7 @@ class Writer:
         dt = time.perf_counter() - t0
         done.set()
         sampler.join()
-        return version, dt
+        return version, dt, float(self.hub.last_push.get("snapshot_s", 0.0))
 
     def peak_growth_mib(self) -> float:
         """The most private memory above what the rank held before its pushes (MiB), sampled."""
@@ -152,14 +170,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     memcpy = {w: ray.get([x.memcpy_s.remote() for x in g], timeout=600) for w, g in groups.items()}
     applied: dict[int, list[float]] = {w: [] for w in groups}
     blocking: dict[int, list[list[float]]] = {w: [] for w in groups}
+    snapshot: dict[int, list[list[float]]] = {w: [] for w in groups}
     for step in range(args.warmup + args.repeats):
         for world, writers in groups.items():  # interleaved: each round pushes every group once
             t0 = time.perf_counter()
-            pushed = ray.get([w.push.remote(step) for w in writers], timeout=600)
+            late = [args.late_ms / 1e3 if r == world - 1 and world > 1 else 0.0 for r in range(world)]
+            calls = [w.push.remote(step, s) for w, s in zip(writers, late, strict=True)]
+            pushed = ray.get(calls, timeout=600)
             hub.wait(pushed[0][0], f"w{world}", timeout=300, subscribers=args.actors)
             if step >= args.warmup:
                 applied[world].append(time.perf_counter() - t0)
-                blocking[world].append([s for _, s in pushed])
+                blocking[world].append([s for _, s, _ in pushed])
+                snapshot[world].append([s for _, _, s in pushed])
     rows = []
     for world, writers in groups.items():
         peaks = ray.get([w.peak_growth_mib.remote() for w in writers], timeout=60)
@@ -169,7 +191,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "applied_s": statistics.median(applied[world]),
                 "applied_all": applied[world],
                 "blocking_s": [statistics.median(b[r] for b in blocking[world]) for r in range(world)],
-                "memcpy_s": memcpy[world],
+                "snapshot_s": [statistics.median(b[r] for b in snapshot[world]) for r in range(world)],
+                "clone_s": [c for c, _ in memcpy[world]],
+                "memcpy_s": [m for _, m in memcpy[world]],
                 "shard_mib": args.mib / world,
                 "peak_private_growth_mib": peaks,
             }
@@ -188,20 +212,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--late-ms", type=float, default=0.0, help="the last rank of a group comes this late")
     parser.add_argument("--object-store-mib", type=int, default=4096)
     args = parser.parse_args(argv)
     started = time.time()
     with harness.local_cluster(num_cpus=args.actors + 8, object_store_bytes=args.object_store_mib * 2**20):
         rows = run(args)
     single = next((r["applied_s"] for r in rows if r["writers"] == 1), None)
-    print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}")
-    print("writers | all applied (s) | vs 1 writer | per-rank blocking (s) | memcpy of shard (s) | peak +MiB")
+    late = f", the last rank {args.late_ms:g} ms late" if args.late_ms else ""
+    print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}{late}")
+    print(
+        "writers | all applied (s) | vs 1 writer | per-rank blocking (s) | of it snapshot (s) | "
+        "memcpy of shard (s) | blocking / memcpy | clone() of shard (s) | peak +MiB"
+    )
     for r in rows:
         vs = f"{r['applied_s'] / single:.2f}x" if single else "-"
-        block = ", ".join(f"{b:.3f}" for b in r["blocking_s"])
-        copy = ", ".join(f"{m:.3f}" for m in r["memcpy_s"])
+        block = ", ".join(f"{b:.4f}" for b in r["blocking_s"])
+        snap = ", ".join(f"{b:.4f}" for b in r["snapshot_s"])
+        copy = ", ".join(f"{m:.4f}" for m in r["memcpy_s"])
+        ratio = ", ".join(f"{b / m:.2f}x" for b, m in zip(r["blocking_s"], r["memcpy_s"], strict=True))
+        clone = ", ".join(f"{m:.4f}" for m in r["clone_s"])
         peak = ", ".join(f"{p:.0f}" for p in r["peak_private_growth_mib"])
-        print(f"{r['writers']:7d} | {r['applied_s']:15.3f} | {vs:>11} | {block} | {copy} | {peak}")
+        print(
+            f"{r['writers']:7d} | {r['applied_s']:15.3f} | {vs:>11} | {block} | {snap} | {copy} | {ratio} | "
+            f"{clone} | {peak}"
+        )
     harness.write_json(
         harness.results_path("sharded_push.json"),
         {"meta": harness.run_meta("benchmarks/sharded_push.py", argv, started=started), "rows": rows},

@@ -59,10 +59,10 @@ class TrainerRank:
         self.expert = torch.nn.Linear(OBS, ACT)
         torch.nn.init.constant_(self.expert.weight, 0.1)
 
-    def train(self, steps: int) -> list[float]:
-        """``steps`` steps, a push after each; the push times (s)."""
+    def train(self, steps: int) -> tuple[int, list[float]]:
+        """``steps`` steps, a push after each; the last version and the push times (s)."""
         g = torch.Generator().manual_seed(self.rank)
-        times = []
+        times, version = [], 0
         for _ in range(steps):
             obs = torch.randn(64, OBS, generator=g)
             with torch.no_grad():
@@ -72,9 +72,10 @@ class TrainerRank:
             loss.backward()
             self.optim.step()
             t0 = time.perf_counter()
-            self.hub.push(self.policy)  # this rank's shard only; the same version on both ranks
+            # this rank's shard only; returns once the hub has it (the same number on both ranks)
+            version = self.hub.push(self.policy)
             times.append(time.perf_counter() - t0)
-        return times
+        return version, times
 
     def full(self) -> dict[str, torch.Tensor]:
         """The whole weights (a collective: both ranks call it)."""
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     ranks = [TrainerRank.remote(r, port) for r in range(WORLD)]
     ray.get([c.state.remote() for c in collectors])
-    times: list[Any] = ray.get([r.train.remote(args.steps) for r in ranks])
-    latest = hub.latest()
+    trained: list[Any] = ray.get([r.train.remote(args.steps) for r in ranks])
+    latest = trained[0][0]  # published once both ranks' shards are in; wait for it
     hub.wait(latest, timeout=60, subscribers=len(collectors))
     full = ray.get([r.full.remote() for r in ranks])[0]
     ok = True
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         same = all(torch.equal(state[k], full[k]) for k in full)
         ok &= same and version == latest
         print(f"collector {i}: version {version} (newest {latest}), bit-equal to full_tensor(): {same}")
-    for rank, ts in enumerate(times):
+    for rank, (_, ts) in enumerate(trained):
         print(f"rank {rank}: {len(ts)} pushes, median {sorted(ts)[len(ts) // 2] * 1e3:.1f} ms")
     ray.shutdown()
     return 0 if ok else 1

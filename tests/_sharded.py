@@ -62,6 +62,7 @@ class Rank:
         self.rank = rank
         self.mesh = init_device_mesh("cpu", mesh_shape or (world,))
         self.net: Net | None = None
+        self.hubs: dict[str, Any] = {}  # one client per hub, as a trainer keeps
 
     def make(self, seed: int) -> None:
         """A fresh model from ``seed``, its parameters distributed over the mesh."""
@@ -110,7 +111,12 @@ class Rank:
         return sum(p.to_local().nbytes for p in self.net.parameters())
 
     def push(
-        self, hub_name: str, timeout: float = 30.0, extra: bool = False, model_id: str = "policy"
+        self,
+        hub_name: str,
+        timeout: float = 30.0,
+        extra: bool = False,
+        model_id: str = "policy",
+        wait: bool = False,
     ) -> tuple[int, dict[str, Any]]:
         """``hub.push(model)`` on this rank; the version and the push's stats."""
         import raysync
@@ -118,9 +124,9 @@ class Rank:
         assert self.net is not None
         if extra:  # this rank's model has a tensor the others lack
             self.net.register_buffer("only_here", torch.zeros(2))
-        hub = raysync.connect(hub_name)
+        hub = self.hubs.get(hub_name) or self.hubs.setdefault(hub_name, raysync.connect(hub_name))
         try:
-            version = hub.push(self.net, model_id, timeout=timeout)
+            version = hub.push(self.net, model_id, timeout=timeout, wait=wait)
         finally:
             if extra:
                 del self.net.only_here

@@ -52,7 +52,6 @@ from raysync.hub.relays import Relays
 from raysync.hub.settings import HubSettings
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState, Subscriber, Waiter
-from raysync.hub.state.groups import Rounds
 
 __all__ = ["WeightHub"]
 
@@ -83,8 +82,7 @@ class WeightHub(Delivery, ShardedPublish):
         # Calls to subscribers' actors, collected by their processes' polls (hub/mailbox.py).
         self._mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
         self._loops = {}
-        self._rounds = Rounds()  # sharded writers' parts of the version being pushed (hub/sharded.py)
-        self._round_done = {}
+        self._init_rounds()  # sharded writers' parts of the versions being pushed (hub/sharded.py)
         # One relay per node; when one comes up, open polls end so that its node's processes poll it.
         self._relays = Relays(name, _actor_id(), self._settings, on_ready=self._mail.wake)
         # The hub's own node needs no relay for subscribers with a doorbell: the hub rings them.
@@ -246,13 +244,16 @@ class WeightHub(Delivery, ShardedPublish):
         takeover: bool = False,
         version: int | None = None,
         epoch: int | None = None,
+        *,
+        reserved: int | None = None,
     ) -> int:
         """Keep a version and start delivering it; return its number.
 
         With ``version`` and ``epoch`` (from :meth:`acquire`) the writer stamped it and
         does not wait for this reply; the version is kept before this method first
         awaits anything, so the writer's later calls see it. Without them the hub
-        stamps it and writes the number to the GCS before replying.
+        stamps it and writes the number to the GCS before replying; with ``reserved``
+        (a sharded round's, :mod:`raysync.hub.sharded`) under that number, written before.
 
         Raises:
             WeightMismatchError: it does not fit a live subscriber's model.
@@ -265,8 +266,11 @@ class WeightHub(Delivery, ShardedPublish):
                 raise refused
         if version is None or epoch is None:
             await self._check_writer(model_id, pusher, takeover)
-            v = self._state.stamp(model_id, manifest, refs, pusher)
-            await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
+            v = self._state.stamp(model_id, manifest, refs, pusher, reserved)
+            if reserved is None:
+                await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
+            else:  # the number was written when it was reserved
+                self._store.save_model_soon(model_id, self._state.models[model_id])
         else:
             v = self._state.accept(model_id, manifest, refs, pusher, version, epoch)
             # The newest number, for a restarted hub (in the background; one queued write serves
@@ -470,8 +474,12 @@ class WeightHub(Delivery, ShardedPublish):
 
         Raises:
             UnknownModelError: ``version`` was never pushed.
+            SyncTimeoutError, InvalidWeightsError, ...: ``version`` is a sharded round's that is
+                still missing ranks' parts at ``timeout``, or was abandoned (why).
         """
         state = self._state
+        # A sharded round's number: until the round is published (raises why it never will be).
+        timeout = await self._round_published(model_id, version, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         if not state.check_waitable(model_id, version):
             # Granted to its writer, not published yet: its publish may be on its way (another
@@ -527,4 +535,5 @@ class WeightHub(Delivery, ShardedPublish):
             "here": None if self._here is None else self._here.stats(),
             "uptime_s": time.time() - self._started,
             "restored_models": self._restored,
+            "abandoned": self._abandoned(),  # sharded rounds' numbers never published, lately
         }

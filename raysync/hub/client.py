@@ -173,11 +173,9 @@ class HubClient:
             self._publishes.sent(model_id, version, epoch)
         return version
 
-    def _contribute(
-        self, model_id: str, part: Any, refs: list[Any], pusher: dict[str, Any], timeout: float
-    ) -> int:
-        """One rank's part of a sharded push (hub/sharded.py); the version once every rank's is in."""
-        version: int = self._call("contribute", model_id, part, refs, pusher, self.takeover, timeout)
+    def _contribute(self, model_id: str, part: Any, refs: list[Any], pusher: Any, *args: Any) -> int:
+        """A rank's part of a sharded push (hub/sharded.py; ``args``: timeout, settle, previous)."""
+        version: int = self._call("contribute", model_id, part, refs, pusher, self.takeover, *args)
         return version
 
     def _ask_ahead(self, model_id: str, pusher: dict[str, Any]) -> Any:
@@ -282,11 +280,17 @@ class HubClient:
 
         Sharded trainers: when ``weights`` hold ``DTensor``\\ s (FSDP2's
         ``fully_shard``, ``distribute_tensor``), every rank calls ``push`` alike;
-        each puts only its own shards, and the call returns, on every rank, the
-        one version the hub publishes once all ranks' shards are in (``timeout``,
-        default 60 s, bounds that wait: a rank that never pushes leaves the
-        version unpublished and the others raise ``SyncTimeoutError``). Such
-        pushes take no ``keys``, ``delta``, ``checksum`` or ``transport``.
+        each puts only its own shards and gets the same version number, which the
+        hub publishes once all ranks' shards are in. A rank's push returns once the
+        hub recorded its own shard (a rank's first push of a layout waits until the
+        version is published, so that what the hub refuses raises there); ``wait=True``
+        or ``hub.wait(v)`` waits for the version to be published and applied. If a
+        rank never pushes its shard within ``timeout`` (default 60 s; it died or
+        stalled), or the group restarts first, the number is abandoned: nothing is
+        published, readers keep the previous version, and ``hub.wait`` of it (until
+        a newer version is out; and the rank's next push, if abandoned by then) raises
+        ``SyncTimeoutError`` (``InvalidWeightsError`` for a group that moved on) saying so.
+        Such pushes take no ``keys``, ``delta``, ``checksum`` or ``transport``.
 
         Returns:
             The version number (1, 2, ... per model; a new writer, or a restarted

@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 
 Publish = Callable[[str, Manifest, list[Any]], int]
 """``(model_id, manifest, refs) -> version``: the hub's stamp (raises what the hub refuses)."""
-Contribute = Callable[[str, Any, list[Any], dict[str, Any], float], int]
-"""``(model_id, part, refs, pusher, timeout) -> version``: a sharded rank's part to the hub."""
+Contribute = Callable[[str, Any, list[Any], dict[str, Any], float, bool, "int | None"], int]
+"""``(model_id, part, refs, pusher, timeout, settle, previous) -> version``: a sharded rank's part
+to the hub; the version once recorded, or (``settle``) once published; ``previous`` is the number
+the rank's last unsettled push got (its failure raises here)."""
 Previous = Callable[[str], "Version | None"]
 """``model_id -> the hub's newest version``, for keys/delta pushes after another writer's."""
 
@@ -86,6 +88,10 @@ class PushPipeline:
         self._publish = publish
         self._contribute = contribute
         self._rounds: dict[str, int] = {}  # sharded pushes of each model by this client
+        # Sharded: the layout of this rank's part the hub published last (a push of another waits
+        # for its round), and the number of the last push that did not wait (its failure raises next).
+        self._shard_confirmed: dict[str, Any] = {}
+        self._shard_unsettled: dict[str, int] = {}
         self._previous_of = previous
         self._lost = lost
         self._transports: dict[str, HubTransport] = {}
@@ -173,7 +179,21 @@ class PushPipeline:
         self._rounds[request.model_id] = round = self._rounds.get(request.model_id, 0) + 1
 
         def hand(model_id: str, part: Any, refs: list[Any], pusher: dict[str, Any]) -> int:
-            return contribute(model_id, part, refs, pusher, request.group_timeout)
+            # A rank's first push of a layout waits until its round is published (what the hub
+            # refuses of it raises here); later ones return once the hub recorded the part.
+            layout = (part.world, part.rank, part.specs, part.manifest.layout_hash)
+            settle = self._shard_confirmed.get(model_id) != layout
+            previous = self._shard_unsettled.pop(model_id, None)
+            try:
+                version = contribute(model_id, part, refs, pusher, request.group_timeout, settle, previous)
+            except BaseException:
+                self._shard_confirmed.pop(model_id, None)
+                raise
+            if settle:
+                self._shard_confirmed[model_id] = layout
+            else:
+                self._shard_unsettled[model_id] = version
+            return version
 
         version, stats = push_shard(request, tensors, hand, round=round, writer=writer)
         return Pushed(version, stats)

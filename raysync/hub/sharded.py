@@ -1,63 +1,81 @@
-"""The hub's side of sharded writers: gather every rank's part, publish one version (a part of the actor).
+"""The hub's side of sharded writers: record each rank's part, publish one version (a part of the actor).
 
 Each rank of a sharded trainer calls :meth:`ShardedPublish.contribute` with its own part
-(its pieces' refs and layout). The call waits until every rank's part of that push is in;
-the last one merges them (:func:`raysync.core.shards.merge`) and publishes one version,
-stamped by the hub, whose number every rank's call returns. The group is the model's
-writer: the lease is taken in group rank 0's name (its process), so another live group
-is refused (``StaleWriterError``) and a restarted one takes over from a dead one. A push
-some rank never completes (it died, or timed out) is dropped: nothing is published,
-readers stay on the previous version, and the other ranks' calls raise.
+(its pieces' refs and layout). The first part of a push opens a *round* and the hub grants
+it one version number (from a block written to the GCS before any number of it is handed
+out, as a single writer's grant); each
+rank's call returns that number as soon as its own part is recorded, without waiting for
+the other ranks (``settle=False``; a rank's first push of a layout waits for the whole
+round, so that what the hub refuses of it raises there). When the last part is in, the hub
+merges the parts (:func:`raysync.core.shards.merge`) and publishes the version under that
+number, in round order.
+
+The group is the model's writer: the lease is taken in group rank 0's name (its process),
+checked when rank 0's part arrives and again at publish, so another live group is refused
+(``StaleWriterError``) and a restarted one takes over from a dead one.
+
+A round that never completes is abandoned (:mod:`raysync.hub.state.groups`): when ``timeout``
+seconds pass after its first part (a rank died or stalled), when a restarted or resized group
+pushes, or when the group runs too far ahead of it. Its number is never published: readers
+stay on the previous version, later rounds get higher numbers, ``hub.status()["abandoned"]``
+lists it, and ``hub.wait`` of the number (until a newer version is published) raises why
+(``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a group that
+moved on, or what the hub refused of the merged version). A rank's next push
+raises it too if the round failed by then (the push names the number it got last), as a
+single writer's next push raises a refusal of its previous one.
 
 Example:
-    >>> v = ray.get(hub.contribute.remote("policy", part, refs, pusher, False, 60.0))   # doctest: +SKIP
+    >>> v = ray.get(hub.contribute.remote("policy", part, refs, pusher, settle=False))   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from raysync.core.shards import ShardPart, merge
 from raysync.errors import InvalidWeightsError, RaySyncError, SyncTimeoutError
+from raysync.hub.persistence import HubStore, writer_alive
+from raysync.hub.state import HubState
 from raysync.hub.state.groups import Round, Rounds
 
 __all__ = ["ShardedPublish"]
 
 logger = logging.getLogger(__name__)
 
-_PUBLISHING_S = 60.0  # a rank whose wait ends while the merged version is published waits this much more
+
+@dataclass(eq=False)
+class _Held:
+    """What the hub holds for one unsettled round: its outcome, its grant's write, its deadline."""
+
+    outcome: asyncio.Future[int]
+    saved: asyncio.Future[None]
+    timer: asyncio.TimerHandle | None = None
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 class ShardedPublish:
     """Sharded pushes (a part of :class:`~raysync.hub.actor.WeightHub`)."""
 
     _rounds: Rounds
-    _round_done: dict[int, tuple[Round, asyncio.Future[int]]]
+    _state: HubState
+    _store: HubStore
+    _round_held: dict[int, _Held]
+    _round_lock: dict[str, asyncio.Lock]
+    _block_saved: dict[str, asyncio.Future[None]]  # the write of each model's block of numbers
 
     publish: Callable[..., Awaitable[int]]  # the actor's
+    _check_writer: Callable[[str, dict[str, Any], bool], Awaitable[None]]  # the actor's
 
-    def _future(self, rnd: Round) -> asyncio.Future[int]:
-        held = self._round_done.get(id(rnd))
-        if held is None:
-            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved"
-            held = self._round_done[id(rnd)] = (rnd, fut)
-        return held[1]
-
-    def _settle_round(
-        self, rnd: Round, version: int | None = None, error: BaseException | None = None
-    ) -> None:
-        held = self._round_done.pop(id(rnd), None)
-        if held is None or held[1].done():
-            return
-        if error is not None:
-            held[1].set_exception(error)
-        else:
-            assert version is not None
-            held[1].set_result(version)
+    def _init_rounds(self) -> None:
+        self._rounds = Rounds()
+        self._round_held = {}
+        self._round_lock = {}
+        self._block_saved = {}
 
     async def contribute(
         self,
@@ -67,62 +85,157 @@ class ShardedPublish:
         pusher: dict[str, Any],
         takeover: bool = False,
         timeout: float = 60.0,
+        settle: bool = True,
+        previous: int | None = None,
     ) -> int:
-        """One rank's part of a sharded push; the version once every rank's part is in and published.
+        """Record one rank's part of a sharded push; the version number granted to its round.
+
+        Returns once the part is recorded (``settle=False``) or once the round is published
+        (``settle=True``). ``previous``: the number this rank's last push returned without
+        settling; if that round failed, this part is refused with its error.
 
         Raises:
-            SyncTimeoutError: not every rank's part came within ``timeout`` seconds (the push is
-                dropped: nothing is published).
-            InvalidWeightsError: the ranks disagree on the tensors or their layout, a shard is
-                missing or duplicated (naming the tensor), or this push was dropped because a
-                rank moved on to another.
-            WeightMismatchError, StaleWriterError: as for any publish (all ranks get it).
+            SyncTimeoutError: with ``settle``, not every rank's part came within ``timeout``
+                seconds (nothing is published); or ``previous`` was abandoned for that.
+            InvalidWeightsError: a rank's second part for one push, a part of a push the group
+                moved past; with ``settle`` (or ``previous``): the ranks disagree on the
+                tensors or their layout, a shard is missing or duplicated (naming the tensor),
+                or the group moved on before every rank pushed.
+            WeightMismatchError, StaleWriterError: as for any publish (rank 0 gets a lease
+                refusal at once).
         """
-        rnd, dropped = self._rounds.add(model_id, part, list(refs), {**pusher, "takeover": takeover})
-        if dropped is not None:
-            self._settle_round(
-                dropped,
-                error=InvalidWeightsError(
-                    f"push {dropped.round} of {model_id!r} ({dropped.world} ranks) was dropped unpublished: "
-                    f"rank {part.rank} pushed {part.round} ({part.world} ranks) before ranks "
-                    f"{dropped.missing()} pushed theirs"
-                ),
+        if previous is not None:
+            failure = self._rounds.failure(model_id, previous)
+            if failure is not None:
+                raise failure
+        pusher = {**pusher, "takeover": takeover}
+        if part.rank == 0:  # the group's lease is rank 0's: refuse another live group's rank 0 now
+            await self._check_writer(model_id, pusher, takeover)
+        others = self._rounds.newcomer(model_id, part, pusher)
+        if others:
+            alive = await asyncio.gather(*(self._process_alive(p) for p in others))
+            if not all(alive):
+                why = f"rank {part.rank} came from a new process and a process of the old group died"
+                self._abandon(self._rounds.restart(model_id), why)
+        rnd, dropped = self._rounds.add(model_id, part, list(refs), pusher)
+        self._abandon(dropped, f"rank {part.rank} pushed push {part.round} of {part.world} ranks first")
+        held = self._round_held.get(id(rnd))
+        if held is None:
+            loop = asyncio.get_running_loop()
+            number, persist = self._state.reserve(model_id)
+            self._rounds.granted(rnd, number)
+            saved = self._block_saved.get(model_id)
+            failed = saved is not None and saved.done() and (saved.cancelled() or saved.exception())
+            if persist or saved is None or failed:  # a new block: written before any number is handed out
+                write = self._store.save_model(model_id, self._state.models[model_id])
+                saved = self._block_saved[model_id] = asyncio.wrap_future(write)
+            outcome: asyncio.Future[int] = loop.create_future()
+            outcome.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved"
+            held = self._round_held[id(rnd)] = _Held(outcome, saved)
+            held.timer = loop.call_later(timeout, self._expire, rnd, timeout)
+        await asyncio.shield(held.saved)  # no rank gets a number before it is written
+        if rnd.complete() and not held.tasks:
+            if held.timer is not None:
+                held.timer.cancel()
+            task = asyncio.get_running_loop().create_task(self._publish_round(rnd))
+            held.tasks.add(task)
+        assert rnd.version is not None
+        if not settle:
+            return rnd.version
+        return await asyncio.shield(held.outcome)
+
+    async def _process_alive(self, pusher: dict[str, Any]) -> bool:
+        """Whether the process that sent a part still runs (Ray's GCS says; unsure means alive)."""
+        return await asyncio.to_thread(writer_alive, pusher)
+
+    async def _round_published(self, model_id: str, version: int, timeout: float | None) -> float | None:
+        """Until the sharded round granted ``version`` is published; what is left of ``timeout``.
+
+        Returns at once for a number no unsettled round holds, and for an abandoned one once
+        a newer version is published (a wait for it then waits for that one, as a wait for a
+        refused single-writer number does).
+
+        Raises:
+            SyncTimeoutError: the round is still missing ranks' parts after ``timeout`` seconds.
+            RaySyncError: why the round was abandoned or refused (while no newer version is).
+        """
+        failure = self._rounds.failure(model_id, version)
+        if failure is not None:
+            if version < (self._state.latest(model_id) or 0):
+                return timeout
+            raise failure
+        rnd = self._rounds.pending(model_id, version)
+        held = None if rnd is None else self._round_held.get(id(rnd))
+        if rnd is None or held is None:
+            return timeout
+        t0 = time.monotonic()
+        # asyncio.wait, not wait_for: the round's own SyncTimeoutError is a TimeoutError too.
+        await asyncio.wait([held.outcome], timeout=timeout)
+        if held.outcome.done():
+            held.outcome.result()  # raises why the round was abandoned
+        else:
+            raise SyncTimeoutError(
+                f"version {version} of {model_id!r} is not published yet: ranks {rnd.missing()} of "
+                f"{rnd.world} have not pushed their shards of it (push {rnd.round}) within {timeout} s"
             )
-            logger.warning(
-                "hub: sharded push %d of %r dropped: ranks %s never pushed",
-                dropped.round,
-                model_id,
-                dropped.missing(),
-            )
-        fut = self._future(rnd)
-        if rnd.complete():
-            await self._publish_round(rnd)
-            return await fut
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
-            if not self._rounds.drop(rnd):  # closed meanwhile: being published
-                return await asyncio.wait_for(asyncio.shield(fut), _PUBLISHING_S)
-            error = SyncTimeoutError(
-                f"sharded push {rnd.round} of {model_id!r}: ranks {rnd.missing()} of {rnd.world} did not "
-                f"push their shards within {timeout} s (died or stalled); nothing was published and "
-                "readers keep the previous version"
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+
+    def _abandoned(self) -> dict[str, list[int]]:
+        """The numbers of the rounds abandoned or refused lately, per model (for ``status()``)."""
+        return {model_id: sorted(failed) for model_id, failed in self._rounds.failed.items()}
+
+    def _abandon(self, rounds: list[Round], why: str) -> None:
+        for rnd in rounds:
+            error = InvalidWeightsError(
+                f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was "
+                f"abandoned unpublished: ranks {rnd.missing()} had not pushed their shards when {why} "
+                f"(the group restarted or moved on); readers keep version {self._state.latest(rnd.model_id)}"
             )
             self._settle_round(rnd, error=error)
-            raise error from None
+            logger.warning("hub: %s", error)
+
+    def _expire(self, rnd: Round, timeout: float) -> None:
+        if not self._rounds.drop(rnd):  # complete (being published) or settled already
+            return
+        error = SyncTimeoutError(
+            f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}): ranks {rnd.missing()} of "
+            f"{rnd.world} did not push their shards within {timeout} s (died or stalled); nothing was "
+            f"published and readers keep version {self._state.latest(rnd.model_id)}"
+        )
+        logger.warning("hub: %s", error)
+        self._settle_round(rnd, error=error)
+
+    def _settle_round(
+        self, rnd: Round, version: int | None = None, error: BaseException | None = None
+    ) -> None:
+        self._rounds.settle(rnd, error)
+        held = self._round_held.pop(id(rnd), None)
+        if held is None or held.outcome.done():
+            return
+        if held.timer is not None:
+            held.timer.cancel()
+        if error is not None:
+            held.outcome.set_exception(error)
+        else:
+            assert version is not None
+            held.outcome.set_result(version)
 
     async def _publish_round(self, rnd: Round) -> None:
         parts = [(rnd.parts[r][0], rnd.parts[r][1]) for r in sorted(rnd.parts)]
         lead = dict(rnd.parts[0][2])
         takeover = bool(lead.pop("takeover", False))
-        try:
-            manifest, refs = merge(parts)
-            lead.update(ranks=rnd.world, sharded=True)
-            version = await self.publish(rnd.model_id, manifest, list(refs), lead, takeover)
-        except RaySyncError as err:
-            self._settle_round(rnd, error=err)
-            return
-        except Exception as err:  # never leave the ranks waiting
-            self._settle_round(rnd, error=InvalidWeightsError(f"{type(err).__name__}: {err}"))
-            return
+        lock = self._round_lock.setdefault(rnd.model_id, asyncio.Lock())
+        async with lock:  # in round order (rounds complete in order: each rank pushes in order)
+            try:
+                manifest, refs = merge(parts)
+                lead.update(ranks=rnd.world, sharded=True)
+                version = await self.publish(
+                    rnd.model_id, manifest, list(refs), lead, takeover, reserved=rnd.version
+                )
+            except RaySyncError as err:
+                self._settle_round(rnd, error=err)
+                return
+            except Exception as err:  # never leave the ranks waiting
+                self._settle_round(rnd, error=InvalidWeightsError(f"{type(err).__name__}: {err}"))
+                return
         self._settle_round(rnd, version)

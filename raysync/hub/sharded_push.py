@@ -3,8 +3,9 @@
 :class:`~raysync.hub.push.PushPipeline` sends here a push whose weights hold ``DTensor``\\ s
 (``hub.push(model)`` on every rank of an FSDP2 or tensor-parallel trainer, unchanged).
 Nothing is gathered: the rank's local shards (views) are laid out in buckets of their own
-and put once into the object store, the only copy; the hub publishes the version when
-every rank's part is in (:mod:`raysync.hub.sharded`).
+and put once into the object store, the only copy. The push returns the version number the
+hub granted the push's round once it recorded this rank's part; the hub publishes the version
+when every rank's part is in (:mod:`raysync.hub.sharded`).
 
 Example:
     >>> v = hub.push(fsdp_model)     # on every rank; the same version number on each   # doctest: +SKIP
@@ -29,7 +30,7 @@ from raysync.transports.base import transport_for
 __all__ = ["Contribute", "push_shard"]
 
 Contribute = Callable[[str, ShardPart, list[Any], dict[str, Any]], int]
-"""``(model_id, part, refs, pusher) -> version``: this rank's part to the hub; the version once all are in."""
+"""``(model_id, part, refs, pusher) -> version``: this rank's part to the hub; its round's number."""
 
 
 def push_shard(
@@ -91,8 +92,10 @@ def push_shard(
         "rank": part.rank,
         "world": part.world,
     }
+    t1 = time.perf_counter()
     version = contribute(model_id, shard, snap.refs, {**writer, **stats})
     stats["seconds"] = time.perf_counter() - t0
+    stats["contribute_s"] = stats["seconds"] - (t1 - t0)  # the hub's round trip (recording the part)
     stats["bytes"] = snap.bytes_put
     return version, stats
 

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -93,8 +94,10 @@ class Assembly(Sequence[np.ndarray]):
     A receiver that copies a bucket into buffers of its own (a module's, ``apply="copy"``:
     :func:`raysync.core.codec.copy_into`) calls :meth:`write_into`, which copies each piece
     straight into them: one copy, as for a version of one writer. Anything else that reads
-    it (``apply="view"``, a ``WeightsLoader``'s tensors) gets one uint8 array per tensor,
-    views of one buffer assembled on first read (:func:`assemble`).
+    it (``apply="view"``, a ``WeightsLoader``'s tensors) gets one uint8 array per tensor:
+    a read-only view of the rank bucket's bytes where one piece holds the tensor (or the
+    receiver's part of it) as one run of bytes, no copy; else views of one buffer assembled
+    on first read (:func:`assemble`).
 
     Example:
         >>> bucket = ShardedTransport.fetch(manifest, refs, [0], timeout=30)[0]   # doctest: +SKIP
@@ -115,7 +118,7 @@ class Assembly(Sequence[np.ndarray]):
 
     def __getitem__(self, i: Any) -> Any:
         if self._arrays is None:
-            self._arrays = assemble(self.manifest, self.bucket, self.rank_buckets)
+            self._arrays = _read(self.manifest, self.bucket, self._entries, self.rank_buckets)
         return self._arrays[i]
 
     def write_into(self, flat: torch.Tensor) -> None:
@@ -141,6 +144,42 @@ def assemble(
     flat = np.empty(manifest.bucket_nbytes[bucket], dtype=np.uint8)
     _fill(manifest, entries, rank_buckets, torch.from_numpy(flat))
     return [flat[e.offset : e.offset + e.nbytes] for e in entries]
+
+
+def _read(
+    manifest: Manifest, bucket: int, entries: Sequence[Any], rank_buckets: Mapping[int, Sequence[np.ndarray]]
+) -> list[np.ndarray]:
+    """One uint8 array per tensor of a bucket: a view of the rank bucket where one piece holds
+    it as one run of bytes, else (any other tensor there) the bucket assembled (:func:`assemble`)."""
+    _check_sizes(manifest, entries, rank_buckets)
+    direct = [_run(manifest, e, rank_buckets) for e in entries]
+    if any(a is None for a in direct):
+        whole = assemble(manifest, bucket, rank_buckets)
+        return [whole[i] if a is None else a for i, a in enumerate(direct)]
+    return [a for a in direct if a is not None]
+
+
+def _run(
+    manifest: Manifest, entry: Any, rank_buckets: Mapping[int, Sequence[np.ndarray]]
+) -> np.ndarray | None:
+    """The bytes of ``entry`` (its box) as a view of the one piece holding them all, if contiguous there."""
+    box, pieces = _pieces(manifest, entry)
+    if not entry.nbytes or len(pieces) != 1:
+        return None
+    piece = pieces[0]
+    if intersect((piece.offsets, piece.lengths), box) != box:
+        return None
+    # row-major: the box is one run of the piece's bytes if, before its last dimension narrower
+    # than the piece, every dimension is 1 long
+    start, stride, narrowed = 0, entry.nbytes // max(1, math.prod(box[1])), False
+    for d in reversed(range(len(piece.lengths))):
+        if narrowed and box[1][d] != 1:
+            return None
+        start += (box[0][d] - piece.offsets[d]) * stride
+        stride *= piece.lengths[d]
+        narrowed = narrowed or box[1][d] != piece.lengths[d]
+    flat = np.asarray(rank_buckets[piece.bucket][piece.index]).reshape(-1).view(np.uint8)
+    return flat[start : start + entry.nbytes]
 
 
 def _pieces(manifest: Manifest, entry: Any) -> tuple[Box, list[ShardPiece]]:

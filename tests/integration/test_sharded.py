@@ -1,7 +1,8 @@
 """A sharded trainer (2 gloo ranks as Ray actors, ``DTensor`` weights) pushing to every receiver kind.
 
 Each rank calls ``hub.push(model)`` as a single trainer does and puts only its own shards;
-the hub publishes one version once both are in. A ``@synced_model`` actor, a ``Follower``
+its push returns the version's number once the hub recorded its shard, and the hub publishes
+the version once both are in. A ``@synced_model`` actor, a ``Follower``
 (plain module), a ``WeightsLoader`` and ``hub.pull()`` all end up with weights bit-equal to
 the trainer's ``full_tensor()``s (Shard(0) even and uneven, Shard(1) uneven, Replicate, a
 plain buffer). Ranks that disagree on the tensors are refused naming the tensor; a rank that
@@ -21,6 +22,7 @@ import ray
 import torch
 
 import raysync
+from benchmarks import sharded_soak
 from tests import _sharded
 from tests.conftest import assert_same_weights, wait_for_condition
 
@@ -99,6 +101,7 @@ def test_every_receiver_gets_the_whole_tensors(
             versions = {v for v, _ in pushed}
             assert len(versions) == 1, pushed  # one version, the same number on every rank
             version = versions.pop()
+            hub.wait(version, timeout=TIMEOUT)  # a rank's push returns before the hub publishes
             assert hub.latest() == version
             # each rank put only its own shards (the replicated tensor and the buffer once, from rank 0)
             shard_bytes = ray.get([r.local_nbytes.remote() for r in ranks])
@@ -196,6 +199,34 @@ def test_ranks_that_disagree_are_refused_naming_the_tensor(ranks: list[Any], hub
     ray.kill(hub.actor)
 
 
+def test_a_rank_s_push_returns_before_the_slow_ranks_push(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    """A rank's push returns once the hub recorded its own shard; ``wait=True`` waits for the rest."""
+    collector = _collector(hub_name)
+    try:
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+        (v1, _), _ = _push(ranks, hub_name)  # a rank's first push of a layout waits for the round
+        hub.wait(v1, timeout=TIMEOUT, subscribers=1)
+        ray.get([r.step.remote(3) for r in ranks], timeout=TIMEOUT)
+        v2, _ = ray.get(ranks[0].push.remote(hub_name), timeout=TIMEOUT)  # rank 1 has not pushed
+        assert v2 > v1 and hub.latest() == v1  # the number is granted, the version not published
+        # rank 0 goes on: its next push waits for that version to be published and applied
+        ray.get(ranks[0].step.remote(4), timeout=TIMEOUT)
+        waiting = ranks[0].push.remote(hub_name, wait=True)
+        ready, _ = ray.wait([waiting], timeout=1.0)
+        assert not ready and hub.latest() == v1
+        assert ray.get(ranks[1].push.remote(hub_name), timeout=TIMEOUT)[0] == v2  # the slow rank
+        ray.get(ranks[1].step.remote(4), timeout=TIMEOUT)
+        v3 = ray.get(ranks[1].push.remote(hub_name), timeout=TIMEOUT)[0]
+        assert ray.get(waiting, timeout=TIMEOUT)[0] == v3 > v2
+        version, state = ray.get(collector.state.remote(), timeout=TIMEOUT)  # applied: no polling
+        assert version == v3
+        assert_same_weights(state, _full(ranks))
+    finally:
+        ray.kill(collector)
+
+
 def test_a_rank_dying_mid_push_publishes_nothing(
     ranks: list[Any], hub: raysync.HubClient, hub_name: str
 ) -> None:
@@ -208,10 +239,11 @@ def test_a_rank_dying_mid_push_publishes_nothing(
             lambda: ray.get(collector.state.remote())[0] == v1, timeout=TIMEOUT, what="v1 applied"
         )
         ray.get([r.step.remote(7) for r in ranks], timeout=TIMEOUT)
-        pending = ranks[0].push.remote(hub_name, timeout=3.0)  # its part reaches the hub; rank 1's never does
+        # rank 0's part reaches the hub and its push returns the round's number; rank 1's never comes
+        v2, _ = ray.get(ranks[0].push.remote(hub_name, timeout=3.0), timeout=TIMEOUT)
         ranks[1].die.remote()
-        with pytest.raises(ray.exceptions.RayTaskError, match="did not push their shards"):
-            ray.get(pending, timeout=TIMEOUT)
+        with pytest.raises(raysync.SyncTimeoutError, match=f"version {v2} .*did not push their shards"):
+            hub.wait(v2, timeout=TIMEOUT)  # the number is abandoned, never published
         assert hub.latest() == v1  # nothing published: readers stay on the previous version
         version, state = ray.get(collector.state.remote(), timeout=TIMEOUT)
         assert version == v1
@@ -225,12 +257,27 @@ def test_a_rank_dying_mid_push_publishes_nothing(
         ranks[:] = group
         ray.get([r.step.remote(8) for r in group], timeout=TIMEOUT)
         pushed = _push(group, hub_name)
-        v2 = pushed[0][0]
-        assert {v for v, _ in pushed} == {v2} and v2 > v1
+        v3 = pushed[0][0]
+        assert {v for v, _ in pushed} == {v3} and v3 > v2
         expected = _full(group)
         wait_for_condition(
-            lambda: ray.get(collector.state.remote())[0] == v2, timeout=TIMEOUT, what="v2 applied"
+            lambda: ray.get(collector.state.remote())[0] == v3, timeout=TIMEOUT, what="v3 applied"
         )
         assert_same_weights(ray.get(collector.state.remote(), timeout=TIMEOUT)[1], expected)
     finally:
         ray.kill(collector)
+
+
+def test_a_soak_that_kills_ranks_mid_push_publishes_nothing_torn(
+    ray_start_regular: dict[str, Any], hub_name: str
+) -> None:
+    """benchmarks/sharded_soak.py, short: 2 kills of a random rank at a random moment, group restarts."""
+    result = sharded_soak.soak(
+        kills=2, seconds=20.0, kill_within=1.0, push_timeout=3.0, hub_name=hub_name, ahead=2
+    )
+    assert result["kills"] == 2 and result["groups"] == 3
+    assert result["torn"] == 0 and result["abandoned_held"] == 0 and result["numbering_errors"] == 0
+    # the hub published every number a rank got and did not abandon (and maybe rounds whose
+    # ranks died before they could say which number they got)
+    assert result["published_total"] >= result["published"] > 0 and result["unaccounted"] == 0
+    assert result["collector_versions"] > 1 and result["loader_versions"] > 1

@@ -1,43 +1,231 @@
-"""The hub's rounds of a sharded push, as plain Python: complete, dropped, refused."""
+"""The hub's rounds of a sharded push: numbers granted per round, early returns, abandoned rounds.
+
+The first tests drive :class:`~raysync.hub.state.groups.Rounds` (plain Python); the others drive
+the hub's :class:`~raysync.hub.sharded.ShardedPublish` on an event loop with the hub's real state
+(:class:`~raysync.hub.state.HubState`) and no Ray: what a rank's ``contribute`` returns and when,
+and what ``hub.wait`` of a number says when its round is published or abandoned.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
 import pytest
 
-from raysync.core.layout import plan_specs
+from raysync.core.layout import Manifest, plan_specs
 from raysync.core.shards import ShardPart
-from raysync.errors import InvalidWeightsError
-from raysync.hub.state.groups import Rounds
+from raysync.errors import InvalidWeightsError, StaleWriterError, SyncTimeoutError
+from raysync.hub.sharded import ShardedPublish
+from raysync.hub.state import HubState
+from raysync.hub.state.groups import MAX_OPEN, Rounds
+
+T = TypeVar("T")
 
 
 def _part(rank: int, world: int = 2, round: int = 1) -> ShardPart:
     return ShardPart(round, rank, world, (), plan_specs([]), ())
 
 
+def _who(rank: int, group: str = "a") -> dict[str, Any]:
+    return {"session": f"{group}{rank}", "writer_id": f"actor-{group}{rank}"}
+
+
 def test_a_round_closes_when_every_rank_is_in() -> None:
     rounds = Rounds()
-    first, dropped = rounds.add("policy", _part(1), [], {})
-    assert dropped is None and not first.complete() and first.missing() == [0]
-    second, _ = rounds.add("policy", _part(0), [], {"writer_id": "a"})
-    assert second is first and first.complete() and "policy" not in rounds.open
+    first, dropped = rounds.add("policy", _part(1), [], _who(1))
+    assert dropped == [] and not first.complete() and first.missing() == [0]
+    second, _ = rounds.add("policy", _part(0), [], _who(0))
+    assert second is first and first.complete() and rounds.open_rounds("policy") == []
     assert not rounds.drop(first)  # closed: being published, not droppable
 
 
-def test_a_part_of_another_push_drops_the_open_one_unpublished() -> None:
+def test_a_fast_rank_may_push_again_before_a_slow_one_pushed() -> None:
     rounds = Rounds()
-    old, _ = rounds.add("policy", _part(0, round=3), [], {})
-    new, dropped = rounds.add("policy", _part(1, round=4), [], {})
-    assert dropped is old and new is not old and new.missing() == [0]
-    _, dropped = rounds.add("policy", _part(0, world=4, round=4), [], {})  # the group changed size
-    assert dropped is new
+    r3, _ = rounds.add("policy", _part(0, round=3), [], _who(0))
+    r4, dropped = rounds.add("policy", _part(0, round=4), [], _who(0))  # rank 0's push returned
+    assert dropped == [] and rounds.open_rounds("policy") == [r3, r4]
+    assert rounds.add("policy", _part(1, round=3), [], _who(1))[0] is r3 and r3.complete()
+    assert rounds.add("policy", _part(1, round=4), [], _who(1))[0] is r4 and r4.complete()
+    # the group runs more than MAX_OPEN pushes ahead of its slowest rank: the oldest is abandoned
+    opened = [rounds.add("policy", _part(0, round=5 + i), [], _who(0))[0] for i in range(MAX_OPEN)]
+    newest, dropped = rounds.add("policy", _part(0, round=5 + MAX_OPEN), [], _who(0))
+    assert dropped == [opened[0]] and rounds.open_rounds("policy") == [*opened[1:], newest]
+    # the slow rank's part of the abandoned push is refused, the others are not disturbed
+    with pytest.raises(InvalidWeightsError, match="came after the group moved on"):
+        rounds.add("policy", _part(1, round=5), [], _who(1))
+    assert rounds.add("policy", _part(1, round=6), [], _who(1))[0] is opened[1]
+
+
+def test_a_restarted_or_resized_group_abandons_what_the_old_one_left_open() -> None:
+    rounds = Rounds()
+    old, _ = rounds.add("policy", _part(0, round=3), [], _who(0))
+    new, dropped = rounds.add("policy", _part(0, round=1), [], _who(0, "b"))  # rank 0, a new process
+    assert dropped == [old] and new is not old and new.missing() == [1]
+    _, dropped = rounds.add("policy", _part(0, world=4, round=1), [], _who(0, "c"))  # 4 ranks now
+    assert dropped == [new]
+
+
+def test_a_rank_first_seen_while_rounds_are_open_is_checked_against_the_old_group() -> None:
+    """A restarted group's rank 1 pushing before its rank 0 must never complete the old group's round."""
+    rounds = Rounds()
+    assert rounds.newcomer("policy", _part(0), _who(0)) == []  # nothing open: nothing to check
+    old, _ = rounds.add("policy", _part(0), [], _who(0))
+    assert rounds.newcomer("policy", _part(1), _who(1, "b")) == [_who(0)]  # is old rank 0 alive?
+    assert rounds.restart("policy") == [old]  # it is not: the old group's round is abandoned
+    new, dropped = rounds.add("policy", _part(1), [], _who(1, "b"))
+    assert dropped == [] and new is not old and new.missing() == [0]
+    assert rounds.newcomer("policy", _part(1), _who(1, "b")) == []  # a rank seen before
 
 
 def test_bad_ranks_are_refused() -> None:
     rounds = Rounds()
-    rounds.add("policy", _part(0), [], {})
+    rounds.add("policy", _part(0), [], _who(0))
     with pytest.raises(InvalidWeightsError, match="rank 0 pushed its shard of 'policy' twice"):
-        rounds.add("policy", _part(0), [], {})
+        rounds.add("policy", _part(0), [], _who(0))
     with pytest.raises(InvalidWeightsError, match="ranks run from 0 to world - 1"):
-        rounds.add("policy", _part(2), [], {})
-    rnd = rounds.open["policy"]
-    assert rounds.drop(rnd) and "policy" not in rounds.open
+        rounds.add("policy", _part(2), [], _who(2))
+    (rnd,) = rounds.open_rounds("policy")
+    assert rounds.drop(rnd) and rounds.open_rounds("policy") == []
+
+
+def test_an_abandoned_number_is_remembered_with_why() -> None:
+    rounds = Rounds()
+    rnd, _ = rounds.add("policy", _part(0), [], _who(0))
+    rounds.granted(rnd, 7)
+    assert rounds.pending("policy", 7) is rnd and rounds.failure("policy", 7) is None
+    why = SyncTimeoutError("ranks [1] did not push")
+    rounds.settle(rnd, why)
+    assert rounds.pending("policy", 7) is None and rounds.failure("policy", 7) is why
+    assert rounds.open_rounds("policy") == []
+
+
+def test_a_reserved_number_is_published_under_that_number_or_skipped() -> None:
+    state = HubState("hub", keep=2)
+    state.stamp("policy", _manifest(), [], {})
+    abandoned, persist = state.reserve("policy", 3)  # a block of 3: written once
+    published, again = state.reserve("policy", 3)
+    assert (abandoned, published, persist, again) == (2, 3, True, False)
+    assert state.latest("policy") == 1  # granted, not published
+    state.stamp("policy", _manifest(), [], {}, published)
+    assert state.latest("policy") == 3 and sorted(state.models["policy"].versions) == [1, 3]
+    assert state.reserve("policy", 3) == (4, False)  # an abandoned number is never granted again
+    assert state.reserve("policy", 3) == (5, True)  # the block is spent: a new one
+    state.stamp("policy", _manifest(), [], {})  # another number issued: the block ends
+    assert state.reserve("policy", 3) == (9, True) and state.latest("policy") == 8
+
+
+# ------------------------------------------------------------------ the hub's side, no Ray
+
+
+def _manifest() -> Manifest:
+    return plan_specs([])
+
+
+class _Store:
+    def save_model(self, model_id: str, model: Any) -> concurrent.futures.Future[None]:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+    def save_model_soon(self, model_id: str, model: Any) -> None:
+        pass
+
+
+class _Hub(ShardedPublish):
+    """The hub's sharded side over its real state; publishing stamps, as the actor's does."""
+
+    def __init__(self, refuse: frozenset[str] = frozenset(), dead: frozenset[str] = frozenset()) -> None:
+        self._init_rounds()
+        self._state = HubState("hub", keep=4)
+        self._store = _Store()  # type: ignore[assignment]
+        self.refuse, self.dead = refuse, dead
+
+    async def publish(self, model_id: str, manifest: Any, refs: Any, pusher: Any, *_: Any, **kw: Any) -> int:
+        return self._state.stamp(model_id, manifest, refs, pusher, kw["reserved"]).version
+
+    async def _check_writer(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> None:
+        if pusher["session"] in self.refuse:
+            raise StaleWriterError(f"model {model_id!r} is written by another group")
+
+    async def _process_alive(self, pusher: dict[str, Any]) -> bool:
+        return pusher["session"] not in self.dead
+
+    async def push(self, rank: int, round: int = 1, group: str = "a", **kw: Any) -> int:
+        kw.setdefault("settle", False)
+        return await self.contribute("policy", _part(rank, round=round), [], _who(rank, group), **kw)
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_a_rank_gets_its_number_before_the_other_ranks_push() -> None:
+    async def main() -> None:
+        hub = _Hub()
+        v = await hub.push(0)  # returns with rank 1's part not in: nothing published yet
+        assert v == 1 and hub._state.latest("policy") is None
+        waiter = asyncio.ensure_future(hub._round_published("policy", v, 10.0))
+        settled = asyncio.ensure_future(hub.push(0, round=2, settle=True))  # waits for publish
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and not settled.done()
+        assert await hub.push(1) == v  # one number for every rank of the round
+        await waiter
+        assert hub._state.latest("policy") == v
+        assert await hub.push(1, round=2) == 2 and await settled == 2
+        assert hub._state.latest("policy") == 2
+
+    _run(main())
+
+
+def test_a_round_a_rank_never_completes_is_abandoned_and_its_number_says_why() -> None:
+    async def main() -> None:
+        hub = _Hub()
+        assert await hub.push(0) == 1 and await hub.push(1) == 1
+        await hub._round_published("policy", 1, 10.0)
+        v = await hub.push(0, round=2, timeout=0.2)  # rank 1 dies: never pushes push 2
+        with pytest.raises(SyncTimeoutError, match=r"version 2 of 'policy' is not published yet"):
+            await hub._round_published("policy", v, 0.05)
+        with pytest.raises(SyncTimeoutError, match=r"ranks \[1\] of 2 did not push.*readers keep version 1"):
+            await hub._round_published("policy", v, 10.0)
+        assert hub._state.latest("policy") == 1  # nothing published with a shard missing
+        # the rank that got the number is told on its next push; its part of that push is refused
+        with pytest.raises(SyncTimeoutError, match="version 2 of 'policy'"):
+            await hub.push(0, round=3, previous=v)
+        assert hub._rounds.open_rounds("policy") == []
+        # the restarted group pushes again: a new number, published
+        assert await hub.push(0, group="b") == 3 and await hub.push(1, group="b") == 3
+        await hub._round_published("policy", 3, 10.0)
+        assert hub._state.latest("policy") == 3 and sorted(hub._state.models["policy"].versions) == [1, 3]
+        assert hub._abandoned() == {"policy": [2]}
+        # a newer version is out: a wait for the abandoned number waits for it, as for any older one
+        assert await hub._round_published("policy", v, 10.0) == 10.0
+
+    _run(main())
+
+
+def test_a_restarted_group_never_completes_the_dead_group_s_round() -> None:
+    async def main() -> None:
+        hub = _Hub(dead=frozenset({"a0"}))
+        old = await hub.push(0)  # the old group's rank 0; its rank 1 dies before pushing
+        new = await hub.push(1, group="b")  # the new group's rank 1 comes first
+        assert new != old and hub._rounds.pending("policy", new) is not None
+        with pytest.raises(InvalidWeightsError, match=r"version 1 of 'policy'.*abandoned unpublished"):
+            await hub._round_published("policy", old, 1.0)
+        assert await hub.push(0, group="b") == new
+        await hub._round_published("policy", new, 10.0)
+        assert hub._state.latest("policy") == new
+
+    _run(main())
+
+
+def test_a_refused_group_publishes_nothing() -> None:
+    async def main() -> None:
+        hub = _Hub(refuse=frozenset({"b0"}))
+        with pytest.raises(StaleWriterError):
+            await hub.push(0, group="b")  # rank 0 is refused before its part is recorded
+        assert hub._rounds.open_rounds("policy") == [] and hub._state.latest("policy") is None
+
+    _run(main())

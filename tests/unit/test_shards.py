@@ -7,6 +7,7 @@ every tensor bit for bit, and bad parts are refused naming the tensor.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -200,3 +201,38 @@ def test_a_placement_that_takes_everything_whole_leaves_the_version_as_it_is() -
     assert reshard(manifest, TensorParallel(0, 1, {"rows": 0})) is manifest
     with pytest.raises(ValueError, match="rank must be in"):
         TensorParallel(2, 2, {})
+
+
+def test_a_part_one_trainer_piece_holds_is_read_without_a_copy() -> None:
+    """What a WeightsLoader (or ``apply="view"``) reads: the rank bucket's own bytes where one piece
+    holds the receiver's part as one run (no assembly, no copy); the bucket assembled elsewhere."""
+    weights = _weights()
+    manifest, _ = merge(_parts(2, weights))
+    assert manifest.shards is not None
+    rank_arrays = {}
+    i = 0
+    for rank in range(2):
+        for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
+            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
+            i += 1
+    tp = TensorParallel(1, 2, {"rows": 0, "cols": 0, "odd": 0})  # rows, odd: as the trainer; cols not
+    view = reshard(manifest, tp)
+    assert view.shards is not None
+    want = {
+        "rows": torch.chunk(weights["rows"], 2, dim=0)[1],
+        "cols": torch.chunk(weights["cols"], 2, dim=0)[1],
+        "odd": torch.chunk(weights["odd"], 2, dim=0)[1],
+        "rep": weights["rep"],
+        "count": weights["count"],
+    }
+    shared = {}
+    for b in range(view.num_buckets):
+        bucket = Assembly(view, b, rank_arrays)
+        for entry, array in zip(view.bucket_entries(b), bucket, strict=True):
+            t = want[entry.key]
+            assert bytes(array) == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            shared[entry.key] = any(
+                np.shares_memory(array, np.asarray(a)) for arrays in rank_arrays.values() for a in arrays
+            )
+    # one trainer piece holds each of these whole: read in place; cols' rows span both ranks' pieces
+    assert shared == {"rows": True, "odd": True, "rep": True, "count": True, "cols": False}

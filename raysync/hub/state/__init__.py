@@ -40,5 +40,6 @@ class HubState(Waits):
         self.by_model: dict[str, dict[str, Subscriber]] = {}
         self.groups: dict[str, Group] = {}
         self.waiters: dict[str, set[Waiter]] = {}
+        self.round_blocks: dict[str, tuple[int, int]] = {}  # numbers reserved for sharded rounds
         self._fits: set[tuple[str, Any]] = set()  # (layout hash, schema key) found to fit
         self._misfits: dict[tuple[str, Any], str] = {}  # (layout hash, schema key) -> why it does not

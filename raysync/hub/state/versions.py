@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from raysync._protocol import (
+    BLOCK,
     Announcement,
     Grant,
 )
@@ -24,6 +25,8 @@ _FITS_KEPT = 4096  # (layout, schema) pairs remembered as fitting before the mem
 
 class Versions(Leases):
     """Stamping, granting, keeping and handing out versions; whether a layout fits a subscriber."""
+
+    round_blocks: dict[str, tuple[int, int]]  # model -> (next, last) of its sharded rounds' numbers
 
     # ------------------------------------------------------------------ versions
     def latest(self, model_id: str) -> int | None:
@@ -153,19 +156,50 @@ class Versions(Leases):
         self.trim(model)
         return v
 
-    def stamp(self, model_id: str, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]) -> Version:
-        """Give a version its number and keep it (the oldest beyond ``keep`` are let go).
+    def reserve(self, model_id: str, count: int = BLOCK) -> tuple[int, bool]:
+        """One version number for a version the hub stamps later (:meth:`stamp` ``version=``);
+        ``(number, whether to persist the model's record before handing it out)``.
 
-        The number follows every number ever granted to a writer (persist before replying),
-        and it ends the blocks granted before it (a new epoch): a writer stamping from one
-        would publish versions older than this one.
+        A sharded push's ranks get it before their round is published. Numbers come from a
+        block of ``count`` reserved at once (one GCS write per block, not per push); a block
+        ends when any other number is issued (a single writer's grant, a hub stamp), and a
+        hub restart skips what was left of it.
+        """
+        model = self.models.setdefault(model_id, Model())
+        block = self.round_blocks.get(model_id)
+        if block is not None and block[1] == model.reserved and model.latest < block[0] <= block[1]:
+            self.round_blocks[model_id] = (block[0] + 1, block[1])
+            return block[0], False
+        first = model.issued + 1
+        model.reserved = first + max(1, int(count)) - 1
+        self.round_blocks[model_id] = (first + 1, model.reserved)
+        return first, True
+
+    def stamp(
+        self,
+        model_id: str,
+        manifest: Manifest,
+        refs: list[Any],
+        pusher: dict[str, Any],
+        version: int | None = None,
+    ) -> Version:
+        """Give a version its number (or the one :meth:`reserve` gave it) and keep it.
+
+        The oldest beyond ``keep`` are let go. A new number follows every number ever
+        granted to a writer (persist before replying), and it ends the blocks granted
+        before it (a new epoch): a writer stamping from one would publish versions older
+        than this one.
         """
         model = self.models.setdefault(model_id, Model())
         if model.session is not None:
             model.epoch += 1
             model.session = None
-        model.latest = model.reserved = model.issued + 1
-        v = Version(model.latest, manifest, list(refs), time.time(), pusher)
+        if version is None:
+            model.latest = model.reserved = model.issued + 1
+        else:
+            assert version <= model.reserved, "a reserved number"
+            model.latest = max(model.latest, version)
+        v = Version(version or model.latest, manifest, list(refs), time.time(), pusher)
         model.versions[v.version] = v
         model.published(v.version)
         model.pushes += 1

@@ -1,0 +1,345 @@
+"""Soak for sharded trainers: ranks killed mid-push, the group restarted; no version published torn.
+
+A group of ``--world`` gloo ranks (Ray actors) holds a model as ``DTensor``\\ s (``Shard(0)`` and
+``Shard(1)`` with uneven chunks, ``Replicate``, and a plain ``step`` buffer) and pushes it in a
+loop, each rank calling ``hub.push(model)`` after a barrier (as a trainer's collectives keep its
+ranks in step). Every push's weights derive from its step: element ``i`` of tensor ``k`` is
+``step * 10**7 + k * 10**6 + i`` and the ``step`` buffer holds the step, so whoever holds a
+version can tell whether each shard of it belongs to the same step. Each rank records
+``(version, step)`` in a ledger actor once its push returned.
+
+At a random moment (uniform within ``--kill-within`` s of the group's start) one random rank is
+killed (``ray.kill``: its process dies wherever it is, mid-snapshot, mid-call to the hub or
+between pushes), then, after a random pause in which the others go on into their next push,
+the rest of the group; a new group (new processes) starts from a step never pushed before.
+This repeats for ``--kills`` kills or ``--seconds`` seconds; a last group then pushes without
+being killed.
+
+Receivers: a ``@synced_model`` actor (polled every few ms; a method runs under its version
+lock, so it reports a version whole) and a ``WeightsLoader`` under a ``Follower`` in an actor
+of its own (every version handed to it is checked in the callback). Checks:
+
+- **torn = 0**: every version a receiver holds is bit-equal to the weights of its step, and
+  that step is the one the ledger says the version's number was pushed with;
+- no receiver ever holds a number the hub abandoned (``hub.status()["abandoned"]``, read after
+  each restart: the numbers of rounds abandoned with a shard missing);
+- every number the hub granted was either published or abandoned (``unaccounted = 0``);
+- the last group's version reaches both receivers.
+
+    python benchmarks/sharded_soak.py --kills 20 --seconds 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+import raysync
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
+import _harness as harness
+
+MODEL = "soak"
+# name -> (shape, placement): shard dims uneven over 2 and 4 ranks
+TENSORS: dict[str, tuple[tuple[int, ...], int | None]] = {
+    "rows": ((257, 512), 0),  # 1 MiB of float64, Shard(0), uneven
+    "cols": ((6, 7), 1),  # Shard(1), uneven
+    "rep": ((3, 3), None),  # Replicate
+}
+
+
+def full(key: str, step: int) -> torch.Tensor:
+    """The whole tensor ``key`` as pushed at ``step``."""
+    shape, _ = TENSORS[key]
+    k = sorted(TENSORS).index(key)
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float64) + (step * 10**7 + k * 10**6)).reshape(shape)
+
+
+def check(state: dict[str, torch.Tensor]) -> tuple[int, bool]:
+    """``(step, whether every tensor is bit-equal to that step's)`` of a receiver's weights."""
+    step = int(state["step"])
+    return step, all(torch.equal(state[k], full(k, step)) for k in TENSORS)
+
+
+class Net(torch.nn.Module):
+    """The model: every tensor of :data:`TENSORS` and a plain ``step`` buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for key, (shape, _) in TENSORS.items():
+            self.register_parameter(key, torch.nn.Parameter(torch.full(shape, -1.0, dtype=torch.float64)))
+        self.register_buffer("step", torch.tensor(-1, dtype=torch.int64))
+
+
+@ray.remote(num_cpus=0)
+class Ledger:
+    """What each rank's push returned: ``(version, step, rank, group)``."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int, int]] = []
+
+    def record(self, version: int, step: int, rank: int, group: int) -> None:
+        self.rows.append((version, step, rank, group))
+
+    def entries(self) -> list[tuple[int, int, int, int]]:
+        return list(self.rows)
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    """One rank of the trainer group ``group``."""
+
+    def __init__(self, rank: int, world: int, port: int, hub: str, ledger: Any, group: int) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        self.rank, self.world, self.group, self.ledger = rank, world, group, ledger
+        mesh = init_device_mesh("cpu", (world,))
+        net = Net()
+        for key, (_, dim) in TENSORS.items():
+            place = [Replicate() if dim is None else Shard(dim)]
+            setattr(net, key, torch.nn.Parameter(distribute_tensor(getattr(net, key).detach(), mesh, place)))
+        self.net = net
+        self.hub = raysync.connect(hub)
+
+    def ready(self) -> bool:
+        return True
+
+    def _fill(self, step: int) -> None:
+        with torch.no_grad():
+            for key, (_, dim) in TENSORS.items():
+                whole = full(key, step)
+                mine = whole if dim is None else torch.chunk(whole, self.world, dim)[self.rank]
+                local = getattr(self.net, key).to_local()
+                assert local.shape == mine.shape, (key, local.shape, mine.shape)
+                local.copy_(mine)
+            self.net.step.fill_(step)
+
+    def run(self, first_step: int, pushes: int, timeout: float) -> int:
+        """Push steps ``first_step ..``; how many pushes returned."""
+        import torch.distributed as dist
+
+        for i in range(pushes):
+            step = first_step + i
+            self._fill(step)
+            dist.barrier()
+            version = self.hub.push(self.net, MODEL, timeout=timeout)
+            self.ledger.record.remote(version, step, self.rank, self.group)
+        return pushes
+
+
+def collector(hub: str) -> Any:
+    """A ``@synced_model`` receiver of ``hub``: it reports the version it holds and whether its
+    weights are right (a method runs under its version lock: it sees one version whole)."""
+
+    @raysync.synced_model("net", model_id=MODEL, hub=hub)
+    class Collector:
+        def __init__(self) -> None:
+            self.net = Net()
+
+        def report(self) -> tuple[int | None, int, bool]:
+            step, ok = check(dict(self.net.state_dict()))
+            return self.raysync_version(), step, ok
+
+    return ray.remote(num_cpus=0)(Collector).remote()
+
+
+@ray.remote(num_cpus=0)
+class LoaderChecker:
+    """A ``WeightsLoader`` receiver: every version handed to it is checked in the callback."""
+
+    def __init__(self, hub: str) -> None:
+        self.seen: list[tuple[int, bool]] = []
+
+        def load(pairs: Any) -> None:
+            state = {k: t.clone() for k, t in pairs}
+            self.seen.append(check(state))
+
+        self.loader = raysync.WeightsLoader(load)
+        self.follower = raysync.Follower(target=self.loader, model_id=MODEL, hub=hub).start()
+
+    def report(self) -> tuple[list[tuple[int, bool]], int | None]:
+        return list(self.seen), self.loader.version
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def soak(
+    *,
+    world: int = 2,
+    kills: int = 3,
+    seconds: float = 30.0,
+    kill_within: float = 1.5,
+    push_timeout: float = 5.0,
+    seed: int = 0,
+    hub_name: str = "sharded-soak",
+    ahead: int = 1,
+) -> dict[str, Any]:
+    """Run the soak on the connected Ray cluster; the counts (see the module's docstring).
+
+    ``ahead`` groups start before they are needed (each while the one before pushes).
+
+    Raises:
+        AssertionError: a version was published torn, a receiver held an abandoned number,
+            or the last version did not reach the receivers.
+    """
+    rng = random.Random(seed)
+    hub = raysync.connect(hub_name)
+    ledger = Ledger.remote()
+    # Groups start ahead (new processes, gloo joined) while the one before pushes: a restart then
+    # costs the soak no wait for processes to start
+    spawned: list[list[Any]] = []
+
+    def spawn() -> None:
+        port, number = _port(), len(spawned)
+        spawned.append([Rank.remote(r, world, port, hub_name, ledger, number) for r in range(world)])
+
+    for _ in range(ahead):
+        spawn()
+    receiver = collector(hub_name)
+    checker = LoaderChecker.remote(hub_name)
+    held: list[tuple[int | None, int, bool]] = []
+
+    def poll() -> None:
+        held.append(ray.get(receiver.report.remote(), timeout=60))
+
+    ray.get([receiver.report.remote(), checker.report.remote()], timeout=120)
+    started, step, group_no, killed = time.monotonic(), 0, 0, 0
+    abandoned: set[int] = set()  # numbers the hub says it abandoned (status()["abandoned"])
+    pushes_per_group = 10_000
+    while True:
+        last = killed >= kills or time.monotonic() - started > seconds
+        while len(spawned) <= group_no + (0 if last else ahead):
+            spawn()
+        group = spawned[group_no]
+        ray.get([r.ready.remote() for r in group], timeout=300)
+        if last:  # the last group pushes a few versions and is left alone
+            ray.get([r.run.remote(step, 3, push_timeout) for r in group], timeout=300)
+            break
+        runs = [r.run.remote(step, pushes_per_group, push_timeout) for r in group]
+        kill_at = time.monotonic() + rng.uniform(0.0, kill_within)
+        while time.monotonic() < kill_at:
+            poll()
+        victim = rng.randrange(world)
+        ray.kill(group[victim])
+        killed += 1
+        pause = time.monotonic() + rng.uniform(0.0, 0.3)  # the others go on into their next push
+        while time.monotonic() < pause:
+            poll()
+        harness.kill_all(group)
+        for run in runs:
+            try:
+                ray.get(run, timeout=60)
+            except ray.exceptions.RayError:
+                pass
+        # the rounds the groups before left open are settled by now (this group's first part, or
+        # their deadline, abandoned them); the hub lists the numbers it abandoned lately
+        abandoned |= set(hub.status()["abandoned"].get(MODEL, []))
+        step += pushes_per_group
+        group_no += 1
+    rows = ray.get(ledger.entries.remote(), timeout=60)
+    final = max(v for v, _, _, g in rows if g == group_no)
+    hub.wait(final, MODEL, timeout=120, subscribers=2)
+    abandoned |= set(hub.status()["abandoned"].get(MODEL, []))
+    poll()
+    seen, loader_version = ray.get(checker.report.remote(), timeout=60)
+    # what each number was pushed with: one step per number, whichever rank said so
+    steps_of: dict[int, set[int]] = {}
+    for version, s, _, _ in rows:
+        steps_of.setdefault(version, set()).add(s)
+    numbering = [v for v, s in steps_of.items() if len(s) > 1]
+    held_versions = [(v, s, ok) for v, s, ok in held if v is not None]
+    torn = [h for h in held_versions if not h[2] or steps_of.get(h[0], {h[1]}) != {h[1]}]
+    torn += [(None, s, ok) for s, ok in seen if not ok]
+    stale = [h for h in held_versions if h[0] in abandoned]
+    result = {
+        "world": world,
+        "seconds": round(time.monotonic() - started, 1),
+        "groups": group_no + 1,
+        "kills": killed,
+        "pushes": len(rows),
+        "rounds": len(steps_of),
+        "published": len(set(steps_of) - abandoned),
+        "abandoned": len(set(steps_of) & abandoned),
+        "abandoned_all": len(abandoned),
+        # every number the hub granted (1 .. final, one block after another) was published or abandoned
+        "unaccounted": final - hub.status()["models"][MODEL]["pushes"] - len(abandoned),
+        "published_total": hub.status()["models"][MODEL]["pushes"],
+        "collector_reports": len(held_versions),
+        "collector_versions": len({v for v, _, _ in held_versions}),
+        "loader_versions": len(seen),
+        "final": final,
+        "collector_final": held[-1][0],
+        "loader_final": loader_version,
+        "torn": len(torn),
+        "numbering_errors": len(numbering),
+        "abandoned_held": len(stale),
+    }
+    for group in spawned:
+        harness.kill_all(group)
+    harness.kill_all([receiver, checker, ledger])
+    ray.kill(hub.actor)
+    assert not torn, f"versions published torn: {torn[:5]}"
+    assert not numbering, f"one number pushed with several steps: {numbering[:5]}"
+    assert not stale, f"a receiver held an abandoned number: {stale[:5]}"
+    assert result["unaccounted"] == 0, result
+    assert result["collector_final"] == final and loader_version == final, result
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--kill-within", type=float, default=1.5, help="s after a group's start")
+    parser.add_argument("--push-timeout", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    started = time.time()
+    with harness.local_cluster(num_cpus=args.world + 4, object_store_bytes=1024 * 2**20):
+        result = soak(
+            world=args.world,
+            kills=args.kills,
+            seconds=args.seconds,
+            kill_within=args.kill_within,
+            push_timeout=args.push_timeout,
+            seed=args.seed,
+        )
+    print(", ".join(f"{k}={v}" for k, v in result.items()))
+    harness.write_json(
+        harness.results_path("sharded_soak.json"),
+        {"meta": harness.run_meta("benchmarks/sharded_soak.py", argv, started=started), "result": result},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
