@@ -7,7 +7,7 @@ process's life. On the 2-core CI machine a NIXL test's trainer and two
 subscribers leave nothing for the rest of the test, which then runs several
 times slower. Nothing is patched: a watcher thread finds those threads (in a
 process that mapped a NIXL library, a thread that used nearly all of the last
-interval) and sets their nice value to 10 (``setpriority`` on the thread id),
+interval, never a main thread) and sets their nice value to 10 (``setpriority`` on the thread id),
 so they yield most of the CPU to the processes the tests wait for.
 
 Example:
@@ -90,6 +90,8 @@ def lowered_busy_nixl_threads(interval: float = 0.5) -> Iterator[list[int]]:
                 except OSError:
                     continue
                 for tid in tids:
+                    if int(tid) == pid:  # a process's main thread (the tests' own work) is left alone
+                        continue
                     ticks = _cpu_ticks(pid, tid)
                     if ticks is None or int(tid) in lowered:
                         continue
