@@ -61,8 +61,11 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
+# Two pytest-xdist workers, a file at a time, heaviest files first (tests/conftest.py): one
+# worker alone leaves the 2 cores idle half the time while actors start and tests wait.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q --durations=10 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	@if [ -x $(VLLM_BIN)/python ] && $(VLLM_BIN)/python -c "import vllm" 2>/dev/null; then \
 	  $(VLLM_BIN)/python -m pytest -q --durations=5 tests/integration/test_vllm.py; \
 	else echo "make: no $(VLLM_VENV) with vLLM: tests/integration/test_vllm.py skipped"; fi

@@ -14,7 +14,7 @@ import torch
 
 
 def make_policy() -> torch.nn.Module:
-    """The receivers' model (same structure as tests.conftest.small_policy)."""
+    """The receivers' model (same structure as tests._support.small_policy)."""
     torch.manual_seed(1234)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 

@@ -7,7 +7,7 @@ process's life. On the 2-core CI machine a NIXL test's trainer and two
 subscribers leave nothing for the rest of the test, which then runs several
 times slower. Nothing is patched: a watcher thread finds those threads (in a
 process that mapped a NIXL library, a thread that used nearly all of the last
-interval, never a main thread) and sets their nice value to 10 (``setpriority`` on the thread id),
+interval, never a main thread) and sets their nice value to 19 (``setpriority`` on the thread id),
 so they yield most of the CPU to the processes the tests wait for.
 
 Example:
@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 
 _HZ = os.sysconf("SC_CLK_TCK")
-_NICE = 10  # CFS weight 110 against 1024: about a tenth of a core when others want it
+_NICE = 19  # CFS weight 15 against 1024: under 2% of a core when others want it
 _BUSY = 0.8  # share of the interval a thread must have run to count as busy
 
 
@@ -69,7 +69,7 @@ def _cpu_ticks(pid: int, tid: str) -> int | None:
 
 @contextlib.contextmanager
 def lowered_busy_nixl_threads(interval: float = 0.5) -> Iterator[list[int]]:
-    """While inside, renice (10) every busy thread of a NIXL-using process in this process tree.
+    """While inside, renice (19) every busy thread of a NIXL-using process in this process tree.
 
     Yields the list of thread ids lowered so far (for a check).
     """

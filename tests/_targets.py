@@ -26,7 +26,7 @@ FETCHES: list[int] = []  # one entry per fetch in this process (its manifest's v
 
 
 def policy_state(seed: int = 0, out: int = 4) -> dict[str, torch.Tensor]:
-    """The state of ``tests.conftest.small_policy(seed)`` (same structure)."""
+    """The state of ``tests._support.small_policy(seed)`` (same structure)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, out))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

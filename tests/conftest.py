@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import ray
-import torch
 
 import raysync
 
@@ -19,29 +17,54 @@ import raysync
 # while a test pushed). Clusters the tests start (here, and ``ray start`` in system tests,
 # which inherit the environment) run their workers at the tests' own priority.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Ray's log monitor rescans the session's log directory every 0.1 s while it holds fewer than
+# RAY_LOG_MONITOR_MANY_FILES_THRESHOLD files: with the suite's hundreds of worker logs, a busy
+# loop on a 2-core machine (and nothing reads what it forwards: log_to_driver=False). With the
+# threshold at 0 it rescans every LOG_NAME_UPDATE_INTERVAL_S.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 
 OBJECT_STORE_BYTES = 1536 * 2**20  # keep the suite inside a 2-core, 24 GiB machine
 
 
+# `make test` runs the suite on two pytest-xdist workers, a file at a time (`--dist loadfile
+# --no-loadscope-reorder`): each worker takes the next file in this order. The files that cost
+# the most CPU go first, so the two workers end together (longest first); measured in CPU
+# seconds on the 2-core machine, most first. Files not named keep their order after these.
+#
+# The NIXL tests are among them, no longer last: a process that used NIXL keeps its agent's
+# UCX progress thread polling for the rest of its life (a full core), but while they run
+# `tests/_busy_threads.py` sets such threads to nice 19, so from then on they take only CPU
+# that nothing else wants.
+_HEAVIEST_FIRST = (
+    "integration/test_torchrl_collectors_schemes.py",
+    "integration/test_reliability.py",
+    "integration/test_synced.py",
+    "integration/test_sharded.py",
+    "integration/test_relay.py",
+    "integration/test_reliability_cases.py",
+    "integration/test_torchrl_collectors_hub.py",
+    "integration/test_nixl.py",
+    "integration/test_security.py",
+    "system/test_cli.py",
+    "integration/test_doorbell.py",
+    "integration/test_fencing_restart.py",
+    "integration/test_newcomer.py",
+    "integration/test_targets.py",
+)
+
+
+def _order(item: pytest.Item) -> int:
+    path = str(item.fspath)
+    for rank, name in enumerate(_HEAVIEST_FIRST):
+        if path.endswith(name):
+            return rank
+    return len(_HEAVIEST_FIRST)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the NIXL tests last: once a process has used NIXL, its agent's UCX progress thread
-    keeps one core busy for the rest of that process's life (measured: 100% of a core while
-    idle), so every test after them would run on one core fewer (about 3 minutes of the suite)."""
-    items.sort(key=lambda item: "test_nixl.py" in str(item.fspath))  # stable: order kept otherwise
-
-
-def wait_for_condition(
-    predicate: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s: {what or predicate} (last: {last!r})")
+    """Heaviest files first (see ``_HEAVIEST_FIRST``)."""
+    items.sort(key=_order)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")
@@ -72,51 +95,3 @@ def hub(hub_name: str) -> Iterator[raysync.HubClient]:
     client = raysync.connect(hub_name)
     yield client
     ray.kill(client.actor)
-
-
-def kill_until_gone(actor: Any, *, no_restart: bool = True) -> int:
-    """``ray.kill`` an actor and return once its process is gone (``ray.kill`` returns before).
-
-    Returns the pid of that process.
-
-    A process still dying can answer calls, rings and queries for a moment; a restartable
-    actor (``no_restart=False``) gets a new process afterwards.
-    """
-    import psutil
-
-    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-    ray.kill(actor, no_restart=no_restart)
-    wait_for_condition(lambda: not psutil.pid_exists(pid), what=f"process {pid} of the killed actor gone")
-    return int(pid)
-
-
-def mismatched_subscriber(hub_name: str) -> Any:
-    """A live subscriber whose model fits none of the tests' pushes (the hub refuses them)."""
-
-    @raysync.synced_model("policy", hub=hub_name)
-    class Mismatched:
-        def __init__(self) -> None:
-            self.policy = torch.nn.Linear(3, 3)
-
-        def ready(self) -> bool:
-            return True
-
-    bad = ray.remote(num_cpus=0)(Mismatched).remote()
-    ray.get(bad.ready.remote(), timeout=60)
-    return bad
-
-
-def small_policy(seed: int = 0, *, out: int = 4) -> torch.nn.Module:
-    """A tiny policy with parameters of three dtypes' worth of buffers."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, out))
-    return model
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Bit-equal, key for key (compares raw bytes so NaNs and -0.0 count too)."""
-    assert sorted(a) == sorted(b)
-    for key in a:
-        x, y = a[key].detach().contiguous(), b[key].detach().contiguous()
-        assert x.dtype == y.dtype and x.shape == y.shape, key
-        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key

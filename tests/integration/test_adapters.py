@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 import raysync
 import raysync.adapters as adapters
 from tests._adapter_workers import make_policy, record
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests._support import assert_same_weights, small_policy, wait_for_condition
 
 TIMEOUT = 90.0  # generous: the CI machine is small and busy
 

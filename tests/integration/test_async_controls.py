@@ -11,7 +11,7 @@ import ray
 import torch
 
 import raysync
-from tests.conftest import assert_same_weights, wait_for_condition
+from tests._support import assert_same_weights, wait_for_condition
 
 BUCKET = 40 * 1024  # small buckets: base0 | base1 + adapters
 

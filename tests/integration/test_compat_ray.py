@@ -13,7 +13,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from raysync import _compat
-from tests.conftest import wait_for_condition
+from tests._support import wait_for_condition
 
 
 def test_the_gcs_key_value_store_round_trips(ray_start_regular: dict[str, Any]) -> None:

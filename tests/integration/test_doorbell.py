@@ -16,7 +16,7 @@ import torch
 
 import raysync
 from raysync.transports import doorbell
-from tests.conftest import (
+from tests._support import (
     assert_same_weights,
     kill_until_gone,
     small_policy,

@@ -13,7 +13,7 @@ import ray
 import torch
 
 import raysync
-from tests.conftest import (
+from tests._support import (
     assert_same_weights,
     kill_until_gone,
     mismatched_subscriber,

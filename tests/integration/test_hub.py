@@ -13,7 +13,7 @@ from ray._private.internal_api import memory_summary
 
 import raysync
 from raysync.hub.client import DEFAULT_NAMESPACE
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests._support import assert_same_weights, small_policy, wait_for_condition
 
 
 def test_push_stamps_monotonic_versions_and_pull_returns_them(hub: raysync.HubClient) -> None:

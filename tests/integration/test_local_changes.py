@@ -16,7 +16,7 @@ import ray
 import torch
 
 import raysync
-from tests.conftest import assert_same_weights, wait_for_condition
+from tests._support import assert_same_weights, wait_for_condition
 
 
 def bn_policy(seed: int = 0) -> torch.nn.Module:

@@ -9,7 +9,7 @@ import ray
 import torch
 
 import raysync
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests._support import assert_same_weights, small_policy, wait_for_condition
 from tests.integration.test_synced import make_collector
 
 

@@ -11,7 +11,7 @@ import torch
 
 import raysync
 from tests._busy_threads import lowered_busy_nixl_threads
-from tests.conftest import assert_same_weights, small_policy
+from tests._support import assert_same_weights, small_policy
 from tests.integration import test_synced
 from tests.integration.test_synced import make_collector
 

@@ -15,7 +15,7 @@ import ray
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE
 from raysync.hub.relay import relay_name
-from tests.conftest import assert_same_weights, kill_until_gone, small_policy, wait_for_condition
+from tests._support import assert_same_weights, kill_until_gone, small_policy, wait_for_condition
 from tests.integration.test_synced import make_collector
 
 

@@ -22,7 +22,7 @@ from benchmarks import soak
 from raysync.core.codec import bucket_checksums, pack
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import plan_layout
-from tests.conftest import kill_until_gone, wait_for_condition
+from tests._support import kill_until_gone, wait_for_condition
 
 SIZE_MIB = 1 / 64  # 16 KiB: 4 tensors of 1024 float32
 TENSORS = 4

@@ -21,7 +21,7 @@ import torch
 
 import raysync
 from benchmarks import soak
-from tests.conftest import kill_until_gone, mismatched_subscriber, wait_for_condition
+from tests._support import kill_until_gone, mismatched_subscriber, wait_for_condition
 from tests.integration.test_reliability import (
     BUCKET_BYTES,
     SIZE_MIB,

@@ -18,7 +18,7 @@ from raysync import schemes
 from raysync.channels.base import TransportBackend
 from raysync.channels.pipe import MPTransport, SnapshotPool
 from tests._scheme_worker import net, serve, shared_mem_worker
-from tests.conftest import assert_same_weights, wait_for_condition
+from tests._support import assert_same_weights, wait_for_condition
 
 TIMEOUT = 90.0  # generous: a spawned worker imports torch on a busy 2-core machine
 

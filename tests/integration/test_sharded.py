@@ -24,7 +24,7 @@ import torch
 import raysync
 from benchmarks import sharded_soak
 from tests import _sharded
-from tests.conftest import assert_same_weights, wait_for_condition
+from tests._support import assert_same_weights, wait_for_condition
 
 TIMEOUT = 60.0
 

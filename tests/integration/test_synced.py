@@ -14,7 +14,7 @@ from tensordict.nn import TensorDictModule
 
 import raysync
 from raysync.core.extract import extract_tensors
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests._support import assert_same_weights, small_policy, wait_for_condition
 
 
 def _mixed_model() -> torch.nn.Module:

@@ -21,8 +21,8 @@ import raysync
 import raysync.adapters
 from tests import _loopback_transport as loopback
 from tests import _targets
+from tests._support import assert_same_weights, small_policy, wait_for_condition
 from tests._targets import Engine, engine_loader, policy_state, record_engine
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
 
 TIMEOUT = 90.0
 

@@ -21,7 +21,7 @@ import ray
 import torch
 
 import raysync
-from tests.conftest import kill_until_gone, wait_for_condition
+from tests._support import kill_until_gone, wait_for_condition
 
 pytest.importorskip("torchrl")
 

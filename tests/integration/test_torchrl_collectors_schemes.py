@@ -22,6 +22,7 @@ from torchrl.weight_update import WeightSyncScheme as TorchRLScheme
 
 import raysync
 from raysync import schemes
+from tests._support import wait_for_condition
 from tests._torchrl_workers import (
     FORWARDS_ENV,
     SLOW_ENV,
@@ -31,15 +32,16 @@ from tests._torchrl_workers import (
     policy,
     wide_policy,
 )
-from tests.conftest import wait_for_condition
 
 TIMEOUT = 60.0
 PROCESS_COLLECTORS = [MultiSyncCollector, MultiAsyncCollector, AsyncCollector]
 PROCESS_SCHEMES = [schemes.MultiProcessWeightSyncScheme, schemes.SharedMemWeightSyncScheme]
 
 
-def _collector(cls: type, scheme: Any, **kwargs: Any) -> Any:
-    envs = make_env if cls is AsyncCollector else [make_env, make_env]
+def _collector(cls: type, scheme: Any, *, workers: int = 2, **kwargs: Any) -> Any:
+    """A process collector: AsyncCollector has one worker, the Multi* ones ``workers`` (each a
+    spawned process that imports torchrl: about 3 s of CPU)."""
+    envs = make_env if cls is AsyncCollector else [make_env] * workers
     return cls(envs, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme}, **kwargs)
 
 
@@ -114,23 +116,23 @@ def test_process_scheme_with_policy_factory() -> None:
 def test_distinct_policy_factories_keep_their_own_weights_until_sent_their_own(scheme_cls: type) -> None:
     # torchrl's per-worker weights: worker i builds its policy from its own factory
     scheme = scheme_cls(timeout=TIMEOUT)
-    factories = [functools.partial(policy, float(i)) for i in range(3)]
+    factories = [functools.partial(policy, float(i)) for i in range(2)]
     collector = MultiSyncCollector(
-        [make_env] * 3,
+        [make_env] * 2,
         policy_factory=factories,
-        frames_per_batch=12,
+        frames_per_batch=8,
         total_frames=-1,
         cat_results="stack",
         weight_sync_schemes={"policy": scheme},
     )
     try:
         it = iter(collector)
-        assert [actions(b) for b in next(it)] == [{0.0}, {1.0}, {2.0}]
+        assert [actions(b) for b in next(it)] == [{0.0}, {1.0}]
         assert scheme.per_worker_weights  # detected, as torchrl's scheme does
         collector.update_policy_weights_({0: policy(10.0)})  # one worker's own weights
-        assert [actions(b) for b in next(it)] == [{10.0}, {1.0}, {2.0}]
-        collector.update_policy_weights_({1: policy(11.0), 2: policy(12.0)})
-        assert [actions(b) for b in next(it)] == [{10.0}, {11.0}, {12.0}]
+        assert [actions(b) for b in next(it)] == [{10.0}, {1.0}]
+        collector.update_policy_weights_({0: policy(20.0), 1: policy(11.0)})  # each its own
+        assert [actions(b) for b in next(it)] == [{20.0}, {11.0}]
     finally:
         collector.shutdown()
 
@@ -151,7 +153,9 @@ def test_no_weight_sync_scheme_is_a_no_op_with_every_collector() -> None:
     finally:
         collector.shutdown()
     for cls in PROCESS_COLLECTORS:
-        remote = _collector(cls, schemes.NoWeightSyncScheme(), policy_factory=functools.partial(policy, 4.0))
+        remote = _collector(
+            cls, schemes.NoWeightSyncScheme(), workers=1, policy_factory=functools.partial(policy, 4.0)
+        )
         try:
             it = iter(remote)
             assert actions(next(it)) == {4.0}

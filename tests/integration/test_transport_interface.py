@@ -14,7 +14,7 @@ import torch
 
 import raysync
 from tests import _loopback_transport as loopback
-from tests.conftest import assert_same_weights, small_policy, wait_for_condition
+from tests._support import assert_same_weights, small_policy, wait_for_condition
 
 NAME = loopback.NAME
 

@@ -415,7 +415,7 @@ def test_two_engines_on_one_node_read_each_version_once_and_a_restarted_one_the_
     import ray
 
     from raysync import _compat
-    from tests.conftest import kill_until_gone, wait_for_condition
+    from tests._support import kill_until_gone, wait_for_condition
 
     puts: list[str] = []
     real_put = _compat.put_no_start  # the object-store transport's one put per bucket

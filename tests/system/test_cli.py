@@ -21,7 +21,7 @@ import ray
 import raysync
 from raysync import _compat
 from raysync.ops import bench, cli
-from tests.conftest import small_policy, wait_for_condition
+from tests._support import small_policy, wait_for_condition
 
 
 def _follower(hub_name: str, mode: str) -> Any:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_for_condition
+from tests._support import wait_for_condition
 
 pytestmark = pytest.mark.slow
 
@@ -75,33 +75,47 @@ def _answers(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def head() -> Iterator[Head]:
-    """A head of our own: `ray start --head --block` in a new process group, stopped by SIGTERM."""
-    ports = dict(
-        zip(
-            (
-                "port",
-                "dashboard-port",
-                "ray-client-server-port",
-                "metrics-export-port",
-                "dashboard-agent-listen-port",
-                "dashboard-agent-grpc-port",
-                "node-manager-port",
-                "object-manager-port",
-                "runtime-env-agent-port",
-            ),
-            _free_ports(9),
-            strict=True,
-        )
-    )
+_PORT_NAMES = (
+    "port",
+    "dashboard-port",
+    "ray-client-server-port",
+    "metrics-export-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "node-manager-port",
+    "object-manager-port",
+    "runtime-env-agent-port",
+)
+# `ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded 2-core
+# machine (another test worker's cluster beside this one) that can run out. Such a start is
+# tried again, once, on fresh ports.
+_STARTUP_TIMED_OUT = "timed out during startup"
+
+
+@dataclass
+class _Started:
+    proc: subprocess.Popen[bytes]
+    temp_dir: str
+    ports: dict[str, int]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Only what we started: SIGTERM makes `ray start --block` stop its own processes; then
+    anything left in its process group (ours alone) is killed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _try_start(head_env: dict[str, str]) -> _Started | str:
+    """One `ray start --head --block`: the head once its metrics and dashboard answer, or the
+    log of a start that exited."""
+    ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True))
     temp_dir = tempfile.mkdtemp(prefix="rsjob-", dir="/tmp")  # short: Ray's socket paths must fit
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    head_env = env | {
-        "RAY_metrics_report_interval_ms": "1000",
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once on SIGTERM
-    }
     cmd = [
         *RAY,
         "start",
@@ -118,34 +132,65 @@ def head() -> Iterator[Head]:
         temp_dir,
         "--disable-usage-stats",
     ]
-    log = open(os.path.join(temp_dir, "ray-start.log"), "w")
-    proc = subprocess.Popen(cmd, env=head_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log_path = Path(temp_dir) / "ray-start.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=head_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    metrics_url = f"http://127.0.0.1:{ports['metrics-export-port']}/metrics"
+    dashboard_url = f"http://127.0.0.1:{ports['dashboard-port']}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            return True
+        return _answers(metrics_url) and _answers(f"{dashboard_url}/api/version")
+
+    running = False
     try:
-        metrics_url = f"http://127.0.0.1:{ports['metrics-export-port']}/metrics"
-        dashboard_url = f"http://127.0.0.1:{ports['dashboard-port']}"
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"ray start exited {proc.returncode}: {Path(log.name).read_text()[-3000:]}"
-                )
-            return _answers(metrics_url) and _answers(f"{dashboard_url}/api/version")
-
         wait_for_condition(up, timeout=180, interval=0.5, what="head, dashboard and its agent up")
-        address_file = Path(temp_dir) / "ray_current_cluster"
-        gcs = address_file.read_text().strip() if address_file.exists() else f"127.0.0.1:{ports['port']}"
-        yield Head(gcs, dashboard_url, metrics_url, env | {"RAY_AUTH_MODE": "token"})
+        running = proc.poll() is None
+        if running:
+            return _Started(proc, temp_dir, ports)
+        return f"ray start exited {proc.returncode}: {log_path.read_text()[-3000:]}"
     finally:
-        # Only what we started: SIGTERM makes `ray start --block` stop its own processes;
-        # then anything left in its process group (ours alone) is killed.
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        if not running:  # exited, or never came up: nothing of it stays
+            _stop(proc)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _start_head(head_env: dict[str, str]) -> _Started:
+    """A head, tried once more if the first start timed out waiting for its raylet."""
+    started = _try_start(head_env)
+    if isinstance(started, str) and _STARTUP_TIMED_OUT in started:
+        started = _try_start(head_env)
+    if isinstance(started, str):
+        raise AssertionError(started)
+    return started
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    """A head of our own: `ray start --head --block` in a new process group, stopped by SIGTERM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    head_env = env | {
+        "RAY_metrics_report_interval_ms": "1000",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once on SIGTERM
+    }
+    started = _start_head(head_env)
+    try:
+        address_file = Path(started.temp_dir) / "ray_current_cluster"
+        port = started.ports["port"]
+        gcs = address_file.read_text().strip() if address_file.exists() else f"127.0.0.1:{port}"
+        yield Head(
+            gcs,
+            f"http://127.0.0.1:{started.ports['dashboard-port']}",
+            f"http://127.0.0.1:{started.ports['metrics-export-port']}/metrics",
+            env | {"RAY_AUTH_MODE": "token"},
+        )
+    finally:
+        _stop(started.proc)
+        shutil.rmtree(started.temp_dir, ignore_errors=True)
 
 
 def _ray(head: Head, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ import ray
 import raysync
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.receivers.membership import membership
-from tests.conftest import small_policy
+from tests._support import small_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 

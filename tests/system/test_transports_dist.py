@@ -22,7 +22,7 @@ from raysync.channels.rpc import RPCTransport
 from raysync.errors import InvalidWeightsError
 from tests import _dist_procs
 from tests._dist_procs import make_module, make_weights
-from tests.conftest import assert_same_weights
+from tests._support import assert_same_weights
 
 KINDS = ["rpc", "dist"]
 WORKERS = [1, 2]

@@ -11,7 +11,7 @@ from raysync.core.extract import extract_tensors
 from raysync.core.layout import plan_layout
 from raysync.receivers import apply
 from raysync.receivers.target import Incoming, ModuleTarget, Target, is_target
-from tests.conftest import assert_same_weights, small_policy
+from tests._support import assert_same_weights, small_policy
 
 
 class Engine:

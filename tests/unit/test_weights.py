@@ -15,7 +15,7 @@ from raysync.core.codec import bucket_checksums, pack, unpack, verify_checksums
 from raysync.core.extract import extract_extra_state, extract_tensors, module_schema, to_tensordict
 from raysync.core.layout import plan_layout, schema_of, validate
 from raysync.core.readonly import ReadOnlyTensor
-from tests.conftest import assert_same_weights
+from tests._support import assert_same_weights
 
 
 def _mixed() -> dict[str, torch.Tensor]:
