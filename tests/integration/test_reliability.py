@@ -535,7 +535,7 @@ def test_memory_stays_bounded_over_50_pushes_with_keep_2(ray_start_regular: Any)
 def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any) -> None:
     """Every subscriber kind under subscriber kills, hub, trainer and relay restarts: all zero."""
     r = soak.run_soak(
-        seconds=9,
+        seconds=6,
         kinds=soak.KINDS,  # one subscriber of each kind
         size_mib=1,
         interval=0.05,
@@ -547,7 +547,7 @@ def test_short_soak_loses_and_tears_nothing(ray_start_regular: Any) -> None:
         # subscriber: Python, Ray and torch imports) was seen to take 20 s; a hang still fails.
         call_timeout=30,
         settle_timeout=60,
-        seed=21,  # kills 2.1, 3.5 and 7.2 s in, a hub restart at 3.4 s, a trainer restart at 4.9 s
+        seed=21,  # kills 2.1 and 3.5 s in, a hub restart at 3.4 s, a trainer restart at 4.9 s
     )
     assert [k["kind"] for k in r["kinds"]] == list(soak.KINDS)
     assert r["kills"] >= 1 and r["versions_pushed"] >= 5, r
