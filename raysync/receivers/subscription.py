@@ -173,13 +173,14 @@ class _Subscription(PullSync, LocalChanges):
     def _doorbell(self) -> str | None:
         """Where the node's relay rings this subscription (small versions), if it can be rung.
 
-        Push subscriptions that copy, on plain and threaded actors: the doorbell's
-        thread applies under the actor's write lock. Async actors (their plain
-        methods run unguarded on the event loop), views and prefetching ones are
-        called the Ray way.
+        Push subscriptions on plain and threaded actors: the doorbell's thread applies
+        under the actor's write lock. A view then looks into the sealed segment itself
+        (read-only, as it would into the object store; the mapping lives as long as the
+        view). Async actors (their plain methods run unguarded on the event loop) and
+        prefetching subscriptions are called the Ray way.
         """
         spec = self.spec
-        if self.sync.is_async or spec.mode != "push" or spec.apply != "copy" or spec.prefetch:
+        if self.sync.is_async or spec.mode != "push" or spec.prefetch:
             return None
         bell = doorbell()
         return None if bell is None else bell.register(self.sub_id, self.ring)

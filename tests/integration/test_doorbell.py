@@ -44,23 +44,28 @@ def _stats(hub: raysync.HubClient, ringer: str) -> dict[str, int]:
     return dict(ray.get(_relay(hub).stats.remote(), timeout=30))
 
 
-def test_copy_subscribers_are_rung_not_called(ringer: str, hub: raysync.HubClient, hub_name: str) -> None:
+def test_copy_and_view_subscribers_are_rung_not_called(
+    ringer: str, hub: raysync.HubClient, hub_name: str
+) -> None:
     plain = [make_collector(hub_name).remote() for _ in range(2)]
     threaded = make_collector(hub_name).options(max_concurrency=4).remote()
-    view = make_collector(hub_name, apply="view").remote()  # views stay on the object store: called
-    actors = [*plain, threaded, view]
+    view = make_collector(hub_name, apply="view").remote()  # looks into the rung segment itself
+    prefetching = make_collector(hub_name, prefetch=True).remote()  # stages ahead: called
+    actors = [*plain, threaded, view, prefetching]
     ray.get([a.raysync_version.remote() for a in actors])
-    _relay(hub)  # up (it serves the view subscriber either way)
+    _relay(hub)  # up (it serves the prefetching subscriber either way)
     _check_all(hub, actors, hub.push(small_policy(1)), 1)
     before, calls = _stats(hub, ringer), hub.status()["delivery"]["calls"]
     for seed in (2, 3, 4):
         v = hub.push(small_policy(seed))
         _check_all(hub, actors, v, seed)  # every actor holds v, bit for bit, and reports it
+        assert ray.get(view.where.remote()).startswith("/memfd:")  # its weights: the sealed segment
+    assert ray.get(view.write.remote()).startswith("refused")  # read-only, as over the object store
     after = _stats(hub, ringer)
-    assert after["rung"] - before["rung"] == 3 * 3  # three processes rung per version
+    assert after["rung"] - before["rung"] == 3 * 4  # four processes rung per version
     if ringer == "relay":
-        assert after["delivered"] - before["delivered"] == 3  # the view subscriber's calls only
-    else:  # the hub rang the copies itself and sent the relay one message per version (the view)
+        assert after["delivered"] - before["delivered"] == 3  # the prefetching subscriber's calls only
+    else:  # the hub rang the others itself and sent the relay one message per version
         assert after["delivered"] == before["delivered"] == 0
         assert hub.status()["delivery"]["calls"] - calls == 3
     rows = {r["subscriber"]: r for r in hub.status()["subscribers"]}
@@ -74,7 +79,8 @@ def test_a_version_over_the_limit_goes_by_ray_call(
         return torch.nn.Linear(1536, 1536)  # 9 MiB: over the 8 MiB default
 
     actor = make_collector(hub_name, factory=big).remote()
-    ray.get(actor.raysync_version.remote())
+    view = make_collector(hub_name, factory=big, apply="view").remote()
+    ray.get([actor.raysync_version.remote(), view.raysync_version.remote()])
     hub.wait(hub.push(big()), timeout=60)
     relay = _relay(hub)
     hub.wait(hub.push(big()), timeout=60)
@@ -83,9 +89,11 @@ def test_a_version_over_the_limit_goes_by_ray_call(
     v = hub.push(model)
     hub.wait(v, timeout=60)
     assert _stats(hub, ringer)["rung"] == before["rung"]
-    assert ray.get(relay.stats.remote())["delivered"] - called == 1
-    assert ray.get(actor.raysync_version.remote()) == v
-    assert_same_weights(ray.get(actor.weights.remote()), model.state_dict())
+    assert ray.get(relay.stats.remote())["delivered"] - called == 2
+    for a in (actor, view):
+        assert ray.get(a.raysync_version.remote()) == v
+        assert_same_weights(ray.get(a.weights.remote()), model.state_dict())
+    assert "plasma" in ray.get(view.where.remote())  # the view looks into the object store's copy
 
 
 def make_reader(hub_name: str) -> Any:

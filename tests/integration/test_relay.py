@@ -63,8 +63,9 @@ def _check_all(hub: raysync.HubClient, actors: list[Any], version: int, seed: in
 def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_name: str) -> None:
     copies = [make_collector(hub_name).remote() for _ in range(3)]
     view = make_collector(hub_name, apply="view").remote()
+    prefetching = make_collector(hub_name, prefetch=True).remote()
     puller = make_collector(hub_name, mode="pull").remote()
-    batched = [*copies, view]
+    batched = [*copies, view, prefetching]
     ray.get([a.raysync_version.remote() for a in [*batched, puller]])
     relay = _relay(hub)
     assert hub.status()["delivery"]["nodes"] == [ray.get_runtime_context().get_node_id()]
@@ -75,8 +76,8 @@ def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_nam
         assert _calls(hub) - before == 1  # one message for the node, whatever the subscribers on it
     stats = ray.get(relay.stats.remote())
     assert stats["deliveries"] >= 3
-    assert stats["rung"] >= 3 * len(copies)  # the copies by doorbell
-    assert stats["delivered"] >= 3  # the view by call
+    assert stats["rung"] >= 3 * (len(copies) + 1)  # the copies and the view by doorbell
+    assert stats["delivered"] >= 3  # the prefetching one by call
     assert ray.get(puller.raysync_version.remote()) is None  # pull mode: only when it asks
     assert ray.get(puller.sync_now.remote())
     assert ray.get(puller.raysync_version.remote()) == v
@@ -234,12 +235,12 @@ def test_the_hub_and_relays_call_subscribers_without_importing_their_code(
     # Subscribers whose class lives in the tests' modules and builds a torch model: a hub or
     # relay that loaded that class to call it would import both.
     copy = make_collector(hub_name).remote()
-    view = make_collector(hub_name, apply="view").remote()  # called by the relay, not rung
-    ray.get([copy.raysync_version.remote(), view.raysync_version.remote()])
+    called = make_collector(hub_name, prefetch=True).remote()  # called by the relay, not rung
+    ray.get([copy.raysync_version.remote(), called.raysync_version.remote()])
     relay = _relay(hub)
     for seed in (1, 2):
-        _check_all(hub, [copy, view], hub.push(small_policy(seed)), seed)
-    assert ray.get(relay.stats.remote())["delivered"] >= 2  # the view's calls went through the relay
+        _check_all(hub, [copy, called], hub.push(small_policy(seed)), seed)
+    assert ray.get(relay.stats.remote())["delivered"] >= 2  # its calls went through the relay
     assert _user_code_in(hub.actor) == []
     assert _user_code_in(relay) == []
     # After a restart the new hub process builds the handles again (from the GCS), likewise.
@@ -249,5 +250,5 @@ def test_the_hub_and_relays_call_subscribers_without_importing_their_code(
         timeout=60,
         what="both registered again with the restarted hub",
     )
-    _check_all(hub, [copy, view], hub.push(small_policy(3)), 3)
+    _check_all(hub, [copy, called], hub.push(small_policy(3)), 3)
     assert _user_code_in(hub.actor) == []
