@@ -639,7 +639,9 @@ class _Soak:
         }
 
         self.hub_name = f"soak-{uuid.uuid4().hex[:8]}"
-        self.hub = raysync.connect(self.hub_name, keep=keep)
+        # Relay kills need a relay: on one node, the hub would serve its own node without one.
+        settings = raysync.HubSettings(rings_own_node=False) if relay_kill_every else None
+        self.hub = raysync.connect(self.hub_name, keep=keep, settings=settings)
         classes = {k: subscriber_class(self.hub_name, k, size_mib, tensors) for k in set(kinds_used)}
         self.subs = [
             _Sub(f"s{i}-{k}", k, classes[k].remote(), _REPORT_METHOD.get(k, "check"))

@@ -85,7 +85,7 @@ class WeightHub(Delivery, ShardedPublish):
         self._init_rounds()  # sharded writers' parts of the versions being pushed (hub/sharded.py)
         # One relay per node; when one comes up, open polls end so that its node's processes poll it.
         self._relays = Relays(name, _actor_id(), self._settings, on_ready=self._mail.wake)
-        # The hub's own node needs no relay for subscribers with a doorbell: the hub rings them.
+        # The hub's own node needs no relay: the hub rings its doorbells and calls the rest itself.
         self._here_node = ray.get_runtime_context().get_node_id()
         self._here = (
             NodeDelivery(self._here_node, self._late_here, self._settings.doorbell_bytes or 0, self._mail)
@@ -349,8 +349,8 @@ class WeightHub(Delivery, ShardedPublish):
         sub, replaced, newest = self._state.register(reg)
         if replaced is not None:
             self._stop(replaced)
-        rung_here = self._here is not None and sub.info.node_id == self._here_node and sub.ringable
-        if sub.via_node and sub.info.node_id and not rung_here:
+        served_here = self._here is not None and sub.info.node_id == self._here_node
+        if sub.via_node and sub.info.node_id and not served_here:
             self._relays.start(sub.info.node_id)
         self._store.add(sub)
         logger.info(

@@ -1,6 +1,6 @@
 """How the hub hands versions out: per subscriber, per batched actor, through a node's relay,
-or by ringing its own node's doorbells; at most one delivery in flight per subscriber or group,
-always the newest version.
+or on its own node itself (doorbells and calls); at most one delivery in flight per subscriber
+or group, always the newest version.
 
 :class:`Delivery` is the part of :class:`~raysync.hub.actor.WeightHub` that does it; the actor
 keeps the Ray face (its methods callers use), this module the delivery loops.
@@ -25,7 +25,6 @@ from raysync.hub.relay import (
     compact,
     late_acks,
     notify_members,
-    rings,
 )
 from raysync.hub.relays import RelayLost, Relays
 from raysync.hub.settings import HubSettings
@@ -166,25 +165,19 @@ class Delivery:
             prior = {sub: sub.sent for sub in due}
             for sub in due:
                 sub.sent = newest.version
-            # On the hub's own node, subscribers with a doorbell are rung from here: no relay hop.
-            here = [s for s in due if s.ringable] if self._rings_here(group, newest) else []
-            there = [s for s in due if not s.ringable] if here else due
-            await asyncio.gather(
-                self._ring_here(model_id, group, newest, here, prior),
-                self._via_relay(model_id, group, newest, there, prior),
-            )
+            if self._serves_here(group):  # the hub's own node: it does the relay's part itself
+                await self._deliver_here(model_id, group, newest, due, prior)
+            else:
+                await self._via_relay(model_id, group, newest, due, prior)
 
-    def _rings_here(self, group: Group, newest: Version) -> bool:
-        """Whether the hub rings this node's doorbells itself: its own node, a version that fits."""
-        limit = self._settings.doorbell_bytes or 0
-        return self._here is not None and group.node_id == self._here_node and rings(newest.manifest, limit)
+    def _serves_here(self, group: Group) -> bool:
+        """Whether the hub hands versions to this group itself: its own node (no relay hop)."""
+        return self._here is not None and group.node_id == self._here_node
 
-    async def _ring_here(
+    async def _deliver_here(
         self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
     ) -> None:
-        """One version to ``due`` on the hub's own node: the hub rings their doorbells itself."""
-        if not due:
-            return
+        """One version to ``due`` on the hub's own node: the hub rings their doorbells (or calls them)."""
         assert self._here is not None
         announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
         members = {s.sub_id: s.relay_member() for s in due}

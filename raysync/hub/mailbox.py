@@ -71,6 +71,7 @@ class _Box:
     """One process's calls: queued (not handed out yet) and running (handed out, no answer yet)."""
 
     pid: int | None = None
+    replaced: set[int] = field(default_factory=set)  # its actor's earlier processes (they get nothing)
     queued: list[tuple[Request, asyncio.Future[Any], float]] = field(default_factory=list)
     running: dict[int, tuple[asyncio.Future[Any], float]] = field(default_factory=dict)  # confirmed at
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -120,10 +121,13 @@ class Mailboxes:
     ) -> tuple[Request, ...]:
         """A process collects its calls (waiting up to ``timeout`` s for one) and answers earlier ones."""
         box = self._boxes.setdefault(caller.actor_id, _Box())
+        if caller.pid in box.replaced:  # a poll its dead process left behind, arriving late
+            return ()
         if box.pid is not None and box.pid != caller.pid:  # the actor restarted: its old calls are gone
             box.fail(
                 SubscriberRestarted(f"actor {caller.actor_id[:12]} restarted (pid {box.pid} -> {caller.pid})")
             )
+            box.replaced.add(box.pid)
         box.pid = caller.pid
         self._answer(box, answers)
         now = time.monotonic()
@@ -139,6 +143,8 @@ class Mailboxes:
                     await asyncio.wait_for(box.wake.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
+            if box.pid != caller.pid or self._boxes.get(caller.actor_id) is not box:
+                return ()  # its process was replaced meanwhile: the new one's polls take the calls
             return self._hand_out(box)
         finally:
             box.polls -= 1

@@ -10,8 +10,9 @@ field                  environment variable        meaning
 =====================  ==========================  ==========================================
 ``relays``             ``RAYSYNC_RELAY``           one relay per node carries each version to
                                                    that node's subscribers (default on)
-``rings_own_node``     ``RAYSYNC_HUB_RINGS``       the hub rings its own node's doorbells
-                                                   itself (default on; off: a relay does)
+``rings_own_node``     ``RAYSYNC_HUB_RINGS``       the hub serves its own node itself: rings
+                                                   its doorbells, calls the rest (default on;
+                                                   off: a relay does)
 ``doorbell_bytes``     ``RAYSYNC_DOORBELL_BYTES``  the largest version handed over by
                                                    doorbell (8 MiB; ``0``: never)
 ``nice``               ``RAYSYNC_HUB_NICE``        the hub's and relays' niceness (default:
@@ -57,8 +58,9 @@ class HubSettings:
     Args:
         relays: deliver through one relay actor per node (one hub message per node per
             version). ``False``: the hub calls every subscriber itself.
-        rings_own_node: the hub rings the doorbells of its own node's subscribers itself
-            (no relay hop there). ``False``: a relay serves the hub's node too.
+        rings_own_node: the hub serves its own node's subscribers itself: it rings their
+            doorbells and calls the others (no relay hop, and no relay, there). ``False``: a
+            relay serves the hub's node too.
         doorbell_bytes: versions up to this many bytes reach a node's subscribers through
             shared memory and a doorbell; larger ones by Ray call. ``0``: never by doorbell.
         nice: the hub's and relays' niceness (-20..19); ``None`` keeps the one Ray gave them

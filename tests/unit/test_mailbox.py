@@ -231,3 +231,26 @@ def test_a_call_for_a_restarted_actors_old_process_leaves_its_new_registration_l
     unreachable = proto.RelayAck("a:policy", None, "unreachable", RuntimeError("no poll in 30 s"))
     delivery._acks(group, 7, proto.RelayReply((unreachable,), ()), {})
     assert sub.state == "unreachable"  # the test can fail: other outcomes still mark it
+
+
+def test_a_poll_left_open_by_a_replaced_process_takes_no_call() -> None:
+    """An actor restarted: its dead process's poll, still open (or arriving late), never takes
+    the calls meant for the new process, which gets them with its own poll."""
+
+    async def main() -> None:
+        mail = _mail()
+        old = asyncio.create_task(mail.poll(A1, [], [], timeout=5))  # the first process's poll
+        await asyncio.sleep(0.01)
+        new_caller = Caller(A1.actor_id, pid=101, node_id="n1")
+        assert await mail.poll(new_caller, [], [], timeout=0) == ()  # the restarted process polls
+        new = asyncio.create_task(mail.poll(new_caller, [], [], timeout=5))
+        await asyncio.sleep(0.01)
+        call = mail.call(A1.actor_id, proto.NOTIFY, _ann(4))
+        assert await asyncio.wait_for(old, 1) == ()  # woken, yet it takes nothing
+        (req,) = await asyncio.wait_for(new, 1)
+        assert await mail.poll(A1, [Answer(req.req_id, ApplyReport(applied=9))], [], timeout=0) == ()
+        assert not call.done()  # a late poll of the old process answers nothing, fails nothing
+        await mail.poll(new_caller, [Answer(req.req_id, ApplyReport(applied=4))], [], timeout=0)
+        assert (await call).applied == 4
+
+    asyncio.run(main())
