@@ -123,14 +123,16 @@ def _raysync(*args: str, limit: float) -> tuple[subprocess.CompletedProcess[str]
 
 @pytest.fixture(scope="module")
 def allowed_s() -> Callable[[float], float]:
-    """How long ``raysync status --timeout T`` may take: T + 5 s.
+    """How long ``raysync status --timeout T`` may take: T + 8 s.
 
     Starting Python and importing raysync (torch, Ray) is not the command's to bound; where that
-    alone takes over 3 s (a loaded 2-core machine), the surplus is allowed on top.
+    alone takes over 3 s (a loaded 2-core machine), the surplus is allowed on top, twice (the
+    load changes between this measurement and the command's). Without the bound Ray would try
+    for minutes.
     """
     done, startup = _raysync("--help", limit=60)
     assert done.returncode == 0, done.stderr
-    return lambda timeout: timeout + 5 + max(0.0, startup - 3)
+    return lambda timeout: timeout + 8 + 2 * max(0.0, startup - 3)
 
 
 def test_status_without_a_cluster_says_so(
