@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,10 +66,11 @@ def measure(nbytes: int, apply: str, n: int, pushes: int, tensors: int) -> float
     ray.init(object_store_memory=2 << 30, num_cpus=n + 4, include_dashboard=False, log_to_driver=False)
     try:
         sd = {k: v.detach().clone().normal_() for k, v in Flat(nbytes, tensors).state_dict().items()}
-        decorate = raysync.synced_model("policy", model_id="policy", hub="ab-hub", apply=apply)  # type: ignore[arg-type]
+        hub_name = f"ab-{uuid.uuid4().hex[:8]}"  # a client remembers a hub's writer lease by its name
+        decorate = raysync.synced_model("policy", model_id="policy", hub=hub_name, apply=apply)  # type: ignore[arg-type]
         cls: Any = ray.remote(num_cpus=0)(decorate(Receiver))
         actors = [cls.remote(nbytes, tensors) for _ in range(n)]
-        hub = raysync.connect("ab-hub", keep=2)
+        hub = raysync.connect(hub_name, keep=2)
         ray.get([a.ready.remote() for a in actors])
         for _ in range(5):
             hub.push(sd, "policy", wait=True, timeout=60)
