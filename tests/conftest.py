@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import uuid
 from collections.abc import Iterator
@@ -37,20 +38,24 @@ OBJECT_STORE_BYTES = 1536 * 2**20  # keep the suite inside a 2-core, 24 GiB mach
 # `tests/_busy_threads.py` sets such threads to nice 19, so from then on they take only CPU
 # that nothing else wants.
 _HEAVIEST_FIRST = (
-    "integration/test_torchrl_collectors_schemes.py",
     "integration/test_reliability.py",
     "integration/test_synced.py",
-    "integration/test_sharded.py",
-    "integration/test_relay.py",
-    "integration/test_reliability_cases.py",
-    "integration/test_torchrl_collectors_hub.py",
     "integration/test_nixl.py",
-    "integration/test_security.py",
+    "integration/test_reliability_cases.py",
+    "integration/test_sharded.py",
     "system/test_cli.py",
-    "integration/test_doorbell.py",
-    "integration/test_fencing_restart.py",
-    "integration/test_newcomer.py",
+    "integration/test_relay.py",
     "integration/test_targets.py",
+    "integration/test_fencing_restart.py",
+    "integration/test_security.py",
+    "system/test_job.py",
+    "integration/test_doorbell.py",
+    "integration/test_newcomer.py",
+    "integration/test_torchrl_collectors_schemes.py",
+    "system/test_ray_shutdown.py",
+    "system/test_scale.py",
+    "integration/test_torchrl_collectors_hub.py",
+    "integration/test_hub.py",
 )
 
 
@@ -65,6 +70,33 @@ def _order(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Heaviest files first (see ``_HEAVIEST_FIRST``)."""
     items.sort(key=_order)  # stable: a file's tests keep their order
+
+
+@pytest.fixture(scope="module")
+def torchrl_workers_from_a_forkserver(ray_start_regular: dict[str, Any]) -> Iterator[None]:
+    """torchrl's process collectors start their workers from a forkserver that has torchrl imported.
+
+    torchrl honours a start method the user set (``mp.set_start_method``, as its docs say). With
+    its default, spawn, every worker imports torch and torchrl afresh (about 3 s of CPU on the
+    2-core machine); the torchrl files start dozens. The server keeps the environment it
+    started with, for the rest of the pytest process: the session's Ray cluster is up before it
+    starts (workers that follow a hub find the cluster and its token there), and a test whose
+    workers read a variable it sets takes ``torchrl_workers_spawned``, torchrl's default.
+    """
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_forkserver_preload(["torchrl.collectors", "raysync", "tests._torchrl_workers"])
+    multiprocessing.set_start_method("forkserver", force=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
+
+
+@pytest.fixture
+def torchrl_workers_spawned() -> Iterator[None]:
+    """torchrl's default start method, spawn, for one test (see ``torchrl_workers_from_a_forkserver``)."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("spawn", force=True)
+    yield
+    multiprocessing.set_start_method(before, force=True)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,9 @@ from torchrl.envs import PendulumEnv
 from raysync.torchrl.integration import HubWeightSyncScheme
 from tests.integration._torchrl_policies import shifted_policy
 
+# torchrl's workers start from a forkserver with torchrl imported (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("torchrl_workers_from_a_forkserver")
+
 
 def _actions(batch: Any) -> set[float]:
     return {round(float(a), 4) for a in batch["action"].flatten()}

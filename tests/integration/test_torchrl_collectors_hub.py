@@ -33,6 +33,9 @@ from torchrl.envs import PendulumEnv
 from raysync.torchrl.integration import HubWeightSyncScheme
 from tests.integration._torchrl_policies import constant_policy, moody_policy, set_bias
 
+# torchrl's workers start from a forkserver with torchrl imported (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("torchrl_workers_from_a_forkserver")
+
 _KINDS = {
     "AsyncCollector": (lambda pol, **kw: AsyncCollector(PendulumEnv, pol, **kw), 1, False),
     "MultiSyncCollector": (lambda pol, **kw: MultiSyncCollector([PendulumEnv] * 2, pol, **kw), 2, True),

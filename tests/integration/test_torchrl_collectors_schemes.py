@@ -38,6 +38,12 @@ PROCESS_COLLECTORS = [MultiSyncCollector, MultiAsyncCollector, AsyncCollector]
 PROCESS_SCHEMES = [schemes.MultiProcessWeightSyncScheme, schemes.SharedMemWeightSyncScheme]
 
 
+# torchrl's workers start from a forkserver with torchrl imported (tests/conftest.py), but for
+# test_worker_that_falls_behind_makes_the_update_raise: its workers read an environment variable
+# set during the test, which a forkserver started before would not pass on.
+pytestmark = pytest.mark.usefixtures("torchrl_workers_from_a_forkserver")
+
+
 def _collector(cls: type, scheme: Any, *, workers: int = 2, **kwargs: Any) -> Any:
     """A process collector: AsyncCollector has one worker, the Multi* ones ``workers`` (each a
     spawned process that imports torchrl: about 3 s of CPU)."""
@@ -226,7 +232,7 @@ def test_unreachable_worker_makes_the_update_raise_naming_it() -> None:
 
 
 def test_worker_that_falls_behind_makes_the_update_raise(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, torchrl_workers_spawned: None
 ) -> None:
     # each forward of the workers' policy takes 3 s: an apply waits for the forward in progress
     monkeypatch.setenv(SLOW_ENV, "3")
