@@ -249,6 +249,6 @@ def portable(error: BaseException) -> BaseException:
     return ApplyError(f"{type(error).__name__}: {str(error)[:1000]}")
 
 
-def nbytes(manifest: Manifest, buckets: Sequence[int]) -> int:
-    """The bytes of those buckets."""
-    return sum(manifest.bucket_nbytes[b] for b in buckets)
+def nbytes(manifest: Manifest, buckets: Sequence[int], target: Target | None = None) -> int:
+    """The bytes of those buckets, as ``target`` takes them (its parts of a sharded version: :func:`view`)."""
+    return sum(view(target, manifest).bucket_nbytes[b] for b in buckets)

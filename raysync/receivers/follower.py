@@ -38,6 +38,7 @@ from raysync import _protocol as proto
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import module_schema
+from raysync.core.shards import TensorParallel
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.hub.locate import call_hub
 from raysync.receivers import apply
@@ -107,6 +108,9 @@ class Follower:
             :class:`~raysync.WeightsLoader` (an engine's ``load_weights``) or any
             :class:`~raysync.receivers.target.Target`. Its versions are checked by the
             target itself (the hub does not check pushes against it).
+        placement: ``module`` holds only its own parts of the tensors
+            (:class:`~raysync.TensorParallel`): of a sharded trainer's versions it takes
+            only its parts (see :class:`~raysync.receivers.target.ModuleTarget`).
 
     A version that fails to apply (wrong shape, a ``set_extra_state`` that raises)
     leaves the module as it was and is reported: ``hub.wait``/``push(wait=True)``
@@ -133,6 +137,7 @@ class Follower:
         on_apply: Callable[[int], None] | None = None,
         non_persistent: bool = False,
         target: Target | None = None,
+        placement: TensorParallel | None = None,
     ) -> None:
         if not ray.is_initialized():
             raise RaySyncError("a Follower needs a connected Ray: call ray.init(address=...) first")
@@ -140,6 +145,8 @@ class Follower:
             module, target = None, target or module  # type: ignore[assignment]
         if (module is None) == (target is None):
             raise TypeError("a Follower takes a module (or a callable returning one) or target=, exactly one")
+        if placement is not None and target is not None:
+            raise TypeError("placement= is for a module; give a WeightsLoader its own placement= instead")
         if target is not None:
             if not is_target(target):
                 raise TypeError(
@@ -179,7 +186,9 @@ class Follower:
             job_id=job_id,
         )
         if target is None:
-            self.target = ModuleTarget(self._module, non_persistent=self.non_persistent, label=self.label)
+            self.target = ModuleTarget(
+                self._module, non_persistent=self.non_persistent, label=self.label, placement=placement
+            )
         self._apply_lock = threading.Lock()  # one apply at a time (poll thread, re-registration)
         self._pause = threading.RLock()  # held by paused(): no apply meanwhile
         self._stop = threading.Event()
@@ -196,7 +205,9 @@ class Follower:
         return self._namespace
 
     def registration(self) -> Registration:
-        module = self._module()  # None for other targets: they check each version themselves
+        # a whole module's schema, which the hub checks pushes against; other targets (and modules
+        # holding parts: placement=) check each version themselves
+        module = None if getattr(self.target, "placement", None) else self._module()
         schema = module_schema(module, non_persistent=self.non_persistent) if module is not None else None
         return Registration(self.sub_id, self.model_id, False, self._info, schema, self.version)
 
@@ -359,6 +370,7 @@ def follow(
     timeout: float = DEFAULT_TIMEOUT,
     non_persistent: bool = False,
     target: Target | None = None,
+    placement: TensorParallel | None = None,
 ) -> Follower:
     """Keep ``module`` (or ``target``) in step with ``model_id`` on the hub, from this process (started).
 
@@ -379,4 +391,5 @@ def follow(
         timeout=timeout,
         non_persistent=non_persistent,
         target=target,
+        placement=placement,
     ).start()

@@ -42,6 +42,7 @@ class PullSync:
         sync: _ActorSync
         version: int | None
         sub_id: str
+        target: Any
         _info: Any
         _deferred: asyncio.Task[None] | None
 
@@ -160,7 +161,8 @@ class PullSync:
                 pause = self._commit(version, manifest, bucket_ids(refs), fetched)
             finally:
                 lock.release_write()
-            reply = self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
+            fetched_bytes = apply.nbytes(manifest, needed, self.target)
+            reply = self._reply(version, t0, None, pause, len(needed), fetched_bytes)
         except RaySyncError:
             raise
         except Exception as err:
@@ -179,7 +181,8 @@ class PullSync:
         try:
             async with self.sync.async_lock.write():
                 pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-            reply = self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
+            fetched_bytes = apply.nbytes(manifest, needed, self.target)
+            reply = self._reply(version, t0, None, pause, len(needed), fetched_bytes)
         except Exception as err:
             reply = self._reply(version, t0, err)
         self.report(reply)

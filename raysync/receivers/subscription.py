@@ -29,6 +29,7 @@ from raysync.core.bound import BoundModel
 from raysync.core.codec import require_checksums
 from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest
+from raysync.core.shards import TensorParallel
 from raysync.errors import RaySyncError, UnknownModelError
 from raysync.receivers import apply
 from raysync.receivers.local_changes import LocalChanges
@@ -48,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 
 Mode = Literal["push", "pull"]
-
-
 ApplyKind = Literal["copy", "view"]
 
 
@@ -67,6 +66,7 @@ class SyncSpec:
     fetch_timeout: float
     prefetch: bool = False
     allow_train_mode: bool = False
+    placement: TensorParallel | None = None
 
 
 _Fetched = tuple[int, Manifest, list[ray.ObjectRef], dict[int, Any], list[int], float]
@@ -117,11 +117,11 @@ class _Subscription(PullSync, LocalChanges):
             held = getattr(self.sync.owner, self.spec.attr, None)
             if is_target(held):
                 assert isinstance(held, Target)
-                if self.spec.apply != "copy" or self.spec.prefetch:
+                if self.spec.apply != "copy" or self.spec.prefetch or self.spec.placement:
                     raise ValueError(
                         f"@synced_model({self.spec.attr!r}): self.{self.spec.attr} is a "
                         f"{type(held).__name__}, which takes versions through its own commit: "
-                        "apply='view' and prefetch=True are for modules; drop them"
+                        "apply='view', prefetch=True and placement= are for modules; drop them"
                     )
                 self.target = held
             else:
@@ -130,6 +130,7 @@ class _Subscription(PullSync, LocalChanges):
                     lambda: getattr(self.sync.owner, self.spec.attr, None),
                     view=self.spec.apply == "view",
                     label=f"self.{self.spec.attr}",
+                    placement=self.spec.placement,
                 )
         assert self.target is not None
         return self.target
@@ -206,13 +207,14 @@ class _Subscription(PullSync, LocalChanges):
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
+        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed, self.target))
 
     def registration(self) -> Registration:
         assert self._info is not None
         self._told_modified = None  # a hub that (re-)registers it knows nothing of local changes
-        # the hub checks pushes against a module's schema; other targets check each version themselves
-        schema = module_schema(self.module()) if isinstance(self._target(), ModuleTarget) else None
+        # the hub checks pushes against a whole module's schema; others check each version themselves
+        whole = isinstance(self._target(), ModuleTarget) and self.spec.placement is None
+        schema = module_schema(self.module()) if whole else None
         bell = doorbell() if self._info.doorbell else None
         return Registration(
             self.sub_id,
@@ -311,11 +313,7 @@ class _Subscription(PullSync, LocalChanges):
         if error is None:
             logger.debug(
                 "%s applied %r version %d in %.4f s (pause %.4f s)",
-                self.sub_id,
-                self.spec.model_id,
-                version,
-                elapsed,
-                pause,
+                *(self.sub_id, self.spec.model_id, version, elapsed, pause),
             )
             return ApplyReport(
                 applied=self.version,
@@ -384,7 +382,7 @@ class _Subscription(PullSync, LocalChanges):
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
+        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed, self.target))
 
     def _defer(self, item: _Fetched) -> None:
         """Hand an apply to the applier thread (the newest deferred version wins)."""
@@ -408,7 +406,8 @@ class _Subscription(PullSync, LocalChanges):
             try:
                 with self.sync.lock.write():
                     pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-                reply = self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
+                fetched_bytes = apply.nbytes(manifest, needed, self.target)
+                reply = self._reply(version, t0, None, pause, len(needed), fetched_bytes)
             except Exception as err:
                 reply = self._reply(version, t0, err)
             del item, fetched
@@ -441,7 +440,7 @@ class _Subscription(PullSync, LocalChanges):
             del fetched
         except Exception as err:
             return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed))
+        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed, self.target))
 
     def _receive_in_place(
         self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], t0: float

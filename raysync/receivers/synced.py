@@ -33,6 +33,7 @@ import ray
 
 from raysync._checks import check_timeout
 from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
+from raysync.core.shards import TensorParallel
 from raysync.errors import AmbiguousModelError, RaySyncError
 from raysync.receivers.locks import AsyncRWLock, RWLock
 from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription
@@ -67,6 +68,7 @@ def synced_model(
     fetch_timeout: float = 300.0,
     prefetch: bool = False,
     allow_train_mode: bool = False,
+    placement: TensorParallel | None = None,
 ) -> Callable[[type[T]], type[T]]:
     """Keep the ``nn.Module`` in ``self.<attr>`` of an actor in step with the hub.
 
@@ -99,6 +101,12 @@ def synced_model(
             warning saying to call ``.eval()`` on rollout actors, and the first
             change its code makes to the weights in place is logged. Either way
             such a change is reported (``raysync_modified_since()``).
+        placement: the module holds only its own parts of the tensors, e.g.
+            ``raysync.TensorParallel(1, 2, {"*.q_proj.weight": 0})`` for rank 1 of a
+            2-way tensor-parallel actor: of a sharded trainer's versions it fetches the
+            trainer ranks' buckets holding its parts and copies only those, whatever the
+            trainer's layout. Versions pushed whole by one writer are refused, naming the
+            tensors. ``apply="copy"`` without ``prefetch`` only.
 
     The class gains ``raysync_version(model_id=None) -> int | None`` and
     ``raysync_modified_since(model_id=None) -> int | None`` (callable remotely),
@@ -128,6 +136,13 @@ def synced_model(
     check_timeout(fetch_timeout, "fetch_timeout", allow_none=False, positive=True)
     if prefetch and apply != "copy":
         raise ValueError("prefetch=True needs apply='copy' (with apply='view' there is nothing to copy)")
+    if placement is not None:
+        if not isinstance(placement, TensorParallel):
+            raise TypeError(f"placement must be a raysync.TensorParallel, got {type(placement).__name__}")
+        if apply != "copy" or prefetch:
+            raise ValueError(
+                "placement= copies the module's own parts of each version: apply='copy' without prefetch"
+            )
     spec = SyncSpec(
         attr,
         model_id,
@@ -139,6 +154,7 @@ def synced_model(
         float(fetch_timeout),
         bool(prefetch),
         bool(allow_train_mode),
+        placement,
     )
 
     def decorate(cls: type[T]) -> type[T]:

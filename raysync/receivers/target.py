@@ -29,7 +29,8 @@ from raysync.core.bound import BoundModel
 from raysync.core.codec import tensor_of
 from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest, TensorEntry, validate
-from raysync.errors import RaySyncError
+from raysync.core.shards import TensorParallel
+from raysync.errors import RaySyncError, WeightMismatchError
 
 __all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "is_target"]
 
@@ -157,6 +158,12 @@ class ModuleTarget:
         materialize: a weightless module (``meta`` tensors) gets CPU memory
             (``to_empty``) before its first version.
         label: who holds it, for errors.
+        placement: the module holds only its own parts of the tensors
+            (:class:`~raysync.TensorParallel`, e.g. rank 1 of 2 of a tensor-parallel
+            engine): of a sharded trainer's versions it fetches only the trainer ranks'
+            buckets holding its parts and copies only those parts, whatever the trainer's
+            layout. A version pushed by one writer (whole tensors) is refused, naming the
+            tensors it would have to split. Copies only (not with ``view``).
 
     Example:
         >>> target = ModuleTarget(policy)
@@ -173,7 +180,16 @@ class ModuleTarget:
         non_persistent: bool = False,
         materialize: bool = False,
         label: str = "the receiver",
+        placement: TensorParallel | None = None,
     ) -> None:
+        if placement is not None and not isinstance(placement, TensorParallel):
+            raise TypeError(f"placement must be a raysync.TensorParallel, got {type(placement).__name__}")
+        if placement is not None and view:
+            raise ValueError(
+                "placement= takes a module's own parts of each tensor, assembled from the trainer "
+                "ranks' pieces: copies only, not views of the store (apply='copy')"
+            )
+        self.placement = placement
         if isinstance(module, torch.nn.Module):
             ref = module
             self._get: Callable[[], torch.nn.Module | None] = lambda: ref
@@ -223,8 +239,26 @@ class ModuleTarget:
         return self.bound
 
     def check(self, manifest: Manifest) -> None:
+        if self.placement is not None and manifest.shards is None:
+            self._refuse_whole(manifest, self.placement)
         if self._live(manifest) is None:
             validate(manifest, self.schema())
+
+    def _refuse_whole(self, manifest: Manifest, placement: TensorParallel) -> None:
+        """A version of one writer: whole tensors, which a module holding parts cannot take."""
+        split = {}
+        for e in manifest.entries:
+            box = placement.box(e.key, tuple(e.shape))
+            if box is not None and box[1] != tuple(e.shape):
+                split[e.key] = (tuple(e.shape), box[1])
+        if split:
+            named = ", ".join(f"{k} {a} (its part {b})" for k, (a, b) in list(split.items())[:5])
+            raise WeightMismatchError(
+                f"{self.label} holds its parts of each tensor ({placement}), but this version came "
+                f"whole from one writer: {named}{' ...' if len(split) > 5 else ''}; placement= takes "
+                "the versions of a sharded trainer (every rank pushing its DTensor shards)",
+                shape_mismatch=split,
+            )
 
     def needed(self, manifest: Manifest, ids: Sequence[str | None], *, written: bool = True) -> list[int]:
         bound = self._live(manifest)

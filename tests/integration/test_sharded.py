@@ -139,6 +139,59 @@ def test_every_receiver_gets_the_whole_tensors(
         ray.kill(collector)
 
 
+def _parts_of(net: torch.nn.Module, tp: raysync.TensorParallel) -> torch.nn.Module:
+    """``net`` holding only ``tp``'s parts of its tensors (as a tensor-parallel engine's rank does)."""
+    for key, t in list(net.named_parameters()):
+        box = tp.box(key, tuple(t.shape))
+        if box is not None:
+            setattr(net, key, torch.nn.Parameter(torch.zeros(box[1], dtype=t.dtype)))
+    return net
+
+
+def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    """``placement=`` on ``@synced_model`` and ``raysync.follow``: the module holds its parts only
+    (rows split along dim 1 and cols along dim 0, unlike the trainer), bit-equal to those parts of
+    the trainer's ``full_tensor()``s; the replicated tensor and the buffer whole."""
+    tp = raysync.TensorParallel(1, 2, {"rows": 1, "cols": 0})
+
+    @raysync.synced_model("policy", hub=hub_name, placement=tp)
+    class Engine:
+        def __init__(self) -> None:
+            self.policy = _parts_of(_sharded.Net(7), tp)
+
+        def state(self) -> tuple[int | None, dict[str, torch.Tensor]]:
+            return self.raysync_version(), {k: v.clone() for k, v in self.policy.state_dict().items()}
+
+    engine = ray.remote(num_cpus=0)(Engine).remote()
+    followed = _parts_of(_sharded.Net(8), tp)
+    follower = raysync.follow(followed, "policy", hub=hub_name, placement=tp)
+    try:
+        assert ray.get(engine.state.remote(), timeout=TIMEOUT)[0] is None
+        for step in (3, 4):
+            ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
+            version = _push(ranks, hub_name)[0][0]
+            hub.wait(version, timeout=TIMEOUT)  # counts both: each took its parts
+            full = _full(ranks)
+            mine = {**full, "rows": torch.chunk(full["rows"], 2, dim=1)[1]}
+            mine["cols"] = torch.chunk(full["cols"], 2, dim=0)[1]
+            held, weights = ray.get(engine.state.remote(), timeout=TIMEOUT)
+            assert held == version
+            assert_same_weights(weights, mine)
+            assert follower.version == version
+            assert_same_weights(followed.state_dict(), mine)
+        rows = {r["class_name"]: r for r in hub.status()["subscribers"]}
+        assert rows["Engine"]["applied"] == version and rows["Engine"]["last_error"] is None
+        # what it copied in: its parts and the whole replicated tensors, laid out as Ray aligns buffers
+        # (at most 8 bytes of padding after each tensor); the whole model is 212 bytes
+        own = sum(t.numel() * t.element_size() for t in mine.values())
+        assert own <= rows["Engine"]["last_bytes_fetched"] <= own + 8 * len(mine) < 212, rows["Engine"]
+    finally:
+        follower.stop()
+        ray.kill(engine)
+
+
 def test_an_fsdp2_trainer_pushes_from_every_rank(
     ranks: list[Any], hub: raysync.HubClient, hub_name: str
 ) -> None:

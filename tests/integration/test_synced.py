@@ -419,6 +419,13 @@ def test_decorator_refuses_bad_options() -> None:
         raysync.synced_model("policy", apply="maybe")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"put @ray.remote above"):
         raysync.synced_model("policy")(ray.remote(type("A", (), {})))  # type: ignore[arg-type]
+    tp = raysync.TensorParallel(0, 2, {"*.weight": 0})
+    with pytest.raises(ValueError, match="placement= copies the module's own parts"):
+        raysync.synced_model("policy", apply="view", placement=tp)
+    with pytest.raises(ValueError, match="without prefetch"):
+        raysync.synced_model("policy", prefetch=True, placement=tp)
+    with pytest.raises(TypeError, match=r"raysync\.TensorParallel"):
+        raysync.synced_model("policy", placement={"*.weight": 0})  # type: ignore[arg-type]
 
 
 def test_missing_module_attribute_fails_actor_creation_clearly(hub_name: str, ray_start_regular: Any) -> None:

@@ -14,8 +14,11 @@ import torch
 from raysync.core.codec import copy_into, pack, unpack
 from raysync.core.layout import plan_layout
 from raysync.core.shards import ShardPart, ShardPiece, TensorParallel, TensorSpec, merge, reshard
-from raysync.errors import InvalidWeightsError
+from raysync.errors import InvalidWeightsError, WeightMismatchError
+from raysync.receivers import apply
+from raysync.receivers.target import ModuleTarget
 from raysync.transports.sharded import Assembly, assemble
+from tests._support import assert_same_weights
 
 
 class _Ref:
@@ -236,3 +239,42 @@ def test_a_part_one_trainer_piece_holds_is_read_without_a_copy() -> None:
             )
     # one trainer piece holds each of these whole: read in place; cols' rows span both ranks' pieces
     assert shared == {"rows": True, "odd": True, "rep": True, "count": True, "cols": False}
+
+
+def test_a_module_holding_its_parts_takes_them_and_refuses_whole_versions() -> None:
+    """``ModuleTarget(placement=...)`` (``@synced_model`` and ``follow`` with ``placement=``): its
+    module's parameters are its parts; a one-writer version (whole tensors) is refused, naming them."""
+    weights = _weights()
+    manifest, _ = merge(_parts(2, weights))
+    assert manifest.shards is not None
+    rank_arrays = {}
+    i = 0
+    for rank in range(2):
+        for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
+            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
+            i += 1
+    tp = TensorParallel(1, 2, {"rows": 1, "cols": 0})
+    want = {
+        "rows": torch.chunk(weights["rows"], 2, dim=1)[1],
+        "cols": torch.chunk(weights["cols"], 2, dim=0)[1],
+        **{k: weights[k] for k in ("odd", "rep", "count")},
+    }
+    module = torch.nn.Module()
+    for key, t in want.items():
+        module.register_buffer(key, torch.zeros_like(t))
+    target = ModuleTarget(module, placement=tp, label="rank 1's module")
+    ids = [f"v1-{b}" for b in range(manifest.num_buckets)]
+    needed = apply.plan(target, 1, manifest, ids, held=None)
+    assert needed == list(range(manifest.num_buckets))
+    view = apply.view(target, manifest)
+    apply.commit(target, 1, manifest, ids, {b: Assembly(view, b, rank_arrays) for b in needed})
+    assert_same_weights(dict(module.state_dict()), want)
+    whole = plan_layout(weights)  # the same tensors pushed by one writer
+    with pytest.raises(WeightMismatchError, match=r"rank 1's module .* came whole from one writer: ") as info:
+        target.check(whole)
+    assert set(info.value.shape_mismatch) == {"rows", "cols"}
+    assert info.value.shape_mismatch["rows"] == ((6, 4), (6, 2))
+    with pytest.raises(ValueError, match="copies only"):
+        ModuleTarget(module, placement=tp, view=True)
+    with pytest.raises(TypeError, match="TensorParallel"):
+        ModuleTarget(module, placement={"rows": 1})  # type: ignore[arg-type]
