@@ -39,6 +39,7 @@ __all__ = [
     "TensorParallel",
     "TensorSpec",
     "merge",
+    "one_writer",
     "reshard",
 ]
 
@@ -375,9 +376,10 @@ class TensorParallel:
     A tensor whose name matches a pattern of ``dims`` is split along that dimension into
     ``size`` chunks as ``torch.chunk`` (and ``DTensor``'s ``Shard(d)``) splits it, and this
     receiver holds chunk ``rank``; every other tensor is held whole (replicated). Give it to
-    a receiver of a sharded trainer's versions (``WeightsLoader(..., placement=...)``): it
-    fetches only the trainer ranks' buckets holding its parts and copies only its parts,
-    whatever the trainer's layout was.
+    a receiver (``WeightsLoader(..., placement=...)``, ``@synced_model(..., placement=...)``,
+    ``raysync.follow(module, placement=...)``): it fetches only the buckets holding its
+    parts (a sharded trainer's ranks' or one writer's) and copies only its parts, whatever
+    the trainer's layout was.
 
     Args:
         rank: this receiver's place, ``0 .. size - 1``.
@@ -428,21 +430,20 @@ class TensorParallel:
 
 
 def reshard(manifest: Manifest, placement: TensorParallel) -> Manifest:
-    """The view of a sharded version that a receiver with its own ``placement`` takes.
+    """The view of a version that a receiver with its own ``placement`` takes.
 
     Same buckets (each bucket of the view holds this receiver's parts of the tensors of
     that bucket of the version, so bucket ids still say which changed), entries shaped as
-    the parts; the version's shard map with the parts' boxes. A version of one writer, or
-    a placement that takes every tensor whole, is returned as it is.
+    the parts; the version's shard map with the parts' boxes. A version of one writer is
+    cut as a sharded one of one rank (:func:`one_writer`; its bucket refs then go in
+    :class:`ShardRefs` of one bucket each). A placement that takes every tensor whole
+    leaves the version as it is.
 
     Example:
         >>> view = reshard(manifest, TensorParallel(0, 2, {"*.weight": 0}))   # doctest: +SKIP
         >>> view.schema()["fc.weight"]                                         # doctest: +SKIP
         ((2, 8), 'float32')
     """
-    shards = manifest.shards
-    if shards is None:
-        return manifest
     boxes = []
     for e in manifest.entries:
         box = placement.box(e.key, e.shape)
@@ -450,6 +451,10 @@ def reshard(manifest: Manifest, placement: TensorParallel) -> Manifest:
             boxes.append((e.key, box[0], box[1]))
     if not boxes:
         return manifest
+    if manifest.shards is None:
+        manifest = one_writer(manifest)
+    shards = manifest.shards
+    assert shards is not None
     by_key = {k: (o, n) for k, o, n in boxes}
     entries = []
     spans = []
@@ -463,7 +468,7 @@ def reshard(manifest: Manifest, placement: TensorParallel) -> Manifest:
         one = plan_specs(specs, bucket_bytes=2**62)  # one bucket: this bucket's parts
         entries += [dataclasses.replace(x, bucket=b) for x in one.entries]
         spans.append(sum(one.bucket_nbytes))
-    digest = hashlib.sha1(repr((manifest.layout_hash, tuple(boxes))).encode())
+    digest = hashlib.sha1(repr((manifest.layout_hash, shards.world, tuple(boxes))).encode())
     return dataclasses.replace(
         manifest,
         entries=tuple(sorted(entries, key=lambda x: x.key)),
@@ -471,3 +476,30 @@ def reshard(manifest: Manifest, placement: TensorParallel) -> Manifest:
         layout_hash=digest.hexdigest()[:16],
         shards=dataclasses.replace(shards, boxes=tuple(boxes)),
     )
+
+
+def one_writer(manifest: Manifest) -> Manifest:
+    """A version of one writer as a sharded version of one rank: each tensor one whole piece.
+
+    What :func:`reshard` cuts a receiver's parts from. The rank buckets are the version's
+    own buckets (their refs: ``ShardRefs((b,), (ref,))``); checksums, which cover whole
+    buckets, do not carry over.
+
+    Example:
+        >>> cut = one_writer(plan_layout({"w": torch.zeros(4, 2)}))   # doctest: +SKIP
+        >>> cut.transport, cut.shards.pieces_of("w")[0].lengths          # doctest: +SKIP
+        ('sharded', (4, 2))
+    """
+    pieces = tuple(
+        ShardPiece(e.key, 0, e.bucket, e.index, e.nbytes, (0,) * len(e.shape), tuple(e.shape))
+        for e in manifest.entries
+    )
+    shard_map = ShardMap(
+        world=1,
+        transport=manifest.transport,
+        bucket_ranks=(0,) * manifest.num_buckets,
+        bucket_nbytes=manifest.bucket_nbytes,
+        pieces=pieces,
+        placements=tuple((e.key, "plain") for e in manifest.entries),
+    )
+    return dataclasses.replace(manifest, shards=shard_map, transport=SHARDED, checksums=None)

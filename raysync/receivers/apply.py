@@ -41,9 +41,10 @@ from ray.exceptions import ObjectLostError
 from raysync._protocol import ApplyReport, bucket_ids
 from raysync.core.codec import verify_checksums
 from raysync.core.layout import Manifest
-from raysync.core.shards import TensorParallel, reshard
+from raysync.core.shards import ShardRefs, TensorParallel, reshard
 from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
+from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
 from raysync.transports.store_pages import populate_store_mapping
 
@@ -76,7 +77,8 @@ def view(target: Target | None, manifest: Manifest) -> Manifest:
     """The version as ``target`` takes it: its own parts of a sharded version, or all of it.
 
     A target with a ``placement`` attribute (a :class:`~raysync.core.shards.TensorParallel`,
-    e.g. ``WeightsLoader(..., placement=...)``) takes, of a sharded trainer's version, only
+    e.g. ``WeightsLoader(..., placement=...)``) takes, of a sharded trainer's version or of
+    one writer's (over a data path that hands out buckets, such as the object store), only
     its parts of each tensor (:func:`~raysync.core.shards.reshard`): checked, fetched and
     committed as such. Every other version and target: ``manifest`` itself.
 
@@ -85,8 +87,8 @@ def view(target: Target | None, manifest: Manifest) -> Manifest:
         >>> view(WeightsLoader(load, placement=tp), manifest)  # doctest: +SKIP
     """
     placement = getattr(target, "placement", None)
-    if placement is None or manifest.shards is None:
-        return manifest
+    if placement is None or (manifest.shards is None and transport_info(manifest.transport).in_place):
+        return manifest  # NIXL receives whole buffers in place: whole tensors (a module of parts refuses)
     return _resharded(manifest, placement)
 
 
@@ -123,7 +125,9 @@ def fetch(
 
     ``target``: whose :func:`view` of the version to fetch (its own parts of a sharded one).
     """
-    manifest = view(target, manifest)
+    whole, manifest = manifest, view(target, manifest)
+    if whole.shards is None and manifest.shards is not None:  # parts of one writer's buckets
+        refs = [ShardRefs((b,), (ref,)) for b, ref in enumerate(refs)]
     arrays = transport_class(manifest.transport).fetch(manifest, list(refs), list(needed), timeout=timeout)
     return verified(manifest, needed, arrays, verify=verify)
 

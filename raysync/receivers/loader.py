@@ -56,10 +56,10 @@ class WeightsLoader:
             alone), or a callable ``(name, shape, dtype) -> bool``. ``None`` takes
             every tensor.
         name: who this is in logs and errors.
-        placement: this receiver's own placement (:class:`~raysync.TensorParallel`): of a
-            sharded trainer's version it takes only its parts of each tensor (``expected``
-            then names the parts' shapes), fetching only the trainer ranks' buckets that
-            hold them. Versions of one writer come whole.
+        placement: this receiver's own placement (:class:`~raysync.TensorParallel`): it
+            takes only its parts of each tensor (``expected`` then names the parts'
+            shapes), fetching only the buckets that hold them (a sharded trainer's ranks'
+            or one writer's). NIXL versions of one writer come whole.
 
     A version is refused (:class:`~raysync.WeightMismatchError`, naming each tensor)
     when it does not fit ``expected`` or carries extra state (``get_extra_state``

@@ -177,11 +177,11 @@ class _Subscription(PullSync, LocalChanges):
         Push subscriptions on plain and threaded actors: the doorbell's thread applies
         under the actor's write lock. A view then looks into the sealed segment itself
         (read-only, as it would into the object store; the mapping lives as long as the
-        view). Async actors (their plain methods run unguarded on the event loop) and
-        prefetching subscriptions are called the Ray way.
+        view). Async actors (their plain methods run unguarded on the event loop),
+        prefetching subscriptions and targets holding parts (cut from the store's buckets) are called.
         """
-        spec = self.spec
-        if self.sync.is_async or spec.mode != "push" or spec.prefetch:
+        spec, parts = self.spec, getattr(self._target(), "placement", None)
+        if self.sync.is_async or spec.mode != "push" or spec.prefetch or parts is not None:
             return None
         bell = doorbell()
         return None if bell is None else bell.register(self.sub_id, self.ring)

@@ -103,10 +103,10 @@ def synced_model(
             such a change is reported (``raysync_modified_since()``).
         placement: the module holds only its own parts of the tensors, e.g.
             ``raysync.TensorParallel(1, 2, {"*.q_proj.weight": 0})`` for rank 1 of a
-            2-way tensor-parallel actor: of a sharded trainer's versions it fetches the
-            trainer ranks' buckets holding its parts and copies only those, whatever the
-            trainer's layout. Versions pushed whole by one writer are refused, naming the
-            tensors. ``apply="copy"`` without ``prefetch`` only.
+            2-way tensor-parallel actor: it fetches the buckets holding its parts (a
+            sharded trainer's ranks' or one writer's) and copies only its parts, whatever
+            the trainer's layout. NIXL versions of one writer (whole buffers) are refused,
+            naming the tensors. ``apply="copy"`` without ``prefetch`` only.
 
     The class gains ``raysync_version(model_id=None) -> int | None`` and
     ``raysync_modified_since(model_id=None) -> int | None`` (callable remotely),

@@ -160,10 +160,11 @@ class ModuleTarget:
         label: who holds it, for errors.
         placement: the module holds only its own parts of the tensors
             (:class:`~raysync.TensorParallel`, e.g. rank 1 of 2 of a tensor-parallel
-            engine): of a sharded trainer's versions it fetches only the trainer ranks'
-            buckets holding its parts and copies only those parts, whatever the trainer's
-            layout. A version pushed by one writer (whole tensors) is refused, naming the
-            tensors it would have to split. Copies only (not with ``view``).
+            engine): it copies only its parts, whatever the trainer's layout (of a sharded
+            trainer's versions it fetches only the ranks' buckets holding its parts; of one
+            writer's, the buckets holding them). A version over a data path that hands out
+            whole tensors only (NIXL) is refused, naming the tensors it would have to split.
+            Copies only (not with ``view``).
 
     Example:
         >>> target = ModuleTarget(policy)
@@ -239,13 +240,13 @@ class ModuleTarget:
         return self.bound
 
     def check(self, manifest: Manifest) -> None:
-        if self.placement is not None and manifest.shards is None:
+        if self.placement is not None and manifest.shards is None:  # not cut into parts (apply.view)
             self._refuse_whole(manifest, self.placement)
         if self._live(manifest) is None:
             validate(manifest, self.schema())
 
     def _refuse_whole(self, manifest: Manifest, placement: TensorParallel) -> None:
-        """A version of one writer: whole tensors, which a module holding parts cannot take."""
+        """A version not cut into parts (NIXL's whole buffers), which a module holding parts cannot take."""
         split = {}
         for e in manifest.entries:
             box = placement.box(e.key, tuple(e.shape))
@@ -254,9 +255,10 @@ class ModuleTarget:
         if split:
             named = ", ".join(f"{k} {a} (its part {b})" for k, (a, b) in list(split.items())[:5])
             raise WeightMismatchError(
-                f"{self.label} holds its parts of each tensor ({placement}), but this version came "
-                f"whole from one writer: {named}{' ...' if len(split) > 5 else ''}; placement= takes "
-                "the versions of a sharded trainer (every rank pushing its DTensor shards)",
+                f"{self.label} holds its parts of each tensor ({placement}), but this version's data "
+                f"path ({manifest.transport!r}) hands out whole tensors only: {named}"
+                f"{' ...' if len(split) > 5 else ''}; push to receivers with placement= over the object "
+                "store (the default) or from a sharded trainer",
                 shape_mismatch=split,
             )
 

@@ -153,42 +153,57 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
 ) -> None:
     """``placement=`` on ``@synced_model`` and ``raysync.follow``: the module holds its parts only
     (rows split along dim 1 and cols along dim 0, unlike the trainer), bit-equal to those parts of
-    the trainer's ``full_tensor()``s; the replicated tensor and the buffer whole."""
+    the trainer's ``full_tensor()``s, the replicated tensor and the buffer whole; the same from
+    one writer pushing whole tensors (model "whole")."""
     tp = raysync.TensorParallel(1, 2, {"rows": 1, "cols": 0})
 
     @raysync.synced_model("policy", hub=hub_name, placement=tp)
+    @raysync.synced_model("single", model_id="whole", hub=hub_name, placement=tp)
     class Engine:
         def __init__(self) -> None:
             self.policy = _parts_of(_sharded.Net(7), tp)
+            self.single = _parts_of(_sharded.Net(7), tp)
 
-        def state(self) -> tuple[int | None, dict[str, torch.Tensor]]:
-            return self.raysync_version(), {k: v.clone() for k, v in self.policy.state_dict().items()}
+        def state(self, model_id: str) -> tuple[int | None, dict[str, torch.Tensor]]:
+            module = self.policy if model_id == "policy" else self.single
+            return self.raysync_version(model_id), {k: v.clone() for k, v in module.state_dict().items()}
+
+    def parts(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**full, "rows": full["rows"].chunk(2, dim=1)[1], "cols": full["cols"].chunk(2, dim=0)[1]}
 
     engine = ray.remote(num_cpus=0)(Engine).remote()
-    followed = _parts_of(_sharded.Net(8), tp)
+    followed, alone = _parts_of(_sharded.Net(8), tp), _parts_of(_sharded.Net(8), tp)
     follower = raysync.follow(followed, "policy", hub=hub_name, placement=tp)
+    single = raysync.follow(alone, "whole", hub=hub_name, placement=tp)
     try:
-        assert ray.get(engine.state.remote(), timeout=TIMEOUT)[0] is None
+        assert ray.get(engine.state.remote("policy"), timeout=TIMEOUT)[0] is None
         for step in (3, 4):
             ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
             version = _push(ranks, hub_name)[0][0]
             hub.wait(version, timeout=TIMEOUT)  # counts both: each took its parts
-            full = _full(ranks)
-            mine = {**full, "rows": torch.chunk(full["rows"], 2, dim=1)[1]}
-            mine["cols"] = torch.chunk(full["cols"], 2, dim=0)[1]
-            held, weights = ray.get(engine.state.remote(), timeout=TIMEOUT)
+            mine = parts(_full(ranks))
+            held, weights = ray.get(engine.state.remote("policy"), timeout=TIMEOUT)
             assert held == version
             assert_same_weights(weights, mine)
             assert follower.version == version
             assert_same_weights(followed.state_dict(), mine)
-        rows = {r["class_name"]: r for r in hub.status()["subscribers"]}
+        rows = {r["class_name"]: r for r in hub.status()["subscribers"] if r["model_id"] == "policy"}
         assert rows["Engine"]["applied"] == version and rows["Engine"]["last_error"] is None
         # what it copied in: its parts and the whole replicated tensors, laid out as Ray aligns buffers
         # (at most 8 bytes of padding after each tensor); the whole model is 212 bytes
         own = sum(t.numel() * t.element_size() for t in mine.values())
         assert own <= rows["Engine"]["last_bytes_fetched"] <= own + 8 * len(mine) < 212, rows["Engine"]
+        trained = _sharded.Net(11)  # one writer, whole tensors: cut into the same parts
+        version = hub.push(trained, "whole", wait=True, timeout=TIMEOUT)
+        whole = {k: v.detach() for k, v in trained.state_dict().items()}
+        held, weights = ray.get(engine.state.remote("whole"), timeout=TIMEOUT)
+        assert held == version
+        assert_same_weights(weights, parts(whole))
+        assert single.version == version
+        assert_same_weights(alone.state_dict(), parts(whole))
     finally:
         follower.stop()
+        single.stop()
         ray.kill(engine)
 
 

@@ -7,6 +7,8 @@ every tensor bit for bit, and bad parts are refused naming the tensor.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -241,18 +243,23 @@ def test_a_part_one_trainer_piece_holds_is_read_without_a_copy() -> None:
     assert shared == {"rows": True, "odd": True, "rep": True, "count": True, "cols": False}
 
 
-def test_a_module_holding_its_parts_takes_them_and_refuses_whole_versions() -> None:
+@pytest.mark.parametrize("writers", [2, 1])
+def test_a_module_holding_its_parts_takes_only_them_whoever_pushed(writers: int) -> None:
     """``ModuleTarget(placement=...)`` (``@synced_model`` and ``follow`` with ``placement=``): its
-    module's parameters are its parts; a one-writer version (whole tensors) is refused, naming them."""
+    module's parameters are its parts, cut from a sharded version (2 writers) or from one writer's
+    buckets (``one_writer``); a version over NIXL (whole buffers received in place) is refused."""
     weights = _weights()
-    manifest, _ = merge(_parts(2, weights))
-    assert manifest.shards is not None
-    rank_arrays = {}
-    i = 0
-    for rank in range(2):
-        for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
-            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
-            i += 1
+    if writers == 2:
+        manifest, _ = merge(_parts(2, weights))
+        assert manifest.shards is not None
+        rank_arrays, i = {}, 0
+        for rank in range(2):
+            for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
+                rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
+                i += 1
+    else:
+        manifest = plan_layout(weights, bucket_bytes=64)
+        rank_arrays = dict(enumerate(pack(weights, manifest)))  # a rank bucket per bucket of the version
     tp = TensorParallel(1, 2, {"rows": 1, "cols": 0})
     want = {
         "rows": torch.chunk(weights["rows"], 2, dim=1)[1],
@@ -267,13 +274,17 @@ def test_a_module_holding_its_parts_takes_them_and_refuses_whole_versions() -> N
     needed = apply.plan(target, 1, manifest, ids, held=None)
     assert needed == list(range(manifest.num_buckets))
     view = apply.view(target, manifest)
+    assert view.shards is not None and view.shards.world == writers
     apply.commit(target, 1, manifest, ids, {b: Assembly(view, b, rank_arrays) for b in needed})
     assert_same_weights(dict(module.state_dict()), want)
-    whole = plan_layout(weights)  # the same tensors pushed by one writer
-    with pytest.raises(WeightMismatchError, match=r"rank 1's module .* came whole from one writer: ") as info:
-        target.check(whole)
-    assert set(info.value.shape_mismatch) == {"rows", "cols"}
-    assert info.value.shape_mismatch["rows"] == ((6, 4), (6, 2))
+    # what it took: exactly its parts and the whole replicated tensors (plus Ray's buffer alignment)
+    own = sum(t.numel() * t.element_size() for t in want.values())
+    assert own <= apply.nbytes(manifest, needed, target) <= own + 8 * len(want)
+    if writers == 1:
+        nixl = dataclasses.replace(manifest, transport="nixl")
+        with pytest.raises(WeightMismatchError, match=r"module .* \('nixl'\) hands out whole") as info:
+            apply.plan(target, 2, nixl, ids, held=1)
+        assert info.value.shape_mismatch == {"rows": ((6, 4), (6, 2)), "cols": ((3, 5), (1, 5))}
     with pytest.raises(ValueError, match="copies only"):
         ModuleTarget(module, placement=tp, view=True)
     with pytest.raises(TypeError, match="TensorParallel"):
