@@ -1,15 +1,18 @@
 """A tensor-parallel receiver of a sharded trainer: its bytes and apply time beside a copy of them.
 
 W gloo ranks (Ray actors, ``benchmarks/sharded_push.py``'s ``Writer``: every tensor ``Shard(0)``)
-push ``--mib`` of fp32 tensors; one receiver (a ``WeightsLoader`` with
-``TensorParallel(rank, k, {"*": --dim})`` under a ``Follower``, in an actor) takes its part of
-every tensor, copying each into buffers of its own. Per push (median of ``--repeats``): the
-receiver's apply time (``hub.status()``'s ``last_apply_s``: plan, fetch, copy) and the copy in
-its callback, beside a ``copy_`` of exactly its bytes into the same (warm) buffers; its bytes
-copied (exact: its parts) and fetched (the trainer ranks' buckets that hold any of them, read
-whole: an object-store object is one unit).
+push ``--mib`` of fp32 tensors (``--world 1``: one plain trainer pushing whole tensors); one
+receiver in an actor, with ``TensorParallel(rank, k, {"*": --dim})``, takes its part of every
+tensor: ``--receiver loader``, a ``WeightsLoader`` under a ``Follower`` copying each part into
+buffers of its own; ``--receiver module``, a module holding only its parts
+(``raysync.follow(module, placement=...)``), the apply copying into its parameters. Per push
+(median of ``--repeats``): the receiver's apply time (``hub.status()``'s ``last_apply_s``:
+plan, fetch, copy) and the copy in the loader's callback, beside a ``copy_`` of exactly its
+bytes into the same (warm) buffers; its bytes copied (exact: its parts) and read (the buckets
+that hold any of them, each whole: an object-store object is one unit).
 
     python benchmarks/sharded_tp.py --mib 64 --dim 1
+    python benchmarks/sharded_tp.py --mib 64 --dim 1 --world 1 --receiver module
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class TPReceiver:
     """A ``WeightsLoader`` taking part ``rank`` of ``size`` of every tensor (split along ``dim``)."""
 
     def __init__(
-        self, hub: str, model_id: str, rank: int, size: int, dim: int, mib: int, tensors: int
+        self, hub: str, model_id: str, rank: int, size: int, dim: int, mib: int, tensors: int, kind: str
     ) -> None:
         tp = raysync.TensorParallel(rank, size, {"*": dim})
         self.parts: dict[str, torch.Tensor] = {}
@@ -53,8 +56,15 @@ class TPReceiver:
             self.load_s.append(time.perf_counter() - t0)
             self.copied = copied
 
-        self.loader = raysync.WeightsLoader(load, placement=tp)
-        self.follower = raysync.Follower(target=self.loader, model_id=model_id, hub=hub).start()
+        if kind == "module":  # a module of parts: the apply copies straight into its parameters
+            self.module = torch.nn.Module()
+            for key, t in self.parts.items():
+                self.module.register_buffer(key, t)
+            self.follower = raysync.follow(self.module, model_id, hub=hub, placement=tp)
+            self.copied = sum(t.nbytes for t in self.parts.values())
+        else:
+            self.loader = raysync.WeightsLoader(load, placement=tp)
+            self.follower = raysync.Follower(target=self.loader, model_id=model_id, hub=hub).start()
 
     def floor_s(self, repeats: int = 5) -> float:
         """A ``copy_`` of exactly this receiver's bytes into its (warm) buffers, median."""
@@ -69,7 +79,7 @@ class TPReceiver:
 
     def stats(self) -> tuple[int | None, list[float], int, int]:
         owned = sum(t.nbytes for t in self.parts.values())
-        return self.loader.version, list(self.load_s), self.copied, owned
+        return self.follower.version, list(self.load_s), self.copied, owned
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=2, help="tensor-parallel size of the receiver")
     parser.add_argument("--dim", type=int, default=1, help="the receiver's split dimension (trainer: 0)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--receiver", choices=("loader", "module"), default="loader")
     args = parser.parse_args(argv)
     started = time.time()
     model_id = "tp"
@@ -90,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             Writer.remote(r, args.world, port, args.mib, args.tensors, "bench-tp", model_id)
             for r in range(args.world)
         ]
-        receiver = TPReceiver.remote("bench-tp", model_id, 0, args.k, args.dim, args.mib, args.tensors)
+        receiver = TPReceiver.remote(
+            "bench-tp", model_id, 0, args.k, args.dim, args.mib, args.tensors, args.receiver
+        )
         tp = raysync.TensorParallel(0, args.k, {"*": args.dim})
         ray.get(receiver.stats.remote(), timeout=300)
         apply_s, fetched = [], []
@@ -116,20 +129,22 @@ def main(argv: list[str] | None = None) -> int:
         "world": args.world,
         "k": args.k,
         "dim": args.dim,
+        "receiver": args.receiver,
         "bytes_owned": owned,
         "bytes_copied": copied,
         "bytes_read": rank_bytes,
         "bytes_fetched_reported": statistics.median(fetched),
         "apply_s": statistics.median(apply_s),
-        "load_s": statistics.median(load_s[1:]),
+        "load_s": statistics.median(load_s[1:]) if load_s else None,
         "copy_floor_s": floor,
     }
+    trainer = f"{args.world} trainer ranks (Shard(0))" if args.world > 1 else "one writer (whole tensors)"
+    its_copy = f" (its copy {result['load_s'] * 1e3:.1f} ms)" if result["load_s"] is not None else ""
     print(
-        f"{args.mib} MiB on {args.world} trainer ranks (Shard(0)), receiver TP rank 0 of {args.k} "
+        f"{args.mib} MiB from {trainer}, {args.receiver} receiver TP rank 0 of {args.k} "
         f"(Shard({args.dim})): owns {owned / 2**20:.1f} MiB, copied {copied / 2**20:.1f} MiB, reads "
-        f"{rank_bytes / 2**20:.1f} MiB of rank buckets ({len(wanted)} of {n_rank_buckets}); "
-        f"apply {result['apply_s'] * 1e3:.1f} ms (its copy "
-        f"{result['load_s'] * 1e3:.1f} ms) beside a copy of its bytes {floor * 1e3:.1f} ms: "
+        f"{rank_bytes / 2**20:.1f} MiB of buckets ({len(wanted)} of {n_rank_buckets}); "
+        f"apply {result['apply_s'] * 1e3:.1f} ms{its_copy} beside a copy of its bytes {floor * 1e3:.1f} ms: "
         f"{result['apply_s'] / floor:.2f}x"
     )
     harness.write_json(
