@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raysync.core.codec import copy_into, pack, unpack
-from raysync.core.layout import plan_layout
+from raysync.core.layout import Manifest, plan_layout
 from raysync.core.shards import ShardPart, ShardPiece, TensorParallel, TensorSpec, merge, reshard
 from raysync.errors import InvalidWeightsError, WeightMismatchError
 from raysync.receivers import apply
@@ -81,6 +81,13 @@ def _parts(world: int, weights: dict[str, torch.Tensor]) -> list[tuple[ShardPart
 _PACKED: dict[str, list] = {}
 
 
+def _rank_arrays(manifest: Manifest) -> dict[int, list]:
+    """The packed rank buckets of a merged version, by its rank-bucket index (rank 0's first)."""
+    assert manifest.shards is not None
+    ranks = manifest.shards.bucket_ranks
+    return {i: _PACKED[f"r{rank}b{ranks[:i].count(rank)}"] for i, rank in enumerate(ranks)}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_merge_then_assemble_gives_whole_tensors(world: int) -> None:
     weights = _weights()
@@ -93,13 +100,7 @@ def test_merge_then_assemble_gives_whole_tensors(world: int) -> None:
     assert [p.rank for p in manifest.shards.pieces_of("count")] == [0]
     # 5 columns: chunks of 3 and 2 over 2 ranks; of 2, 2 and 1 over 4 (rank 3's is empty: no piece)
     assert [p.rank for p in manifest.shards.pieces_of("cols")] == ([0, 1] if world == 2 else [0, 1, 2])
-    rank_arrays = {}
-    i = 0
-    for rank in range(world):
-        n = sum(1 for r in manifest.shards.bucket_ranks if r == rank)
-        for b in range(n):
-            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
-            i += 1
+    rank_arrays = _rank_arrays(manifest)
     buckets = [assemble(manifest, b, rank_arrays) for b in range(manifest.num_buckets)]
     # a module's copy (apply="copy") writes each piece straight into its own buffers: the same bytes
     for b, arrays in enumerate(buckets):
@@ -174,12 +175,7 @@ def test_a_receiver_with_its_own_placement_takes_only_its_parts(tp_rank: int) ->
         "count": weights["count"],
     }
     assert view.schema() == {k: (tuple(t.shape), str(t.dtype)[6:]) for k, t in want.items()}
-    rank_arrays = {}
-    i = 0
-    for rank in range(2):
-        for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
-            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
-            i += 1
+    rank_arrays = _rank_arrays(manifest)
     got_buckets = []
     fetched = set()
     for b in range(view.num_buckets):
@@ -214,12 +210,7 @@ def test_a_part_one_trainer_piece_holds_is_read_without_a_copy() -> None:
     weights = _weights()
     manifest, _ = merge(_parts(2, weights))
     assert manifest.shards is not None
-    rank_arrays = {}
-    i = 0
-    for rank in range(2):
-        for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
-            rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
-            i += 1
+    rank_arrays = _rank_arrays(manifest)
     tp = TensorParallel(1, 2, {"rows": 0, "cols": 0, "odd": 0})  # rows, odd: as the trainer; cols not
     view = reshard(manifest, tp)
     assert view.shards is not None
@@ -252,11 +243,7 @@ def test_a_module_holding_its_parts_takes_only_them_whoever_pushed(writers: int)
     if writers == 2:
         manifest, _ = merge(_parts(2, weights))
         assert manifest.shards is not None
-        rank_arrays, i = {}, 0
-        for rank in range(2):
-            for b in range(sum(1 for r in manifest.shards.bucket_ranks if r == rank)):
-                rank_arrays[i] = _PACKED[f"r{rank}b{b}"]
-                i += 1
+        rank_arrays = _rank_arrays(manifest)
     else:
         manifest = plan_layout(weights, bucket_bytes=64)
         rank_arrays = dict(enumerate(pack(weights, manifest)))  # a rank bucket per bucket of the version
