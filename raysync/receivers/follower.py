@@ -109,8 +109,8 @@ class Follower:
             :class:`~raysync.receivers.target.Target`. Its versions are checked by the
             target itself (the hub does not check pushes against it).
         placement: ``module`` holds only its own parts of the tensors
-            (:class:`~raysync.TensorParallel`): of a sharded trainer's versions it takes
-            only its parts (see :class:`~raysync.receivers.target.ModuleTarget`).
+            (:class:`~raysync.TensorParallel`): of every version, a sharded trainer's or one
+            writer's, it takes only its parts (see :class:`~raysync.receivers.target.ModuleTarget`).
 
     A version that fails to apply (wrong shape, a ``set_extra_state`` that raises)
     leaves the module as it was and is reported: ``hub.wait``/``push(wait=True)``
