@@ -117,6 +117,7 @@ class Rank:
         extra: bool = False,
         model_id: str = "policy",
         wait: bool = False,
+        checksum: bool = False,
     ) -> tuple[int, dict[str, Any]]:
         """``hub.push(model)`` on this rank; the version and the push's stats."""
         import raysync
@@ -126,7 +127,7 @@ class Rank:
             self.net.register_buffer("only_here", torch.zeros(2))
         hub = self.hubs.get(hub_name) or self.hubs.setdefault(hub_name, raysync.connect(hub_name))
         try:
-            version = hub.push(self.net, model_id, timeout=timeout, wait=wait)
+            version = hub.push(self.net, model_id, timeout=timeout, wait=wait, checksum=checksum)
         finally:
             if extra:
                 del self.net.only_here

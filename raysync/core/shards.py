@@ -143,6 +143,8 @@ class ShardMap:
         placements: ``(key, placement)`` of each tensor on the trainer.
         boxes: ``(key, offsets, lengths)`` of the tensors a receiver takes only part of
             (:func:`reshard`); the manifest's entries are then those parts. Empty: whole tensors.
+        checksums: one CRC32 per rank bucket when every rank pushed with ``checksum=True``
+            (receivers that verify check the rank buckets they fetch, before assembling).
 
     Example:
         >>> [p.rank for p in manifest.shards.pieces_of("w")]    # doctest: +SKIP
@@ -156,6 +158,7 @@ class ShardMap:
     pieces: tuple[ShardPiece, ...]
     placements: tuple[tuple[str, str], ...]
     boxes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    checksums: tuple[int, ...] | None = None
 
     def box_of(self, key: str) -> Box | None:
         """The part of ``key`` this view holds (None: all of it)."""
@@ -240,6 +243,13 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
         raise InvalidWeightsError(
             f"the ranks of a sharded push used different data paths: {sorted(transports)}"
         )
+    sums = [by_rank[r][0].manifest.checksums for r in range(world)]
+    without = [r for r in range(world) if sums[r] is None]
+    if 0 < len(without) < world:
+        raise InvalidWeightsError(
+            f"the ranks of a sharded push disagree on checksum=: ranks {without} pushed none, the "
+            f"others did (every rank passes the same checksum=)"
+        )
     # every rank's buckets, in rank order
     pieces: list[ShardPiece] = []
     bucket_ranks: list[int] = []
@@ -273,6 +283,7 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
         tuple(bucket_nbytes),
         tuple(pieces),
         tuple((k, s.placement) for k, s in sorted(specs.items())),
+        checksums=None if sums[0] is None else tuple(c for s in sums for c in s or ()),
     )
     # The placements are part of the layout: a receiver keeps its binding only while they hold.
     digest = hashlib.sha1(repr((whole.layout_hash, shard_map.placements, bucket_nbytes)).encode())
@@ -482,8 +493,7 @@ def one_writer(manifest: Manifest) -> Manifest:
     """A version of one writer as a sharded version of one rank: each tensor one whole piece.
 
     What :func:`reshard` cuts a receiver's parts from. The rank buckets are the version's
-    own buckets (their refs: ``ShardRefs((b,), (ref,))``); checksums, which cover whole
-    buckets, do not carry over.
+    own buckets (their refs: ``ShardRefs((b,), (ref,))``), and so are their checksums.
 
     Example:
         >>> cut = one_writer(plan_layout({"w": torch.zeros(4, 2)}))   # doctest: +SKIP
@@ -501,5 +511,6 @@ def one_writer(manifest: Manifest) -> Manifest:
         bucket_nbytes=manifest.bucket_nbytes,
         pieces=pieces,
         placements=tuple((e.key, "plain") for e in manifest.entries),
+        checksums=manifest.checksums,
     )
     return dataclasses.replace(manifest, shards=shard_map, transport=SHARDED, checksums=None)

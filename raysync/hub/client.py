@@ -290,7 +290,8 @@ class HubClient:
         published, readers keep the previous version, and ``hub.wait`` of it (until
         a newer version is out; and the rank's next push, if abandoned by then) raises
         ``SyncTimeoutError`` (``InvalidWeightsError`` for a group that moved on) saying so.
-        Such pushes take no ``keys``, ``delta``, ``checksum`` or ``transport``.
+        Such pushes take no ``keys``, ``delta`` or ``transport``; ``checksum=True`` (on every rank)
+        adds one CRC32 per rank bucket, which ``verify=True`` receivers check before assembling.
 
         Returns:
             The version number (1, 2, ... per model; a new writer, or a restarted

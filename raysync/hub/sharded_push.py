@@ -44,17 +44,17 @@ def push_shard(
     """This rank's part of push ``round`` of a sharded model; ``(version, stats)``.
 
     Raises:
-        ValueError: ``keys=``, ``delta=``, ``checksum=`` or a transport other than the
-            object store (not carried for sharded pushes yet).
+        ValueError: ``keys=``, ``delta=`` or a transport other than the object store (not
+            carried for sharded pushes yet).
         InvalidWeightsError: see :func:`~raysync.core.dtensor.local_part`, and NaN/Inf in
             this rank's pieces with ``check_finite``.
     """
     t0 = time.perf_counter()
     model_id = request.model_id
-    if request.keys is not None or request.delta or request.checksum or request.transport != "object_store":
+    if request.keys is not None or request.delta or request.transport != "object_store":
         raise ValueError(
             "a sharded push (DTensor weights) sends whole versions over the object store: drop keys=, "
-            "delta=, checksum= and transport="
+            "delta= and transport="
         )
     part = local_part(tensors)
     local = part.tensors
@@ -77,7 +77,8 @@ def push_shard(
     manifest = plan_layout(local, bucket_bytes=request.bucket_bytes)
     if part.rank == 0:
         manifest = manifest.with_extra_state(extract_extra_state(request.weights))
-    snap = transport_for("object_store").snapshot(model_id, local, manifest)
+    # checksum=True: one CRC32 per bucket of this rank's own (every rank must say the same)
+    snap = transport_for("object_store").snapshot(model_id, local, manifest, checksum=request.checksum)
     snapshot_s = time.perf_counter() - t0
     del local
     shard = ShardPart(

@@ -46,6 +46,7 @@ from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
+from raysync.transports.sharded import verify_rank_buckets
 from raysync.transports.store_pages import populate_store_mapping
 
 __all__ = [
@@ -163,6 +164,11 @@ def verified(
 
 def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> dict[int, Any]:
     """``fetched``, once its checksums are checked as asked (``ChecksumError`` if one differs)."""
+    shards = manifest.shards
+    if shards is not None:  # its ranks' buckets carry the checksums (checked before any assembly)
+        if verify is True or (verify == "if_present" and shards.checksums):
+            verify_rank_buckets(manifest, fetched)
+        return fetched
     if verify is True or (verify == "if_present" and manifest.checksums):
         verify_checksums(manifest, fetched)
     return fetched

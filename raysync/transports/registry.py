@@ -60,9 +60,10 @@ BUILTIN: dict[str, tuple[str, TransportInfo]] = {
     ),
     # A sharded trainer's versions (every rank its own pieces); the hub names it, not the
     # pusher. Relays forward its refs; the doorbell's copy of whole buckets is not wired to it.
+    # Checksums are the ranks' own, one per rank bucket (ShardMap.checksums).
     "sharded": (
         "raysync.transports.sharded:ShardedTransport",
-        TransportInfo("sharded", partial=False, checksummed=False),
+        TransportInfo("sharded", partial=False),
     ),
 }
 """The data paths raysync ships: name -> (``module:Class``, what it allows)."""

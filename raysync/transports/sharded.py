@@ -27,12 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from raysync.core.codec import bucket_checksums
 from raysync.core.layout import Manifest
 from raysync.core.shards import SHARDED, Box, ShardPiece, intersect
+from raysync.errors import ChecksumError
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot, transport_for
 
-__all__ = ["Assembly", "ShardedTransport", "assemble"]
+__all__ = ["Assembly", "ShardedTransport", "assemble", "verify_rank_buckets"]
 
 
 class ShardedTransport:
@@ -126,6 +128,39 @@ class Assembly(Sequence[np.ndarray]):
         _check_sizes(self.manifest, self._entries, self.rank_buckets)  # nothing written if one is off
         with torch.no_grad():
             _fill(self.manifest, self._entries, self.rank_buckets, flat)
+
+
+def verify_rank_buckets(manifest: Manifest, fetched: Mapping[int, Any]) -> None:
+    """Raise :class:`~raysync.ChecksumError` unless each rank bucket behind ``fetched`` matches its CRC32.
+
+    ``fetched``: the :class:`Assembly` buckets :meth:`ShardedTransport.fetch` returned. Each rank
+    bucket they were made of is checked once, against the checksum its rank computed
+    (``hub.push(..., checksum=True)`` on every rank); a version without them is refused.
+
+    Example:
+        >>> verify_rank_buckets(manifest, dict(zip(needed, ShardedTransport.fetch(manifest, refs, needed,
+        ...     timeout=30))))   # doctest: +SKIP
+    """
+    shards = manifest.shards
+    assert shards is not None
+    if shards.checksums is None:
+        raise ChecksumError(
+            f"this sharded version (layout {manifest.layout_hash}) carries no checksums, so a verify=True "
+            "subscriber cannot check its bytes and refuses it: push with hub.push(..., checksum=True) "
+            "on every rank, or subscribe without verify=True"
+        )
+    rank_buckets: dict[int, Sequence[np.ndarray]] = {}
+    for bucket in fetched.values():
+        rank_buckets.update(bucket.rank_buckets)
+    order = sorted(rank_buckets)
+    got = bucket_checksums([rank_buckets[i] for i in order])
+    bad = [i for i, crc in zip(order, got, strict=True) if shards.checksums[i] != crc]
+    if bad:
+        raise ChecksumError(
+            f"rank bucket(s) {bad} (of rank(s) {sorted({shards.bucket_ranks[i] for i in bad})}) of layout "
+            f"{manifest.layout_hash} failed their checksum: the bytes were corrupted in transit or in the "
+            "object store; the version is refused"
+        )
 
 
 def assemble(

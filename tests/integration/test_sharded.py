@@ -154,11 +154,12 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
     """``placement=`` on ``@synced_model`` and ``raysync.follow``: the module holds its parts only
     (rows split along dim 1 and cols along dim 0, unlike the trainer), bit-equal to those parts of
     the trainer's ``full_tensor()``s, the replicated tensor and the buffer whole; the same from
-    one writer pushing whole tensors (model "whole")."""
+    one writer pushing whole tensors (model "whole"). The actor verifies: every rank pushes with
+    ``checksum=True`` (one CRC32 per rank bucket), and a version without them is refused."""
     tp = raysync.TensorParallel(1, 2, {"rows": 1, "cols": 0})
 
-    @raysync.synced_model("policy", hub=hub_name, placement=tp)
-    @raysync.synced_model("single", model_id="whole", hub=hub_name, placement=tp)
+    @raysync.synced_model("policy", hub=hub_name, placement=tp, verify=True)
+    @raysync.synced_model("single", model_id="whole", hub=hub_name, placement=tp, verify=True)
     class Engine:
         def __init__(self) -> None:
             self.policy = _parts_of(_sharded.Net(7), tp)
@@ -179,7 +180,7 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
         assert ray.get(engine.state.remote("policy"), timeout=TIMEOUT)[0] is None
         for step in (3, 4):
             ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
-            version = _push(ranks, hub_name)[0][0]
+            version = _push(ranks, hub_name, checksum=True)[0][0]
             hub.wait(version, timeout=TIMEOUT)  # counts both: each took its parts
             mine = parts(_full(ranks))
             held, weights = ray.get(engine.state.remote("policy"), timeout=TIMEOUT)
@@ -187,6 +188,7 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
             assert_same_weights(weights, mine)
             assert follower.version == version
             assert_same_weights(followed.state_dict(), mine)
+        checked = version
         rows = {r["class_name"]: r for r in hub.status()["subscribers"] if r["model_id"] == "policy"}
         assert rows["Engine"]["applied"] == version and rows["Engine"]["last_error"] is None
         # what it copied in: its parts and the whole replicated tensors, laid out as Ray aligns buffers
@@ -194,13 +196,18 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
         own = sum(t.numel() * t.element_size() for t in mine.values())
         assert own <= rows["Engine"]["last_bytes_fetched"] <= own + 8 * len(mine) < 212, rows["Engine"]
         trained = _sharded.Net(11)  # one writer, whole tensors: cut into the same parts
-        version = hub.push(trained, "whole", wait=True, timeout=TIMEOUT)
+        version = hub.push(trained, "whole", wait=True, timeout=TIMEOUT, checksum=True)
         whole = {k: v.detach() for k, v in trained.state_dict().items()}
         held, weights = ray.get(engine.state.remote("whole"), timeout=TIMEOUT)
         assert held == version
         assert_same_weights(weights, parts(whole))
         assert single.version == version
         assert_same_weights(alone.state_dict(), parts(whole))
+        unchecked = _push(ranks, hub_name)[0][0]  # no checksums: the verifying actor refuses it
+        with pytest.raises(raysync.ApplyError, match=r"Engine.*carries no checksums"):
+            hub.wait(unchecked, timeout=TIMEOUT)
+        assert ray.get(engine.state.remote("policy"), timeout=TIMEOUT)[0] == checked
+        follower.wait_for(unchecked, timeout=TIMEOUT)  # verify="if_present": none to check
     finally:
         follower.stop()
         single.stop()

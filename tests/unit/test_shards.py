@@ -13,13 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from raysync.core.codec import copy_into, pack, unpack
+from raysync.core.codec import bucket_checksums, copy_into, pack, unpack
 from raysync.core.layout import Manifest, plan_layout
-from raysync.core.shards import ShardPart, ShardPiece, TensorParallel, TensorSpec, merge, reshard
-from raysync.errors import InvalidWeightsError, WeightMismatchError
+from raysync.core.shards import (
+    ShardPart,
+    ShardPiece,
+    TensorParallel,
+    TensorSpec,
+    merge,
+    one_writer,
+    reshard,
+)
+from raysync.errors import ChecksumError, InvalidWeightsError, WeightMismatchError
 from raysync.receivers import apply
 from raysync.receivers.target import ModuleTarget
-from raysync.transports.sharded import Assembly, assemble
+from raysync.transports.sharded import Assembly, assemble, verify_rank_buckets
 from tests._support import assert_same_weights
 
 
@@ -45,8 +53,11 @@ def _weights() -> dict[str, torch.Tensor]:
 PLACE = {"rows": 0, "cols": 1, "odd": 0, "rep": None, "count": None}
 
 
-def _parts(world: int, weights: dict[str, torch.Tensor]) -> list[tuple[ShardPart, list[_Ref]]]:
-    """Each rank's part, as a DTensor trainer's rank makes it (pieces cut by torch.chunk)."""
+def _parts(
+    world: int, weights: dict[str, torch.Tensor], *, checksum: bool = False
+) -> list[tuple[ShardPart, list[_Ref]]]:
+    """Each rank's part, as a DTensor trainer's rank makes it (pieces cut by torch.chunk); with
+    ``checksum``, its buckets' CRC32s as ``hub.push(..., checksum=True)`` adds them."""
     out = []
     for rank in range(world):
         local: dict[str, torch.Tensor] = {}
@@ -70,8 +81,10 @@ def _parts(world: int, weights: dict[str, torch.Tensor]) -> list[tuple[ShardPart
         pieces = tuple(
             ShardPiece(e.key, rank, e.bucket, e.index, e.nbytes, *boxes[e.key]) for e in manifest.entries
         )
-        part = ShardPart(1, rank, world, tuple(sorted(specs, key=lambda s: s.key)), manifest, pieces, 64)
         packed = pack(local, manifest)
+        if checksum:
+            manifest = manifest.with_checksums(bucket_checksums(packed))
+        part = ShardPart(1, rank, world, tuple(sorted(specs, key=lambda s: s.key)), manifest, pieces, 64)
         refs = [_Ref(f"r{rank}b{b}") for b in range(manifest.num_buckets)]
         _PACKED.update({r.name: bucket for r, bucket in zip(refs, packed, strict=True)})
         out.append((part, refs))
@@ -276,3 +289,46 @@ def test_a_module_holding_its_parts_takes_only_them_whoever_pushed(writers: int)
         ModuleTarget(module, placement=tp, view=True)
     with pytest.raises(TypeError, match="TensorParallel"):
         ModuleTarget(module, placement={"rows": 1})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("writers", [2, 1])
+def test_a_verifying_receiver_checks_each_rank_bucket_it_reads(writers: int) -> None:
+    """``checksum=True`` on every rank: the merged version carries one CRC32 per rank bucket, and a
+    receiver that verifies checks the rank buckets it fetched (a receiver's parts of one writer's
+    version: that writer's buckets) before anything is assembled; a flipped byte is named."""
+    weights = _weights()
+    if writers == 2:
+        manifest, _ = merge(_parts(2, weights, checksum=True))
+        rank_arrays = _rank_arrays(manifest)
+    else:
+        whole = plan_layout(weights, bucket_bytes=64)
+        packed = pack(weights, whole)
+        manifest = one_writer(whole.with_checksums(bucket_checksums(packed)))
+        rank_arrays = dict(enumerate(packed))
+    assert manifest.shards is not None and manifest.shards.checksums is not None
+    assert len(manifest.shards.checksums) == len(manifest.shards.bucket_ranks)
+    view = reshard(manifest, TensorParallel(1, 2, {"rows": 1, "cols": 0}))
+    for m in (manifest, view):
+        fetched = {b: Assembly(m, b, rank_arrays) for b in range(m.num_buckets)}
+        assert apply.checked(m, fetched, verify=True) is fetched
+    corrupt = {i: [a.copy() for a in arrays] for i, arrays in rank_arrays.items()}
+    last = max(corrupt)
+    corrupt[last][-1].reshape(-1).view(np.uint8)[0] ^= 0xFF
+    fetched = {b: Assembly(manifest, b, corrupt) for b in range(manifest.num_buckets)}
+    rank = manifest.shards.bucket_ranks[last]
+    with pytest.raises(ChecksumError, match=rf"rank bucket\(s\) \[{last}\] \(of rank\(s\) \[{rank}\]\)"):
+        apply.checked(manifest, fetched, verify="if_present")
+    apply.checked(manifest, fetched, verify=False)  # not asked: not checked
+
+
+def test_ranks_disagreeing_on_checksums_are_refused_and_none_refuses_verifying_receivers() -> None:
+    with_sums, without = _parts(2, _weights(), checksum=True), _parts(2, _weights())
+    with pytest.raises(InvalidWeightsError, match=r"disagree on checksum=: ranks \[1\] pushed none"):
+        merge([with_sums[0], without[1]])
+    manifest, _ = merge(without)
+    fetched = {b: Assembly(manifest, b, _rank_arrays(manifest)) for b in range(manifest.num_buckets)}
+    assert apply.checked(manifest, fetched, verify="if_present") is fetched  # none to check
+    with pytest.raises(ChecksumError, match=r"carries no checksums.*checksum=True\) on every rank"):
+        verify_rank_buckets(manifest, fetched)
+    with pytest.raises(ChecksumError, match="carries no checksums"):
+        apply.checked(manifest, fetched, verify=True)
