@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -77,6 +78,22 @@ class TPReceiver:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def store_floor_s(self, repeats: int = 5) -> float:
+        """Ray's floor under the apply: ``ray.get`` of exactly this receiver's bytes, put fresh in
+        the object store (one object per part, as uint8), and a ``copy_`` of them into its
+        buffers, median. What a receiver must do at least, reading its parts from the store."""
+        times = []
+        for _ in range(repeats):
+            fresh = [torch.randn(t.shape).numpy().view(np.uint8).reshape(-1) for t in self.parts.values()]
+            refs = [ray.put(a) for a in fresh]
+            t0 = time.perf_counter()
+            arrays = ray.get(refs)
+            for t, a in zip(self.parts.values(), arrays, strict=True):
+                t.view(-1).view(torch.uint8).copy_(torch.from_numpy(a))
+            times.append(time.perf_counter() - t0)
+            del arrays, refs
+        return statistics.median(times)
+
     def stats(self) -> tuple[int | None, list[float], int, int]:
         owned = sum(t.nbytes for t in self.parts.values())
         return self.follower.version, list(self.load_s), self.copied, owned
@@ -121,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_bytes = sum(view.shards.bucket_nbytes[b] for b in wanted)
         n_rank_buckets = len(view.shards.bucket_nbytes)
         floor = ray.get(receiver.floor_s.remote(), timeout=120)
+        store_floor = ray.get(receiver.store_floor_s.remote(), timeout=120)
         _, load_s, copied, owned = ray.get(receiver.stats.remote(), timeout=60)
         harness.kill_all([*writers, receiver])
         ray.kill(hub.actor)
@@ -137,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "apply_s": statistics.median(apply_s),
         "load_s": statistics.median(load_s[1:]) if load_s else None,
         "copy_floor_s": floor,
+        "store_floor_s": store_floor,
     }
     trainer = f"{args.world} trainer ranks (Shard(0))" if args.world > 1 else "one writer (whole tensors)"
     its_copy = f" (its copy {result['load_s'] * 1e3:.1f} ms)" if result["load_s"] is not None else ""
@@ -145,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(Shard({args.dim})): owns {owned / 2**20:.1f} MiB, copied {copied / 2**20:.1f} MiB, reads "
         f"{rank_bytes / 2**20:.1f} MiB of buckets ({len(wanted)} of {n_rank_buckets}); "
         f"apply {result['apply_s'] * 1e3:.1f} ms{its_copy} beside a copy of its bytes {floor * 1e3:.1f} ms: "
-        f"{result['apply_s'] / floor:.2f}x"
+        f"{result['apply_s'] / floor:.2f}x; ray.get of its bytes put fresh + copy {store_floor * 1e3:.1f} "
+        f"ms: "
+        f"{result['apply_s'] / store_floor:.2f}x"
     )
     harness.write_json(
         harness.results_path("sharded_tp.json"),
