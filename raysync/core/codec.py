@@ -35,6 +35,7 @@ __all__ = [
     "allocate",
     "bucket_checksums",
     "copy_into",
+    "failed_checksums",
     "flats_of",
     "pack",
     "require_checksums",
@@ -152,14 +153,25 @@ def verify_checksums(
     require_checksums(manifest)
     assert manifest.checksums is not None
     by_index = dict(buckets.items()) if isinstance(buckets, Mapping) else dict(enumerate(buckets))
-    order = sorted(by_index)
-    got = bucket_checksums([by_index[b] for b in order])
-    bad = [b for b, have in zip(order, got, strict=True) if manifest.checksums[b] != have]
+    bad = failed_checksums(manifest.checksums, by_index)
     if bad:
         raise ChecksumError(
             f"bucket(s) {bad} of layout {manifest.layout_hash} failed their checksum: "
             "the bytes were corrupted in transit or in the object store; the version is refused"
         )
+
+
+def failed_checksums(expected: Sequence[int], buckets: Mapping[int, Sequence[np.ndarray]]) -> list[int]:
+    """The indices, sorted, of the buckets whose bytes differ from ``expected[index]``.
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> failed_checksums((0,), dict(enumerate(pack(t, plan_layout(t)))))
+        [0]
+    """
+    order = sorted(buckets)
+    got = bucket_checksums([buckets[i] for i in order])
+    return [i for i, crc in zip(order, got, strict=True) if expected[i] != crc]
 
 
 def unpack(

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raysync.core.codec import bucket_checksums
+from raysync.core.codec import failed_checksums
 from raysync.core.layout import Manifest
 from raysync.core.shards import SHARDED, Box, ShardPiece, intersect
 from raysync.errors import ChecksumError
@@ -152,9 +152,7 @@ def verify_rank_buckets(manifest: Manifest, fetched: Mapping[int, Any]) -> None:
     rank_buckets: dict[int, Sequence[np.ndarray]] = {}
     for bucket in fetched.values():
         rank_buckets.update(bucket.rank_buckets)
-    order = sorted(rank_buckets)
-    got = bucket_checksums([rank_buckets[i] for i in order])
-    bad = [i for i, crc in zip(order, got, strict=True) if shards.checksums[i] != crc]
+    bad = failed_checksums(shards.checksums, rank_buckets)
     if bad:
         raise ChecksumError(
             f"rank bucket(s) {bad} (of rank(s) {sorted({shards.bucket_ranks[i] for i in bad})}) of layout "
