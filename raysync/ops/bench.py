@@ -268,6 +268,26 @@ def _actors(cls: type, n: int, *args: Any, timeout: float) -> Iterator[list[Any]
         for actor in actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+        # ray.kill returns before the actor is gone: a receiver still running would find its
+        # killed hub again by name, and so start a new one
+        deadline = time.monotonic() + 30.0
+        for actor in actors:
+            _until_dead(actor, "ready", deadline)
+
+
+def _until_dead(actor: Any, method: str, deadline: float) -> bool:
+    """Call a killed actor's ``method`` until Ray says it died (``True``), or until ``deadline``."""
+    import ray
+
+    while time.monotonic() < deadline:
+        try:
+            ray.get(getattr(actor, method).remote(), timeout=1.0)
+            time.sleep(0.05)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            continue  # busy, or on its way out
+        except Exception:
+            return True  # dead
+    return False
 
 
 @contextlib.contextmanager
@@ -282,19 +302,24 @@ def _fresh_hub() -> Iterator[Any]:
     try:
         yield hub
     finally:
-        with contextlib.suppress(Exception):
-            ray.kill(hub.actor)  # its relays go with it
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:  # dead before its records go: it writes some of them late
+        deadline = time.monotonic() + 30.0
+        actor: Any = hub.actor
+        while actor is not None:  # again if something called the hub after it died, which made a new one
+            with contextlib.suppress(Exception):
+                ray.kill(actor)  # its relays go with it
+            # dead before its records go: it writes some of them late
+            _until_dead(actor, "status", deadline)
+            with contextlib.suppress(Exception):
+                forget_hub(hub.name)
+            found: Any = None
             try:
-                ray.get(hub.actor.status.remote(), timeout=1.0)
-                time.sleep(0.05)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-                continue  # busy, or on its way out
-            except Exception:
-                break  # dead
-        with contextlib.suppress(Exception):
-            forget_hub(hub.name)
+                found = ray.get_actor(hub.name, namespace=hub.namespace)
+            except ValueError:
+                pass  # no actor of that name: gone
+            actor = None if found == actor else found  # the killed one: Ray forgets its name soon
+            if time.monotonic() > deadline:
+                logger.warning("raysync bench: its hub %r is still there after 30 s", hub.name)
+                break
 
 
 # ---------------------------------------------------------------------- measuring
