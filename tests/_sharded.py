@@ -87,6 +87,24 @@ class Rank:
         torch.optim.SGD(net.parameters(), lr=0.1).step()
         self.net = net  # type: ignore[assignment]
 
+    def make_policy(self, bias: float) -> None:
+        """The torchrl tests' constant policy (every action ``bias``) under FSDP2: one output row, so
+        rank 0 holds all of each parameter and rank 1 an empty shard."""
+        from torch.distributed.fsdp import fully_shard
+
+        from tests.integration._torchrl_policies import constant_policy
+
+        net = constant_policy(bias)
+        fully_shard(net, mesh=self.mesh)
+        self.net = net  # type: ignore[assignment]
+
+    def set_bias(self, bias: float) -> None:
+        """Every action of :meth:`make_policy`'s policy becomes ``bias``, in place on each shard."""
+        assert self.net is not None
+        with torch.no_grad():
+            for name, p in self.net.named_parameters():
+                p.to_local().fill_(bias if name.endswith("bias") else 0.0)
+
     def step(self, seed: int) -> None:
         """Change the weights in place, as a training step would (replicas stay equal)."""
         assert self.net is not None

@@ -69,6 +69,12 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             so workers act with them and a weightless worker gets them before its first
             batch. ``False``: the state dict's keys only (for a model that
             ``@raysync.synced_model`` actors, which hold state dict keys, follow too).
+        follow_only: the weights come from another writer (a sharded trainer whose
+            every rank pushes, a trainer actor): this process never pushes. The
+            collector's policy is not pushed first; workers start from the hub's newest
+            version (waiting up to ``timeout`` for a first one), and
+            ``update_policy_weights_()`` (no weights) returns once every worker, and
+            the collector's own policy, hold the hub's newest version.
 
     ``send`` takes the forms torchrl's docs pass: an ``nn.Module``,
     ``TensorDict.from_module(module)`` (or ``as_module=True``: a ``TensorDictParams``),
@@ -109,6 +115,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         strategy: str = "tensordict",
         apply_locally: bool = True,
         non_persistent_buffers: bool = True,
+        follow_only: bool = False,
     ) -> None:
         super().__init__(strategy=strategy)
         check_timeout(timeout, allow_none=False, positive=True)
@@ -117,6 +124,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         self.timeout = float(timeout)
         self.apply_locally = apply_locally
         self.non_persistent_buffers = bool(non_persistent_buffers)
+        self.follow_only = bool(follow_only)
         self._uid = uuid.uuid4().hex[:8]  # names this scheme's workers on the hub
         self._ray_address: str | None = None  # the sender's cluster, for workers to join
         self._expected = 0  # workers the sender waits for (0: none, a single-process collector)
@@ -165,7 +173,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         self._expected = _expected_workers(context, kwargs)
         local = self._local_model()
         own = self._own(local) if isinstance(local, torch.nn.Module) else {}
-        if own and not _weightless(own):
+        if own and not _weightless(own) and not self.follow_only:
             # The first version: workers get weightless (meta) copies of the policy.
             self._applied = self.client.push(self._payload(local), model_id)
 
@@ -301,6 +309,9 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         if worker_ids is not None:
             raise ValueError("HubWeightSyncScheme delivers to every subscriber of the hub: drop worker_ids")
         model_id = self._model_id or "policy"
+        if self.follow_only:
+            self._catch_up(weights, model_id)
+            return
         source = weights if weights is not None else self._local_model()
         if source is None:
             raise ValueError(
@@ -316,8 +327,33 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 self._apply_from_hub(local, version)
         self._applied = version
 
-    def _check_workers(self, version: int, deadline: float) -> None:
-        """Every worker of this collector holds ``version``: none is missing from the hub."""
+    def _catch_up(self, weights: Any, model_id: str) -> None:
+        """``send`` of a scheme that only follows: every worker and the local policy take the newest."""
+        if weights is not None:
+            raise ValueError(
+                f"this HubWeightSyncScheme follows {model_id!r} (follow_only=True): its writer pushes "
+                "the weights; call update_policy_weights_() without weights to catch up with it"
+            )
+        deadline = time.monotonic() + self.timeout
+        while (latest := self.client.latest(model_id)) is None:
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(
+                    f"no version of {model_id!r} on hub {self.hub!r} within {self.timeout:g} s: "
+                    "its writer has not pushed"
+                )
+            time.sleep(0.05)
+        self._check_workers(latest, deadline, joining=True)
+        local = self._local_model()
+        if self.apply_locally and isinstance(local, torch.nn.Module) and not _weightless(self._own(local)):
+            if self._applied is None or self._applied < latest:
+                self._apply_from_hub(local, latest)
+        self._applied = latest
+
+    def _check_workers(self, version: int, deadline: float, joining: bool = False) -> None:
+        """Every worker of this collector holds ``version``: none is missing from the hub.
+
+        ``joining``: workers not yet subscribed are waited for (nothing was pushed to them).
+        """
         if not self._expected:
             return
         prefix = f"{_SUB_PREFIX}{self._uid}-"
@@ -332,7 +368,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 return
             # The push waited for every subscribed worker: one missing from the hub is gone
             # (dead, dropped); only a subscribed one still behind (re-registering) is waited for.
-            if len(holding) == len(rows) or time.monotonic() >= deadline:
+            if (len(holding) == len(rows) and not joining) or time.monotonic() >= deadline:
                 behind = ", ".join(
                     f"{r['class_name']} (pid {r['pid']}, holds {r['applied']}, {r['state']}"
                     + (f", {r['last_error']}" if r["last_error"] else "")

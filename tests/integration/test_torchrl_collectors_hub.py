@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -271,3 +272,56 @@ def test_workers_follow_the_hub_through_its_restart(hub_name: str) -> None:
             timeout=30,
             what="the worker registered again, holding the newest version",
         )
+
+
+def test_collectors_follow_a_sharded_trainer(hub_name: str) -> None:
+    """An FSDP2 trainer of 2 Ray actor ranks pushes (every rank its own shard; rank 1's are empty);
+    torchrl's collectors in the driver only follow: their workers act with each version whole."""
+    ranks = _sharded_group()
+    try:
+        ray.get([r.make_policy.remote(0.5) for r in ranks], timeout=60)
+        pushed = ray.get([r.push.remote(hub_name) for r in ranks], timeout=60)
+        first = pushed[0][0]
+        assert [(p[0], p[1]["world"]) for p in pushed] == [(first, 2), (first, 2)]  # one version, 2 writers
+        hub = raysync.connect(hub_name)
+        wait_for_condition(lambda: hub.latest("policy") == first, what="the first version published")
+        policy = constant_policy(-1.0)  # the driver's own copy: never pushed
+        scheme = HubWeightSyncScheme(hub=hub_name, timeout=60, follow_only=True)
+        collector = MultiSyncCollector(
+            [PendulumEnv] * 2,
+            policy,
+            frames_per_batch=8,
+            total_frames=-1,
+            weight_sync_schemes={"policy": scheme},
+        )
+        with _closing(collector) as c:
+            batches = iter(c)
+            assert _actions(next(batches)) == {0.5}  # the trainer's version, not the driver's policy
+            assert hub.latest("policy") == first
+            for b in (1.25, -0.75):
+                ray.get([r.set_bias.remote(b) for r in ranks], timeout=60)
+                version = ray.get([r.push.remote(hub_name) for r in ranks], timeout=60)[0][0]
+                # a rank's push returns once the hub has its shard: published once both are in
+                wait_for_condition(lambda v=version: hub.latest("policy") == v, what="published")
+                c.update_policy_weights_()  # returns once both workers hold the trainer's newest
+                assert scheme.version == version == hub.latest("policy")
+                assert _actions(next(batches)) == {b}
+                assert float(policy.module.lin.bias.detach()) == b  # and the driver's own policy
+            rows = _worker_rows(hub_name)
+            assert len(rows) == 2 and all(r["applied"] == version for r in rows), rows
+            with pytest.raises(ValueError, match="follow_only=True"):
+                c.update_policy_weights_(policy)
+            assert hub.latest("policy") == version  # the driver pushed nothing
+    finally:
+        for r in ranks:
+            ray.kill(r)
+
+
+def _sharded_group(world: int = 2) -> list[Any]:
+    from tests import _sharded
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cls = ray.remote(num_cpus=0)(_sharded.Rank)
+    return [cls.remote(r, world, port) for r in range(world)]
