@@ -22,7 +22,9 @@ lists it, and ``hub.wait`` of the number (until a newer version is published) ra
 (``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a group that
 moved on, or what the hub refused of the merged version). A rank's next push
 raises it too if the round failed by then (the push names the number it got last), as a
-single writer's next push raises a refusal of its previous one.
+single writer's next push raises a refusal of its previous one. A round lost in a hub
+restart (some ranks' parts went to the hub before it) is abandoned as soon as the hub
+sees it cannot complete, and no rank's next push raises for it: the group goes on.
 
 Example:
     >>> v = ray.get(hub.contribute.remote("policy", part, refs, pusher, settle=False))   # doctest: +SKIP
@@ -105,7 +107,7 @@ class ShardedPublish:
                 refusal at once).
         """
         if previous is not None:
-            failure = self._rounds.failure(model_id, previous)
+            failure = self._rounds.refusal(model_id, previous)
             if failure is not None:
                 raise failure
         pusher = {**pusher, "takeover": takeover}
@@ -134,7 +136,9 @@ class ShardedPublish:
             held = self._round_held[id(rnd)] = _Held(outcome, saved)
             held.timer = loop.call_later(timeout, self._expire, rnd, timeout)
         await asyncio.shield(held.saved)  # no rank gets a number before it is written
-        if rnd.complete() and not held.tasks:
+        if rnd.lost:  # a part of a push whose other parts went to the hub before its restart
+            self._abandon([rnd], "")
+        elif rnd.complete() and not held.tasks:
             if held.timer is not None:
                 held.timer.cancel()
             task = asyncio.get_running_loop().create_task(self._publish_round(rnd))
@@ -186,6 +190,11 @@ class ShardedPublish:
 
     def _abandon(self, rounds: list[Round], why: str) -> None:
         for rnd in rounds:
+            if rnd.lost:
+                lost = self._lost(rnd)
+                self._settle_round(rnd, error=lost)
+                logger.info("hub: %s", lost)
+                continue
             error = InvalidWeightsError(
                 f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was "
                 f"abandoned unpublished: ranks {rnd.missing()} had not pushed their shards when {why} "
@@ -193,6 +202,14 @@ class ShardedPublish:
             )
             self._settle_round(rnd, error=error)
             logger.warning("hub: %s", error)
+
+    def _lost(self, rnd: Round) -> InvalidWeightsError:
+        return InvalidWeightsError(
+            f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was lost "
+            f"unpublished: the hub restarted while the ranks pushed it (ranks {rnd.missing()} sent their "
+            f"shards to the hub before the restart); readers keep version "
+            f"{self._state.latest(rnd.model_id)} and the group's next push publishes as usual"
+        )
 
     def _expire(self, rnd: Round, timeout: float) -> None:
         if not self._rounds.drop(rnd):  # complete (being published) or settled already

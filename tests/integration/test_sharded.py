@@ -24,7 +24,7 @@ import torch
 import raysync
 from benchmarks import sharded_soak
 from tests import _sharded
-from tests._support import assert_same_weights, wait_for_condition
+from tests._support import assert_same_weights, kill_until_gone, wait_for_condition
 
 TIMEOUT = 60.0
 
@@ -339,6 +339,33 @@ def test_a_rank_dying_mid_push_publishes_nothing(
             lambda: ray.get(collector.state.remote())[0] == v3, timeout=TIMEOUT, what="v3 applied"
         )
         assert_same_weights(ray.get(collector.state.remote(), timeout=TIMEOUT)[1], expected)
+    finally:
+        ray.kill(collector)
+
+
+def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    collector = _collector(hub_name)
+    try:
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+        v1 = _push(ranks, hub_name)[0][0]  # 2 ranks, or the 4 of the test before
+        wait_for_condition(lambda: ray.get(collector.state.remote())[0] == v1, timeout=TIMEOUT, what="v1")
+        ray.get([r.step.remote(9) for r in ranks], timeout=TIMEOUT)
+        v2, _ = ray.get(ranks[0].push.remote(hub_name), timeout=TIMEOUT)  # rank 0's part of push 2 ...
+        kill_until_gone(hub.actor, no_restart=False)  # ... is lost with the hub's process
+        # the other ranks' parts reach the restarted hub
+        lost = {v for v, _ in ray.get([r.push.remote(hub_name) for r in ranks[1:]], timeout=TIMEOUT)}
+        assert hub.latest() == v1 and len(lost) == 1  # nothing of push 2 is published
+        ray.get([r.step.remote(10) for r in ranks], timeout=TIMEOUT)
+        pushed = _push(ranks, hub_name)  # no rank's next push is refused for the lost one
+        v3 = pushed[0][0]
+        assert {v for v, _ in pushed} == {v3} and v3 > max(v2, *lost)
+        hub.wait(v3, timeout=TIMEOUT)
+        assert hub.latest() == v3 and lost <= set(hub.status()["abandoned"]["policy"])
+        version, state = ray.get(collector.state.remote(), timeout=TIMEOUT)
+        assert version == v3
+        assert_same_weights(state, _full(ranks))
     finally:
         ray.kill(collector)
 

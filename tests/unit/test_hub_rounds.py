@@ -17,7 +17,7 @@ import pytest
 
 from raysync.core.layout import Manifest, plan_specs
 from raysync.core.shards import ShardPart
-from raysync.errors import InvalidWeightsError, StaleWriterError, SyncTimeoutError
+from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState
 from raysync.hub.state.groups import MAX_OPEN, Rounds
@@ -78,6 +78,20 @@ def test_a_rank_first_seen_while_rounds_are_open_is_checked_against_the_old_grou
     new, dropped = rounds.add("policy", _part(1), [], _who(1, "b"))
     assert dropped == [] and new is not old and new.missing() == [0]
     assert rounds.newcomer("policy", _part(1), _who(1, "b")) == []  # a rank seen before
+
+
+def test_rounds_split_by_a_hub_restart_are_lost_whichever_rank_comes_first() -> None:
+    """A restarted hub's fresh rounds: the ranks' parts of push 2 went one to the hub before it."""
+    rounds = Rounds()  # rank 0's part of push 2 went to the hub before the restart; rank 1's comes here
+    split, _ = rounds.add("policy", _part(1, round=2), [], _who(1))
+    nxt, dropped = rounds.add("policy", _part(0, round=3), [], _who(0))  # rank 0's first part here
+    assert dropped == [split] and split.lost and rounds.open_rounds("policy") == [nxt]
+    assert rounds.add("policy", _part(1, round=3), [], _who(1))[0] is nxt and nxt.complete()
+    rounds = Rounds()  # rank 0 comes first this time: rank 1's part of push 2 can never complete
+    nxt, _ = rounds.add("policy", _part(0, round=3), [], _who(0))
+    split, dropped = rounds.add("policy", _part(1, round=2), [], _who(1))
+    assert split.lost and split is not nxt and dropped == [] and rounds.open_rounds("policy") == [nxt]
+    assert rounds.add("policy", _part(1, round=3), [], _who(1))[0] is nxt and nxt.complete()
 
 
 def test_bad_ranks_are_refused() -> None:
@@ -227,5 +241,41 @@ def test_a_refused_group_publishes_nothing() -> None:
         with pytest.raises(StaleWriterError):
             await hub.push(0, group="b")  # rank 0 is refused before its part is recorded
         assert hub._rounds.open_rounds("policy") == [] and hub._state.latest("policy") is None
+
+    _run(main())
+
+
+@pytest.mark.parametrize("first", [0, 1, "late"], ids=["rank0-first", "rank1-first", "rank0-late"])
+def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(first: int | str) -> None:
+    async def main() -> None:
+        hub = _Hub()
+        assert await hub.push(0) == 1 and await hub.push(1) == 1
+        await hub._round_published("policy", 1, 10.0)
+        v2 = await hub.push(0, round=2)  # rank 0's part of push 2 is recorded; then the hub restarts
+        restarted = _Hub()
+        restarted._state = hub._state  # what it restores from the GCS: the numbers and the newest
+        got: dict[int, int] = {}
+
+        async def rank1_push2() -> None:
+            # rank 1's part of the same push: never completes ("late": rank 0's next part comes after
+            # the round's deadline)
+            got[1] = await restarted.push(1, round=2, timeout=0.05 if first == "late" else 60.0)
+            if first == "late":
+                await asyncio.sleep(0.2)
+
+        async def rank0_push3() -> None:
+            got[0] = await restarted.push(0, round=3, previous=v2)  # an unknown number: no refusal
+
+        for step in (rank0_push3, rank1_push2) if first == 0 else (rank1_push2, rank0_push3):
+            await step()
+        lost = got[1]
+        why = "did not push their shards" if first == "late" else "lost unpublished: the hub restarted"
+        with pytest.raises(RaySyncError, match=rf"version {lost} .*{why}"):
+            await restarted._round_published("policy", lost, 10.0)
+        assert restarted._rounds.pending("policy", lost) is None  # abandoned at once, not on a timeout
+        # rank 1's next push is not refused for the lost one: push 3 completes and is published
+        assert await restarted.push(1, round=3, previous=lost) == got[0]
+        await restarted._round_published("policy", got[0], 10.0)
+        assert restarted._state.latest("policy") == got[0] and restarted._abandoned() == {"policy": [lost]}
 
     _run(main())

@@ -11,7 +11,16 @@ on the previous version, and a wait for the number raises why (:meth:`Rounds.fai
 A round is abandoned when its deadline passes (a rank died or stalled), when the group
 restarts or changes size (a part comes from another process for a rank, or another
 ``world``), or when the group runs more than :data:`MAX_OPEN` rounds ahead of it.
-A round the hub could not publish (the ranks disagree, the lease) fails the same way.
+A round the hub could not publish (the ranks disagree, the lost lease) fails the same way.
+
+A round is *lost* when the hub restarted while its ranks pushed it: each rank's parts
+arrive in push order, so a rank whose first part this hub saw is of push N sent its
+parts of earlier pushes to the hub before the restart, and they are gone with it. The
+open rounds before N that lack that rank's part, and the parts of those pushes that
+other ranks send later, can never complete. They are abandoned at once and quietly (and
+such a round abandoned on its deadline before the hub could tell counts as lost too): a
+wait for their numbers says why, but the ranks' next pushes are not refused for them
+(:meth:`Rounds.refusal`), so the group goes on as if the hub had not restarted.
 
 Several rounds of one model may be open at once: a rank whose push returned may push
 again before a slower rank pushed its part of the previous round. Plain Python, no Ray.
@@ -60,6 +69,7 @@ class Round:
     parts: dict[int, tuple[ShardPart, list[Any], dict[str, Any]]] = field(default_factory=dict)
     opened: float = field(default_factory=time.time)
     version: int | None = None
+    lost: bool = False  # lost in a hub restart: abandoned quietly
 
     def complete(self) -> bool:
         """Whether every rank's part is in."""
@@ -77,6 +87,7 @@ class _Group:
     world: int
     sessions: dict[int, Any] = field(default_factory=dict)  # rank -> its process (writer identity)
     open: dict[int, Round] = field(default_factory=dict)  # round number -> round, oldest first
+    first: dict[int, int] = field(default_factory=dict)  # rank -> the push of its first part seen here
 
 
 class Rounds:
@@ -86,6 +97,8 @@ class Rounds:
         self.groups: dict[str, _Group] = {}
         self.unsettled: dict[tuple[str, int], Round] = {}  # (model, version) -> open or publishing
         self.failed: dict[str, OrderedDict[int, BaseException]] = {}
+        self.lost: set[tuple[str, int]] = set()  # (model, version) of failed rounds lost in a restart
+        self._failed_parts: dict[tuple[str, int], tuple[int, frozenset[int]]] = {}  # -> (push, ranks in)
 
     def open_rounds(self, model_id: str) -> list[Round]:
         """The model's open rounds, oldest first."""
@@ -122,7 +135,8 @@ class Rounds:
 
         The caller grants a new round (``version is None``) its number and settles the
         abandoned ones (:meth:`settle`). A complete round is closed here (no longer open):
-        its caller publishes it.
+        its caller publishes it. A part of a round lost in a hub restart comes back in a
+        round that is not open, marked ``lost`` (the caller grants and settles it).
 
         Raises:
             InvalidWeightsError: a rank outside ``0 .. world - 1``, a rank's second part
@@ -143,7 +157,21 @@ class Rounds:
             if group is not None:
                 dropped = list(group.open.values())
             group = self.groups[model_id] = _Group(part.world)
+        if part.rank not in group.first:  # its parts of earlier pushes went to a hub before a restart
+            group.first[part.rank] = part.round
+            for n, rnd in list(group.open.items()):
+                if n < part.round and part.rank not in rnd.parts:
+                    rnd.lost = True
+                    dropped.append(group.open.pop(n))
+            for (failed_model, version), (n, ranks) in self._failed_parts.items():  # expired meanwhile
+                if failed_model == model_id and n < part.round and part.rank not in ranks:
+                    self.lost.add((model_id, version))
         current = group.open.get(part.round)
+        if current is None and any(n > part.round for r, n in group.first.items() if r != part.rank):
+            group.sessions[part.rank] = session
+            current = Round(model_id, part.round, part.world, lost=True)  # a rank's part went before
+            current.parts[part.rank] = (part, refs, pusher)
+            return current, dropped
         if current is None:
             newest = max(group.open, default=None)
             if newest is not None and part.round < newest:
@@ -188,8 +216,13 @@ class Rounds:
         if error is not None:
             failed = self.failed.setdefault(rnd.model_id, OrderedDict())
             failed[rnd.version] = error
+            self._failed_parts[(rnd.model_id, rnd.version)] = (rnd.round, frozenset(rnd.parts))
+            if rnd.lost:
+                self.lost.add((rnd.model_id, rnd.version))
             while len(failed) > _FAILURES_KEPT:
-                failed.popitem(last=False)
+                key = (rnd.model_id, failed.popitem(last=False)[0])
+                self.lost.discard(key)
+                self._failed_parts.pop(key, None)
 
     def pending(self, model_id: str, version: int) -> Round | None:
         """The round granted ``version``, while it is open or being published."""
@@ -199,3 +232,8 @@ class Rounds:
         """Why the round granted ``version`` was never published (``None``: it was not abandoned)."""
         failed = self.failed.get(model_id)
         return None if failed is None else failed.get(version)
+
+    def refusal(self, model_id: str, version: int) -> BaseException | None:
+        """What a rank's next push raises for its push granted ``version``: why that round failed,
+        unless it was lost in a hub restart (the group goes on)."""
+        return None if (model_id, version) in self.lost else self.failure(model_id, version)
