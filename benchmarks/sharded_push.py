@@ -9,7 +9,11 @@ moments:
   ``Shard(0)``) and each calls ``hub.push(model)``: each puts only its shard.
 
 Per row: the time from the push until all N actors applied it (median of ``--repeats``),
-beside the single writer's; each rank's blocking in ``push`` (and the snapshot part of it)
+beside the single writer's, and beside Ray's floor for the same W in the same round (each rank
+puts its shard as uint8 arrays with ``ray.put``, one copy, and each of the N actors gets the W
+objects with ``ray.get`` and copies them into warm buffers of its own: what Ray alone takes to
+move W parts to N actors, so its ratio to W = 1 is what W writers cost Ray itself); each rank's
+blocking in ``push`` (and the snapshot part of it)
 beside a memcpy of its own shard (``copy_`` into warm buffers: the floor; a ``clone()``,
 fresh pages included, beside it), and each rank's peak private memory above what it held
 before (sampled every 2 ms during its pushes; the object store's pages are shared, not counted).
@@ -32,6 +36,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -102,6 +107,12 @@ class Writer:
             copies.append(time.perf_counter() - t0)
         return statistics.median(clones), statistics.median(copies)
 
+    def floor_put(self) -> tuple[list[Any], float]:
+        """Ray's floor of this rank's part: its tensors ``ray.put`` as uint8 arrays; ``([ref], s)``."""
+        t0 = time.perf_counter()
+        ref = ray.put([t.detach().numpy().view(np.uint8) for t in self.local()])
+        return [ref], time.perf_counter() - t0
+
     def push(self, step: int, late_s: float = 0.0) -> tuple[int, float, float]:
         time.sleep(late_s)  # a rank that comes late (its own blocking is timed from its push)
         with torch.no_grad():
@@ -149,6 +160,19 @@ class Actor:
     def ready(self) -> bool:
         return True
 
+    def take(self, refs: list[Any]) -> int:
+        """Ray's floor at a receiver: ``ray.get`` the parts (zero-copy), copy them into warm buffers."""
+        arrays = [a.reshape(-1) for part in ray.get(refs) for a in part]
+        total = sum(a.nbytes for a in arrays)
+        floor = getattr(self, "floor", None)
+        if floor is None or floor.nbytes < total:
+            floor = self.floor = np.ones(total, dtype=np.uint8)  # touched: warm
+        offset = 0
+        for a in arrays:
+            np.copyto(floor[offset : offset + a.nbytes], a)
+            offset += a.nbytes
+        return offset
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -169,6 +193,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         ]
     memcpy = {w: ray.get([x.memcpy_s.remote() for x in g], timeout=600) for w, g in groups.items()}
     applied: dict[int, list[float]] = {w: [] for w in groups}
+    floor: dict[int, list[float]] = {w: [] for w in groups}
+    floor_put: dict[int, list[list[float]]] = {w: [] for w in groups}
     blocking: dict[int, list[list[float]]] = {w: [] for w in groups}
     snapshot: dict[int, list[list[float]]] = {w: [] for w in groups}
     for step in range(args.warmup + args.repeats):
@@ -178,8 +204,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             calls = [w.push.remote(step, s) for w, s in zip(writers, late, strict=True)]
             pushed = ray.get(calls, timeout=600)
             hub.wait(pushed[0][0], f"w{world}", timeout=300, subscribers=args.actors)
+            took = time.perf_counter() - t0
+            t0 = time.perf_counter()  # Ray's floor for this W, right after: the same moment's machine
+            puts = ray.get([w.floor_put.remote() for w in writers], timeout=600)
+            refs = [ref for box, _ in puts for ref in box]
+            ray.get([a.take.remote(refs) for a in actors], timeout=600)
+            del refs
             if step >= args.warmup:
-                applied[world].append(time.perf_counter() - t0)
+                applied[world].append(took)
+                floor[world].append(time.perf_counter() - t0)
+                floor_put[world].append([s for _, s in puts])
                 blocking[world].append([s for _, s, _ in pushed])
                 snapshot[world].append([s for _, _, s in pushed])
     rows = []
@@ -190,6 +224,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "writers": world,
                 "applied_s": statistics.median(applied[world]),
                 "applied_all": applied[world],
+                "floor_s": statistics.median(floor[world]),
+                "floor_all": floor[world],
+                "floor_put_s": [statistics.median(b[r] for b in floor_put[world]) for r in range(world)],
                 "blocking_s": [statistics.median(b[r] for b in blocking[world]) for r in range(world)],
                 "snapshot_s": [statistics.median(b[r] for b in snapshot[world]) for r in range(world)],
                 "clone_s": [c for c, _ in memcpy[world]],
@@ -219,22 +256,28 @@ def main(argv: list[str] | None = None) -> int:
     with harness.local_cluster(num_cpus=args.actors + 8, object_store_bytes=args.object_store_mib * 2**20):
         rows = run(args)
     single = next((r["applied_s"] for r in rows if r["writers"] == 1), None)
+    single_floor = next((r["floor_s"] for r in rows if r["writers"] == 1), None)
     late = f", the last rank {args.late_ms:g} ms late" if args.late_ms else ""
     print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}{late}")
     print(
-        "writers | all applied (s) | vs 1 writer | per-rank blocking (s) | of it snapshot (s) | "
-        "memcpy of shard (s) | blocking / memcpy | clone() of shard (s) | peak +MiB"
+        "writers | all applied (s) | vs 1 writer | Ray's floor (s) | floor vs 1 writer's | "
+        "per-rank blocking (s) | of it snapshot (s) | Ray's put of shard (s) | memcpy of shard (s) | "
+        "blocking / memcpy | "
+        "clone() of shard (s) | peak +MiB"
     )
     for r in rows:
         vs = f"{r['applied_s'] / single:.2f}x" if single else "-"
+        floor_vs = f"{r['floor_s'] / single_floor:.2f}x" if single_floor else "-"
         block = ", ".join(f"{b:.4f}" for b in r["blocking_s"])
         snap = ", ".join(f"{b:.4f}" for b in r["snapshot_s"])
         copy = ", ".join(f"{m:.4f}" for m in r["memcpy_s"])
+        put = ", ".join(f"{m:.4f}" for m in r["floor_put_s"])
         ratio = ", ".join(f"{b / m:.2f}x" for b, m in zip(r["blocking_s"], r["memcpy_s"], strict=True))
         clone = ", ".join(f"{m:.4f}" for m in r["clone_s"])
         peak = ", ".join(f"{p:.0f}" for p in r["peak_private_growth_mib"])
         print(
-            f"{r['writers']:7d} | {r['applied_s']:15.3f} | {vs:>11} | {block} | {snap} | {copy} | {ratio} | "
+            f"{r['writers']:7d} | {r['applied_s']:15.3f} | {vs:>11} | {r['floor_s']:.3f} | {floor_vs} | "
+            f"{block} | {snap} | {put} | {copy} | {ratio} | "
             f"{clone} | {peak}"
         )
     harness.write_json(
