@@ -15,8 +15,9 @@ objects with ``ray.get`` and copies them into warm buffers of its own: what Ray 
 move W parts to N actors, so its ratio to W = 1 is what W writers cost Ray itself); each rank's
 blocking in ``push`` (and the snapshot part of it)
 beside a memcpy of its own shard (``copy_`` into warm buffers: the floor; a ``clone()``,
-fresh pages included, beside it), and each rank's peak private memory above what it held
-before (sampled every 2 ms during its pushes; the object store's pages are shared, not counted).
+fresh pages included, beside it), and each rank's peak private memory above what it held as
+each push started (the most over its pushes; sampled every 2 ms during each push; the object
+store's pages are shared, not counted).
 
 ``--late-ms``: the last rank of each group starts its push that much later than the others
 (a straggler); the others' blocking then shows whether a push waits for it.
@@ -79,8 +80,7 @@ class Writer:
                 setattr(model, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
         self.model = model
         self.hub = raysync.connect(hub)
-        self.private0 = _private_mib()
-        self.peak = self.private0
+        self.peak = 0.0  # the most private memory a push added, MiB
 
     def local(self) -> list[torch.Tensor]:
         return [p.to_local() if self.world > 1 else p.detach() for p in self.model.parameters()]
@@ -119,10 +119,11 @@ class Writer:
             for t in self.local():
                 t.add_(1.0)
         done = threading.Event()
+        before = _private_mib()
 
         def sample() -> None:  # private (not shared) resident memory, every 2 ms, during the push
             while not done.is_set():
-                self.peak = max(self.peak, _private_mib())
+                self.peak = max(self.peak, _private_mib() - before)
                 time.sleep(0.002)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -135,8 +136,8 @@ class Writer:
         return version, dt, float(self.hub.last_push.get("snapshot_s", 0.0))
 
     def peak_growth_mib(self) -> float:
-        """The most private memory above what the rank held before its pushes (MiB), sampled."""
-        return self.peak - self.private0
+        """The most private memory a push added above what the rank held as it started (MiB), sampled."""
+        return self.peak
 
 
 def _private_mib() -> float:
