@@ -64,6 +64,20 @@ def _collector(hub_name: str, apply: Any = "copy") -> Any:
     return ray.remote(num_cpus=0)(Collector).remote()
 
 
+def _v1_then_rank0_alone(
+    ranks: list[Any], hub_name: str, collector: Any, step: int, **push: Any
+) -> tuple[int, int, dict[str, torch.Tensor]]:
+    """Every rank pushes v1 (applied by ``collector``); the ranks step and rank 0 alone pushes:
+    ``(v1, the number rank 0 got, v1's weights)``."""
+    ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+    v1 = _push(ranks, hub_name)[0][0]  # a rank's first push of a layout waits for the round
+    before = _full(ranks)
+    wait_for_condition(lambda: ray.get(collector.state.remote())[0] == v1, timeout=TIMEOUT, what="v1")
+    ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
+    v2, _ = ray.get(ranks[0].push.remote(hub_name, **push), timeout=TIMEOUT)
+    return v1, v2, before
+
+
 @pytest.fixture(scope="module")
 def ranks(ray_start_regular: dict[str, Any]) -> Iterator[list[Any]]:
     group = _group()
@@ -280,11 +294,7 @@ def test_a_rank_s_push_returns_before_the_slow_ranks_push(
     """A rank's push returns once the hub recorded its own shard; ``wait=True`` waits for the rest."""
     collector = _collector(hub_name)
     try:
-        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
-        (v1, _), _ = _push(ranks, hub_name)  # a rank's first push of a layout waits for the round
-        hub.wait(v1, timeout=TIMEOUT, subscribers=1)
-        ray.get([r.step.remote(3) for r in ranks], timeout=TIMEOUT)
-        v2, _ = ray.get(ranks[0].push.remote(hub_name), timeout=TIMEOUT)  # rank 1 has not pushed
+        v1, v2, _ = _v1_then_rank0_alone(ranks, hub_name, collector, 3)  # rank 1 has not pushed
         assert v2 > v1 and hub.latest() == v1  # the number is granted, the version not published
         # rank 0 goes on: its next push waits for that version to be published and applied
         ray.get(ranks[0].step.remote(4), timeout=TIMEOUT)
@@ -307,15 +317,8 @@ def test_a_rank_dying_mid_push_publishes_nothing(
 ) -> None:
     collector = _collector(hub_name)
     try:
-        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
-        (v1, _), _ = _push(ranks, hub_name)
-        before = _full(ranks)
-        wait_for_condition(
-            lambda: ray.get(collector.state.remote())[0] == v1, timeout=TIMEOUT, what="v1 applied"
-        )
-        ray.get([r.step.remote(7) for r in ranks], timeout=TIMEOUT)
         # rank 0's part reaches the hub and its push returns the round's number; rank 1's never comes
-        v2, _ = ray.get(ranks[0].push.remote(hub_name, timeout=3.0), timeout=TIMEOUT)
+        v1, v2, before = _v1_then_rank0_alone(ranks, hub_name, collector, 7, timeout=3.0)
         ranks[1].die.remote()
         with pytest.raises(raysync.SyncTimeoutError, match=f"version {v2} .*did not push their shards"):
             hub.wait(v2, timeout=TIMEOUT)  # the number is abandoned, never published
@@ -348,11 +351,8 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(
 ) -> None:
     collector = _collector(hub_name)
     try:
-        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
-        v1 = _push(ranks, hub_name)[0][0]  # 2 ranks, or the 4 of the test before
-        wait_for_condition(lambda: ray.get(collector.state.remote())[0] == v1, timeout=TIMEOUT, what="v1")
-        ray.get([r.step.remote(9) for r in ranks], timeout=TIMEOUT)
-        v2, _ = ray.get(ranks[0].push.remote(hub_name), timeout=TIMEOUT)  # rank 0's part of push 2 ...
+        # 2 ranks, or the 4 of the test before; rank 0's part of push 2 ...
+        v1, v2, _ = _v1_then_rank0_alone(ranks, hub_name, collector, 9)
         kill_until_gone(hub.actor, no_restart=False)  # ... is lost with the hub's process
         # the other ranks' parts reach the restarted hub
         lost = {v for v, _ in ray.get([r.push.remote(hub_name) for r in ranks[1:]], timeout=TIMEOUT)}
