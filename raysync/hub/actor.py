@@ -49,7 +49,7 @@ from raysync.hub.relay import (
     quiet_threaded_gets,
 )
 from raysync.hub.relays import Relays
-from raysync.hub.settings import HubSettings
+from raysync.hub.settings import DEFAULT_DROP_SILENT_S, HubSettings
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState, Subscriber, Waiter
 
@@ -59,8 +59,6 @@ logger = logging.getLogger(__name__)
 
 _PUBLISH_GRACE_S = 2.0  # a wait for a granted, unpublished number gives its publish this long
 _REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
-_SWEEP_S = 5.0  # how often the hub looks for subscribers that stopped checking in
-_STALE_S = 10.0  # a subscriber silent this long (5 heartbeats) is pinged, and dropped if dead
 
 
 def _actor_id() -> str:
@@ -187,9 +185,10 @@ class WeightHub(Delivery, ShardedPublish):
 
     async def _sweep(self) -> None:
         """Drop subscribers whose actor died while nobody waited for them (failed ones too)."""
+        silent = float(self._settings.drop_silent_s or DEFAULT_DROP_SILENT_S)  # pinged, dropped if dead
         while True:
-            await asyncio.sleep(_SWEEP_S)
-            stale = self._state.stale(time.monotonic() - _STALE_S)
+            await asyncio.sleep(silent / 2)  # how often the hub looks for subscribers that went silent
+            stale = self._state.stale(time.monotonic() - silent)
             if stale:
                 await self._reap([s.sub_id for s in stale])
 

@@ -17,6 +17,8 @@ field                  environment variable        meaning
                                                    doorbell (8 MiB; ``0``: never)
 ``nice``               ``RAYSYNC_HUB_NICE``        the hub's and relays' niceness (default:
                                                    keep Ray's, see :mod:`raysync.hub.priority`)
+``drop_silent_s``      ``RAYSYNC_DROP_SILENT_S``   a subscriber silent this long is checked and
+                                                   dropped if its process died (10 s)
 =====================  ==========================  ==========================================
 
 Example:
@@ -34,18 +36,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_DOORBELL_BYTES", "HubSettings"]
+__all__ = ["DEFAULT_DOORBELL_BYTES", "DEFAULT_DROP_SILENT_S", "HubSettings"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DOORBELL_BYTES = 8 << 20
 """Above it, one Ray call per subscriber costs less than the extra copy into shared memory."""
 
+DEFAULT_DROP_SILENT_S = 10.0
+"""Five of a subscriber's heartbeats (every 2 s): a live one is never this silent."""
+
+_MIN_DROP_SILENT_S = 4.0  # two heartbeats
+
 _ENV = {
     "relays": "RAYSYNC_RELAY",
     "rings_own_node": "RAYSYNC_HUB_RINGS",
     "doorbell_bytes": "RAYSYNC_DOORBELL_BYTES",
     "nice": "RAYSYNC_HUB_NICE",
+    "drop_silent_s": "RAYSYNC_DROP_SILENT_S",
 }
 _NO = ("0", "false", "no", "off")
 _YES = ("1", "true", "yes", "on")
@@ -65,10 +73,15 @@ class HubSettings:
             shared memory and a doorbell; larger ones by Ray call. ``0``: never by doorbell.
         nice: the hub's and relays' niceness (-20..19); ``None`` keeps the one Ray gave them
             (lowering it needs root or ``CAP_SYS_NICE``; without it they keep Ray's).
+        drop_silent_s: a subscriber that has not checked in for this many seconds (they
+            send a heartbeat every 2 s) is checked, and dropped if its process died: a
+            follower or torchrl worker that died leaves ``raysync status``, ``hub.wait``
+            and ``push(wait=True)`` this long after (at most 1.5 times this). At least 4.
 
     Raises:
         TypeError: a field of the wrong type.
-        ValueError: ``doorbell_bytes`` below 0 or ``nice`` outside -20..19.
+        ValueError: ``doorbell_bytes`` below 0, ``nice`` outside -20..19, or
+            ``drop_silent_s`` below 4.
 
     Example:
         >>> HubSettings(relays=False, doorbell_bytes=0).relays
@@ -79,6 +92,7 @@ class HubSettings:
     rings_own_node: bool | None = None
     doorbell_bytes: int | None = None
     nice: int | None = None
+    drop_silent_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("relays", "rings_own_node"):
@@ -95,6 +109,14 @@ class HubSettings:
             )
         if self.nice is not None and not -20 <= self.nice <= 19:
             raise ValueError(f"HubSettings.nice must be within -20..19, got {self.nice}")
+        silent = self.drop_silent_s
+        if silent is not None and (not isinstance(silent, (int, float)) or isinstance(silent, bool)):
+            raise TypeError(f"HubSettings.drop_silent_s must be a number of seconds or None, got {silent!r}")
+        if silent is not None and not silent >= _MIN_DROP_SILENT_S:  # NaN too
+            raise ValueError(
+                f"HubSettings.drop_silent_s must be at least {_MIN_DROP_SILENT_S:g} s (two heartbeats), "
+                f"got {silent!r}"
+            )
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> HubSettings:
         """Every field set: the given ones as they are, the others from ``environ`` (this process's
@@ -102,7 +124,7 @@ class HubSettings:
 
         Example:
             >>> HubSettings(relays=False).resolved({"RAYSYNC_DOORBELL_BYTES": "1024"})
-            HubSettings(relays=False, rings_own_node=True, doorbell_bytes=1024, nice=None)
+            HubSettings(relays=False, rings_own_node=True, doorbell_bytes=1024, nice=None, drop_silent_s=10.0)
         """
         env = os.environ if environ is None else environ
         read: dict[str, Callable[[Mapping[str, str], str], Any]] = {
@@ -110,6 +132,7 @@ class HubSettings:
             "rings_own_node": _flag,
             "doorbell_bytes": _bytes,
             "nice": _nice,
+            "drop_silent_s": _silent,
         }
         given: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return HubSettings(**{k: read[k](env, k) if v is None else v for k, v in given.items()})
@@ -146,6 +169,20 @@ def _bytes(env: Mapping[str, str], name: str) -> int:
     except ValueError:
         _warn(env, name, "a number of bytes", DEFAULT_DOORBELL_BYTES)
         return DEFAULT_DOORBELL_BYTES
+
+
+def _silent(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(_ENV[name], "").strip()
+    if not raw:
+        return DEFAULT_DROP_SILENT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= _MIN_DROP_SILENT_S:
+        _warn(env, name, f"a number of seconds, at least {_MIN_DROP_SILENT_S:g}", DEFAULT_DROP_SILENT_S)
+        return DEFAULT_DROP_SILENT_S
+    return value
 
 
 def _nice(env: Mapping[str, str], name: str) -> int | None:

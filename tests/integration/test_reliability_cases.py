@@ -346,19 +346,24 @@ def test_case08_a_dead_subscriber_that_failed_never_blocks_pushes(
 
 
 def test_case08_a_killed_subscriber_stuck_short_of_the_newest_is_reaped_without_a_waiter(
-    hub: raysync.HubClient, hub_name: str
+    hub_name: str,
 ) -> None:
-    push(hub, 1)
-    sub = mismatched_subscriber(hub_name)  # the newest does not fit it: it holds nothing, and says why
-    wait_for_condition(
-        lambda: "missing keys" in ((_status_row(hub, sub) or {}).get("waiting_for") or ""),
-        what="it registered and status says what it waits for",
-    )
-    ray.kill(sub)
-    # Nobody waits and nobody pushes: the hub notices by itself that it stopped checking in.
-    wait_for_condition(
-        lambda: _status_row(hub, sub) is None, timeout=40, what="the killed subscriber is reaped"
-    )
+    # silent 4 s (not the default 10) before the hub checks it
+    hub = raysync.connect(f"{hub_name}-sweep", settings=raysync.HubSettings(drop_silent_s=4))
+    try:
+        push(hub, 1)
+        sub = mismatched_subscriber(hub.name)  # the newest does not fit it: it holds nothing, and says why
+        wait_for_condition(
+            lambda: "missing keys" in ((_status_row(hub, sub) or {}).get("waiting_for") or ""),
+            what="it registered and status says what it waits for",
+        )
+        ray.kill(sub)
+        # Nobody waits and nobody pushes: the hub notices by itself that it stopped checking in.
+        wait_for_condition(
+            lambda: _status_row(hub, sub) is None, timeout=40, what="the killed subscriber is reaped"
+        )
+    finally:
+        ray.kill(hub.actor)
 
 
 # ---------------------------------------------------------------------- case 9: max_lag after a failure

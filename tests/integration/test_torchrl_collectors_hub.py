@@ -213,7 +213,7 @@ def _digest(module: torch.nn.Module) -> str:
 
 
 def test_a_plain_process_follows_the_hub_and_is_dropped_when_it_dies(hub_name: str, tmp_path: Any) -> None:
-    hub = raysync.connect(hub_name)
+    hub = raysync.connect(hub_name, settings=raysync.HubSettings(drop_silent_s=4))  # dropped within 6 s
     hub.push(torch.nn.Linear(3, 2), "policy")
     script = tmp_path / "follower.py"
     script.write_text(_FOLLOWER)

@@ -7,12 +7,16 @@ import logging
 import pytest
 
 import raysync
-from raysync.hub.settings import DEFAULT_DOORBELL_BYTES, HubSettings
+from raysync.hub.settings import DEFAULT_DOORBELL_BYTES, DEFAULT_DROP_SILENT_S, HubSettings
 
 
 def test_defaults_without_environment() -> None:
     assert HubSettings().resolved({}) == HubSettings(
-        relays=True, rings_own_node=True, doorbell_bytes=DEFAULT_DOORBELL_BYTES, nice=None
+        relays=True,
+        rings_own_node=True,
+        doorbell_bytes=DEFAULT_DOORBELL_BYTES,
+        nice=None,
+        drop_silent_s=DEFAULT_DROP_SILENT_S,
     )
 
 
@@ -22,9 +26,10 @@ def test_the_environment_fills_what_is_not_given() -> None:
         "RAYSYNC_HUB_RINGS": "0",
         "RAYSYNC_DOORBELL_BYTES": "1024",
         "RAYSYNC_HUB_NICE": "18",
+        "RAYSYNC_DROP_SILENT_S": "4.5",
     }
     assert HubSettings().resolved(env) == HubSettings(
-        relays=False, rings_own_node=False, doorbell_bytes=1024, nice=18
+        relays=False, rings_own_node=False, doorbell_bytes=1024, nice=18, drop_silent_s=4.5
     )
     given = HubSettings(relays=True, doorbell_bytes=0).resolved(env)
     assert (given.relays, given.doorbell_bytes) == (True, 0)  # given values win
@@ -32,13 +37,18 @@ def test_the_environment_fills_what_is_not_given() -> None:
 
 
 def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pytest.LogCaptureFixture) -> None:
-    env = {"RAYSYNC_DOORBELL_BYTES": "lots", "RAYSYNC_HUB_NICE": "high", "RAYSYNC_RELAY": "maybe"}
+    env = {
+        "RAYSYNC_DOORBELL_BYTES": "lots",
+        "RAYSYNC_HUB_NICE": "high",
+        "RAYSYNC_RELAY": "maybe",
+        "RAYSYNC_DROP_SILENT_S": "1",
+    }
     with caplog.at_level(logging.WARNING, logger="raysync.hub.settings"):
         settings = HubSettings().resolved(env)
     assert settings == HubSettings().resolved({})
     text = caplog.text
     assert "RAYSYNC_DOORBELL_BYTES='lots'" in text and "RAYSYNC_HUB_NICE='high'" in text
-    assert "RAYSYNC_RELAY='maybe'" in text
+    assert "RAYSYNC_RELAY='maybe'" in text and "RAYSYNC_DROP_SILENT_S='1'" in text
 
 
 @pytest.mark.parametrize(
@@ -49,6 +59,9 @@ def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pyte
         ({"nice": True}, TypeError, "nice must be an integer"),
         ({"doorbell_bytes": -1}, ValueError, "doorbell_bytes must be >= 0"),
         ({"nice": 40}, ValueError, "nice must be within -20..19"),
+        ({"drop_silent_s": "10"}, TypeError, "drop_silent_s must be a number of seconds"),
+        ({"drop_silent_s": 2.0}, ValueError, "drop_silent_s must be at least 4 s"),
+        ({"drop_silent_s": float("nan")}, ValueError, "drop_silent_s must be at least 4 s"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(kwargs: dict, error: type, words: str) -> None:
