@@ -247,14 +247,15 @@ def test_an_fsdp2_trainer_pushes_from_every_rank(
 
 
 def test_ranks_as_plain_torch_distributed_processes(ray_start_regular: dict[str, Any], hub_name: str) -> None:
-    """The torchrun case: ranks are processes of their own (not Ray actors) that join the cluster."""
+    """The torchrun case: 4 ranks are processes of their own (not Ray actors) that join the cluster;
+    every tensor split 4 ways along one mesh dimension (6 rows as 2, 2, 1, 1; 5 columns as 2, 1, 1, 1)."""
     ctx = multiprocessing.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
     port = _free_port()
     address = ray_start_regular["address"]
     procs = [
-        ctx.Process(target=_sharded.process_rank, args=(r, 2, port, address, hub_name, out, done))
-        for r in range(2)
+        ctx.Process(target=_sharded.process_rank, args=(r, 4, port, address, hub_name, out, done))
+        for r in range(4)
     ]
     for p in procs:
         p.start()
