@@ -8,7 +8,8 @@ moments:
 - W = 2, 4: W gloo ranks (Ray actors) hold the model as ``DTensor``\\ s (every tensor
   ``Shard(0)``) and each calls ``hub.push(model)``: each puts only its shard.
 
-Per row: the time from the push until all N actors applied it (median of ``--repeats``),
+Per row: the time from the driver's call to the ranks (each first changes its shard in place, as
+a training step would, then pushes) until all N actors applied it (median of ``--repeats``),
 beside the single writer's, and beside Ray's floor for the same W in the same round (each rank
 puts its shard as uint8 arrays with ``ray.put``, one copy, and each of the N actors gets the W
 objects with ``ray.get`` and copies them into warm buffers of its own: what Ray alone takes to
