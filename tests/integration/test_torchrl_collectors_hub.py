@@ -27,7 +27,7 @@ from tests._support import kill_until_gone, wait_for_condition
 pytest.importorskip("torchrl")
 
 from tensordict import TensorDict
-from torchrl.collectors import AsyncCollector, MultiAsyncCollector, MultiSyncCollector
+from torchrl.collectors import AsyncCollector, Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.collectors.distributed import RayCollector
 from torchrl.envs import PendulumEnv
 
@@ -315,6 +315,40 @@ def test_collectors_follow_a_sharded_trainer(hub_name: str) -> None:
     finally:
         for r in ranks:
             ray.kill(r)
+
+
+@ray.remote(num_cpus=0)
+class _Trainer:
+    """A trainer actor: the model's only writer."""
+
+    def __init__(self, hub_name: str) -> None:
+        self.hub = raysync.connect(hub_name)
+
+    def push(self, bias: float) -> int:
+        return int(self.hub.push(constant_policy(bias), "policy"))
+
+
+def test_a_collector_in_the_driver_follows_a_trainer_actor(hub_name: str) -> None:
+    """``follow_only`` with torchrl's single-process ``Collector``: it acts with its own policy, which
+    ``update_policy_weights_()`` brings to the trainer actor's newest version."""
+    trainer = _Trainer.remote(hub_name)
+    hub = raysync.connect(hub_name)
+    try:
+        policy = constant_policy(-1.0)
+        scheme = HubWeightSyncScheme(hub=hub_name, timeout=30, follow_only=True)
+        collector = Collector(
+            PendulumEnv(), policy, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme}
+        )
+        with _closing(collector) as c:
+            batches = iter(c)
+            assert _actions(next(batches)) == {-1.0}  # nothing pushed yet, and the driver pushes nothing
+            for b in (0.75, 1.5):
+                version = ray.get(trainer.push.remote(b), timeout=60)
+                wait_for_condition(lambda v=version: hub.latest("policy") == v, what="published")
+                c.update_policy_weights_()
+                assert scheme.version == version and _actions(next(batches)) == {b}
+    finally:
+        ray.kill(trainer)
 
 
 def _sharded_group(world: int = 2) -> list[Any]:
