@@ -73,8 +73,9 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             every rank pushes, a trainer actor): this process never pushes. The
             collector's policy is not pushed first; workers start from the hub's newest
             version (waiting up to ``timeout`` for a first one), and
-            ``update_policy_weights_()`` (no weights) returns once every worker, and
-            the collector's own policy, hold the hub's newest version.
+            ``update_policy_weights_()`` returns once every worker, and the collector's
+            own policy, hold the hub's newest version. Weights other than the
+            collector's own policy's are refused.
 
     ``send`` takes the forms torchrl's docs pass: an ``nn.Module``,
     ``TensorDict.from_module(module)`` (or ``as_module=True``: a ``TensorDictParams``),
@@ -328,8 +329,14 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         self._applied = version
 
     def _catch_up(self, weights: Any, model_id: str) -> None:
-        """``send`` of a scheme that only follows: every worker and the local policy take the newest."""
-        if weights is not None:
+        """``send`` of a scheme that only follows: every worker and the local policy take the newest.
+
+        The collector's own weights (what ``RayCollector`` hands over for a bare
+        ``update_policy_weights_()``) are not pushed; other weights are refused.
+        """
+        local = self._local_model()
+        own = self._own(local) if isinstance(local, torch.nn.Module) else {}
+        if weights is not None and not (weights is local or _same_storage(own, self._payload(weights))):
             raise ValueError(
                 f"this HubWeightSyncScheme follows {model_id!r} (follow_only=True): its writer pushes "
                 "the weights; call update_policy_weights_() without weights to catch up with it"
@@ -343,8 +350,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 )
             time.sleep(0.05)
         self._check_workers(latest, deadline, joining=True)
-        local = self._local_model()
-        if self.apply_locally and isinstance(local, torch.nn.Module) and not _weightless(self._own(local)):
+        if self.apply_locally and own and not _weightless(own):
             if self._applied is None or self._applied < latest:
                 self._apply_from_hub(local, latest)
         self._applied = latest

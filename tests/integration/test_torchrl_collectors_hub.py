@@ -310,7 +310,7 @@ def test_collectors_follow_a_sharded_trainer(hub_name: str) -> None:
             rows = _worker_rows(hub_name)
             assert len(rows) == 2 and all(r["applied"] == version for r in rows), rows
             with pytest.raises(ValueError, match="follow_only=True"):
-                c.update_policy_weights_(policy)
+                c.update_policy_weights_(constant_policy(3.0))  # weights of its own: never pushed from here
             assert hub.latest("policy") == version  # the driver pushed nothing
     finally:
         for r in ranks:
@@ -347,6 +347,38 @@ def test_a_collector_in_the_driver_follows_a_trainer_actor(hub_name: str) -> Non
                 wait_for_condition(lambda v=version: hub.latest("policy") == v, what="published")
                 c.update_policy_weights_()
                 assert scheme.version == version and _actions(next(batches)) == {b}
+    finally:
+        ray.kill(trainer)
+
+
+def test_ray_collector_actors_follow_a_trainer_actor(hub_name: str) -> None:
+    """``follow_only`` with ``RayCollector``: its actors act with the trainer actor's versions, and
+    ``update_policy_weights_()`` returns once both hold the newest."""
+    trainer = _Trainer.remote(hub_name)
+    hub = raysync.connect(hub_name)
+    try:
+        first = ray.get(trainer.push.remote(0.25), timeout=60)
+        wait_for_condition(lambda: hub.latest("policy") == first, what="published")
+        scheme = HubWeightSyncScheme(hub=hub_name, timeout=60, follow_only=True)
+        collector = RayCollector(
+            [PendulumEnv] * 2,
+            constant_policy(-1.0),
+            frames_per_batch=8,
+            total_frames=10**6,
+            sync=True,
+            weight_sync_schemes={"policy": scheme},
+            remote_configs={"num_cpus": 0.1},
+        )
+        with _closing(collector) as c:
+            c.update_policy_weights_()  # as torchrl asks of a RayCollector before it iterates
+            batches = iter(c)
+            assert _actions(next(batches)) == {0.25}  # the trainer's version, not the driver's policy
+            version = ray.get(trainer.push.remote(-0.5), timeout=60)
+            wait_for_condition(lambda: hub.latest("policy") == version, what="published")
+            c.update_policy_weights_()
+            assert _actions(next(batches)) == {-0.5}
+            rows = _worker_rows(hub_name)
+            assert len(rows) == 2 and all(r["applied"] == version for r in rows), rows
     finally:
         ray.kill(trainer)
 
