@@ -56,8 +56,9 @@ Ray (checked with :data:`RAY_CHECKED`):
     Whether the process is a Ray worker, not a driver (a task's lease names its job): the public
     ``get_task_id()`` logs a warning on every call from a driver.
 
-``ray.get``/``ray.put``/``ActorMethod._remote`` without Ray's auto-init (:func:`get_no_start`,
-    :func:`put_no_start`, :func:`call_no_start`): the functions under Ray's ``wrap_auto_init``
+``ray.get``/``ray.put``/``ray.get_runtime_context``/``ActorMethod._remote`` without Ray's
+    auto-init (:func:`get_no_start`, :func:`put_no_start`, :func:`runtime_context_no_start`,
+    :func:`call_no_start`): the functions under Ray's ``wrap_auto_init``
     (their ``__wrapped__``). A client call racing ``ray.shutdown()`` from another thread can pass a
     ``ray.is_initialized()`` check just before the shutdown ends; the public call would then start
     a new local Ray of its own (auto-init). Without it, the call raises Ray's "not started" error,
@@ -110,6 +111,7 @@ __all__ = [
     "plain_tensors",
     "put_no_start",
     "in_worker",
+    "runtime_context_no_start",
     "tensor_version",
     "version_counters",
 ]
@@ -132,7 +134,7 @@ RAY_USES = (
     "ray._config.metrics_report_interval_ms",
     "ray.runtime_context.RuntimeContext.worker.mode",
     "ray._private.internal_api.get_memory_info_reply",
-    "ray.get / ray.put / ActorMethod._remote .__wrapped__ (no auto-init)",
+    "ray.get / ray.put / ray.get_runtime_context / ActorMethod._remote .__wrapped__ (no auto-init)",
 )
 """Every private use of Ray, by name (see the module docstring for why each)."""
 
@@ -270,6 +272,13 @@ def get_no_start(refs: Any, *, timeout: float | None = None) -> Any:
     import ray
 
     return _without_auto_init(ray.get, "ray.get")(refs, timeout=timeout)
+
+
+def runtime_context_no_start() -> Any:
+    """``ray.get_runtime_context()`` that never starts a Ray of its own (its getters raise instead)."""
+    import ray
+
+    return _without_auto_init(ray.get_runtime_context, "ray.get_runtime_context")()
 
 
 def put_no_start(value: Any) -> Any:

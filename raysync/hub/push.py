@@ -25,6 +25,7 @@ import ray
 import torch
 from ray.exceptions import ObjectLostError, RayTaskError
 
+from raysync import _compat
 from raysync._checks import require_ray
 from raysync.core.codec import same_bytes, unpack
 from raysync.core.dtensor import is_sharded
@@ -317,7 +318,8 @@ def _store_capacity() -> float | None:
     costs ~0.7 ms, a noticeable part of a small push.
     """
     try:
-        node_id = ray.get_runtime_context().get_node_id()
+        # without Ray's auto-init: a push racing ray.shutdown() must not start a new Ray here
+        node_id = _compat.runtime_context_no_start().get_node_id()
         cached = _capacity_cache.get(node_id)
         if cached is not None and time.monotonic() - cached[0] < _CAPACITY_TTL_S:
             return cached[1]

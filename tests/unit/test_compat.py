@@ -103,7 +103,12 @@ def test_ray_calls_without_auto_init_are_there() -> None:
     import ray
     from ray.actor import ActorMethod
 
-    wrapped = {"ray.get": ray.get, "ray.put": ray.put, "ActorMethod._remote": ActorMethod._remote}
+    wrapped = {
+        "ray.get": ray.get,
+        "ray.put": ray.put,
+        "ray.get_runtime_context": ray.get_runtime_context,
+        "ActorMethod._remote": ActorMethod._remote,
+    }
     for name, fn in wrapped.items():
         inner = getattr(fn, "__wrapped__", None)
         assert inner is not None, f"{name} has no __wrapped__: see raysync/_compat.py (call_no_start and kin)"
