@@ -320,6 +320,14 @@ def _fresh_hub() -> Iterator[Any]:
             if time.monotonic() > deadline:
                 logger.warning("raysync bench: its hub %r is still there after 30 s", hub.name)
                 break
+        # Ray reports an actor dead before its process has exited: a record its last moments wrote
+        # (a version's record goes 20 ms after the publish) is deleted until none came for 1 s
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            with contextlib.suppress(Exception):
+                if forget_hub(hub.name):
+                    quiet_since = time.monotonic()
 
 
 # ---------------------------------------------------------------------- measuring
