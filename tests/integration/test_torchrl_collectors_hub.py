@@ -108,11 +108,9 @@ def test_policy_factory_workers_take_explicit_weights(hub_name: str) -> None:
         assert _actions(next(batches)) == {0.25}
 
 
-@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
-def test_ray_collector_actors_act_with_every_update(hub_name: str, sync: bool) -> None:
-    policy = constant_policy(0.5)
-    scheme = HubWeightSyncScheme(hub=hub_name, timeout=60)
-    collector = RayCollector(
+def _ray_collector(policy: Any, scheme: HubWeightSyncScheme, sync: bool) -> RayCollector:
+    """A RayCollector of 2 actors on Pendulum, synced by ``scheme``."""
+    return RayCollector(
         [PendulumEnv] * 2,
         policy,
         frames_per_batch=8,
@@ -121,7 +119,13 @@ def test_ray_collector_actors_act_with_every_update(hub_name: str, sync: bool) -
         weight_sync_schemes={"policy": scheme},
         remote_configs={"num_cpus": 0.1},
     )
-    with _closing(collector) as c:
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_ray_collector_actors_act_with_every_update(hub_name: str, sync: bool) -> None:
+    policy = constant_policy(0.5)
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=60)
+    with _closing(_ray_collector(policy, scheme, sync)) as c:
         batches = iter(c)
         assert _actions(next(batches)) == {0.5}
         for b in (1.0, -1.5):
@@ -360,16 +364,7 @@ def test_ray_collector_actors_follow_a_trainer_actor(hub_name: str) -> None:
         first = ray.get(trainer.push.remote(0.25), timeout=60)
         wait_for_condition(lambda: hub.latest("policy") == first, what="published")
         scheme = HubWeightSyncScheme(hub=hub_name, timeout=60, follow_only=True)
-        collector = RayCollector(
-            [PendulumEnv] * 2,
-            constant_policy(-1.0),
-            frames_per_batch=8,
-            total_frames=10**6,
-            sync=True,
-            weight_sync_schemes={"policy": scheme},
-            remote_configs={"num_cpus": 0.1},
-        )
-        with _closing(collector) as c:
+        with _closing(_ray_collector(constant_policy(-1.0), scheme, sync=True)) as c:
             c.update_policy_weights_()  # as torchrl asks of a RayCollector before it iterates
             batches = iter(c)
             assert _actions(next(batches)) == {0.25}  # the trainer's version, not the driver's policy
