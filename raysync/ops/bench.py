@@ -307,10 +307,7 @@ def _fresh_hub() -> Iterator[Any]:
         while actor is not None:  # again if something called the hub after it died, which made a new one
             with contextlib.suppress(Exception):
                 ray.kill(actor)  # its relays go with it
-            # dead before its records go: it writes some of them late
-            _until_dead(actor, "status", deadline)
-            with contextlib.suppress(Exception):
-                forget_hub(hub.name)
+            _until_dead(actor, "status", deadline)  # dead before its records go (below)
             found: Any = None
             try:
                 found = ray.get_actor(hub.name, namespace=hub.namespace)
