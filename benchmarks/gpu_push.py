@@ -27,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -161,16 +162,29 @@ def raysync_rows(
         want = fingerprint(trainer)
         checks = ray.get([a.probe.remote() for a in actors], timeout=args.timeout)
         ok = all(v == version and fp == want and dev.startswith(args.device) for v, fp, dev in checks)
+        wrong = [
+            {
+                "receiver": i,
+                "version": v,
+                "want": version,
+                "device": dev,
+                "tensors_off": sum(a != b for a, b in zip(fp, want, strict=True)),
+            }
+            for i, (v, fp, dev) in enumerate(checks)
+            if not (v == version and fp == want)
+        ]
         return {
             "transport": transport,
             "n": n,
             "blocked_s": statistics.median(blocked),
             "applied_s": statistics.median(applied),
             "weights_ok": ok,
+            "wrong": wrong,
             "error": None,
         }
     except Exception as err:  # a transport that fails on GPU memory is a result too
-        return {"transport": transport, "n": n, "error": f"{type(err).__name__}: {err}"}
+        where = "".join(traceback.format_exception(err)[-6:])
+        return {"transport": transport, "n": n, "error": f"{type(err).__name__}: {err}", "traceback": where}
     finally:
         harness.kill_all(actors)
         harness.kill_all([hub.actor])

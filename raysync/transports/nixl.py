@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot
 
-__all__ = ["UCX_ENV", "NixlSnapshotPool", "NixlTransport", "receive_into"]
+__all__ = ["UCX_ENV", "NixlSnapshotPool", "NixlTransport", "receive_into", "register_for_life"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,19 +79,22 @@ class NixlSnapshotPool:
     def __init__(self, *, max_sets: int = 4, timeout: float = 60.0) -> None:
         self.max_sets = max_sets
         self.timeout = timeout
-        self._sets: list[tuple[str, list[torch.Tensor]]] = []  # (layout_hash, buffers), oldest first
+        self._sets: list[_SnapshotSet] = []  # oldest first
 
-    def _free_set(self, manifest: Manifest) -> list[torch.Tensor]:
-        from ray.experimental import register_nixl_memory, wait_tensor_freed
+    def _free_set(self, manifest: Manifest, device: torch.device) -> list[torch.Tensor]:
+        from ray.experimental import wait_tensor_freed
 
         _prepare_ucx()
-        for i, (layout, buffers) in enumerate(self._sets):
-            if layout == manifest.layout_hash and all(_is_free(b) for b in buffers):
+        key = (manifest.layout_hash, str(device))
+        for i, snapshot_set in enumerate(self._sets):
+            if snapshot_set.key == key and all(_is_free(b) for b in snapshot_set.buffers):
                 self._sets.append(self._sets.pop(i))  # most recently used last
-                return buffers
-        self._sets = [s for s in self._sets if s[0] == manifest.layout_hash]  # old layouts go
+                return snapshot_set.buffers
+        # Sets of old layouts (or devices) go: each one's NIXL registration goes with it
+        # (register_for_life), once Ray has released the refs still reading it.
+        self._sets = [s for s in self._sets if s.key == key]
         if len(self._sets) >= self.max_sets:
-            _, oldest = self._sets[0]
+            oldest = self._sets[0].buffers
             t0 = time.monotonic()
             for buffer in oldest:
                 remaining = self.timeout - (time.monotonic() - t0)
@@ -104,20 +108,68 @@ class NixlSnapshotPool:
                     ) from err
             self._sets.append(self._sets.pop(0))
             return oldest
-        buffers = codec.allocate(manifest)
-        for buffer in buffers:
-            register_nixl_memory(buffer)  # once per buffer: later puts skip registration
-        self._sets.append((manifest.layout_hash, buffers))
-        logger.debug(
-            "new NIXL snapshot set for layout %s (%d in pool)", manifest.layout_hash, len(self._sets)
-        )
-        return buffers
+        snapshot_set = _SnapshotSet(key, codec.allocate(manifest, device=device))
+        register_for_life(snapshot_set.buffers, snapshot_set)  # once per buffer: later puts skip it
+        self._sets.append(snapshot_set)
+        logger.debug("new NIXL snapshot set for layout %s on %s (%d in pool)", *key, len(self._sets))
+        return snapshot_set.buffers
 
     def put(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[ray.ObjectRef]:
-        """Copy ``tensors`` into a free buffer set and send one NIXL object per bucket."""
-        buffers = self._free_set(manifest)
+        """Copy ``tensors`` into a free buffer set and send one NIXL object per bucket.
+
+        The set lives where the weights do: on their GPU when they all are on one (a
+        device-to-device snapshot; receivers on that GPU read it over CUDA IPC), else in host
+        memory.
+        """
+        buffers = self._free_set(manifest, _device_of(tensors))
         codec.write(tensors, manifest, buffers)
+        if buffers and buffers[0].is_cuda:
+            torch.cuda.synchronize(buffers[0].device)  # the snapshot is whole before anyone reads it
         return [ray.put([buffer], _tensor_transport="nixl") for buffer in buffers]
+
+
+class _SnapshotSet:
+    """One version's worth of snapshot buffers (``key``: layout hash and device)."""
+
+    def __init__(self, key: tuple[str, str], buffers: list[torch.Tensor]) -> None:
+        self.key = key
+        self.buffers = buffers
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
+def register_for_life(buffers: Sequence[torch.Tensor], owner: object) -> None:
+    """Register ``buffers`` with NIXL until ``owner`` is garbage-collected, then deregister them.
+
+    Ray keys a registration by the memory's address and keeps one made by
+    ``register_nixl_memory`` until ``deregister_nixl_memory``. Memory freed while still
+    registered, then allocated again at the same address, is read and written through the
+    stale registration: on a GPU machine, receivers of a second hub in the same trainer
+    process got zeros, reported as applied. So every registration raysync makes ends with
+    the buffers' owner (a snapshot set, a receiver's bound model).
+    """
+    from ray.experimental import register_nixl_memory
+
+    for buffer in buffers:
+        register_nixl_memory(buffer)
+    weakref.finalize(owner, _deregister, tuple(buffers))
+
+
+def _deregister(buffers: tuple[torch.Tensor, ...]) -> None:
+    try:
+        from ray.experimental import deregister_nixl_memory
+
+        for buffer in buffers:
+            deregister_nixl_memory(buffer)
+    except Exception as err:  # at interpreter exit, or Ray shut down: nothing left to read them
+        logger.debug("NIXL deregistration skipped: %s", err)
 
 
 class NixlTransport:
@@ -192,12 +244,11 @@ def receive_into(
     The caller then swaps (``bound.swap()``) under its write lock; ``extra_state``
     (the version's ``Manifest.extra_state``) is set by that swap.
     """
-    from ray.experimental import register_nixl_memory, set_target_for_ref
+    from ray.experimental import set_target_for_ref
 
     _prepare_ucx()
     if not getattr(bound, "_nixl_registered", False):
-        for buffer in (*bound.buffers(), *bound.buffers(spare=True)):
-            register_nixl_memory(buffer)
+        register_for_life((*bound.buffers(), *bound.buffers(spare=True)), bound)
         bound._nixl_registered = True  # type: ignore[attr-defined]
     spare = bound.buffers(spare=True)
     needed = bound.needed(ids, staging=True)

@@ -13,8 +13,10 @@ ranks hold their shards on the GPU publishes whole tensors.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -122,6 +124,34 @@ def test_gpu_receivers_hold_every_version_bit_equal_on_the_gpu(
         )
     finally:
         ray.kill(hub.actor)
+
+
+def test_a_trainer_process_feeds_one_hub_after_another_over_nixl(gpu_cluster: None) -> None:
+    """The second hub a GPU trainer process pushes to over NIXL gets the weights too, not zeros.
+
+    Found on the first GPU run: the first hub's snapshot buffers were freed with its client
+    while still registered with NIXL, the second hub's were allocated at the same addresses,
+    and Ray read them through the stale registration (receivers held zeros, reported as
+    applied). Registrations now end with the buffers' owner.
+    """
+    for round_ in range(2):
+        hub_name = f"test-gpu-{round_}-{os.getpid()}-{time.monotonic_ns()}"
+        hub = raysync.connect(hub_name, transport="nixl")
+        try:
+            receivers = [_receiver(hub_name, DEVICE, GPU_SHARE), _receiver(hub_name, "cpu", 0)]
+            trainer = _model(round_ + 1, DEVICE)
+            for k in range(1, 3):
+                _step(trainer, k)
+                version = hub.push(trainer, wait=True, timeout=TIMEOUT)
+                for held, weights, _, _ in ray.get([r.state.remote() for r in receivers], timeout=TIMEOUT):
+                    assert held == version
+                    assert_same_weights(weights, _cpu(trainer))
+            for r in receivers:
+                ray.kill(r)
+        finally:
+            ray.kill(hub.actor)
+        del hub, trainer
+        gc.collect()
 
 
 def test_a_cpu_trainer_feeds_gpu_receivers_and_a_gpu_trainer_cpu_ones(

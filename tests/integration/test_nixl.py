@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 
 import raysync
 from tests._busy_threads import lowered_busy_nixl_threads
-from tests._support import assert_same_weights, small_policy
+from tests._support import assert_same_weights, small_policy, wait_for_condition
 from tests.integration import test_synced
 from tests.integration.test_synced import make_collector
 
@@ -94,3 +95,36 @@ def test_case6_verifying_subscribers_refuse_nixl_versions(nixl_hub: raysync.HubC
 def test_case13_extra_state_travels_over_nixl(nixl_hub: raysync.HubClient, hub_name: str) -> None:
     """Case 13a: a NIXL version carries the module's extra state too; the swap sets it."""
     test_synced.check_extra_state_travels(nixl_hub, [test_synced._counted_subscriber(hub_name)])
+
+
+def _nixl_registrations() -> set[int]:
+    """The addresses this process has registered with NIXL (Ray's registration cache; test only)."""
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    return set(get_tensor_transport_manager("NIXL")._tensor_desc_cache)
+
+
+def test_nixl_memory_is_deregistered_before_it_is_freed(hub_name: str) -> None:
+    """Ray keys a NIXL registration by address and keeps one raysync made until raysync drops it.
+    Memory freed while registered, then allocated again at the same address, was read through the
+    stale registration: on a GPU machine, the receivers of a second hub in the same trainer
+    process got zeros, reported as applied (tests/integration/test_gpu.py shows it there). So a
+    snapshot set's registration ends with the set (a client that goes takes its sets along)."""
+    collector = make_collector(hub_name).remote()
+    ray.get(collector.raysync_version.remote())
+    before = _nixl_registrations()
+    client = raysync.connect(hub_name, transport="nixl")
+    client.push(small_policy(1), wait=True, timeout=60)
+    first_layout = _nixl_registrations() - before
+    assert first_layout, "the snapshot set was registered with NIXL"
+    client.push(small_policy(2), wait=True, timeout=60)  # the next versions reuse the sets
+    assert _nixl_registrations() - before >= first_layout
+    ray.kill(client.actor)
+    ray.kill(collector)
+    del client
+    gc.collect()
+    wait_for_condition(
+        lambda: not (_nixl_registrations() & first_layout),
+        timeout=60,
+        what="the dropped client's sets deregistered",
+    )
