@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     pass
 
 __all__ = [
+    "on_gpu",
+    "stage_bucket",
     "allocate",
     "bucket_checksums",
     "copy_into",
@@ -82,6 +84,36 @@ def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[n
         for entry in manifest.bucket_entries(b):
             buckets[b].append(_as_bytes(tensors[entry.key]))
     return buckets
+
+
+def on_gpu(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` is on a GPU (its bytes must come to the host to be put)."""
+    return any(t.is_cuda for t in tensors.values())
+
+
+def stage_bucket(
+    tensors: Mapping[str, torch.Tensor], manifest: Manifest, bucket: int, staging: torch.Tensor
+) -> list[np.ndarray]:
+    """Bucket ``bucket`` of GPU weights copied into ``staging`` (page-locked host memory of at
+    least the bucket's size), as uint8 views of it: :func:`pack` for one bucket, with one DMA
+    copy per tensor instead of ``.cpu()`` into fresh pageable memory. Put the views before the
+    next bucket is staged into the same buffer.
+
+    Example:
+        >>> t = {"w": torch.ones(2)}
+        >>> m = plan_layout(t)
+        >>> stage_bucket(t, m, 0, torch.empty(m.bucket_nbytes[0], dtype=torch.uint8))[0].nbytes
+        8
+    """
+    views = []
+    for entry in manifest.bucket_entries(bucket):
+        dst = staging[entry.offset : entry.offset + entry.nbytes]
+        if entry.nbytes:
+            dst.copy_(_as_uint8(tensors[entry.key]), non_blocking=True)
+        views.append(dst.numpy() if entry.nbytes else np.empty(0, dtype=np.uint8))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the DMA copies are done before anyone reads the views
+    return views
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:

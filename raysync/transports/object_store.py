@@ -18,7 +18,7 @@ import torch
 
 from raysync import _compat
 from raysync._checks import require_ray
-from raysync.core.codec import bucket_checksums, pack
+from raysync.core.codec import bucket_checksums, on_gpu, pack, stage_bucket
 from raysync.core.layout import Manifest
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot
@@ -33,6 +33,16 @@ class ObjectStoreTransport:
     name = "object_store"
     info = registry.info("object_store")
 
+    def __init__(self) -> None:
+        self._staging: torch.Tensor | None = None  # page-locked, for GPU weights (one bucket)
+
+    def _staging_for(self, manifest: Manifest) -> torch.Tensor:
+        need = max(manifest.bucket_nbytes, default=0)
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = None  # the old one goes first
+            self._staging = torch.empty(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._staging
+
     def snapshot(
         self,
         model_id: str,
@@ -42,12 +52,16 @@ class ObjectStoreTransport:
         checksum: bool = False,
         reuse: Reuse | None = None,
     ) -> Snapshot:
-        buckets = pack(tensors, manifest)
-        if checksum:
-            manifest = manifest.with_checksums(bucket_checksums(buckets))
+        gpu = on_gpu(tensors)
+        buckets = [] if gpu else pack(tensors, manifest)
+        checksums: list[int] = []
         refs = []
         put_bytes = puts = 0
-        for b, bucket in enumerate(buckets):
+        for b in range(manifest.num_buckets):
+            # GPU weights go a bucket at a time through one page-locked staging buffer.
+            bucket = stage_bucket(tensors, manifest, b, self._staging_for(manifest)) if gpu else buckets[b]
+            if checksum:
+                checksums.extend(bucket_checksums([bucket]))
             ref = reuse(b, bucket) if reuse is not None else None
             if ref is None:
                 require_ray("push")  # a push racing ray.shutdown(): fail, never start a new Ray
@@ -55,7 +69,10 @@ class ObjectStoreTransport:
                 put_bytes += manifest.bucket_nbytes[b]
                 puts += 1
             refs.append(ref)
+            del bucket
         del buckets
+        if checksum:
+            manifest = manifest.with_checksums(tuple(checksums))
         populate_store_mapping(True, put_bytes)  # once per process: later puts take no page faults
         return Snapshot(manifest, refs, put_bytes, puts)
 
