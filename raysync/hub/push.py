@@ -113,7 +113,7 @@ class PushPipeline:
             )
         raw = extract_tensors(request.weights)
         if is_sharded(raw):  # DTensor weights: this rank pushes its own shards
-            return self._push_shard(request, raw, writer)
+            return self._push_shard(request, raw, writer, transport)
         tensors = self._tensors(request, raw)
         selected = _select_keys(tensors, request.keys) if request.keys is not None else None
         prev, prev_buckets = (
@@ -173,7 +173,9 @@ class PushPipeline:
         )
         return Pushed(version, stats)
 
-    def _push_shard(self, request: PushRequest, tensors: dict[str, Any], writer: dict[str, Any]) -> Pushed:
+    def _push_shard(
+        self, request: PushRequest, tensors: dict[str, Any], writer: dict[str, Any], transport: HubTransport
+    ) -> Pushed:
         if self._contribute is None:
             raise ValueError("this push pipeline takes no sharded (DTensor) weights")
         contribute = self._contribute
@@ -196,7 +198,7 @@ class PushPipeline:
                 self._shard_unsettled[model_id] = version
             return version
 
-        version, stats = push_shard(request, tensors, hand, round=round, writer=writer)
+        version, stats = push_shard(request, tensors, hand, round=round, writer=writer, transport=transport)
         return Pushed(version, stats)
 
     def _tensors(self, request: PushRequest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

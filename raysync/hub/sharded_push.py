@@ -25,7 +25,7 @@ from raysync.core.extract import extract_extra_state
 from raysync.core.layout import plan_layout
 from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError
-from raysync.transports.base import transport_for
+from raysync.transports.base import Transport, transport_for
 
 __all__ = ["Contribute", "push_shard"]
 
@@ -40,8 +40,12 @@ def push_shard(
     *,
     round: int,
     writer: dict[str, Any],
+    transport: Transport | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """This rank's part of push ``round`` of a sharded model; ``(version, stats)``.
+
+    ``transport`` is the client's object-store transport (it keeps a GPU rank's page-locked
+    staging buffer from push to push); a fresh one without it.
 
     Raises:
         ValueError: ``keys=``, ``delta=`` or a transport other than the object store (not
@@ -78,7 +82,8 @@ def push_shard(
     if part.rank == 0:
         manifest = manifest.with_extra_state(extract_extra_state(request.weights))
     # checksum=True: one CRC32 per bucket of this rank's own (every rank must say the same)
-    snap = transport_for("object_store").snapshot(model_id, local, manifest, checksum=request.checksum)
+    store = transport if transport is not None else transport_for("object_store")
+    snap = store.snapshot(model_id, local, manifest, checksum=request.checksum)
     snapshot_s = time.perf_counter() - t0
     del local
     shard = ShardPart(

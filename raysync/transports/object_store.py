@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ class ObjectStoreTransport:
 
     def __init__(self) -> None:
         self._staging: torch.Tensor | None = None  # page-locked, for GPU weights (one bucket)
+        self._staging_lock = threading.Lock()  # pushes from several threads share the buffer
 
     def _staging_for(self, manifest: Manifest) -> torch.Tensor:
         need = max(manifest.bucket_nbytes, default=0)
@@ -53,6 +55,19 @@ class ObjectStoreTransport:
         reuse: Reuse | None = None,
     ) -> Snapshot:
         gpu = on_gpu(tensors)
+        if gpu:
+            with self._staging_lock:
+                return self._snapshot(tensors, manifest, gpu, checksum, reuse)
+        return self._snapshot(tensors, manifest, gpu, checksum, reuse)
+
+    def _snapshot(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        gpu: bool,
+        checksum: bool,
+        reuse: Reuse | None,
+    ) -> Snapshot:
         buckets = [] if gpu else pack(tensors, manifest)
         checksums: list[int] = []
         refs = []
