@@ -493,9 +493,7 @@ def pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise BenchError(
-            'plotting needs matplotlib: pip install "raysync[plot]" (or pass no --png)'
-        ) from err
+        raise BenchError('plotting needs matplotlib: pip install "raysync[plot]" (or pass no --png)') from err
     return plt
 
 

@@ -20,8 +20,6 @@ logger = logging.getLogger(__name__)
 _BUNDLE_RESOURCE = re.compile(r"_group_(\d+)_([0-9a-f]+)$")
 
 
-
-
 def _bundle_of(resources: Any, pg_id: str | None) -> int | None:
     for name in resources:
         match = _BUNDLE_RESOURCE.search(name)

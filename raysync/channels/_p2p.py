@@ -186,7 +186,6 @@ def wait_until(predicate: Callable[[], bool], deadline: float | None) -> bool:
         interval = min(interval * 2, 0.02)
 
 
-
 class P2PTransport:
     """What the torch.distributed transports share: configuration, pickling, the blocking send and
     the worker's receive.

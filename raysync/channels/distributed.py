@@ -137,7 +137,6 @@ class DistributedTransport(P2PTransport):
         self._messages: collections.deque[bytes] = collections.deque()
         self._last: int | None = None
 
-
     def __repr__(self) -> str:
         return f"DistributedTransport(rank={self.rank}, channel={self.channel!r}, timeout={self.timeout})"
 
@@ -160,7 +159,6 @@ class DistributedTransport(P2PTransport):
         return self.store
 
     # ------------------------------------------------------------------ sender side
-
 
     def send_weights_async(self, *args: Any) -> None:
         """Sender: snapshot, post the manifest and start the sends; returns at once.
@@ -289,10 +287,7 @@ class DistributedTransport(P2PTransport):
             return False
         return True
 
-
-
     # ------------------------------------------------------------------ worker side
-
 
     def receive_snapshot(
         self, timeout: float | None = 1.0

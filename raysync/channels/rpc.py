@@ -222,7 +222,6 @@ class RPCTransport(P2PTransport):
 
     # ------------------------------------------------------------------ sender side
 
-
     def send_weights_async(self, *args: Any) -> None:
         """Sender: snapshot and start sending a version; returns once the transfer is started.
 
@@ -346,15 +345,12 @@ class RPCTransport(P2PTransport):
                 return False
         return True
 
-
-
     def close(self) -> None:
         """Sender: stop accepting acks for this transport (late acks are then logged and dropped)."""
         with _LOCK:
             _ACK_BOXES.pop(self._uid, None)
 
     # ------------------------------------------------------------------ worker side
-
 
     def receive_snapshot(
         self, timeout: float | None = 1.0

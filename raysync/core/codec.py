@@ -230,9 +230,7 @@ def unpack(
     return out
 
 
-def tensor_of(
-    entry: TensorEntry, bucket: Sequence[np.ndarray], *, read_only: bool = False
-) -> torch.Tensor:
+def tensor_of(entry: TensorEntry, bucket: Sequence[np.ndarray], *, read_only: bool = False) -> torch.Tensor:
     """One tensor of a received bucket (its arrays), viewing the bucket's bytes. No copy.
 
     Example:

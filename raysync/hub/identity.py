@@ -46,5 +46,3 @@ def _look_up() -> dict[str, Any]:
         "pid": os.getpid(),
         "host": socket.gethostname(),
     }
-
-

@@ -79,6 +79,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 def relay_name(hub: str, hub_actor_id: str, node_id: str) -> str:
     """The relay's actor name (in raysync's namespace): one per hub and node.
 

@@ -31,7 +31,6 @@ def early_result(ref: Any, timeout: float | None) -> WaitResult | None:
     return result
 
 
-
 def raise_for(
     result: WaitResult, model_id: str, version: int, timeout: float | None, *, need: int, failures: bool
 ) -> None:
@@ -68,6 +67,3 @@ def raise_for(
             f"and kept their previous weights: {names}",
             failures=rows,
         )
-
-
-

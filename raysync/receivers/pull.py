@@ -194,4 +194,3 @@ def deadline_of(timeout: float | None) -> float | None:
 
 def left_of(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-

@@ -123,5 +123,3 @@ def register_with_torchrl(*, import_torchrl: bool = False) -> bool:
         if _HOOK not in sys.meta_path:
             sys.meta_path.insert(0, _HOOK)
     return False
-
-
