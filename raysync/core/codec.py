@@ -105,14 +105,17 @@ def stage_bucket(
         >>> stage_bucket(t, m, 0, torch.empty(m.bucket_nbytes[0], dtype=torch.uint8))[0].nbytes
         8
     """
-    views = []
+    views, devices = [], set()
     for entry in manifest.bucket_entries(bucket):
         dst = staging[entry.offset : entry.offset + entry.nbytes]
         if entry.nbytes:
-            dst.copy_(_as_uint8(tensors[entry.key]), non_blocking=True)
+            src = tensors[entry.key]
+            dst.copy_(_as_uint8(src), non_blocking=True)
+            if src.is_cuda:
+                devices.add(src.device)
         views.append(dst.numpy() if entry.nbytes else np.empty(0, dtype=np.uint8))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the DMA copies are done before anyone reads the views
+    for device in devices:
+        torch.cuda.synchronize(device)  # the DMA copies are done before anyone reads the views
     return views
 
 
