@@ -140,6 +140,7 @@ def call_hub(
     *args: Any,
     timeout: float | None = None,
     retry_s: float = RETRY_S,
+    stopped: Callable[[], bool] | None = None,
 ) -> Any:
     """Call a hub method; while the hub restarts (or was re-created), find it again and retry.
 
@@ -149,6 +150,9 @@ def call_hub(
         args: its arguments.
         timeout: seconds for the whole call, retries included (``GetTimeoutError`` after).
         retry_s: how long to keep retrying while the hub is unavailable.
+        stopped: checked every ``STOP_CHECK_S`` while the answer is awaited; once it says
+            True, the call returns None without the answer (a long poll that its caller's
+            ``stop()`` should not have to sit out).
 
     Raises:
         RaySyncError: what the hub raised (``StaleWriterError``, ``UnknownModelError``, ...).
@@ -159,12 +163,32 @@ def call_hub(
         try:
             # Never Ray's auto-init: a call racing ray.shutdown() fails instead of starting a new Ray.
             ref = _compat.call_no_start(getattr(handle(fresh), method), *args)
-            return _compat.get_no_start(ref, timeout=retries.left())
+            if stopped is None:
+                return _compat.get_no_start(ref, timeout=retries.left())
+            return _get_unless_stopped(ref, retries, stopped)
         except RayTaskError as err:
             raise _unwrapped(err) from None
         except _RESTARTING as err:
             time.sleep(retries.after(err))
             fresh = True
+
+
+STOP_CHECK_S = 0.1
+"""How often a hub call with ``stopped=`` checks it while it waits for the answer."""
+
+
+def _get_unless_stopped(ref: Any, retries: _Retries, stopped: Callable[[], bool]) -> Any:
+    while True:
+        left = retries.left()
+        try:
+            return _compat.get_no_start(
+                ref, timeout=STOP_CHECK_S if left is None else min(STOP_CHECK_S, left)
+            )
+        except GetTimeoutError:
+            if stopped():
+                return None
+            if left is not None and left <= STOP_CHECK_S:
+                raise
 
 
 async def call_hub_async(

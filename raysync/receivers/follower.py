@@ -281,7 +281,9 @@ class Follower:
         self._stop.set()
         membership().leave(self, timeout=timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=_POLL_S + 1)
+            # The thread's long poll stops waiting within STOP_CHECK_S of the stop; an apply
+            # under way finishes first.
+            self._thread.join(timeout=max(timeout, 1.0))
 
     # ------------------------------------------------------------------ internals
     def _follow(self) -> None:
@@ -293,7 +295,9 @@ class Follower:
             if waiting and failed > after:  # only a newer version, until the back-off ends
                 after, wait_s = failed, backoff
             try:
-                newest = call_hub(hub.handle, proto.WAIT_NEWER, self.model_id, after, wait_s)
+                newest = call_hub(
+                    hub.handle, proto.WAIT_NEWER, self.model_id, after, wait_s, stopped=self._stop.is_set
+                )
             except Exception as err:  # the hub is gone for good or the cluster is shutting down
                 if self._stop.is_set():
                     return

@@ -117,3 +117,25 @@ def test_lag_counts_versions_not_numbers(hub: raysync.HubClient, hub_name: str) 
     assert second - first >= 100  # another writer: another block of numbers
     row = _rows(hub)[0]
     assert row["applied"] == first and row["lag"] == 1
+
+
+def test_a_follower_stops_at_once_without_sitting_out_its_long_poll(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    """``Follower.stop()`` used to wait for the long poll its thread was in (up to 5 s after
+    every apply); it returns within a fraction of that now, and the stopped follower takes no
+    further version."""
+    trainer = small_policy(0)
+    hub.push(trainer)
+    follower = raysync.follow(small_policy(1), "policy", hub=hub_name)
+    follower.wait_for(1, timeout=30)
+    time.sleep(0.5)  # its thread is in the next long poll now (5 s at the hub)
+    t0 = time.monotonic()
+    follower.stop()
+    took = time.monotonic() - t0
+    assert took < 3.0, f"stop() took {took:.1f} s"
+    with torch.no_grad():
+        next(iter(trainer.parameters())).add_(1.0)
+    hub.push(trainer)
+    time.sleep(1.0)
+    assert follower.version == 1
