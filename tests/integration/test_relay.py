@@ -89,7 +89,7 @@ def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, h
     relay = _relay(hub)
     pid = _pid(relay)
     seen: list[int] = []
-    for seed in range(1, 6):
+    for seed in range(1, 4):  # 3 kills, each push right after one: the 2nd and 3rd hit a restarted relay
         ray.kill(relay, no_restart=False)
         v = hub.push(small_policy(seed))
         _check_all(hub, actors, v, seed)
