@@ -99,21 +99,6 @@ def torchrl_workers_spawned() -> Iterator[None]:
     multiprocessing.set_start_method(before, force=True)
 
 
-@pytest.fixture
-def quick_follower_stop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``raysync.Follower`` in this process long-polls the hub for 0.5 s at a time, not 5 s.
-
-    ``Follower.stop()`` joins the follower's thread, which first finishes the long poll it is
-    in (``raysync.receivers.follower._POLL_S``): right after an apply, the whole 5 s. Every
-    test that stops a follower paid that in its ``finally`` (35 of test_targets' 50 s). The
-    hub answers a poll as soon as a newer version is published either way, and a failed
-    version's back-off does not use this bound, so what the tests see of a follower is the same.
-    """
-    from raysync.receivers import follower
-
-    monkeypatch.setattr(follower, "_POLL_S", 0.5)
-
-
 @pytest.fixture(scope="session")
 def ray_start_regular() -> Iterator[dict[str, Any]]:
     """A local Ray cluster shared by the session (4 logical CPUs, 1.5 GiB object store)."""

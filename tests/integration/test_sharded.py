@@ -28,8 +28,6 @@ from tests._support import assert_same_weights, kill_until_gone, wait_for_condit
 
 TIMEOUT = 60.0
 
-pytestmark = pytest.mark.usefixtures("quick_follower_stop")  # stop() in a few 0.1 s, not 5 s
-
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -26,8 +26,6 @@ from tests._targets import Engine, engine_loader, policy_state, record_engine
 
 TIMEOUT = 90.0
 
-pytestmark = pytest.mark.usefixtures("quick_follower_stop")  # stop() in a few 0.1 s, not 5 s
-
 
 def _host(hub_name: str, **opts: Any) -> Any:
     @raysync.synced_model("engine", hub=hub_name, **opts)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import ray
 import torch
 
@@ -18,8 +17,6 @@ from tests import _loopback_transport as loopback
 from tests._support import assert_same_weights, small_policy, wait_for_condition
 
 NAME = loopback.NAME
-
-pytestmark = pytest.mark.usefixtures("quick_follower_stop")  # stop() in a few 0.1 s, not 5 s
 
 
 def _fetches() -> list[int]:
@@ -98,6 +95,8 @@ def test_every_receiver_kind_takes_a_data_path_of_ones_own(hub: raysync.HubClien
 
 
 def test_a_misspelt_data_path_is_refused_by_name(hub: raysync.HubClient) -> None:
+    import pytest
+
     with pytest.raises(ValueError, match="transport must be one of"):
         hub.push(small_policy(1), transport="objectstore")
     with pytest.raises(ValueError, match=r"no data path 'tests\._loopback_transport:Nope'"):
