@@ -218,7 +218,8 @@ def test_a_restarted_trainer_actor_never_reuses_a_number(hub: raysync.HubClient,
     later = ray.get(trainer.push.remote(4))
     assert later > max(first) and later not in range(1, 101)
     assert ray.get(trainer.push.remote(5)) == later + 1
-    assert hub.latest() == later + 1
+    # A push returns before the hub has read it: this process asks the hub, not the trainer's client
+    wait_for_condition(lambda: hub.latest() == later + 1, what="the hub holds the trainer's last push")
     assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(5).state_dict())
 
 
