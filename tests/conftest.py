@@ -30,8 +30,9 @@ OBJECT_STORE_BYTES = 1536 * 2**20  # keep the suite inside a 2-core, 24 GiB mach
 
 # `make test` runs the suite on two pytest-xdist workers, a file at a time (`--dist loadfile
 # --no-loadscope-reorder`): each worker takes the next file in this order. The files that cost
-# the most CPU go first, so the two workers end together (longest first); measured in CPU
-# seconds on the 2-core machine, most first. Files not named keep their order after these.
+# the most go first, so the two workers end together (longest first); ordered by the seconds
+# each file took in a suite run on the 2-core machine (two workers), most first. Files not
+# named keep their order after these (none of them takes 15 s).
 #
 # The NIXL tests are among them, no longer last: a process that used NIXL keeps its agent's
 # UCX progress thread polling for the rest of its life (a full core), but while they run
@@ -39,23 +40,25 @@ OBJECT_STORE_BYTES = 1536 * 2**20  # keep the suite inside a 2-core, 24 GiB mach
 # that nothing else wants.
 _HEAVIEST_FIRST = (
     "integration/test_reliability.py",
-    "integration/test_synced.py",
-    "integration/test_nixl.py",
     "integration/test_reliability_cases.py",
-    "integration/test_sharded.py",
+    "integration/test_nixl.py",
+    "integration/test_synced.py",
     "system/test_cli.py",
+    "integration/test_sharded.py",
+    "integration/test_torchrl_collectors_hub.py",
     "integration/test_relay.py",
-    "integration/test_targets.py",
-    "integration/test_fencing_restart.py",
     "integration/test_security.py",
-    "system/test_job.py",
     "integration/test_doorbell.py",
+    "integration/test_fencing_restart.py",
     "integration/test_newcomer.py",
     "integration/test_torchrl_collectors_schemes.py",
+    "system/test_job.py",
     "system/test_ray_shutdown.py",
+    "integration/test_targets.py",
     "system/test_scale.py",
-    "integration/test_torchrl_collectors_hub.py",
+    "integration/test_async_controls.py",
     "integration/test_hub.py",
+    "integration/test_local_changes.py",
 )
 
 
