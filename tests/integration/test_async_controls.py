@@ -159,6 +159,11 @@ def test_delta_push_skips_unchanged_buckets(hub: raysync.HubClient, hub_name: st
     assert hub.last_push["buckets_put"] == 1
     v3 = push_delta() - 1  # nothing changed: nothing put
     assert hub.last_push["bytes_put"] == 0
+    # The actor reports each apply to the hub after it holds the version: wait for that report.
+    wait_for_condition(
+        lambda: {r["mode"]: r for r in hub.status()["subscribers"]}["push"]["applied"] == v3 + 1,
+        what="the hub has the push subscriber's report of the last version",
+    )
     rows = {r["mode"]: r for r in hub.status()["subscribers"]}
     assert rows["push"]["last_buckets_fetched"] == 0  # held every bucket of the last version already
     # The lazy one skipped versions 2 and 3: it fetches what changed since *its* version 1.
