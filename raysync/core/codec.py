@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from raysync.core.checksums import bucket_checksums, failed_checksums
 from raysync.core.layout import Manifest, TensorEntry
 from raysync.core.readonly import ReadOnlyTensor
 from raysync.errors import (
@@ -124,24 +124,6 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return flat.numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
 
 
-def bucket_checksums(buckets: Sequence[Sequence[np.ndarray]]) -> tuple[int, ...]:
-    """One CRC32 per bucket over its tensors' bytes (padding excluded).
-
-    Example:
-        >>> t = {"w": torch.ones(2)}
-        >>> len(bucket_checksums(pack(t, plan_layout(t))))
-        1
-    """
-    out = []
-    for arrays in buckets:
-        crc = 0
-        for a in arrays:
-            if a.nbytes:
-                crc = zlib.crc32(a.data.cast("B"), crc)
-        out.append(crc)
-    return tuple(out)
-
-
 def require_checksums(manifest: Manifest) -> None:
     """Raise :class:`ChecksumError` unless the version carries checksums to verify.
 
@@ -194,19 +176,6 @@ def verify_checksums(
             f"bucket(s) {bad} of layout {manifest.layout_hash} failed their checksum: "
             "the bytes were corrupted in transit or in the object store; the version is refused"
         )
-
-
-def failed_checksums(expected: Sequence[int], buckets: Mapping[int, Sequence[np.ndarray]]) -> list[int]:
-    """The indices, sorted, of the buckets whose bytes differ from ``expected[index]``.
-
-    Example:
-        >>> t = {"w": torch.ones(2)}
-        >>> failed_checksums((0,), dict(enumerate(pack(t, plan_layout(t)))))
-        [0]
-    """
-    order = sorted(buckets)
-    got = bucket_checksums([buckets[i] for i in order])
-    return [i for i, crc in zip(order, got, strict=True) if expected[i] != crc]
 
 
 def unpack(

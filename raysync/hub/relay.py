@@ -57,6 +57,7 @@ from raysync._protocol import (
     bucket_ids,
     compact,
 )
+from raysync.core.assembly import whole_version
 from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberRestarted, SubscriberUnreachable
 from raysync.hub.persistence import actor_alive
 from raysync.hub.priority import control_plane_priority
@@ -285,12 +286,14 @@ def quiet_threaded_gets() -> None:
 
 
 def rings(manifest: Any, limit: int) -> bool:
-    """Whether a version goes by doorbell: object-store bytes, no larger than ``limit`` (the
-    hub's ``doorbell_bytes``), no pickled extra state (the doorbell's wire format carries
-    none), here."""
+    """Whether a version goes by doorbell: object-store bytes (one writer's, or a sharded
+    trainer's ranks'), no larger than ``limit`` (the hub's ``doorbell_bytes``), no pickled extra
+    state (the doorbell's wire format carries none), here."""
+    shards = getattr(manifest, "shards", None)
+    transport = manifest.transport if shards is None else shards.transport
     return (
         limit > 0
-        and transport_info(manifest.transport, load=False).node_shared
+        and transport_info(transport, load=False).node_shared
         and not manifest.extra_state
         and sum(manifest.bucket_nbytes) <= limit
         and doorbell.available()
@@ -302,9 +305,19 @@ def _write_and_ring(
 ) -> tuple[list[int], list[str], list[str]]:
     """Fetch a version's buckets (zero-copy on this node), write them into a new segment, and
     ring every process in ``bells``; the rings' tokens, the subscriptions whose process is gone
-    (or cannot be rung from here) and those whose doorbell is busy (call them this time)."""
-    buckets = ray.get(list(a.refs), timeout=_FETCH_S)
-    segment = writer.write(a.model_id, a.version, a.manifest, bucket_ids(list(a.refs)), buckets)
+    (or cannot be rung from here) and those whose doorbell is busy (call them this time).
+
+    A sharded trainer's version goes in whole: its tensors assembled from the ranks' pieces
+    once here, as one writer's buckets (subscribers read them as any other version's).
+    """
+    manifest = a.manifest
+    if manifest.shards is None:
+        buckets = ray.get(list(a.refs), timeout=_FETCH_S)
+    else:  # the rank buckets the whole buckets are made of, each once
+        rank_refs = {i: r for ref in a.refs for i, r in zip(ref.buckets, ref.refs, strict=True)}
+        got = ray.get(list(rank_refs.values()), timeout=_FETCH_S)
+        manifest, buckets = whole_version(manifest, dict(zip(rank_refs, got, strict=True)))
+    segment = writer.write(a.model_id, a.version, manifest, bucket_ids(list(a.refs)), buckets)
     del buckets
     by_process: dict[tuple[str, bytes], list[str]] = {}
     for sub_id, member in bells.items():

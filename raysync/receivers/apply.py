@@ -46,7 +46,7 @@ from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
-from raysync.transports.sharded import verify_rank_buckets
+from raysync.transports.sharded import verify_fetched
 from raysync.transports.store_pages import populate_store_mapping
 
 __all__ = [
@@ -167,7 +167,7 @@ def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> d
     shards = manifest.shards
     if shards is not None:  # its ranks' buckets carry the checksums (checked before any assembly)
         if verify is True or (verify == "if_present" and shards.checksums):
-            verify_rank_buckets(manifest, fetched)
+            verify_fetched(manifest, fetched)
         return fetched
     if verify is True or (verify == "if_present" and manifest.checksums):
         verify_checksums(manifest, fetched)

@@ -20,21 +20,19 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from raysync.core.codec import failed_checksums
+from raysync.core.assembly import assemble, check_sizes, fill, pieces_in, verify_rank_buckets
 from raysync.core.layout import Manifest
-from raysync.core.shards import SHARDED, Box, ShardPiece, intersect
-from raysync.errors import ChecksumError
+from raysync.core.shards import SHARDED, intersect
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot, transport_for
 
-__all__ = ["Assembly", "ShardedTransport", "assemble", "verify_rank_buckets"]
+__all__ = ["Assembly", "ShardedTransport", "verify_fetched"]
 
 
 class ShardedTransport:
@@ -125,58 +123,25 @@ class Assembly(Sequence[np.ndarray]):
 
     def write_into(self, flat: torch.Tensor) -> None:
         """Copy the bucket into ``flat`` (a uint8 tensor of the bucket's span): each piece once."""
-        _check_sizes(self.manifest, self._entries, self.rank_buckets)  # nothing written if one is off
+        check_sizes(self.manifest, self._entries, self.rank_buckets)  # nothing written if one is off
         with torch.no_grad():
-            _fill(self.manifest, self._entries, self.rank_buckets, flat)
+            fill(self.manifest, self._entries, self.rank_buckets, flat, torch.from_numpy)
 
 
-def verify_rank_buckets(manifest: Manifest, fetched: Mapping[int, Any]) -> None:
+def verify_fetched(manifest: Manifest, fetched: Mapping[int, Any]) -> None:
     """Raise :class:`~raysync.ChecksumError` unless each rank bucket behind ``fetched`` matches its CRC32.
 
     ``fetched``: the :class:`Assembly` buckets :meth:`ShardedTransport.fetch` returned. Each rank
-    bucket they were made of is checked once, against the checksum its rank computed
-    (``hub.push(..., checksum=True)`` on every rank); a version without them is refused.
+    bucket they were made of is checked once (:func:`raysync.core.assembly.verify_rank_buckets`).
 
     Example:
-        >>> verify_rank_buckets(manifest, dict(zip(needed, ShardedTransport.fetch(manifest, refs, needed,
+        >>> verify_fetched(manifest, dict(zip(needed, ShardedTransport.fetch(manifest, refs, needed,
         ...     timeout=30))))   # doctest: +SKIP
     """
-    shards = manifest.shards
-    assert shards is not None
-    if shards.checksums is None:
-        raise ChecksumError(
-            f"this sharded version (layout {manifest.layout_hash}) carries no checksums, so a verify=True "
-            "subscriber cannot check its bytes and refuses it: push with hub.push(..., checksum=True) "
-            "on every rank, or subscribe without verify=True"
-        )
     rank_buckets: dict[int, Sequence[np.ndarray]] = {}
     for bucket in fetched.values():
         rank_buckets.update(bucket.rank_buckets)
-    bad = failed_checksums(shards.checksums, rank_buckets)
-    if bad:
-        raise ChecksumError(
-            f"rank bucket(s) {bad} (of rank(s) {sorted({shards.bucket_ranks[i] for i in bad})}) of layout "
-            f"{manifest.layout_hash} failed their checksum: the bytes were corrupted in transit or in the "
-            "object store; the version is refused"
-        )
-
-
-def assemble(
-    manifest: Manifest, bucket: int, rank_buckets: Mapping[int, Sequence[np.ndarray]]
-) -> list[np.ndarray]:
-    """One whole-tensor bucket of a sharded version, from its rank buckets (``{index: arrays}``).
-
-    Returns one uint8 array per tensor, in buffer order, all views of one fresh buffer laid
-    out as the manifest says (padding zeroed).
-
-    Example:
-        >>> arrays = assemble(manifest, 0, {0: ray.get(r0), 1: ray.get(r1)})   # doctest: +SKIP
-    """
-    entries = manifest.bucket_entries(bucket)
-    _check_sizes(manifest, entries, rank_buckets)
-    flat = np.empty(manifest.bucket_nbytes[bucket], dtype=np.uint8)
-    _fill(manifest, entries, rank_buckets, torch.from_numpy(flat))
-    return [flat[e.offset : e.offset + e.nbytes] for e in entries]
+    verify_rank_buckets(manifest, rank_buckets)
 
 
 def _read(
@@ -184,7 +149,7 @@ def _read(
 ) -> list[np.ndarray]:
     """One uint8 array per tensor of a bucket: a view of the rank bucket where one piece holds
     it as one run of bytes, else (any other tensor there) the bucket assembled (:func:`assemble`)."""
-    _check_sizes(manifest, entries, rank_buckets)
+    check_sizes(manifest, entries, rank_buckets)
     direct = [_run(manifest, e, rank_buckets) for e in entries]
     if any(a is None for a in direct):
         whole = assemble(manifest, bucket, rank_buckets)
@@ -196,7 +161,7 @@ def _run(
     manifest: Manifest, entry: Any, rank_buckets: Mapping[int, Sequence[np.ndarray]]
 ) -> np.ndarray | None:
     """The bytes of ``entry`` (its box) as a view of the one piece holding them all, if contiguous there."""
-    box, pieces = _pieces(manifest, entry)
+    box, pieces = pieces_in(manifest, entry)
     if not entry.nbytes or len(pieces) != 1:
         return None
     piece = pieces[0]
@@ -213,69 +178,3 @@ def _run(
         narrowed = narrowed or box[1][d] != piece.lengths[d]
     flat = np.asarray(rank_buckets[piece.bucket][piece.index]).reshape(-1).view(np.uint8)
     return flat[start : start + entry.nbytes]
-
-
-def _pieces(manifest: Manifest, entry: Any) -> tuple[Box, list[ShardPiece]]:
-    """The box of ``entry``'s tensor this bucket holds, and the pieces with elements in it."""
-    shards = manifest.shards
-    assert shards is not None
-    box = shards.box_of(entry.key) or ((0,) * len(entry.shape), tuple(entry.shape))
-    return box, [
-        p
-        for p in shards.pieces_of(entry.key)
-        if p.numel and intersect((p.offsets, p.lengths), box) is not None
-    ]
-
-
-def _check_sizes(
-    manifest: Manifest, entries: Sequence[Any], rank_buckets: Mapping[int, Sequence[np.ndarray]]
-) -> None:
-    for entry in entries:
-        if not entry.nbytes:
-            continue
-        for piece in _pieces(manifest, entry)[1]:
-            data = rank_buckets[piece.bucket][piece.index]
-            if data.nbytes != piece.nbytes:
-                raise ValueError(
-                    f"rank {piece.rank}'s piece of {piece.key!r} arrived with {data.nbytes} bytes, the "
-                    f"manifest says {piece.nbytes}"
-                )
-
-
-def _fill(
-    manifest: Manifest,
-    entries: Sequence[Any],
-    rank_buckets: Mapping[int, Sequence[np.ndarray]],
-    flat: torch.Tensor,
-) -> None:
-    """Write a bucket's tensors into ``flat`` (uint8, the bucket's span) from their pieces; padding zeroed."""
-    end = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # object-store arrays are read-only; only read here
-        for entry in entries:
-            flat[end : entry.offset] = 0
-            end = entry.offset + entry.nbytes
-            if not entry.nbytes:
-                continue
-            numel = 1
-            for n in entry.shape:
-                numel *= n
-            whole = flat[entry.offset : end].view(*entry.shape, entry.nbytes // numel)
-            box, pieces = _pieces(manifest, entry)
-            for piece in pieces:
-                _place(whole, box, piece, rank_buckets[piece.bucket][piece.index])
-        flat[end:] = 0
-
-
-def _place(whole: torch.Tensor, box: Box, piece: ShardPiece, data: np.ndarray) -> None:
-    """Copy the part of one piece inside ``box`` into ``whole`` (the box as ``(*n, itemsize)`` uint8)."""
-    common = intersect((piece.offsets, piece.lengths), box)
-    assert common is not None
-    src = torch.from_numpy(np.asarray(data).reshape(-1).view(np.uint8)).view(*piece.lengths, whole.shape[-1])
-    dst = whole
-    for d, (o, n) in enumerate(zip(*common, strict=True)):
-        if n != piece.lengths[d]:
-            src = src.narrow(d, o - piece.offsets[d], n)
-        if n != whole.shape[d]:
-            dst = dst.narrow(d, o - box[0][d], n)
-    dst.copy_(src)

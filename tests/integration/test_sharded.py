@@ -25,6 +25,7 @@ import raysync
 from benchmarks import sharded_soak
 from tests import _sharded
 from tests._support import assert_same_weights, kill_until_gone, wait_for_condition
+from tests.integration.test_relay import _relay
 
 TIMEOUT = 60.0
 
@@ -52,8 +53,8 @@ def _push(ranks: list[Any], hub_name: str, **opts: Any) -> list[tuple[int, dict[
     return list(ray.get([r.push.remote(hub_name, **opts) for r in ranks], timeout=TIMEOUT))
 
 
-def _collector(hub_name: str, apply: Any = "copy") -> Any:
-    @raysync.synced_model("policy", hub=hub_name, apply=apply)
+def _collector(hub_name: str, apply: Any = "copy", **opts: Any) -> Any:
+    @raysync.synced_model("policy", hub=hub_name, apply=apply, **opts)
     class Collector:
         def __init__(self) -> None:
             self.policy = _sharded.Net(99)
@@ -151,6 +152,46 @@ def test_every_receiver_gets_the_whole_tensors(
         loader.stop()
         tp_follower.stop()
         ray.kill(collector)
+
+
+@pytest.mark.parametrize("ringer", ["hub", "relay"])
+def test_small_versions_reach_a_node_by_doorbell(ranks: list[Any], hub_name: str, ringer: str) -> None:
+    """As one writer's: assembled once on the node, rung (no Ray call per subscriber), bit-equal."""
+    hub = raysync.connect(hub_name, settings=raysync.HubSettings(rings_own_node=ringer == "hub"))
+    copies = [_collector(hub_name) for _ in range(2)]
+    view = _collector(hub_name, apply="view")  # looks into the sealed segment
+    verifying = _collector(hub_name, verify=True)  # checks the CRC32s of what it reads
+    actors = [*copies, view, verifying]
+
+    def stats() -> dict[str, int]:
+        if ringer == "hub":
+            return dict(hub.status()["here"])
+        return dict(ray.get(_relay(hub).stats.remote(), timeout=TIMEOUT))
+
+    try:
+        ray.get([a.state.remote() for a in actors], timeout=TIMEOUT)
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+        before: dict[str, int] = {}
+        for step in (1, 2, 3):
+            ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
+            version = _push(ranks, hub_name, checksum=True)[0][0]
+            hub.wait(version, timeout=TIMEOUT)
+            expected = _full(ranks)
+            for actor in actors:
+                held, weights = ray.get(actor.state.remote(), timeout=TIMEOUT)
+                assert held == version
+                assert_same_weights(weights, expected)
+            if step == 1:  # from here on the relay (if it rings) is up and knows every subscriber
+                before = stats()
+        after = stats()
+        assert after["rung"] - before["rung"] == 2 * len(actors)  # every process rung, per version
+        assert after["delivered"] == before["delivered"]  # and none called
+        rows = hub.status()["subscribers"]
+        assert len(rows) == len(actors) and all(r["last_error"] is None for r in rows), rows
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        ray.kill(hub.actor)
 
 
 def _parts_of(net: torch.nn.Module, tp: raysync.TensorParallel) -> torch.nn.Module:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from raysync.core.assembly import assemble
 from raysync.core.codec import bucket_checksums, copy_into, pack, unpack
 from raysync.core.layout import Manifest, plan_layout
 from raysync.core.shards import (
@@ -27,7 +28,7 @@ from raysync.core.shards import (
 from raysync.errors import ChecksumError, InvalidWeightsError, WeightMismatchError
 from raysync.receivers import apply
 from raysync.receivers.target import ModuleTarget
-from raysync.transports.sharded import Assembly, assemble, verify_rank_buckets
+from raysync.transports.sharded import Assembly, verify_fetched
 from tests._support import assert_same_weights
 
 
@@ -329,6 +330,6 @@ def test_ranks_disagreeing_on_checksums_are_refused_and_none_refuses_verifying_r
     fetched = {b: Assembly(manifest, b, _rank_arrays(manifest)) for b in range(manifest.num_buckets)}
     assert apply.checked(manifest, fetched, verify="if_present") is fetched  # none to check
     with pytest.raises(ChecksumError, match=r"carries no checksums.*checksum=True\) on every rank"):
-        verify_rank_buckets(manifest, fetched)
+        verify_fetched(manifest, fetched)
     with pytest.raises(ChecksumError, match="carries no checksums"):
         apply.checked(manifest, fetched, verify=True)
