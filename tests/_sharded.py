@@ -44,21 +44,27 @@ def mlp(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 
 
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """Join a gloo group of ``world`` ranks over TCP on this machine (``port``: rank 0's store)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
 class Rank:
     """One rank of the trainer (wrapped in ``ray.remote`` by the test)."""
 
     def __init__(self, rank: int, world: int, port: int, mesh_shape: tuple[int, ...] | None = None) -> None:
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        join_gloo(rank, world, port)
         self.rank = rank
         self.mesh = init_device_mesh("cpu", mesh_shape or (world,))
         self.net: Net | None = None

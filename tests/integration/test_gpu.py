@@ -24,6 +24,7 @@ import ray
 import torch
 
 import raysync
+from tests import _sharded
 from tests._support import assert_same_weights
 
 DEVICE = os.environ.get("RAYSYNC_TEST_DEVICE", "cuda")
@@ -179,19 +180,9 @@ class _GpuRank:
     """
 
     def __init__(self, rank: int, world: int, port: int, device: str) -> None:
-        import datetime
-
-        import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        _sharded.join_gloo(rank, world, port)
         self.rank, self.world, self.device = rank, world, device
         self.mesh = DeviceMesh(device, list(range(world)))
         self.net: torch.nn.Module | None = None
