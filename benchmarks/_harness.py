@@ -192,6 +192,27 @@ def small_policy(seed: int = 0, *, hidden: int = 16) -> torch.nn.Module:
 # ---------------------------------------------------------------------- cluster
 
 
+def join_gloo(rank: int, world: int, port: int, *, timeout_s: float = 120.0) -> None:
+    """Join a gloo group of ``world`` ranks over TCP on this machine (``port``: rank 0's store),
+    as a sharded trainer's ranks do before building their ``DTensor``\\ s.
+
+    Example:
+        >>> join_gloo(0, 2, 29500)  # doctest: +SKIP
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 @contextlib.contextmanager
 def local_cluster(
     *,

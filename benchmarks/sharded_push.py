@@ -29,7 +29,6 @@ store's pages are shared, not counted).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import socket
 import statistics
@@ -64,18 +63,10 @@ class Writer:
         self.rank, self.world, self.model_id = rank, world, model_id
         model = _model(mib, tensors)
         if world > 1:
-            import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.tensor import Shard, distribute_tensor
 
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world,
-                timeout=datetime.timedelta(seconds=120),
-            )
+            harness.join_gloo(rank, world, port)
             mesh = init_device_mesh("cpu", (world,))
             for name, p in list(model.named_parameters()):
                 setattr(model, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))

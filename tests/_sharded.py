@@ -8,11 +8,12 @@ Shard(1) uneven, Shard(0) uneven, Replicate; a plain buffer), and pushes it with
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Any
 
 import torch
+
+from benchmarks._harness import join_gloo
 
 PLACES = {"rows": ("shard", 0), "cols": ("shard", 1), "odd": ("shard", 0), "rep": ("replicate", None)}
 # Over a 2 x 2 mesh: sharded along both mesh dimensions (two tensor dimensions, or one twice: nested
@@ -44,27 +45,13 @@ def mlp(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 
 
-def join_gloo(rank: int, world: int, port: int) -> None:
-    """Join a gloo group of ``world`` ranks over TCP on this machine (``port``: rank 0's store)."""
-    import torch.distributed as dist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-
-
 class Rank:
     """One rank of the trainer (wrapped in ``ray.remote`` by the test)."""
 
     def __init__(self, rank: int, world: int, port: int, mesh_shape: tuple[int, ...] | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        join_gloo(rank, world, port)
+        join_gloo(rank, world, port, timeout_s=60.0)
         self.rank = rank
         self.mesh = init_device_mesh("cpu", mesh_shape or (world,))
         self.net: Net | None = None

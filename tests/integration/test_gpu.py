@@ -24,7 +24,7 @@ import ray
 import torch
 
 import raysync
-from tests import _sharded
+from benchmarks._harness import join_gloo
 from tests._support import assert_same_weights
 
 DEVICE = os.environ.get("RAYSYNC_TEST_DEVICE", "cuda")
@@ -182,7 +182,7 @@ class _GpuRank:
     def __init__(self, rank: int, world: int, port: int, device: str) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
-        _sharded.join_gloo(rank, world, port)
+        join_gloo(rank, world, port, timeout_s=60.0)
         self.rank, self.world, self.device = rank, world, device
         self.mesh = DeviceMesh(device, list(range(world)))
         self.net: torch.nn.Module | None = None
