@@ -9,7 +9,8 @@ tensor and the engine keeps its version; a load that fails part-way leaves the e
 its previous version (``rollback=True``) or torn and refusing to serve, reported to the hub
 either way; an engine that starts following serves nothing before it holds the newest; a
 ``keys=`` push reaches it; an engine in a Ray actor, killed while a version is pushed, serves
-the newest version first once restarted, beside a second engine in this process.
+the newest version first once restarted, beside a second engine in this process; a sharded
+trainer (every rank pushing its own ``DTensor`` shards) feeds it whole tensors.
 """
 
 from __future__ import annotations
@@ -459,6 +460,74 @@ def _served(host: Any) -> tuple[list[list[int]], int] | None:
         return ray.get(host.generate.remote(), timeout=TIMEOUT)  # type: ignore[no-any-return]
     except ray.exceptions.ActorUnavailableError:
         return None
+
+
+class LlamaRank:
+    """One rank of a sharded trainer (2 gloo ranks, Ray actors) holding the tiny Llama as
+    ``DTensor``\\ s: matrices Shard(0) and Shard(1) in turn (uneven where the rows or columns
+    are odd), vectors replicated, the tied embedding shared with the head as in ``transformers``."""
+
+    def __init__(self, rank: int, world: int, port: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from benchmarks._harness import join_gloo
+
+        join_gloo(rank, world, port, timeout_s=60.0)
+        self.mesh = init_device_mesh("cpu", (world,))
+        self.model: Any = None
+
+    def make(self, seed: int) -> None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        model = hf_model(seed)
+        for i, (name, p) in enumerate(list(model.named_parameters())):
+            place = Replicate() if p.dim() == 1 else Shard(i % 2)
+            owner, _, leaf = name.rpartition(".")
+            dt = torch.nn.Parameter(distribute_tensor(p.detach(), self.mesh, [place]))
+            setattr(model.get_submodule(owner), leaf, dt)
+        model.tie_weights()
+        self.model = model
+
+    def push(self, hub_name: str) -> tuple[int, int, int]:
+        """``hub.push(model)`` on this rank: the version, the group's size and the bytes this rank put."""
+        client = raysync.connect(hub_name)
+        version = client.push(self.model, timeout=TIMEOUT)
+        return version, client.last_push["world"], client.last_push["bytes_put"]
+
+
+def test_an_engine_follows_a_sharded_trainer(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
+    """Every rank pushes only its own shards; the engine loads each version whole (each tensor
+    assembled from the ranks' pieces) and serves what ``transformers`` serves with the full weights."""
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    ranks = [ray.remote(num_cpus=0)(LlamaRank).remote(r, 2, port) for r in range(2)]
+    engine = follow_engine(llm, "policy", hub=hub_name, label="vllm-sharded")
+    try:
+        seen = set()
+        for seed in (900, 901, 902, 903):
+            ray.get([r.make.remote(seed) for r in ranks], timeout=120)
+            pushed = ray.get([r.push.remote(hub_name) for r in ranks], timeout=TIMEOUT)
+            assert len({v for v, _, _ in pushed}) == 1, pushed  # one version, one number on both ranks
+            v = pushed[0][0]
+            whole = sum(t.nbytes for t in hf_model(seed).state_dict().values())
+            assert all(world == 2 and put < 0.75 * whole for _, world, put in pushed), pushed  # no gather
+            hub.wait(v, timeout=TIMEOUT, subscribers=1)
+            tokens, version = engine_tokens(engine)
+            assert version == v == engine.version == hub.latest()
+            assert tokens == hf_tokens(hf_model(seed)), f"version {v}"
+            seen.add(str(tokens))
+        assert len(seen) > 1  # versions do differ: the test would see a stale engine
+        (row,) = hub.status()["subscribers"]
+        assert row["applied"] == v and row["last_error"] is None
+    finally:
+        stop_soon(engine.follower)
+        for r in ranks:
+            ray.kill(r)
 
 
 def test_torchrl_style_vllm_scheme(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
