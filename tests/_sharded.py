@@ -108,6 +108,12 @@ class Rank:
                 local.add_(torch.randn(local.shape, generator=g).to(local.dtype))
             self.net.steps.add_(1)
 
+    def bump(self, key: str, by: float) -> None:
+        """Add ``by`` to one tensor's local shard, in place."""
+        assert self.net is not None
+        with torch.no_grad():
+            getattr(self.net, key).to_local().add_(by)
+
     def full(self) -> dict[str, torch.Tensor]:
         """Every weight whole (``full_tensor()``: a collective, so every rank must call it)."""
         assert self.net is not None
@@ -129,6 +135,7 @@ class Rank:
         model_id: str = "policy",
         wait: bool = False,
         checksum: bool = False,
+        keys: Any = None,
     ) -> tuple[int, dict[str, Any]]:
         """``hub.push(model)`` on this rank; the version and the push's stats."""
         import raysync
@@ -138,7 +145,7 @@ class Rank:
             self.net.register_buffer("only_here", torch.zeros(2))
         hub = self.hubs.get(hub_name) or self.hubs.setdefault(hub_name, raysync.connect(hub_name))
         try:
-            version = hub.push(self.net, model_id, timeout=timeout, wait=wait, checksum=checksum)
+            version = hub.push(self.net, model_id, timeout=timeout, wait=wait, checksum=checksum, keys=keys)
         finally:
             if extra:
                 del self.net.only_here

@@ -118,6 +118,9 @@ class ShardPart:
         manifest: the layout of this rank's own buckets (its pieces, keyed by tensor).
         pieces: its pieces, ``bucket`` in its own layout.
         bucket_bytes: the bucket size the whole-tensor layout uses.
+        separate: the keys laid out in buckets of their own, apart from the others (in the
+            rank's layout and the whole one), once ``keys=`` pushed them: a receiver then
+            fetches only their buckets of a ``keys=`` push.
     """
 
     round: int
@@ -127,6 +130,7 @@ class ShardPart:
     manifest: Manifest
     pieces: tuple[ShardPiece, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    separate: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,12 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
     specs = {s.key: s for s in first.specs}
     for rank in range(1, world):
         _agree(specs, by_rank[rank][0], first.rank)
+    apart = {r: by_rank[r][0].separate for r in range(world)}
+    if len(set(apart.values())) != 1:
+        raise InvalidWeightsError(
+            f"the ranks of a sharded push disagree on the keys pushed apart (keys=): {apart}; every rank "
+            "passes the same keys="
+        )
     transports = {by_rank[r][0].manifest.transport for r in range(world)}
     if len(transports) != 1:
         raise InvalidWeightsError(
@@ -274,7 +284,9 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
     pieces.sort(key=lambda p: (p.key, p.offsets, p.rank))
     _check_cover(specs, pieces)
     whole = plan_specs(
-        [(s.key, s.shape, s.dtype, s.nbytes) for s in specs.values()], bucket_bytes=first.bucket_bytes
+        [(s.key, s.shape, s.dtype, s.nbytes) for s in specs.values()],
+        bucket_bytes=first.bucket_bytes,
+        separate=first.separate,
     )
     shard_map = ShardMap(
         world,

@@ -34,7 +34,7 @@ from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, p
 from raysync.errors import InvalidWeightsError
 from raysync.hub.sharded_push import push_shard
 from raysync.hub.state import Version
-from raysync.transports.base import HubTransport, Reuse, transport_for
+from raysync.transports.base import HubTransport, Reuse, Snapshot, transport_for
 from raysync.transports.registry import transport_class
 
 __all__ = ["PushPipeline", "PushRequest", "Pushed"]
@@ -93,6 +93,7 @@ class PushPipeline:
         # for its round), and the number of the last push that did not wait (its failure raises next).
         self._shard_confirmed: dict[str, Any] = {}
         self._shard_unsettled: dict[str, int] = {}
+        self._shard_last: dict[str, Snapshot] = {}  # this rank's last sharded push (keys= fills from it)
         self._previous_of = previous
         self._lost = lost
         self._transports: dict[str, HubTransport] = {}
@@ -179,7 +180,11 @@ class PushPipeline:
         if self._contribute is None:
             raise ValueError("this push pipeline takes no sharded (DTensor) weights")
         contribute = self._contribute
-        self._rounds[request.model_id] = round = self._rounds.get(request.model_id, 0) + 1
+        model_id = request.model_id
+        selected = _select_keys(tensors, request.keys) if request.keys is not None else None
+        # keys= pushed keys are laid apart (in the rank's layout and the whole one) from then on
+        separate = self._separate.get(model_id, frozenset()) if selected is None else frozenset(selected)
+        self._rounds[model_id] = round = self._rounds.get(model_id, 0) + 1
 
         def hand(model_id: str, part: Any, refs: list[Any], pusher: dict[str, Any]) -> int:
             # A rank's first push of a layout waits until its round is published (what the hub
@@ -191,6 +196,7 @@ class PushPipeline:
                 version = contribute(model_id, part, refs, pusher, request.group_timeout, settle, previous)
             except BaseException:
                 self._shard_confirmed.pop(model_id, None)
+                self._shard_last.pop(model_id, None)  # a keys= push must not fill from a failed one
                 raise
             if settle:
                 self._shard_confirmed[model_id] = layout
@@ -198,7 +204,19 @@ class PushPipeline:
                 self._shard_unsettled[model_id] = version
             return version
 
-        version, stats = push_shard(request, tensors, hand, round=round, writer=writer, transport=transport)
+        version, stats, snap = push_shard(
+            request,
+            tensors,
+            hand,
+            round=round,
+            writer=writer,
+            transport=transport,
+            selected=selected,
+            separate=separate,
+            previous=self._shard_last.get(model_id),
+        )
+        self._shard_last[model_id] = snap
+        self._separate[model_id] = separate
         return Pushed(version, stats)
 
     def _tensors(self, request: PushRequest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
+from raysync.core.codec import unpack
 from raysync.core.dtensor import local_part
 from raysync.core.extract import extract_extra_state
-from raysync.core.layout import plan_layout
+from raysync.core.layout import Manifest, plan_layout, schema_of
 from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError
-from raysync.transports.base import Transport, transport_for
+from raysync.transports.base import Reuse, Snapshot, Transport, transport_for
 
 __all__ = ["Contribute", "push_shard"]
 
@@ -41,24 +42,31 @@ def push_shard(
     round: int,
     writer: dict[str, Any],
     transport: Transport | None = None,
-) -> tuple[int, dict[str, Any]]:
-    """This rank's part of push ``round`` of a sharded model; ``(version, stats)``.
+    selected: set[str] | None = None,
+    separate: frozenset[str] = frozenset(),
+    previous: Snapshot | None = None,
+) -> tuple[int, dict[str, Any], Snapshot]:
+    """This rank's part of push ``round`` of a sharded model; ``(version, stats, its snapshot)``.
 
     ``transport`` is the client's object-store transport (it keeps a GPU rank's page-locked
-    staging buffer from push to push); a fresh one without it.
+    staging buffer from push to push); a fresh one without it. ``selected``: the keys of a
+    ``keys=`` push (every other tensor keeps its bytes of ``previous``, this rank's last
+    push, whose buckets holding none of them are not put again); ``separate``: the keys laid
+    out in buckets of their own (those of every ``keys=`` push of the model so far).
 
     Raises:
-        ValueError: ``keys=``, ``delta=`` or a transport other than the object store (not
-            carried for sharded pushes yet).
-        InvalidWeightsError: see :func:`~raysync.core.dtensor.local_part`, and NaN/Inf in
-            this rank's pieces with ``check_finite``.
+        ValueError: ``delta=`` or a transport other than the object store (not carried for
+            sharded pushes yet).
+        InvalidWeightsError: see :func:`~raysync.core.dtensor.local_part`, NaN/Inf in this
+            rank's pieces with ``check_finite``; a ``keys=`` push without a previous push of
+            the same tensors by this rank.
     """
     t0 = time.perf_counter()
     model_id = request.model_id
-    if request.keys is not None or request.delta or request.transport != "object_store":
+    if request.delta or request.transport != "object_store":
         raise ValueError(
-            "a sharded push (DTensor weights) sends whole versions over the object store: drop keys=, "
-            "delta= and transport="
+            "a sharded push (DTensor weights) sends versions over the object store: drop delta= and "
+            "transport="
         )
     part = local_part(tensors)
     local = part.tensors
@@ -78,16 +86,26 @@ def push_shard(
             dataclasses.replace(s, dtype=name, itemsize=size) if _floating(s.dtype) else s for s in specs
         )
     local = {k: t.contiguous() for k, t in local.items()}  # local shards are contiguous: no copy
-    manifest = plan_layout(local, bucket_bytes=request.bucket_bytes)
+    manifest = plan_layout(local, bucket_bytes=request.bucket_bytes, separate=separate & local.keys())
     if part.rank == 0:
         manifest = manifest.with_extra_state(extract_extra_state(request.weights))
-    # checksum=True: one CRC32 per bucket of this rank's own (every rank must say the same)
     store = transport if transport is not None else transport_for("object_store")
-    snap = store.snapshot(model_id, local, manifest, checksum=request.checksum)
+    reuse = None
+    if selected is not None:
+        local, reuse = _keep_the_others(model_id, local, manifest, selected, previous, store)
+    # checksum=True: one CRC32 per bucket of this rank's own (every rank must say the same)
+    snap = store.snapshot(model_id, local, manifest, checksum=request.checksum, reuse=reuse)
     snapshot_s = time.perf_counter() - t0
     del local
     shard = ShardPart(
-        round, part.rank, part.world, specs, snap.manifest, part.pieces(snap.manifest), request.bucket_bytes
+        round,
+        part.rank,
+        part.world,
+        specs,
+        snap.manifest,
+        part.pieces(snap.manifest),
+        request.bucket_bytes,
+        tuple(sorted(separate)),
     )
     stats = {
         "model_id": model_id,
@@ -103,7 +121,39 @@ def push_shard(
     stats["seconds"] = time.perf_counter() - t0
     stats["contribute_s"] = stats["seconds"] - (t1 - t0)  # the hub's round trip (recording the part)
     stats["bytes"] = snap.bytes_put
-    return version, stats
+    return version, stats, snap
+
+
+def _keep_the_others(
+    model_id: str,
+    local: dict[str, torch.Tensor],
+    manifest: Manifest,
+    selected: set[str],
+    previous: Snapshot | None,
+    store: Transport,
+) -> tuple[dict[str, torch.Tensor], Reuse | None]:
+    """A ``keys=`` push: this rank's pieces of the other keys as ``previous`` holds them, and
+    which of its buckets to take as they are (same layout: those holding none of ``selected``)."""
+    if previous is None:
+        raise InvalidWeightsError(
+            f"push(keys=...) of a sharded model fills the other keys from this rank's previous push of "
+            f"{model_id!r}, and this process has pushed none: push the whole model once first"
+        )
+    if previous.manifest.schema() != schema_of(local):
+        raise InvalidWeightsError(
+            f"push(keys=...) needs this rank's shards of the other keys of {model_id!r} shaped as in its "
+            "previous push; they changed, so push the whole model"
+        )
+    every = range(previous.manifest.num_buckets)
+    old = unpack(previous.manifest, store.fetch(previous.manifest, previous.refs, every, timeout=None))
+    kept = {k: (t if k in selected else old[k]) for k, t in local.items()}
+    if previous.manifest.layout_hash != manifest.layout_hash:  # the first keys= push lays them apart
+        return kept, None
+
+    def reuse(b: int, bucket: list[Any]) -> Any:
+        return None if any(e.key in selected for e in manifest.bucket_entries(b)) else previous.refs[b]
+
+    return kept, reuse
 
 
 def _floating(dtype: str) -> bool:

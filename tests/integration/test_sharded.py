@@ -194,6 +194,43 @@ def test_small_versions_reach_a_node_by_doorbell(ranks: list[Any], hub_name: str
         ray.kill(hub.actor)
 
 
+def test_a_keys_push_puts_and_fetches_only_those_keys(ranks: list[Any], hub_name: str) -> None:
+    """``hub.push(model, keys=[...])`` on every rank: each puts only its shards of those keys
+    (once laid apart), the other keys keep the previous push's bytes, receivers fetch only them."""
+    hub = raysync.connect(hub_name, settings=raysync.HubSettings(doorbell_bytes=0))  # by call: fetches
+    collector = _collector(hub_name)
+    try:
+        ray.get(collector.state.remote(), timeout=TIMEOUT)
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+        with pytest.raises(raysync.InvalidWeightsError, match="push the whole model once first"):
+            _push(ranks, hub_name, keys=["rows"])  # this process has pushed nothing to fill from
+        _push(ranks, hub_name)
+        kept = _full(ranks)
+        for step in (1, 2):  # the first keys= push lays the keys apart (everything put once more)
+            ray.get([r.bump.remote("rows", 1.0) for r in ranks], timeout=TIMEOUT)
+            ray.get([r.bump.remote("odd", 1.0) for r in ranks], timeout=TIMEOUT)  # not pushed: kept
+            pushed = _push(ranks, hub_name, keys=["rows"])
+            version = pushed[0][0]
+            assert {v for v, _ in pushed} == {version}
+            if step == 1:  # laid out anew: rows in a bucket of its own, the rest in another
+                assert [stats["buckets_put"] for _, stats in pushed] == [2, 2]
+            hub.wait(version, timeout=TIMEOUT)
+            expected = {**kept, "rows": _full(ranks)["rows"]}
+            held, weights = ray.get(collector.state.remote(), timeout=TIMEOUT)
+            assert held == version
+            assert_same_weights(weights, expected)
+        rows_shards = torch.chunk(expected["rows"], 2, dim=0)
+        # each rank put exactly its shard of rows: one bucket of it alone
+        assert [stats["bytes_put"] for _, stats in pushed] == [t.nbytes for t in rows_shards]
+        assert [stats["buckets_put"] for _, stats in pushed] == [1, 1]
+        (row,) = hub.status()["subscribers"]
+        assert row["last_buckets_fetched"] == 1 and row["last_bytes_fetched"] == expected["rows"].nbytes
+        assert_same_weights(dict(hub.pull().flatten_keys(".").items()), expected)
+    finally:
+        ray.kill(collector)
+        ray.kill(hub.actor)
+
+
 def _parts_of(net: torch.nn.Module, tp: raysync.TensorParallel) -> torch.nn.Module:
     """``net`` holding only ``tp``'s parts of its tensors (as a tensor-parallel engine's rank does)."""
     for key, t in list(net.named_parameters()):

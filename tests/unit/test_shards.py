@@ -153,6 +153,15 @@ def test_ranks_that_disagree_are_refused_naming_the_tensor() -> None:
     fewer = tuple(s for s in p1.specs if s.key != "rep")
     with pytest.raises(InvalidWeightsError, match=r"rank 0 has \['rep'\] that rank 1 lacks"):
         merge([parts[0], (ShardPart(1, 1, 2, fewer, p1.manifest, p1.pieces), r1)])
+    # keys= on one rank only: the ranks would lay the whole tensors out differently
+    with pytest.raises(InvalidWeightsError, match="disagree on the keys pushed apart"):
+        merge([parts[0], (dataclasses.replace(p1, separate=("rows",)), r1)])
+    # the same keys= on every rank: those keys get whole buckets of their own
+    for separate, alone in (((), False), (("odd",), True)):
+        laid = [(dataclasses.replace(p, separate=separate, bucket_bytes=2**20), r) for p, r in parts]
+        manifest, _ = merge(laid)
+        (odd,) = [e for e in manifest.entries if e.key == "odd"]
+        assert ([e.key for e in manifest.bucket_entries(odd.bucket)] == ["odd"]) is alone
 
 
 def test_a_missing_or_doubled_shard_is_refused_naming_the_tensor() -> None:
