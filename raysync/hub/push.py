@@ -27,14 +27,14 @@ from ray.exceptions import ObjectLostError, RayTaskError
 
 from raysync import _compat
 from raysync._checks import require_ray
-from raysync.core.codec import same_bytes, unpack
+from raysync.core.codec import unpack
 from raysync.core.dtensor import is_sharded
 from raysync.core.extract import extract_extra_state, extract_tensors
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
 from raysync.hub.sharded_push import push_shard
 from raysync.hub.state import Version
-from raysync.transports.base import HubTransport, Reuse, Snapshot, transport_for
+from raysync.transports.base import HubTransport, Reuse, Snapshot, reuse_unchanged, transport_for
 from raysync.transports.registry import transport_class
 
 __all__ = ["PushPipeline", "PushRequest", "Pushed"]
@@ -144,7 +144,8 @@ class PushPipeline:
                 old = unpack(prev.manifest, prev_buckets)
                 tensors = {k: (t if k in selected else old[k]) for k, t in tensors.items()}
             if prev.manifest.layout_hash == manifest.layout_hash:
-                reuse = _reuser(prev, prev_buckets, manifest, selected, request.delta)
+                same = prev_buckets if request.delta else None  # delta: buckets whose bytes are the same
+                reuse = reuse_unchanged(prev.refs, manifest, selected, same)
         snap = transport.snapshot(model_id, tensors, manifest, checksum=request.checksum, reuse=reuse)
         del tensors, prev_buckets
         snapshot_s = time.perf_counter() - t0
@@ -281,20 +282,6 @@ class PushPipeline:
             manifest = plan_layout(tensors, bucket_bytes=bucket_bytes, separate=separate)
             self._layouts = {key: manifest}  # one layout cached: structure rarely changes
         return manifest
-
-
-def _reuser(
-    prev: Version, prev_buckets: list[Any], manifest: Manifest, selected: set[str] | None, delta: bool
-) -> Reuse:
-    """Which buckets re-use the previous version's objects (same layout assumed)."""
-
-    def reuse(b: int, bucket: list[Any]) -> Any:
-        untouched = selected is not None and not any(e.key in selected for e in manifest.bucket_entries(b))
-        if untouched or (delta and same_bytes(bucket, prev_buckets[b])):
-            return prev.refs[b]
-        return None
-
-    return reuse
 
 
 def _select_keys(tensors: dict[str, Any], keys: Iterable[str] | Callable[[str], bool]) -> set[str]:

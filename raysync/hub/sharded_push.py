@@ -26,7 +26,7 @@ from raysync.core.extract import extract_extra_state
 from raysync.core.layout import Manifest, plan_layout, schema_of
 from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError
-from raysync.transports.base import Reuse, Snapshot, Transport, transport_for
+from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged, transport_for
 
 __all__ = ["Contribute", "push_shard"]
 
@@ -149,11 +149,7 @@ def _keep_the_others(
     kept = {k: (t if k in selected else old[k]) for k, t in local.items()}
     if previous.manifest.layout_hash != manifest.layout_hash:  # the first keys= push lays them apart
         return kept, None
-
-    def reuse(b: int, bucket: list[Any]) -> Any:
-        return None if any(e.key in selected for e in manifest.bucket_entries(b)) else previous.refs[b]
-
-    return kept, reuse
+    return kept, reuse_unchanged(previous.refs, manifest, selected)
 
 
 def _floating(dtype: str) -> bool:

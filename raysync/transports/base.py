@@ -8,12 +8,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from raysync.core.codec import same_bytes
 from raysync.core.layout import Manifest
 from raysync.transports import registry
 from raysync.transports.registry import TransportInfo
@@ -35,6 +36,29 @@ TRANSPORTS = tuple(n for n in registry.BUILTIN if n != "sharded")  # the hub nam
 
 Reuse = Callable[[int, list[Any]], Any]
 """``(bucket index, packed bucket) -> ObjectRef | None``: a previous version's object to re-use."""
+
+
+def reuse_unchanged(
+    refs: Sequence[Any],
+    manifest: Manifest,
+    selected: Collection[str] | None,
+    previous_buckets: Sequence[Any] | None = None,
+) -> Reuse:
+    """Re-use ``refs[b]``, a previous version's objects in the same layout, for each bucket that
+    holds none of ``selected`` (a ``keys=`` push) or, given ``previous_buckets``, whose bytes equal
+    the previous ones (a ``delta=`` push).
+
+    Example:
+        >>> reuse = reuse_unchanged(prev.refs, manifest, {"lora.A"})   # doctest: +SKIP
+    """
+
+    def reuse(b: int, bucket: list[Any]) -> Any:
+        untouched = selected is not None and not any(e.key in selected for e in manifest.bucket_entries(b))
+        if untouched or (previous_buckets is not None and same_bytes(bucket, previous_buckets[b])):
+            return refs[b]
+        return None
+
+    return reuse
 
 
 @dataclass
