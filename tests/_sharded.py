@@ -135,9 +135,9 @@ class Rank:
         model_id: str = "policy",
         wait: bool = False,
         checksum: bool = False,
-        keys: Any = None,
+        **opts: Any,
     ) -> tuple[int, dict[str, Any]]:
-        """``hub.push(model)`` on this rank; the version and the push's stats."""
+        """``hub.push(model, **opts)`` on this rank; the version and the push's stats."""
         import raysync
 
         assert self.net is not None
@@ -145,7 +145,7 @@ class Rank:
             self.net.register_buffer("only_here", torch.zeros(2))
         hub = self.hubs.get(hub_name) or self.hubs.setdefault(hub_name, raysync.connect(hub_name))
         try:
-            version = hub.push(self.net, model_id, timeout=timeout, wait=wait, checksum=checksum, keys=keys)
+            version = hub.push(self.net, model_id, timeout=timeout, wait=wait, checksum=checksum, **opts)
         finally:
             if extra:
                 del self.net.only_here

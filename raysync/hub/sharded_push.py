@@ -51,22 +51,22 @@ def push_shard(
     ``transport`` is the client's object-store transport (it keeps a GPU rank's page-locked
     staging buffer from push to push); a fresh one without it. ``selected``: the keys of a
     ``keys=`` push (every other tensor keeps its bytes of ``previous``, this rank's last
-    push, whose buckets holding none of them are not put again); ``separate``: the keys laid
-    out in buckets of their own (those of every ``keys=`` push of the model so far).
+    push, whose buckets holding none of them are not put again; with ``delta=``, neither are
+    the buckets whose bytes are those of ``previous``); ``separate``: the keys laid out in
+    buckets of their own (those of every ``keys=`` push of the model so far).
 
     Raises:
-        ValueError: ``delta=`` or a transport other than the object store (not carried for
-            sharded pushes yet).
+        ValueError: a transport other than the object store (not carried for sharded pushes
+            yet).
         InvalidWeightsError: see :func:`~raysync.core.dtensor.local_part`, NaN/Inf in this
             rank's pieces with ``check_finite``; a ``keys=`` push without a previous push of
             the same tensors by this rank.
     """
     t0 = time.perf_counter()
     model_id = request.model_id
-    if request.delta or request.transport != "object_store":
+    if request.transport != "object_store":
         raise ValueError(
-            "a sharded push (DTensor weights) sends versions over the object store: drop delta= and "
-            "transport="
+            "a sharded push (DTensor weights) sends versions over the object store: drop transport="
         )
     part = local_part(tensors)
     local = part.tensors
@@ -91,8 +91,8 @@ def push_shard(
         manifest = manifest.with_extra_state(extract_extra_state(request.weights))
     store = transport if transport is not None else transport_for("object_store")
     reuse = None
-    if selected is not None:
-        local, reuse = _keep_the_others(model_id, local, manifest, selected, previous, store)
+    if selected is not None or request.delta:
+        local, reuse = _from_previous(model_id, local, manifest, selected, request.delta, previous, store)
     # checksum=True: one CRC32 per bucket of this rank's own (every rank must say the same)
     snap = store.snapshot(model_id, local, manifest, checksum=request.checksum, reuse=reuse)
     snapshot_s = time.perf_counter() - t0
@@ -124,32 +124,42 @@ def push_shard(
     return version, stats, snap
 
 
-def _keep_the_others(
+def _from_previous(
     model_id: str,
     local: dict[str, torch.Tensor],
     manifest: Manifest,
-    selected: set[str],
+    selected: set[str] | None,
+    delta: bool,
     previous: Snapshot | None,
     store: Transport,
 ) -> tuple[dict[str, torch.Tensor], Reuse | None]:
-    """A ``keys=`` push: this rank's pieces of the other keys as ``previous`` holds them, and
-    which of its buckets to take as they are (same layout: those holding none of ``selected``)."""
+    """A ``keys=`` or ``delta=`` push: this rank's pieces (the keys not ``selected`` as
+    ``previous`` holds them), and which of its buckets to take as they are from ``previous``,
+    this rank's last push (same layout: those holding none of ``selected``, or, with
+    ``delta``, whose bytes are the same). A delta push without a previous one sends everything.
+    """
     if previous is None:
+        if selected is None:
+            return local, None
         raise InvalidWeightsError(
             f"push(keys=...) of a sharded model fills the other keys from this rank's previous push of "
             f"{model_id!r}, and this process has pushed none: push the whole model once first"
         )
     if previous.manifest.schema() != schema_of(local):
+        if selected is None:
+            return local, None
         raise InvalidWeightsError(
             f"push(keys=...) needs this rank's shards of the other keys of {model_id!r} shaped as in its "
             "previous push; they changed, so push the whole model"
         )
     every = range(previous.manifest.num_buckets)
-    old = unpack(previous.manifest, store.fetch(previous.manifest, previous.refs, every, timeout=None))
-    kept = {k: (t if k in selected else old[k]) for k, t in local.items()}
+    buckets = store.fetch(previous.manifest, previous.refs, every, timeout=None)
+    if selected is not None:
+        old = unpack(previous.manifest, buckets)
+        local = {k: (t if k in selected else old[k]) for k, t in local.items()}
     if previous.manifest.layout_hash != manifest.layout_hash:  # the first keys= push lays them apart
-        return kept, None
-    return kept, reuse_unchanged(previous.refs, manifest, selected)
+        return local, None
+    return local, reuse_unchanged(previous.refs, manifest, selected, buckets if delta else None)
 
 
 def _floating(dtype: str) -> bool:

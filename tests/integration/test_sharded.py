@@ -231,6 +231,33 @@ def test_a_keys_push_puts_and_fetches_only_those_keys(ranks: list[Any], hub_name
         ray.kill(hub.actor)
 
 
+def test_a_delta_push_puts_and_fetches_only_the_buckets_that_changed(ranks: list[Any], hub_name: str) -> None:
+    """``delta=True`` on every rank: each puts only its buckets whose bytes changed since its
+    previous push; receivers fetch only the whole buckets made of those."""
+    hub = raysync.connect(hub_name, settings=raysync.HubSettings(doorbell_bytes=0))  # by call: fetches
+    collector = _collector(hub_name)
+    small = 1  # bytes per bucket: every tensor (and every rank's shard of it) in a bucket of its own
+    try:
+        ray.get(collector.state.remote(), timeout=TIMEOUT)
+        ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+        first = _push(ranks, hub_name, delta=True, bucket_bytes=small)  # nothing before it: all put
+        assert all(stats["buckets_put"] == stats["buckets"] > 1 for _, stats in first), first
+        ray.get([r.bump.remote("rows", 1.0) for r in ranks], timeout=TIMEOUT)
+        pushed = _push(ranks, hub_name, delta=True, bucket_bytes=small)
+        version = pushed[0][0]
+        assert [stats["buckets_put"] for _, stats in pushed] == [1, 1]  # each rank's bucket of rows
+        hub.wait(version, timeout=TIMEOUT)
+        expected = _full(ranks)
+        held, weights = ray.get(collector.state.remote(), timeout=TIMEOUT)
+        assert held == version
+        assert_same_weights(weights, expected)
+        (row,) = hub.status()["subscribers"]
+        assert row["last_buckets_fetched"] == 1 and row["last_bytes_fetched"] == expected["rows"].nbytes
+    finally:
+        ray.kill(collector)
+        ray.kill(hub.actor)
+
+
 def _parts_of(net: torch.nn.Module, tp: raysync.TensorParallel) -> torch.nn.Module:
     """``net`` holding only ``tp``'s parts of its tensors (as a tensor-parallel engine's rank does)."""
     for key, t in list(net.named_parameters()):
