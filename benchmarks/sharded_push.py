@@ -20,6 +20,8 @@ fresh pages included, beside it), and each rank's peak private memory above what
 each push started (the most over its pushes; sampled every 2 ms during each push; the object
 store's pages are shared, not counted).
 
+``--keys w00``: every push after the first sends only those keys (``hub.push(model, keys=...)``).
+
 ``--late-ms``: the last rank of each group starts its push that much later than the others
 (a straggler); the others' blocking then shows whether a push waits for it.
 
@@ -105,7 +107,7 @@ class Writer:
         ref = ray.put([t.detach().numpy().view(np.uint8) for t in self.local()])
         return [ref], time.perf_counter() - t0
 
-    def push(self, step: int, late_s: float = 0.0) -> tuple[int, float, float]:
+    def push(self, step: int, late_s: float = 0.0, keys: list[str] | None = None) -> tuple[int, float, float]:
         time.sleep(late_s)  # a rank that comes late (its own blocking is timed from its push)
         with torch.no_grad():
             for t in self.local():
@@ -121,7 +123,7 @@ class Writer:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         t0 = time.perf_counter()
-        version = self.hub.push(self.model, self.model_id, timeout=120)
+        version = self.hub.push(self.model, self.model_id, timeout=120, keys=keys)
         dt = time.perf_counter() - t0
         done.set()
         sampler.join()
@@ -194,7 +196,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for world, writers in groups.items():  # interleaved: each round pushes every group once
             t0 = time.perf_counter()
             late = [args.late_ms / 1e3 if r == world - 1 and world > 1 else 0.0 for r in range(world)]
-            calls = [w.push.remote(step, s) for w, s in zip(writers, late, strict=True)]
+            keys = args.keys if args.keys and step >= 1 else None  # the first push is whole
+            calls = [w.push.remote(step, s, keys) for w, s in zip(writers, late, strict=True)]
             pushed = ray.get(calls, timeout=600)
             hub.wait(pushed[0][0], f"w{world}", timeout=300, subscribers=args.actors)
             took = time.perf_counter() - t0
@@ -243,15 +246,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--late-ms", type=float, default=0.0, help="the last rank of a group comes this late")
+    parser.add_argument(
+        "--keys",
+        type=lambda v: v.split(","),
+        default=None,
+        help="push only these keys (say w00) after the first push; the first 2 pushes are warm-up",
+    )
     parser.add_argument("--object-store-mib", type=int, default=4096)
     args = parser.parse_args(argv)
+    if args.keys:  # the first keys= push lays the keys apart (puts everything): warm-up too
+        args.warmup = max(args.warmup, 2)
     started = time.time()
     with harness.local_cluster(num_cpus=args.actors + 8, object_store_bytes=args.object_store_mib * 2**20):
         rows = run(args)
     single = next((r["applied_s"] for r in rows if r["writers"] == 1), None)
     single_floor = next((r["floor_s"] for r in rows if r["writers"] == 1), None)
     late = f", the last rank {args.late_ms:g} ms late" if args.late_ms else ""
-    print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}{late}")
+    only = f", keys={','.join(args.keys)}" if args.keys else ""
+    print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}{late}{only}")
     print(
         "writers | all applied (s) | vs 1 writer | Ray's floor (s) | floor vs 1 writer's | "
         "per-rank blocking (s) | of it snapshot (s) | Ray's put of shard (s) | memcpy of shard (s) | "
