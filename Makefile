@@ -52,6 +52,7 @@ demo-llm: $(VLLM_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check raysync tests examples benchmarks .ci
+	$(BIN)/ruff format --check raysync tests examples benchmarks .ci
 	$(BIN)/python .ci/layers.py
 
 typecheck: $(STAMP)

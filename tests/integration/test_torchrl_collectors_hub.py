@@ -271,8 +271,10 @@ def test_workers_follow_the_hub_through_its_restart(hub_name: str) -> None:
         # It acknowledged the version (what the update waited for); it registers again at its
         # next check-in, until then the restarted hub lists it as "restoring".
         wait_for_condition(
-            lambda: [(r["state"], r["applied"]) for r in _worker_rows(hub_name)]
-            == [("live", hub.latest("policy"))],
+            lambda: (
+                [(r["state"], r["applied"]) for r in _worker_rows(hub_name)]
+                == [("live", hub.latest("policy"))]
+            ),
             timeout=30,
             what="the worker registered again, holding the newest version",
         )
