@@ -46,7 +46,7 @@ from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
-from raysync.transports.sharded import verify_fetched
+from raysync.transports.sharded import Assembly, verify_fetched
 from raysync.transports.store_pages import populate_store_mapping
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "commit",
     "failed",
     "fetch",
+    "at_hand",
     "fetch_async",
     "nbytes",
     "plan",
@@ -160,6 +161,22 @@ def verified(
     # once per process: later reads take no page faults
     populate_store_mapping(False, nbytes(manifest, needed))
     return checked(manifest, dict(zip(needed, arrays, strict=True)), verify=verify)
+
+
+def at_hand(
+    target: Target, manifest: Manifest, buckets: Sequence[Any], needed: Sequence[int], *, verify: Verify
+) -> dict[int, Any]:
+    """The buckets ``needed`` of a version whose whole buckets are at hand (a rung segment's), as
+    ``target`` takes them (its parts cut from them, for a target holding parts), checked as asked.
+
+    Example:
+        >>> fetched = at_hand(target, segment.manifest, segment.buckets, [0], verify=False)  # doctest: +SKIP
+    """
+    cut = view(target, manifest)
+    if cut is manifest:
+        return checked(manifest, {b: buckets[b] for b in needed}, verify=verify)
+    rank_buckets = dict(enumerate(buckets))  # the parts' pieces lie in the whole buckets
+    return checked(cut, {b: Assembly(cut, b, rank_buckets) for b in needed}, verify=verify)
 
 
 def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> dict[int, Any]:

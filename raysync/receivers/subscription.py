@@ -177,11 +177,11 @@ class _Subscription(PullSync, LocalChanges):
         Push subscriptions on plain and threaded actors: the doorbell's thread applies
         under the actor's write lock. A view then looks into the sealed segment itself
         (read-only, as it would into the object store; the mapping lives as long as the
-        view). Async actors (their plain methods run unguarded on the event loop),
-        prefetching subscriptions and targets holding parts (cut from the store's buckets) are called.
+        view); a module holding parts copies them out of it. Async actors (their plain
+        methods run unguarded on the event loop) and prefetching subscriptions are called.
         """
-        spec, parts = self.spec, getattr(self._target(), "placement", None)
-        if self.sync.is_async or spec.mode != "push" or spec.prefetch or parts is not None:
+        spec = self.spec
+        if self.sync.is_async or spec.mode != "push" or spec.prefetch:
             return None
         bell = doorbell()
         return None if bell is None else bell.register(self.sub_id, self.ring)
@@ -200,8 +200,8 @@ class _Subscription(PullSync, LocalChanges):
             needed = self._plan(version, manifest, segment.ids)
             if needed is None:
                 return self._skipped(version)
-            fetched = {b: segment.buckets[b] for b in needed}
-            fetched = apply.checked(manifest, fetched, verify=self.spec.verify)
+            target, verify = self._target(), self.spec.verify
+            fetched = apply.at_hand(target, manifest, segment.buckets, needed, verify=verify)
             with self._write_lock():
                 pause = self._commit(version, manifest, segment.ids, fetched)
             del fetched

@@ -274,7 +274,8 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
     (rows split along dim 1 and cols along dim 0, unlike the trainer), bit-equal to those parts of
     the trainer's ``full_tensor()``s, the replicated tensor and the buffer whole; the same from
     one writer pushing whole tensors (model "whole"). The actor verifies: every rank pushes with
-    ``checksum=True`` (one CRC32 per rank bucket), and a version without them is refused."""
+    ``checksum=True`` (one CRC32 per rank bucket), and a version without them is refused. These
+    small versions reach the actor by doorbell: it cuts its parts from the rung segment."""
     tp = raysync.TensorParallel(1, 2, {"rows": 1, "cols": 0})
 
     @raysync.synced_model("policy", hub=hub_name, placement=tp, verify=True)
@@ -297,6 +298,7 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
     single = raysync.follow(alone, "whole", hub=hub_name, placement=tp)
     try:
         assert ray.get(engine.state.remote("policy"), timeout=TIMEOUT)[0] is None
+        before = hub.status()["here"]  # the hub rings this node's doorbells itself
         for step in (3, 4):
             ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
             version = _push(ranks, hub_name, checksum=True)[0][0]
@@ -308,6 +310,8 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
             assert follower.version == version
             assert_same_weights(followed.state_dict(), mine)
         checked = version
+        after = hub.status()["here"]  # small versions: the actor was rung, cut its parts from the segment
+        assert (after["rung"] - before["rung"], after["delivered"] - before["delivered"]) == (2, 0)
         rows = {r["class_name"]: r for r in hub.status()["subscribers"] if r["model_id"] == "policy"}
         assert rows["Engine"]["applied"] == version and rows["Engine"]["last_error"] is None
         # what it copied in: its parts and the whole replicated tensors, laid out as Ray aligns buffers
