@@ -26,9 +26,15 @@ each a fresh state dict of the same shapes, medians of:
     the least a version through Ray's object store pays to reach vLLM, in the same run:
     ``ray.put`` of the tensors' bytes (uint8 views, the trainer's one copy), ``ray.get`` of them
     (zero-copy) and vLLM's own load of the tensors over those bytes. No hub, no version checks.
+``hub_floor_s``
+    ``floor_s`` plus one message through a Ray actor, what any version kept and announced by a
+    hub pays on top: the trainer's ``ray.put``, a one-way call carrying the ref to an async
+    actor, that actor's reply to a call the engine's thread has waiting (a long poll), then
+    ``ray.get`` and vLLM's load. No version checks, no layout, no lease.
 ``ratio``
     ``push_to_serving_s / vllm_reload_s`` (the issue's target: at most 1.25); ``floor_ratio`` is
-    ``floor_s / vllm_reload_s``, what the target leaves a path through the object store.
+    ``floor_s / vllm_reload_s``, what the target leaves a path through the object store;
+    ``hub_floor_ratio`` is ``hub_floor_s / vllm_reload_s``, what it leaves a path through a hub.
 
 Run (with a Python that has vLLM, e.g. ``pip install -e '.[dev,vllm]'``)::
 
@@ -41,6 +47,7 @@ Results: a table on stdout and JSON in ``--json`` (default ``benchmarks/results/
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
@@ -114,7 +121,13 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
     hub = raysync.connect(hub_name)
     engine: Any = start_following(TimedEngine(llm), "policy", hub=hub_name)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    keys = ("push_to_serving_s", "push_s", "deliver_s", "commit_s", "vllm_reload_s", "backend_s", "floor_s")
+    keys = (
+        "push_to_serving_s", "push_s", "deliver_s", "commit_s", "vllm_reload_s", "backend_s", "floor_s",
+        "hub_floor_s",
+    )  # fmt: skip
+    import ray
+
+    mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()
     rows: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for i in range(repeats + 1):
@@ -138,16 +151,16 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
             engine._load(pairs)  # the backend alone, no hub (the engine holds version v's values again)
             backend = time.perf_counter() - t0
             floor = _floor(llm, version)
+            hub_floor = _floor(llm, version, mailbox)
             if i == 0:
                 continue  # warm-up
-            values = (serving, pushed, deliver, commit, reload, backend, floor)
+            values = (serving, pushed, deliver, commit, reload, backend, floor, hub_floor)
             for key, value in zip(rows, values, strict=True):
                 rows[key].append(value)
     finally:
         engine.stop()
-        import ray
-
         ray.kill(hub.actor)
+        ray.kill(mailbox)
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
         "model": name,
@@ -156,16 +169,40 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
         **med,
         "ratio": med["push_to_serving_s"] / med["vllm_reload_s"],
         "floor_ratio": med["floor_s"] / med["vllm_reload_s"],
+        "hub_floor_ratio": med["hub_floor_s"] / med["vllm_reload_s"],
         "samples": rows,
     }
 
 
-def _floor(llm: Any, version: dict[str, torch.Tensor]) -> float:
-    """``ray.put`` of the tensors' bytes, ``ray.get`` (zero-copy) and vLLM's load over them: seconds."""
+class _Mailbox:
+    """An async actor handing a posted ref to the call waiting for it (a hub's long poll, bare)."""
+
+    def __init__(self) -> None:
+        self.posted: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def post(self, refs: list[Any]) -> None:
+        self.posted.put_nowait(refs)
+
+    async def wait(self) -> list[Any]:
+        return await self.posted.get()
+
+
+def _floor(llm: Any, version: dict[str, torch.Tensor], mailbox: Any = None) -> float:
+    """``ray.put`` of the tensors' bytes, ``ray.get`` (zero-copy) and vLLM's load over them: seconds.
+
+    With ``mailbox``: the ref goes through it first (posted one way; the reply to a waiting call
+    brings it back), as a version through a hub does.
+    """
     import ray
 
+    if mailbox is not None:
+        waiting = mailbox.wait.remote()
+        time.sleep(0.02)  # the call waits at the actor before the clock starts
     t0 = time.perf_counter()
     ref = ray.put([t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in version.values()])
+    if mailbox is not None:
+        mailbox.post.remote([ref])
+        (ref,) = ray.get(waiting)
     arrays = ray.get(ref)
     pairs = [
         (k, torch.from_numpy(a).view(t.dtype).reshape(t.shape))
@@ -195,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['model']:>5} {r['mib']:8.1f} MiB  push_to_serving {r['push_to_serving_s']:.4f} s  "
                 f"push {r['push_s']:.4f} s  deliver {r['deliver_s']:.4f} s  commit {r['commit_s']:.4f} s  "
                 f"vllm_reload {r['vllm_reload_s']:.4f} s  "
-                f"backend {r['backend_s']:.4f} s  floor {r['floor_s']:.4f} s  ratio {r['ratio']:.2f}  "
-                f"floor/reload {r['floor_ratio']:.2f}  "
+                f"backend {r['backend_s']:.4f} s  floor {r['floor_s']:.4f} s  "
+                f"hub_floor {r['hub_floor_s']:.4f} s  "
+                f"ratio {r['ratio']:.2f}  floor/reload {r['floor_ratio']:.2f}  "
+                f"hub_floor/reload {r['hub_floor_ratio']:.2f}  "
                 f"(engine up in {r['startup_s']:.1f} s)",
                 flush=True,
             )
