@@ -151,6 +151,13 @@ class Rank:
                 del self.net.only_here
         return version, dict(hub.last_push)
 
+    def wait(self, hub_name: str, version: int, timeout: float = 30.0, model_id: str = "policy") -> None:
+        """``hub.wait(version)`` on this rank (after a hub restart: it offers its part again)."""
+        import raysync
+
+        hub = self.hubs.get(hub_name) or self.hubs.setdefault(hub_name, raysync.connect(hub_name))
+        hub.wait(version, model_id, timeout=timeout)
+
     def die(self) -> None:
         """Exit the process at once, as a crashed rank does."""
         os._exit(1)

@@ -454,7 +454,7 @@ class HubClient:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        mine = self._pipeline.last.get(model_id)
+        mine = self._pipeline.offer(model_id)
         offer = mine is not None and mine.version >= version
         args = (model_id, version, timeout, include_pull, offer, need)
         # With publishes unanswered (a push just returned), send the wait at once instead of
@@ -476,8 +476,9 @@ class HubClient:
         if result is None:
             result = self._call("wait", *args)
         if result.missing and mine is not None:
-            # The hub restarted and lost the version: offer ours again, then wait as usual.
-            self._call("restore", model_id, mine.version, mine.manifest, mine.refs, writer_identity())
+            # The hub restarted and lost the version: offer ours again (a sharded rank: its part;
+            # the hub keeps the version once every rank offered), then wait as usual.
+            self._call(mine.method, *mine.args, writer_identity())
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             result = self._call("wait", model_id, version, left, include_pull, False, need)
         raise_for(result, model_id, version, timeout, need=need, failures=raise_failures)

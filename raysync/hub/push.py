@@ -37,7 +37,7 @@ from raysync.hub.state import Version
 from raysync.transports.base import HubTransport, Reuse, Snapshot, reuse_unchanged, transport_for
 from raysync.transports.registry import transport_class
 
-__all__ = ["PushPipeline", "PushRequest", "Pushed"]
+__all__ = ["Offer", "PushPipeline", "PushRequest", "Pushed"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,18 @@ class PushRequest:
     check_finite: bool = False
     transport: str = "object_store"
     group_timeout: float = 60.0  # a sharded push: how long to wait for every rank's shard
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a writer offers a hub whose restart lost its newest version: the hub's method and its args.
+
+    ``version`` is the version offered; ``args`` go to ``method`` before the writer's identity.
+    """
+
+    version: int
+    method: str
+    args: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,7 @@ class PushPipeline:
         self._layouts: dict[tuple[Any, ...], Manifest] = {}
         self._separate: dict[str, frozenset[str]] = {}
         self.last: dict[str, Version] = {}  # the newest version this client pushed, per model
+        self._shard_offer: dict[str, Offer] = {}  # this rank's part of its newest sharded version
 
     def push(self, request: PushRequest, *, writer: dict[str, Any]) -> Pushed:
         """Run every step; returns once the snapshot is taken and the hub stamped it."""
@@ -203,6 +216,8 @@ class PushPipeline:
                 self._shard_confirmed[model_id] = layout
             else:
                 self._shard_unsettled[model_id] = version
+            offered = (model_id, version, part, list(refs))
+            self._shard_offer[model_id] = Offer(version, "restore_part", offered)
             return version
 
         version, stats, snap = push_shard(
@@ -219,6 +234,21 @@ class PushPipeline:
         self._shard_last[model_id] = snap
         self._separate[model_id] = separate
         return Pushed(version, stats)
+
+    def offer(self, model_id: str) -> Offer | None:
+        """What this client offers a hub whose restart lost its newest version of ``model_id``.
+
+        One writer's whole version (the hub keeps it again), or a sharded rank's part of its
+        newest version (the hub keeps the version again once every rank offered its part).
+        ``None`` if this client pushed none it still holds.
+        """
+        mine = self.last.get(model_id)
+        shard = self._shard_offer.get(model_id)
+        if shard is not None and (mine is None or shard.version > mine.version):
+            return shard
+        if mine is None:
+            return None
+        return Offer(mine.version, "restore", (model_id, mine.version, mine.manifest, mine.refs))
 
     def _tensors(self, request: PushRequest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if request.dtype is not None:

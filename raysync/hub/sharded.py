@@ -26,6 +26,10 @@ single writer's next push raises a refusal of its previous one. A round lost in 
 restart (some ranks' parts went to the hub before it) is abandoned as soon as the hub
 sees it cannot complete, and no rank's next push raises for it: the group goes on.
 
+A version published before a hub restart that lost it is kept again once every rank offered
+its part of it (:meth:`ShardedPublish.restore_part`, what a rank's ``hub.wait`` does when the
+hub answers that it lacks the version), as one writer's wait offers its version again.
+
 Example:
     >>> v = ray.get(hub.contribute.remote("policy", part, refs, pusher, settle=False))   # doctest: +SKIP
 """
@@ -71,6 +75,7 @@ class ShardedPublish:
     _block_saved: dict[str, asyncio.Future[None]]  # the write of each model's block of numbers
 
     publish: Callable[..., Awaitable[int]]  # the actor's
+    restore: Callable[..., Awaitable[bool]]  # the actor's
     _check_writer: Callable[[str, dict[str, Any], bool], Awaitable[None]]  # the actor's
 
     def _init_rounds(self) -> None:
@@ -78,6 +83,7 @@ class ShardedPublish:
         self._round_held = {}
         self._round_lock = {}
         self._block_saved = {}
+        self._offered: dict[tuple[str, int], dict[int, tuple[ShardPart, list[Any], dict[str, Any]]]] = {}
 
     async def contribute(
         self,
@@ -147,6 +153,45 @@ class ShardedPublish:
         if not settle:
             return rnd.version
         return await asyncio.shield(held.outcome)
+
+    async def restore_part(
+        self, model_id: str, version: int, part: ShardPart, refs: list[Any], pusher: dict[str, Any]
+    ) -> bool:
+        """A rank offers its part of a version a hub restart lost; whether the hub keeps the version.
+
+        The version is kept again (as a single writer's :meth:`restore` keeps one) once every
+        rank of its group offered its part: the parts are merged and checked as at its push,
+        under rank 0's name (the group's lease). Until then the parts are held (those of an
+        older version are dropped); ``False`` says the version is not kept yet.
+        """
+        model = self._state.models.get(model_id)
+        if model is not None and version in model.versions:
+            return True
+        for key in [k for k in self._offered if k[0] == model_id and k[1] < version]:
+            del self._offered[key]  # a newer version is offered: the older one is not wanted
+        parts = self._offered.setdefault((model_id, version), {})
+        if any(p.world != part.world for p, _, _ in parts.values()):
+            parts.clear()  # a group of another size offers it: the other group's parts are not wanted
+        parts[part.rank] = (part, list(refs), pusher)
+        if len(parts) < part.world:
+            logger.info(
+                "hub: rank %d offered its part of lost version %d of %r again; waiting for ranks %s",
+                part.rank,
+                version,
+                model_id,
+                sorted(set(range(part.world)) - set(parts)),
+            )
+            return False
+        del self._offered[(model_id, version)]
+        try:
+            manifest, merged = merge([(p, r) for p, r, _ in parts.values()])
+        except RaySyncError as err:
+            logger.warning(
+                "hub: lost version %d of %r, offered again, does not merge: %s", version, model_id, err
+            )
+            return False
+        lead = {**parts[0][2], "ranks": part.world, "sharded": True}  # merge checked rank 0 is in
+        return await self.restore(model_id, version, manifest, list(merged), lead)
 
     async def _process_alive(self, pusher: dict[str, Any]) -> bool:
         """Whether the process that sent a part still runs (Ray's GCS says; unsure means alive)."""
@@ -255,4 +300,6 @@ class ShardedPublish:
             except Exception as err:  # never leave the ranks waiting
                 self._settle_round(rnd, error=InvalidWeightsError(f"{type(err).__name__}: {err}"))
                 return
+        for key in [k for k in self._offered if k[0] == rnd.model_id and k[1] <= version]:
+            del self._offered[key]  # parts of a lost version offered again: a newer one is out
         self._settle_round(rnd, version)

@@ -480,6 +480,38 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(
         ray.kill(collector)
 
 
+def test_a_version_a_hub_restart_lost_is_offered_again_by_every_rank(
+    ranks: list[Any], hub: raysync.HubClient, hub_name: str
+) -> None:
+    """As one writer's wait offers its version again, each rank's offers its part; the hub keeps
+    the version once every rank did, and a subscriber that came after the restart gets it."""
+    ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
+    before = _collector(hub_name)
+    v1 = _push(ranks, hub_name)[0][0]
+    expected = _full(ranks)
+    wait_for_condition(lambda: ray.get(before.state.remote())[0] == v1, timeout=TIMEOUT, what="v1")
+    kill_until_gone(hub.actor, no_restart=False)  # the restarted hub knows the number, not the bytes
+    late = _collector(hub_name)
+    try:
+        wait_for_condition(
+            lambda: len(hub.status()["subscribers"]) == 2, timeout=TIMEOUT, what="both registered"
+        )
+        assert ray.get(late.state.remote(), timeout=TIMEOUT)[0] is None
+        # rank 0 alone: its part is not the version; its wait ends as any wait nobody satisfies
+        with pytest.raises(ray.exceptions.RayTaskError, match=f"did not apply version {v1}"):
+            ray.get(ranks[0].wait.remote(hub_name, v1, timeout=2.0), timeout=TIMEOUT)
+        assert ray.get(late.state.remote(), timeout=TIMEOUT)[0] is None
+        # every rank's part in: the version is kept again and reaches the newcomer whole
+        ray.get([r.wait.remote(hub_name, v1, timeout=TIMEOUT) for r in ranks[1:]], timeout=TIMEOUT)
+        version, state = ray.get(late.state.remote(), timeout=TIMEOUT)
+        assert version == v1 and hub.latest() == v1
+        assert_same_weights(state, expected)
+        assert ray.get(before.state.remote(), timeout=TIMEOUT)[0] == v1
+    finally:
+        ray.kill(before)
+        ray.kill(late)
+
+
 def test_a_soak_that_kills_ranks_mid_push_publishes_nothing_torn(
     ray_start_regular: dict[str, Any], hub_name: str
 ) -> None:

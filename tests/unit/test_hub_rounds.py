@@ -279,3 +279,34 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(first: int
         assert restarted._state.latest("policy") == got[0] and restarted._abandoned() == {"policy": [lost]}
 
     _run(main())
+
+
+class _Restarted(_Hub):
+    """A hub after a restart: it knows the numbers it issued, not the versions' bytes."""
+
+    async def restore(self, model_id: str, version: int, manifest: Any, refs: Any, pusher: Any) -> bool:
+        return self._state.offer_again(model_id, version, manifest, refs, pusher)
+
+
+def test_a_lost_version_is_kept_again_once_every_rank_offered_its_part() -> None:
+    async def main() -> None:
+        hub = _Restarted()
+        assert await hub.push(0) == 1 and await hub.push(1) == 1
+        await asyncio.sleep(0)  # the round's publish
+        assert hub._state.latest("policy") == 1
+        hub._state.models["policy"].versions.clear()  # the restart lost its bytes
+        assert not await hub.restore_part("policy", 1, _part(0), [], _who(0))  # rank 1's part missing
+        assert not hub._state.models["policy"].versions
+        # a part from a group of another size replaces the parts held: they make no version together
+        assert not await hub.restore_part("policy", 1, _part(1, world=3), [], _who(1))
+        assert not hub._state.models["policy"].versions and list(hub._offered["policy", 1]) == [1]
+        assert not await hub.restore_part("policy", 1, _part(1), [], _who(1))
+        assert await hub.restore_part("policy", 1, _part(0), [], _who(0))
+        assert sorted(hub._state.models["policy"].versions) == [1]
+        assert await hub.restore_part("policy", 1, _part(1), [], _who(1))  # kept already: yes at once
+        # a number the hub never issued is not taken
+        assert not await hub.restore_part("policy", 10**6, _part(0), [], _who(0))
+        assert not await hub.restore_part("policy", 10**6, _part(1), [], _who(1))
+        assert sorted(hub._state.models["policy"].versions) == [1]
+
+    _run(main())
