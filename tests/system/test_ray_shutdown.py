@@ -1,6 +1,7 @@
 """After ``ray.shutdown()`` a client raises a raysync error that says so, and never starts a cluster.
 
-Each case runs in a process of its own: it starts and stops its own Ray.
+One process of its own runs both cases (a Ray start is the most of their time): ``connect()``
+starts a local Ray and says so once, then the calls after ``ray.shutdown()``.
 """
 
 from __future__ import annotations
@@ -9,14 +10,21 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
+
+import pytest
 
 _SCRIPT = textwrap.dedent(
     """
     import json, threading, time
     import ray, torch, raysync
 
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
-    hub = raysync.connect("shutdown-test")
+    hub = raysync.connect("shutdown-test")  # no Ray in this process: it starts one, and says so
+    raysync.connect("shutdown-test")  # Ray is up now: nothing more to say
+    try:
+        ray.init()
+    except RuntimeError as err:
+        print("second init:", err)
     model = torch.nn.Linear(4, 2)
     v = hub.push(model)
     hub.wait(v, timeout=30)
@@ -74,9 +82,16 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_calls_after_ray_shutdown_raise_and_start_no_cluster() -> None:
+@pytest.fixture(scope="module")
+def run() -> Any:
+    """The script's run: its output, once for both tests."""
     out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_calls_after_ray_shutdown_raise_and_start_no_cluster(run: Any) -> None:
+    out = run
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["ray_running"] is False  # no call started a cluster of its own
     by_call = {name: (kind, msg) for name, kind, msg in result["errors"]}
@@ -89,21 +104,9 @@ def test_calls_after_ray_shutdown_raise_and_start_no_cluster() -> None:
         assert "Ray is not running" in msg and "ray.init" in msg, (name, msg)
 
 
-def test_connect_says_once_that_it_started_a_local_ray() -> None:
-    script = textwrap.dedent(
-        """
-        import ray, raysync
-        hub = raysync.connect("connect-starts-ray")
-        raysync.connect("connect-starts-ray")  # Ray is up now: nothing more to say
-        try:
-            ray.init()
-        except RuntimeError as err:
-            print("second init:", err)
-        ray.shutdown()
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    said = [line for line in out.stderr.splitlines() if "started a local Ray" in line]
+def test_connect_says_once_that_it_started_a_local_ray(run: Any) -> None:
+    # once in the whole run: neither the second connect() nor any call after ray.shutdown()
+    # started (or said it started) a Ray of its own
+    said = [line for line in run.stderr.splitlines() if "started a local Ray" in line]
     assert len(said) == 1 and "call ray.init(...) before raysync.connect()" in said[0]
-    assert "second init:" in out.stdout  # what the warning warned of
+    assert "second init:" in run.stdout  # what the warning warned of
