@@ -167,8 +167,7 @@ class ShardedPublish:
         model = self._state.models.get(model_id)
         if model is not None and version in model.versions:
             return True
-        for key in [k for k in self._offered if k[0] == model_id and k[1] < version]:
-            del self._offered[key]  # a newer version is offered: the older one is not wanted
+        self._forget_offers(model_id, before=version)  # a newer version is offered: not the older ones
         parts = self._offered.setdefault((model_id, version), {})
         if any(p.world != part.world for p, _, _ in parts.values()):
             parts.clear()  # a group of another size offers it: the other group's parts are not wanted
@@ -192,6 +191,11 @@ class ShardedPublish:
             return False
         lead = {**parts[0][2], "ranks": part.world, "sharded": True}  # merge checked rank 0 is in
         return await self.restore(model_id, version, manifest, list(merged), lead)
+
+    def _forget_offers(self, model_id: str, *, before: int) -> None:
+        """Drop the parts offered again of ``model_id``'s lost versions older than ``before``."""
+        for key in [k for k in self._offered if k[0] == model_id and k[1] < before]:
+            del self._offered[key]
 
     async def _process_alive(self, pusher: dict[str, Any]) -> bool:
         """Whether the process that sent a part still runs (Ray's GCS says; unsure means alive)."""
@@ -300,6 +304,5 @@ class ShardedPublish:
             except Exception as err:  # never leave the ranks waiting
                 self._settle_round(rnd, error=InvalidWeightsError(f"{type(err).__name__}: {err}"))
                 return
-        for key in [k for k in self._offered if k[0] == rnd.model_id and k[1] <= version]:
-            del self._offered[key]  # parts of a lost version offered again: a newer one is out
+        self._forget_offers(rnd.model_id, before=version + 1)  # offered again: a newer one is out
         self._settle_round(rnd, version)
