@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -42,6 +43,7 @@ from _harness import MIB, kill_all, median, wait_until_quiet
 
 __all__ = [
     "FloorReceiver",
+    "Mailbox",
     "ObjectStoreGauge",
     "measure_copy_floor",
     "measure_receiver_floor",
@@ -98,6 +100,53 @@ class FloorReceiver:
         t0 = time.time()
         self.dst.copy_(self.src)
         return t0, time.time()
+
+
+class Mailbox:
+    """A bare hub: each round's parts held until all are in, then handed to every call waiting for them.
+
+    Run it as an async Ray actor (``ray.remote(num_cpus=0)(Mailbox).remote()``). Writers
+    ``post`` their parts one way; receivers' ``wait`` calls (long polls, sent before the
+    round starts) are answered once the round's ``parts`` are in. One message per part in and
+    one reply per receiver: what any hub that publishes a version once every part is in costs,
+    with no version checks, no layout, no lease.
+
+    Example:
+        >>> box = ray.remote(num_cpus=0)(Mailbox).remote()  # doctest: +SKIP
+        >>> waiting = box.wait.remote(1)                     # doctest: +SKIP
+        >>> box.post.remote(1, [ray.put(b"part")], 1)       # doctest: +SKIP
+        >>> ray.get(ray.get(waiting))                        # doctest: +SKIP
+        [b'part']
+    """
+
+    def __init__(self) -> None:
+        self.parts: dict[int, list[Any]] = {}
+        self.whole: dict[int, asyncio.Event] = {}
+        self.waiting: dict[int, int] = {}
+
+    def _event(self, round: int) -> asyncio.Event:
+        for old in [r for r in self.whole if r < round - 1]:  # rounds two behind are done
+            for table in (self.parts, self.whole, self.waiting):
+                table.pop(old, None)
+        return self.whole.setdefault(round, asyncio.Event())
+
+    async def post(self, round: int, refs: list[Any], parts: int = 1) -> None:
+        """A writer's part of ``round`` (its refs); the round is whole once ``parts`` are in."""
+        got = self.parts.setdefault(round, [])
+        got.extend(refs)
+        if len(got) >= parts:
+            self._event(round).set()
+
+    async def wait(self, round: int) -> list[Any]:
+        """Every part's refs of ``round``, once all are in."""
+        event = self._event(round)
+        self.waiting[round] = self.waiting.get(round, 0) + 1
+        await event.wait()
+        return list(self.parts[round])
+
+    async def waiters(self, round: int) -> int:
+        """How many calls wait for ``round`` (the caller starts the clock once all do)."""
+        return self.waiting.get(round, 0)
 
 
 def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:

@@ -13,7 +13,11 @@ a training step would, then pushes) until all N actors applied it (median of ``-
 beside the single writer's, and beside Ray's floor for the same W in the same round (each rank
 puts its shard as uint8 arrays with ``ray.put``, one copy, and each of the N actors gets the W
 objects with ``ray.get`` and copies them into warm buffers of its own: what Ray alone takes to
-move W parts to N actors, so its ratio to W = 1 is what W writers cost Ray itself); each rank's
+move W parts to N actors, so its ratio to W = 1 is what W writers cost Ray itself), and beside
+the hub floor for the same W (:class:`_floor.Mailbox`: each rank's training step and put, then
+one message per rank to one async actor, which answers the N actors' waiting calls once every
+part is in; they get and copy as above: the least any hub that publishes a version once every
+rank's part is in pays, with no version checks, layout or lease); each rank's
 blocking in ``push`` (and the snapshot part of it)
 beside a memcpy of its own shard (``copy_`` into warm buffers: the floor; a ``clone()``,
 fresh pages included, beside it), and each rank's peak private memory above what it held as
@@ -45,6 +49,7 @@ import torch
 
 import _harness as harness
 import raysync
+from _floor import Mailbox
 
 
 def _model(mib: int, tensors: int) -> torch.nn.Module:
@@ -107,6 +112,18 @@ class Writer:
         ref = ray.put([t.detach().numpy().view(np.uint8) for t in self.local()])
         return [ref], time.perf_counter() - t0
 
+    def floor_push(self, mailbox: Any, round: int) -> float:
+        """The hub floor's part of this rank: its training step, its shard ``ray.put`` as uint8
+        arrays, one message carrying the ref to ``mailbox`` (one way); the put's seconds."""
+        with torch.no_grad():
+            for t in self.local():
+                t.add_(1.0)
+        t0 = time.perf_counter()
+        self.floor_ref = ray.put([t.detach().numpy().view(np.uint8) for t in self.local()])
+        put_s = time.perf_counter() - t0
+        mailbox.post.remote(round, [self.floor_ref], self.world)
+        return put_s
+
     def push(self, step: int, late_s: float = 0.0, keys: list[str] | None = None) -> tuple[int, float, float]:
         time.sleep(late_s)  # a rank that comes late (its own blocking is timed from its push)
         with torch.no_grad():
@@ -155,6 +172,10 @@ class Actor:
     def ready(self) -> bool:
         return True
 
+    def follow_floor(self, mailbox: Any, round: int) -> int:
+        """The hub floor at a receiver: a call waiting at ``mailbox`` for the round's refs; :meth:`take`."""
+        return self.take(ray.get(mailbox.wait.remote(round)))
+
     def take(self, refs: list[Any]) -> int:
         """Ray's floor at a receiver: ``ray.get`` the parts (zero-copy), copy them into warm buffers."""
         arrays = [a.reshape(-1) for part in ray.get(refs) for a in part]
@@ -190,6 +211,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     applied: dict[int, list[float]] = {w: [] for w in groups}
     floor: dict[int, list[float]] = {w: [] for w in groups}
     floor_put: dict[int, list[list[float]]] = {w: [] for w in groups}
+    hub_floor: dict[int, list[float]] = {w: [] for w in groups}
+    mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
+    rounds = 0
     blocking: dict[int, list[list[float]]] = {w: [] for w in groups}
     snapshot: dict[int, list[list[float]]] = {w: [] for w in groups}
     for step in range(args.warmup + args.repeats):
@@ -205,10 +229,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             puts = ray.get([w.floor_put.remote() for w in writers], timeout=600)
             refs = [ref for box, _ in puts for ref in box]
             ray.get([a.take.remote(refs) for a in actors], timeout=600)
+            ray_floor = time.perf_counter() - t0
             del refs
+            rounds += 1  # the hub floor: the receivers' calls wait at the mailbox before the clock starts
+            waiting = [a.follow_floor.remote(mailbox, rounds) for a in actors]
+            deadline = time.monotonic() + 60
+            while ray.get(mailbox.waiters.remote(rounds)) < len(actors):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the receivers' calls did not reach the hub floor's mailbox in 60 s")
+                time.sleep(0.002)
+            t0 = time.perf_counter()
+            ray.get([w.floor_push.remote(mailbox, rounds) for w in writers], timeout=600)
+            ray.get(waiting, timeout=600)
             if step >= args.warmup:
+                hub_floor[world].append(time.perf_counter() - t0)
                 applied[world].append(took)
-                floor[world].append(time.perf_counter() - t0)
+                floor[world].append(ray_floor)
                 floor_put[world].append([s for _, s in puts])
                 blocking[world].append([s for _, s, _ in pushed])
                 snapshot[world].append([s for _, _, s in pushed])
@@ -222,6 +258,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "applied_all": applied[world],
                 "floor_s": statistics.median(floor[world]),
                 "floor_all": floor[world],
+                "hub_floor_s": statistics.median(hub_floor[world]),
+                "hub_floor_all": hub_floor[world],
                 "floor_put_s": [statistics.median(b[r] for b in floor_put[world]) for r in range(world)],
                 "blocking_s": [statistics.median(b[r] for b in blocking[world]) for r in range(world)],
                 "snapshot_s": [statistics.median(b[r] for b in snapshot[world]) for r in range(world)],
@@ -233,6 +271,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         harness.kill_all(writers)
     harness.kill_all(actors)
+    ray.kill(mailbox)
     ray.kill(hub.actor)
     return rows
 
@@ -261,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(args)
     single = next((r["applied_s"] for r in rows if r["writers"] == 1), None)
     single_floor = next((r["floor_s"] for r in rows if r["writers"] == 1), None)
+    single_hub = next((r["hub_floor_s"] for r in rows if r["writers"] == 1), None)
     late = f", the last rank {args.late_ms:g} ms late" if args.late_ms else ""
     only = f", keys={','.join(args.keys)}" if args.keys else ""
     print(f"{args.mib} MiB to {args.actors} actors, median of {args.repeats}{late}{only}")
     print(
         "writers | all applied (s) | vs 1 writer | Ray's floor (s) | floor vs 1 writer's | "
+        "hub floor (s) | hub floor vs 1 writer's | applied / hub floor | "
         "per-rank blocking (s) | of it snapshot (s) | Ray's put of shard (s) | memcpy of shard (s) | "
         "blocking / memcpy | "
         "clone() of shard (s) | peak +MiB"
@@ -273,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         vs = f"{r['applied_s'] / single:.2f}x" if single else "-"
         floor_vs = f"{r['floor_s'] / single_floor:.2f}x" if single_floor else "-"
+        hub_vs = f"{r['hub_floor_s'] / single_hub:.2f}x" if single_hub else "-"
+        of_hub = f"{r['applied_s'] / r['hub_floor_s']:.2f}x"
         block = ", ".join(f"{b:.4f}" for b in r["blocking_s"])
         snap = ", ".join(f"{b:.4f}" for b in r["snapshot_s"])
         copy = ", ".join(f"{m:.4f}" for m in r["memcpy_s"])
@@ -282,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         peak = ", ".join(f"{p:.0f}" for p in r["peak_private_growth_mib"])
         print(
             f"{r['writers']:7d} | {r['applied_s']:15.3f} | {vs:>11} | {r['floor_s']:.3f} | {floor_vs} | "
+            f"{r['hub_floor_s']:.3f} | {hub_vs} | {of_hub} | "
             f"{block} | {snap} | {put} | {copy} | {ratio} | "
             f"{clone} | {peak}"
         )

@@ -47,7 +47,6 @@ Results: a table on stdout and JSON in ``--json`` (default ``benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -62,6 +61,7 @@ import torch
 
 import _harness as harness
 import raysync
+from _floor import Mailbox
 
 MODELS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -127,7 +127,7 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
     )  # fmt: skip
     import ray
 
-    mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()
+    mailbox = ray.remote(num_cpus=0)(Mailbox).remote()
     rows: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for i in range(repeats + 1):
@@ -151,7 +151,7 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
             engine._load(pairs)  # the backend alone, no hub (the engine holds version v's values again)
             backend = time.perf_counter() - t0
             floor = _floor(llm, version)
-            hub_floor = _floor(llm, version, mailbox)
+            hub_floor = _floor(llm, version, mailbox, i)
             if i == 0:
                 continue  # warm-up
             values = (serving, pushed, deliver, commit, reload, backend, floor, hub_floor)
@@ -174,20 +174,7 @@ def measure(name: str, repeats: int, hub_name: str) -> dict[str, Any]:
     }
 
 
-class _Mailbox:
-    """An async actor handing a posted ref to the call waiting for it (a hub's long poll, bare)."""
-
-    def __init__(self) -> None:
-        self.posted: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def post(self, refs: list[Any]) -> None:
-        self.posted.put_nowait(refs)
-
-    async def wait(self) -> list[Any]:
-        return await self.posted.get()
-
-
-def _floor(llm: Any, version: dict[str, torch.Tensor], mailbox: Any = None) -> float:
+def _floor(llm: Any, version: dict[str, torch.Tensor], mailbox: Any = None, round: int = 0) -> float:
     """``ray.put`` of the tensors' bytes, ``ray.get`` (zero-copy) and vLLM's load over them: seconds.
 
     With ``mailbox``: the ref goes through it first (posted one way; the reply to a waiting call
@@ -196,12 +183,13 @@ def _floor(llm: Any, version: dict[str, torch.Tensor], mailbox: Any = None) -> f
     import ray
 
     if mailbox is not None:
-        waiting = mailbox.wait.remote()
-        time.sleep(0.02)  # the call waits at the actor before the clock starts
+        waiting = mailbox.wait.remote(round)
+        while ray.get(mailbox.waiters.remote(round)) < 1:  # the call waits there before the clock starts
+            time.sleep(0.002)
     t0 = time.perf_counter()
     ref = ray.put([t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in version.values()])
     if mailbox is not None:
-        mailbox.post.remote([ref])
+        mailbox.post.remote(round, [ref])
         (ref,) = ray.get(waiting)
     arrays = ray.get(ref)
     pairs = [
