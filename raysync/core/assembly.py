@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,10 +26,13 @@ import numpy as np
 
 from raysync.core.checksums import bucket_checksums, failed_checksums
 from raysync.core.layout import Manifest
-from raysync.core.shards import Box, ShardPiece, intersect
+from raysync.core.shards import Box, ShardMap, ShardPiece, intersect
 from raysync.errors import ChecksumError
 
-__all__ = ["assemble", "check_sizes", "fill", "pieces_in", "verify_rank_buckets", "whole_version"]
+__all__ = [
+    "BucketPlan", "assemble", "bucket_plan", "check_sizes", "fill", "run_in", "verify_rank_buckets",
+    "whole_version",
+]  # fmt: skip
 
 RankBuckets = Mapping[int, Sequence[np.ndarray]]
 """``{rank bucket index: its arrays}``: the rank buckets a version's pieces are read from."""
@@ -93,64 +97,167 @@ def assemble(manifest: Manifest, bucket: int, rank_buckets: RankBuckets) -> list
     Example:
         >>> arrays = assemble(manifest, 0, {0: ray.get(r0), 1: ray.get(r1)})   # doctest: +SKIP
     """
-    entries = manifest.bucket_entries(bucket)
-    check_sizes(manifest, entries, rank_buckets)
+    check_sizes(manifest, bucket, rank_buckets)
     flat = np.empty(manifest.bucket_nbytes[bucket], dtype=np.uint8)
-    fill(manifest, entries, rank_buckets, flat)
-    return [flat[e.offset : e.offset + e.nbytes] for e in entries]
+    fill(manifest, bucket, rank_buckets, flat)
+    return [flat[e.offset : e.offset + e.nbytes] for e in manifest.bucket_entries(bucket)]
 
 
-def pieces_in(manifest: Manifest, entry: Any) -> tuple[Box, list[ShardPiece]]:
-    """The box of ``entry``'s tensor this bucket holds, and the pieces with elements in it."""
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """How one whole-tensor bucket of a sharded version is written from its pieces.
+
+    Worked out once per layout (:func:`bucket_plan` keeps it): each version of the layout
+    then costs one copy per piece and no search.
+
+    Attributes:
+        runs: ``(rank bucket, index, source byte, bucket byte, nbytes)`` of each piece whose
+            part is one run of bytes both in the piece and in the bucket (``Shard(0)`` pieces,
+            replicated tensors): one flat copy each.
+        boxed: ``(entry, box, piece)`` of the others (a ``Shard(1)`` piece of a whole tensor):
+            copied box by box.
+        gaps: ``(start, end)`` of the bucket's bytes no tensor covers (zeroed).
+        sizes: ``(rank bucket, index, nbytes, key, rank)`` of every piece read (checked first).
+        direct: per entry, ``(rank bucket, index, source byte)`` when one piece holds all its
+            bytes as one run (a view of the piece serves it), else None.
+    """
+
+    runs: tuple[tuple[int, int, int, int, int], ...]
+    boxed: tuple[tuple[Any, Box, ShardPiece], ...]
+    gaps: tuple[tuple[int, int], ...]
+    sizes: tuple[tuple[int, int, int, str, int], ...]
+    direct: tuple[tuple[int, int, int] | None, ...]
+
+
+_PLANS: dict[tuple[Any, ...], BucketPlan] = {}  # the newest layouts' plans, oldest first
+_PLANS_LOCK = threading.Lock()
+_MAX_PLANS = 64
+
+
+def bucket_plan(manifest: Manifest, bucket: int) -> BucketPlan:
+    """The :class:`BucketPlan` of ``bucket`` (kept for the layout: its pieces, boxes and entries).
+
+    Example:
+        >>> plan = bucket_plan(manifest, 0)       # doctest: +SKIP
+        >>> len(plan.runs) + len(plan.boxed)       # doctest: +SKIP
+        4
+    """
     shards = manifest.shards
-    assert shards is not None
-    box = shards.box_of(entry.key) or ((0,) * len(entry.shape), tuple(entry.shape))
-    return box, [
-        p
-        for p in shards.pieces_of(entry.key)
-        if p.numel and intersect((p.offsets, p.lengths), box) is not None
-    ]
+    if shards is None:
+        raise ValueError("a bucket plan is of a sharded version's bucket; this manifest has no shard map")
+    entries = manifest.bucket_entries(bucket)
+    key = (
+        manifest.bucket_nbytes[bucket],
+        tuple((e.key, e.offset, e.nbytes, tuple(e.shape)) for e in entries),
+        shards.pieces,
+        shards.boxes,
+    )
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(shards, entries, manifest.bucket_nbytes[bucket])
+        with _PLANS_LOCK:
+            if len(_PLANS) >= _MAX_PLANS:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[key] = plan
+    return plan
 
 
-def check_sizes(manifest: Manifest, entries: Sequence[Any], rank_buckets: RankBuckets) -> None:
-    """Raise ``ValueError`` unless every piece of ``entries`` arrived with the bytes the manifest says."""
+def _plan(shards: ShardMap, entries: Sequence[Any], nbytes: int) -> BucketPlan:
+    by_key: dict[str, list[ShardPiece]] = {}
+    for p in shards.pieces:
+        if p.numel:
+            by_key.setdefault(p.key, []).append(p)
+    boxes = {k: (o, n) for k, o, n in shards.boxes}
+    runs, boxed, gaps, sizes, direct = [], [], [], [], []
+    end = 0
     for entry in entries:
-        if not entry.nbytes:
-            continue
-        for piece in pieces_in(manifest, entry)[1]:
-            data = rank_buckets[piece.bucket][piece.index]
-            if data.nbytes != piece.nbytes:
-                raise ValueError(
-                    f"rank {piece.rank}'s piece of {piece.key!r} arrived with {data.nbytes} bytes, the "
-                    f"manifest says {piece.nbytes}"
-                )
+        if end < entry.offset:
+            gaps.append((end, entry.offset))
+        end = max(end, entry.offset + entry.nbytes)
+        one: list[tuple[int, int, int] | None] = []
+        if entry.nbytes:
+            box = boxes.get(entry.key) or ((0,) * len(entry.shape), tuple(entry.shape))
+            itemsize = entry.nbytes // math.prod(entry.shape)
+            for p in by_key.get(entry.key, ()):
+                common = intersect((p.offsets, p.lengths), box)
+                if common is None:
+                    continue
+                sizes.append((p.bucket, p.index, p.nbytes, p.key, p.rank))
+                src, dst = run_in(p.offsets, p.lengths, common), run_in(*box, common)
+                if src is None or dst is None:
+                    boxed.append((entry, box, p))
+                    one.append(None)
+                    continue
+                runs.append((p.bucket, p.index, src * itemsize, entry.offset + dst * itemsize,
+                             math.prod(common[1]) * itemsize))  # fmt: skip
+                one.append((p.bucket, p.index, src * itemsize) if common == box else None)
+        direct.append(one[0] if len(one) == 1 else None)
+    if end < nbytes:
+        gaps.append((end, nbytes))
+    return BucketPlan(tuple(runs), tuple(boxed), tuple(gaps), tuple(sizes), tuple(direct))
+
+
+def run_in(offsets: Sequence[int], lengths: Sequence[int], inner: Box) -> int | None:
+    """Where ``inner`` starts among the row-major elements of the box ``(offsets, lengths)``,
+    if it is one run of them (else None).
+
+    Example:
+        >>> run_in((0, 0), (4, 3), ((1, 0), (2, 3)))   # rows 1-2 of a 4x3 box: elements 3-8
+        3
+        >>> run_in((0, 0), (4, 3), ((1, 0), (2, 2))) is None
+        True
+    """
+    start, stride, narrowed = 0, 1, False
+    for d in reversed(range(len(lengths))):
+        if narrowed and inner[1][d] != 1:
+            return None
+        start += (inner[0][d] - offsets[d]) * stride
+        stride *= lengths[d]
+        narrowed = narrowed or inner[1][d] != lengths[d]
+    return start
+
+
+def check_sizes(manifest: Manifest, bucket: int, rank_buckets: RankBuckets) -> None:
+    """Raise ``ValueError`` unless every piece of ``bucket`` arrived with the bytes the manifest says."""
+    for b, i, nbytes, key, rank in bucket_plan(manifest, bucket).sizes:
+        data = rank_buckets[b][i]
+        if data.nbytes != nbytes:
+            raise ValueError(
+                f"rank {rank}'s piece of {key!r} arrived with {data.nbytes} bytes, the manifest says {nbytes}"
+            )
 
 
 def fill(
     manifest: Manifest,
-    entries: Sequence[Any],
+    bucket: int,
     rank_buckets: RankBuckets,
     flat: Any,
     as_array: Callable[[np.ndarray], Any] = lambda a: a,
 ) -> None:
-    """Write a bucket's tensors into ``flat`` (uint8, the bucket's span) from their pieces; padding zeroed.
+    """Write ``bucket``'s tensors into ``flat`` (uint8, the bucket's span) from their pieces; gaps zeroed.
 
     ``flat``: a numpy array, or a torch tensor (on any device) with ``as_array=torch.from_numpy``.
     """
-    end = 0
+    plan = bucket_plan(manifest, bucket)
+    arrays: dict[tuple[int, int], Any] = {}
+
+    def source(b: int, i: int) -> Any:
+        found = arrays.get((b, i))
+        if found is None:
+            found = arrays[b, i] = as_array(np.asarray(rank_buckets[b][i]).reshape(-1).view(np.uint8))
+        return found
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # object-store arrays are read-only; only read here
-        for entry in entries:
-            flat[end : entry.offset] = 0
-            end = entry.offset + entry.nbytes
-            if not entry.nbytes:
-                continue
-            whole = flat[entry.offset : end].reshape(*entry.shape, entry.nbytes // math.prod(entry.shape))
-            box, pieces = pieces_in(manifest, entry)
-            for piece in pieces:
-                data = np.asarray(rank_buckets[piece.bucket][piece.index]).reshape(-1).view(np.uint8)
-                _place(whole, box, piece, as_array(data).reshape(*piece.lengths, whole.shape[-1]))
-        flat[end:] = 0
+        for start, end in plan.gaps:
+            flat[start:end] = 0
+        for b, i, src, dst, n in plan.runs:
+            flat[dst : dst + n] = source(b, i)[src : src + n]
+        for entry, box, piece in plan.boxed:
+            itemsize = entry.nbytes // math.prod(entry.shape)
+            whole = flat[entry.offset : entry.offset + entry.nbytes].reshape(*entry.shape, itemsize)
+            _place(whole, box, piece, source(piece.bucket, piece.index).reshape(*piece.lengths, itemsize))
 
 
 def _place(whole: Any, box: Box, piece: ShardPiece, src: Any) -> None:

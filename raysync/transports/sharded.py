@@ -19,16 +19,15 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from raysync.core.assembly import assemble, check_sizes, fill, pieces_in, verify_rank_buckets
+from raysync.core.assembly import assemble, bucket_plan, check_sizes, fill, verify_rank_buckets
 from raysync.core.layout import Manifest
-from raysync.core.shards import SHARDED, intersect
+from raysync.core.shards import SHARDED
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot, transport_for
 
@@ -123,9 +122,9 @@ class Assembly(Sequence[np.ndarray]):
 
     def write_into(self, flat: torch.Tensor) -> None:
         """Copy the bucket into ``flat`` (a uint8 tensor of the bucket's span): each piece once."""
-        check_sizes(self.manifest, self._entries, self.rank_buckets)  # nothing written if one is off
+        check_sizes(self.manifest, self.bucket, self.rank_buckets)  # nothing written if one is off
         with torch.no_grad():
-            fill(self.manifest, self._entries, self.rank_buckets, flat, torch.from_numpy)
+            fill(self.manifest, self.bucket, self.rank_buckets, flat, torch.from_numpy)
 
 
 def verify_fetched(manifest: Manifest, fetched: Mapping[int, Any]) -> None:
@@ -149,32 +148,16 @@ def _read(
 ) -> list[np.ndarray]:
     """One uint8 array per tensor of a bucket: a view of the rank bucket where one piece holds
     it as one run of bytes, else (any other tensor there) the bucket assembled (:func:`assemble`)."""
-    check_sizes(manifest, entries, rank_buckets)
-    direct = [_run(manifest, e, rank_buckets) for e in entries]
+    check_sizes(manifest, bucket, rank_buckets)
+    direct: list[np.ndarray | None] = []
+    for entry, run in zip(entries, bucket_plan(manifest, bucket).direct, strict=True):
+        if run is None:
+            direct.append(None)
+            continue
+        b, i, start = run
+        flat = np.asarray(rank_buckets[b][i]).reshape(-1).view(np.uint8)
+        direct.append(flat[start : start + entry.nbytes])
     if any(a is None for a in direct):
         whole = assemble(manifest, bucket, rank_buckets)
         return [whole[i] if a is None else a for i, a in enumerate(direct)]
     return [a for a in direct if a is not None]
-
-
-def _run(
-    manifest: Manifest, entry: Any, rank_buckets: Mapping[int, Sequence[np.ndarray]]
-) -> np.ndarray | None:
-    """The bytes of ``entry`` (its box) as a view of the one piece holding them all, if contiguous there."""
-    box, pieces = pieces_in(manifest, entry)
-    if not entry.nbytes or len(pieces) != 1:
-        return None
-    piece = pieces[0]
-    if intersect((piece.offsets, piece.lengths), box) != box:
-        return None
-    # row-major: the box is one run of the piece's bytes if, before its last dimension narrower
-    # than the piece, every dimension is 1 long
-    start, stride, narrowed = 0, entry.nbytes // max(1, math.prod(box[1])), False
-    for d in reversed(range(len(piece.lengths))):
-        if narrowed and box[1][d] != 1:
-            return None
-        start += (box[0][d] - piece.offsets[d]) * stride
-        stride *= piece.lengths[d]
-        narrowed = narrowed or box[1][d] != piece.lengths[d]
-    flat = np.asarray(rank_buckets[piece.bucket][piece.index]).reshape(-1).view(np.uint8)
-    return flat[start : start + entry.nbytes]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from raysync.core.assembly import assemble
+from raysync.core.assembly import assemble, bucket_plan
 from raysync.core.codec import bucket_checksums, copy_into, pack, unpack
 from raysync.core.layout import Manifest, plan_layout
 from raysync.core.shards import (
@@ -139,6 +139,32 @@ def test_merge_then_assemble_gives_whole_tensors(world: int) -> None:
         assert list(ref.buckets) == manifest.shards.buckets_of(keys)
     assert sum(manifest.shards.bucket_nbytes) >= manifest.total_nbytes
     assert sum(p.nbytes for p in manifest.shards.pieces) == manifest.total_nbytes  # each byte once
+
+
+def test_a_bucket_plan_is_worked_out_once_per_layout_and_never_serves_another() -> None:
+    weights = _weights()
+    first, _ = merge(_parts(2, weights))
+    plans = [bucket_plan(first, b) for b in range(first.num_buckets)]
+    # the next version of the same layout (new objects, as a receiver deserializes each) reuses them
+    nxt, _ = merge(_parts(2, {k: t + 1 for k, t in weights.items()}))
+    assert nxt.shards is not first.shards
+    assert all(bucket_plan(nxt, b) is plans[b] for b in range(nxt.num_buckets))
+    # Shard(0) and replicated pieces are one run of bytes each (one flat copy); the Shard(1)
+    # pieces of a whole tensor go box by box
+    assert {p.key for plan in plans for _, _, p in plan.boxed} == {"cols"}
+    assert sum(len(plan.runs) for plan in plans) == len(first.shards.pieces) - 2
+    # another layout, or the same tensors with their pieces elsewhere, gets a plan of its own
+    four, _ = merge(_parts(4, weights))
+    assert all(bucket_plan(four, b) not in plans for b in range(four.num_buckets))
+    moved = dataclasses.replace(
+        first,
+        shards=dataclasses.replace(
+            first.shards, pieces=tuple(dataclasses.replace(p, nbytes=p.nbytes + 1) for p in first.shards.pieces)
+        ),
+    )
+    assert all(bucket_plan(moved, b) is not plans[b] for b in range(moved.num_buckets))
+    with pytest.raises(ValueError, match="arrived with"):
+        Assembly(moved, 0, _rank_arrays(first)).write_into(torch.empty(first.bucket_nbytes[0], dtype=torch.uint8))
 
 
 def test_ranks_that_disagree_are_refused_naming_the_tensor() -> None:
