@@ -21,8 +21,9 @@ rank's part is in pays, with no version checks, layout or lease); each rank's
 blocking in ``push`` (and the snapshot part of it)
 beside a memcpy of its own shard (``copy_`` into warm buffers: the floor; a ``clone()``,
 fresh pages included, beside it), and each rank's peak private memory above what it held as
-each push started (the most over its pushes; sampled every 2 ms during each push; the object
-store's pages are shared, not counted).
+each push started (the most over its pushes; sampled every 2 ms during each push of the warm-up
+rounds and of one more round after the timed ones, so the sampling thread is not in the timed
+rounds; the object store's pages are shared, not counted).
 
 ``--keys w00``: every push after the first sends only those keys (``hub.push(model, keys=...)``).
 
@@ -124,7 +125,11 @@ class Writer:
         mailbox.post.remote(round, [self.floor_ref], self.world)
         return put_s
 
-    def push(self, step: int, late_s: float = 0.0, keys: list[str] | None = None) -> tuple[int, float, float]:
+    def push(
+        self, step: int, late_s: float = 0.0, keys: list[str] | None = None, sample: bool = False
+    ) -> tuple[int, float, float]:
+        """One training step and push; ``(version, blocking s, snapshot s)``. With ``sample``, a thread
+        samples this rank's private memory every 2 ms meanwhile (in rounds that are not timed)."""
         time.sleep(late_s)  # a rank that comes late (its own blocking is timed from its push)
         with torch.no_grad():
             for t in self.local():
@@ -132,18 +137,20 @@ class Writer:
         done = threading.Event()
         before = _private_mib()
 
-        def sample() -> None:  # private (not shared) resident memory, every 2 ms, during the push
+        def sampling() -> None:  # private (not shared) resident memory, every 2 ms, during the push
             while not done.is_set():
                 self.peak = max(self.peak, _private_mib() - before)
                 time.sleep(0.002)
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        sampler = threading.Thread(target=sampling, daemon=True)
+        if sample:
+            sampler.start()
         t0 = time.perf_counter()
         version = self.hub.push(self.model, self.model_id, timeout=120, keys=keys)
         dt = time.perf_counter() - t0
         done.set()
-        sampler.join()
+        if sample:
+            sampler.join()
         return version, dt, float(self.hub.last_push.get("snapshot_s", 0.0))
 
     def peak_growth_mib(self) -> float:
@@ -216,15 +223,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rounds = 0
     blocking: dict[int, list[list[float]]] = {w: [] for w in groups}
     snapshot: dict[int, list[list[float]]] = {w: [] for w in groups}
-    for step in range(args.warmup + args.repeats):
+    for step in range(args.warmup + args.repeats + 1):
         for world, writers in groups.items():  # interleaved: each round pushes every group once
             t0 = time.perf_counter()
             late = [args.late_ms / 1e3 if r == world - 1 and world > 1 else 0.0 for r in range(world)]
             keys = args.keys if args.keys and step >= 1 else None  # the first push is whole
-            calls = [w.push.remote(step, s, keys) for w, s in zip(writers, late, strict=True)]
+            # memory is sampled in the warm-up rounds and one round after the timed ones, not timed
+            sample = step < args.warmup or step == args.warmup + args.repeats
+            calls = [w.push.remote(step, s, keys, sample) for w, s in zip(writers, late, strict=True)]
             pushed = ray.get(calls, timeout=600)
             hub.wait(pushed[0][0], f"w{world}", timeout=300, subscribers=args.actors)
             took = time.perf_counter() - t0
+            if sample:
+                continue
             t0 = time.perf_counter()  # Ray's floor for this W, right after: the same moment's machine
             puts = ray.get([w.floor_put.remote() for w in writers], timeout=600)
             refs = [ref for box, _ in puts for ref in box]
