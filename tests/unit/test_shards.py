@@ -159,12 +159,14 @@ def test_a_bucket_plan_is_worked_out_once_per_layout_and_never_serves_another() 
     moved = dataclasses.replace(
         first,
         shards=dataclasses.replace(
-            first.shards, pieces=tuple(dataclasses.replace(p, nbytes=p.nbytes + 1) for p in first.shards.pieces)
+            first.shards,
+            pieces=tuple(dataclasses.replace(p, nbytes=p.nbytes + 1) for p in first.shards.pieces),
         ),
     )
     assert all(bucket_plan(moved, b) is not plans[b] for b in range(moved.num_buckets))
     with pytest.raises(ValueError, match="arrived with"):
-        Assembly(moved, 0, _rank_arrays(first)).write_into(torch.empty(first.bucket_nbytes[0], dtype=torch.uint8))
+        flat = torch.empty(first.bucket_nbytes[0], dtype=torch.uint8)
+        Assembly(moved, 0, _rank_arrays(first)).write_into(flat)
 
 
 def test_ranks_that_disagree_are_refused_naming_the_tensor() -> None:
