@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -218,6 +219,10 @@ class ShardRefs:
 def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, list[ShardRefs]]:
     """One version of every rank's part: the whole-tensor manifest and one ref per its bucket.
 
+    What depends only on the ranks' layouts (the checks that they agree and that their pieces
+    tile every tensor, the whole-tensor layout, the shard map) is worked out once per layout
+    and kept: each later version of it costs a lookup, its refs and checksums.
+
     Args:
         parts: ``(part, refs)`` of every rank (``refs``: one per bucket of its own layout).
 
@@ -238,39 +243,73 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
             f"a sharded version needs one part from each of {world} ranks: missing {missing}, worlds "
             f"{sorted({p.world for p, _ in parts})}"
         )
-    first = by_rank[0][0]
-    specs = {s.key: s for s in first.specs}
-    for rank in range(1, world):
-        _agree(specs, by_rank[rank][0], first.rank)
-    apart = {r: by_rank[r][0].separate for r in range(world)}
-    if len(set(apart.values())) != 1:
-        raise InvalidWeightsError(
-            f"the ranks of a sharded push disagree on the keys pushed apart (keys=): {apart}; every rank "
-            "passes the same keys="
-        )
-    transports = {by_rank[r][0].manifest.transport for r in range(world)}
-    if len(transports) != 1:
-        raise InvalidWeightsError(
-            f"the ranks of a sharded push used different data paths: {sorted(transports)}"
-        )
-    sums = [by_rank[r][0].manifest.checksums for r in range(world)]
+    ordered = [by_rank[r][0] for r in range(world)]
+    sums = [p.manifest.checksums for p in ordered]
     without = [r for r in range(world) if sums[r] is None]
     if 0 < len(without) < world:
         raise InvalidWeightsError(
             f"the ranks of a sharded push disagree on checksum=: ranks {without} pushed none, the "
             f"others did (every rank passes the same checksum=)"
         )
+    for rank, part in enumerate(ordered):
+        sent = len(by_rank[rank][1])
+        if sent != part.manifest.num_buckets:
+            raise InvalidWeightsError(
+                f"rank {rank} sent {sent} bucket refs for {part.manifest.num_buckets} buckets"
+            )
+    key = tuple(
+        (p.specs, p.pieces, p.manifest.layout_hash, p.manifest.bucket_nbytes, p.manifest.transport,
+         p.bucket_bytes, p.separate)
+        for p in ordered
+    )  # fmt: skip
+    with _MERGED_LOCK:
+        layout = _MERGED.get(key)
+    if layout is None:
+        layout = _merge_layout(ordered)
+        with _MERGED_LOCK:
+            if len(_MERGED) >= _MAX_MERGED:
+                del _MERGED[next(iter(_MERGED))]  # the oldest
+            _MERGED[key] = layout
+    whole, rank_buckets = layout
+    assert whole.shards is not None
+    shard_map = whole.shards
+    if sums[0] is not None:
+        shard_map = dataclasses.replace(shard_map, checksums=tuple(c for s in sums for c in s or ()))
+    manifest = dataclasses.replace(whole, extra_state=ordered[0].manifest.extra_state, shards=shard_map)
+    all_refs = [ref for rank in range(world) for ref in by_rank[rank][1]]
+    refs_out = [ShardRefs(rb, tuple(all_refs[i] for i in rb)) for rb in rank_buckets]
+    return manifest, refs_out
+
+
+_MERGED: dict[tuple[Any, ...], tuple[Manifest, tuple[tuple[int, ...], ...]]] = {}  # oldest first
+_MERGED_LOCK = threading.Lock()
+_MAX_MERGED = 16
+
+
+def _merge_layout(ordered: Sequence[ShardPart]) -> tuple[Manifest, tuple[tuple[int, ...], ...]]:
+    """:func:`merge`'s part that depends on the ranks' layouts alone: the whole-tensor manifest
+    (its shard map without checksums, no extra state) and the rank buckets of each whole bucket."""
+    world = len(ordered)
+    first = ordered[0]
+    specs = {s.key: s for s in first.specs}
+    for rank in range(1, world):
+        _agree(specs, ordered[rank], first.rank)
+    apart = {r: ordered[r].separate for r in range(world)}
+    if len(set(apart.values())) != 1:
+        raise InvalidWeightsError(
+            f"the ranks of a sharded push disagree on the keys pushed apart (keys=): {apart}; every rank "
+            "passes the same keys="
+        )
+    transports = {p.manifest.transport for p in ordered}
+    if len(transports) != 1:
+        raise InvalidWeightsError(
+            f"the ranks of a sharded push used different data paths: {sorted(transports)}"
+        )
     # every rank's buckets, in rank order
     pieces: list[ShardPiece] = []
     bucket_ranks: list[int] = []
     bucket_nbytes: list[int] = []
-    all_refs: list[Any] = []
-    for rank in range(world):
-        part, refs = by_rank[rank]
-        if len(refs) != part.manifest.num_buckets:
-            raise InvalidWeightsError(
-                f"rank {rank} sent {len(refs)} bucket refs for {part.manifest.num_buckets} buckets"
-            )
+    for rank, part in enumerate(ordered):
         base = len(bucket_ranks)
         for p in part.pieces:
             if p.rank != rank:
@@ -280,7 +319,6 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
             pieces.append(ShardPiece(p.key, rank, base + p.bucket, p.index, p.nbytes, p.offsets, p.lengths))
         bucket_ranks += [rank] * part.manifest.num_buckets
         bucket_nbytes += list(part.manifest.bucket_nbytes)
-        all_refs += list(refs)
     pieces.sort(key=lambda p: (p.key, p.offsets, p.rank))
     _check_cover(specs, pieces)
     whole = plan_specs(
@@ -295,23 +333,17 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
         tuple(bucket_nbytes),
         tuple(pieces),
         tuple((k, s.placement) for k, s in sorted(specs.items())),
-        checksums=None if sums[0] is None else tuple(c for s in sums for c in s or ()),
     )
     # The placements are part of the layout: a receiver keeps its binding only while they hold.
     digest = hashlib.sha1(repr((whole.layout_hash, shard_map.placements, bucket_nbytes)).encode())
     manifest = Manifest(
-        whole.entries,
-        whole.bucket_nbytes,
-        digest.hexdigest()[:16],
-        transport=SHARDED,
-        extra_state=first.manifest.extra_state,
-        shards=shard_map,
+        whole.entries, whole.bucket_nbytes, digest.hexdigest()[:16], transport=SHARDED, shards=shard_map
     )
-    refs_out = []
-    for b in range(manifest.num_buckets):
-        rank_buckets = tuple(shard_map.buckets_of([e.key for e in manifest.bucket_entries(b)]))
-        refs_out.append(ShardRefs(rank_buckets, tuple(all_refs[i] for i in rank_buckets)))
-    return manifest, refs_out
+    rank_buckets = tuple(
+        tuple(shard_map.buckets_of([e.key for e in manifest.bucket_entries(b)]))
+        for b in range(manifest.num_buckets)
+    )
+    return manifest, rank_buckets
 
 
 def _agree(specs: dict[str, TensorSpec], part: ShardPart, first: int) -> None:

@@ -8,6 +8,7 @@ every tensor bit for bit, and bad parts are refused naming the tensor.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -146,7 +147,7 @@ def test_a_bucket_plan_is_worked_out_once_per_layout_and_never_serves_another() 
     first, _ = merge(_parts(2, weights))
     plans = [bucket_plan(first, b) for b in range(first.num_buckets)]
     # the next version of the same layout (new objects, as a receiver deserializes each) reuses them
-    nxt, _ = merge(_parts(2, {k: t + 1 for k, t in weights.items()}))
+    nxt = pickle.loads(pickle.dumps(merge(_parts(2, {k: t + 1 for k, t in weights.items()}))[0]))
     assert nxt.shards is not first.shards
     assert all(bucket_plan(nxt, b) is plans[b] for b in range(nxt.num_buckets))
     # Shard(0) and replicated pieces are one run of bytes each (one flat copy); the Shard(1)
@@ -357,6 +358,31 @@ def test_a_verifying_receiver_checks_each_rank_bucket_it_reads(writers: int) -> 
     with pytest.raises(ChecksumError, match=rf"rank bucket\(s\) \[{last}\] \(of rank\(s\) \[{rank}\]\)"):
         apply.checked(manifest, fetched, verify="if_present")
     apply.checked(manifest, fetched, verify=False)  # not asked: not checked
+
+
+def test_merge_keeps_a_layout_and_takes_each_versions_refs_checksums_and_extra_state() -> None:
+    weights = _weights()
+    first, first_refs = merge(_parts(2, weights, checksum=True))
+    parts = _parts(2, {k: t + 1 for k, t in weights.items()}, checksum=True)
+    extra = parts[0][0].manifest.with_extra_state({"norm._extra_state": {"step": 2}})
+    parts[0] = (dataclasses.replace(parts[0][0], manifest=extra), parts[0][1])
+    parts = [(part, [_Ref(f"{r.name}-v2") for r in refs]) for part, refs in parts]
+    second, second_refs = merge(parts)
+    assert first.shards is not None and second.shards is not None
+    # the layout's work is kept: the same pieces (objects), layout hash and rank buckets per bucket
+    assert second.shards.pieces is first.shards.pieces and second.layout_hash == first.layout_hash
+    assert [r.buckets for r in second_refs] == [r.buckets for r in first_refs]
+    # what is this version's is this version's: its refs, its ranks' checksums, rank 0's extra state
+    assert all(r.hex().endswith("-v2") for ref in second_refs for r in ref.refs)
+    assert second.shards.checksums == tuple(c for p, _ in parts for c in p.manifest.checksums or ())
+    assert second.shards.checksums != first.shards.checksums
+    assert second.extra_states() == {"norm._extra_state": {"step": 2}} and first.extra_state == ()
+    # a bad layout is refused every time, never kept
+    bad = _parts(2, weights)
+    bad[1] = (dataclasses.replace(bad[1][0], pieces=bad[1][0].pieces[1:]), bad[1][1])
+    for _ in range(2):
+        with pytest.raises(InvalidWeightsError, match="missing a shard"):
+            merge(bad)
 
 
 def test_ranks_disagreeing_on_checksums_are_refused_and_none_refuses_verifying_receivers() -> None:
