@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from raysync.core.checksums import bucket_checksums, failed_checksums
+from raysync.core.kept import Kept
 from raysync.core.layout import Manifest
 from raysync.core.shards import Box, ShardMap, ShardPiece, intersect
 from raysync.errors import ChecksumError
@@ -97,9 +97,10 @@ def assemble(manifest: Manifest, bucket: int, rank_buckets: RankBuckets) -> list
     Example:
         >>> arrays = assemble(manifest, 0, {0: ray.get(r0), 1: ray.get(r1)})   # doctest: +SKIP
     """
-    check_sizes(manifest, bucket, rank_buckets)
+    plan = bucket_plan(manifest, bucket)
+    check_sizes(plan, rank_buckets)
     flat = np.empty(manifest.bucket_nbytes[bucket], dtype=np.uint8)
-    fill(manifest, bucket, rank_buckets, flat)
+    fill(plan, rank_buckets, flat)
     return [flat[e.offset : e.offset + e.nbytes] for e in manifest.bucket_entries(bucket)]
 
 
@@ -129,9 +130,7 @@ class BucketPlan:
     direct: tuple[tuple[int, int, int] | None, ...]
 
 
-_PLANS: dict[tuple[Any, ...], BucketPlan] = {}  # the newest layouts' plans, oldest first
-_PLANS_LOCK = threading.Lock()
-_MAX_PLANS = 64
+_PLANS: Kept[BucketPlan] = Kept(64)  # per bucket of a layout
 
 
 def bucket_plan(manifest: Manifest, bucket: int) -> BucketPlan:
@@ -152,15 +151,7 @@ def bucket_plan(manifest: Manifest, bucket: int) -> BucketPlan:
         shards.pieces,
         shards.boxes,
     )
-    with _PLANS_LOCK:
-        plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(shards, entries, manifest.bucket_nbytes[bucket])
-        with _PLANS_LOCK:
-            if len(_PLANS) >= _MAX_PLANS:
-                del _PLANS[next(iter(_PLANS))]
-            _PLANS[key] = plan
-    return plan
+    return _PLANS.get(key, lambda: _plan(shards, entries, manifest.bucket_nbytes[bucket]))
 
 
 def _plan(shards: ShardMap, entries: Sequence[Any], nbytes: int) -> BucketPlan:
@@ -218,9 +209,10 @@ def run_in(offsets: Sequence[int], lengths: Sequence[int], inner: Box) -> int | 
     return start
 
 
-def check_sizes(manifest: Manifest, bucket: int, rank_buckets: RankBuckets) -> None:
-    """Raise ``ValueError`` unless every piece of ``bucket`` arrived with the bytes the manifest says."""
-    for b, i, nbytes, key, rank in bucket_plan(manifest, bucket).sizes:
+def check_sizes(plan: BucketPlan, rank_buckets: RankBuckets) -> None:
+    """Raise ``ValueError`` unless every piece a bucket's ``plan`` reads arrived with the bytes the
+    manifest says."""
+    for b, i, nbytes, key, rank in plan.sizes:
         data = rank_buckets[b][i]
         if data.nbytes != nbytes:
             raise ValueError(
@@ -229,17 +221,16 @@ def check_sizes(manifest: Manifest, bucket: int, rank_buckets: RankBuckets) -> N
 
 
 def fill(
-    manifest: Manifest,
-    bucket: int,
+    plan: BucketPlan,
     rank_buckets: RankBuckets,
     flat: Any,
     as_array: Callable[[np.ndarray], Any] = lambda a: a,
 ) -> None:
-    """Write ``bucket``'s tensors into ``flat`` (uint8, the bucket's span) from their pieces; gaps zeroed.
+    """Write a bucket's tensors into ``flat`` (uint8, the bucket's span) from their pieces, as its
+    ``plan`` (:func:`bucket_plan`) says; gaps zeroed.
 
     ``flat``: a numpy array, or a torch tensor (on any device) with ``as_array=torch.from_numpy``.
     """
-    plan = bucket_plan(manifest, bucket)
     arrays: dict[tuple[int, int], Any] = {}
 
     def source(b: int, i: int) -> Any:

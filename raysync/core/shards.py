@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from raysync.core.kept import Kept
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, plan_specs
 from raysync.errors import InvalidWeightsError
 
@@ -262,15 +262,7 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
          p.bucket_bytes, p.separate)
         for p in ordered
     )  # fmt: skip
-    with _MERGED_LOCK:
-        layout = _MERGED.get(key)
-    if layout is None:
-        layout = _merge_layout(ordered)
-        with _MERGED_LOCK:
-            if len(_MERGED) >= _MAX_MERGED:
-                del _MERGED[next(iter(_MERGED))]  # the oldest
-            _MERGED[key] = layout
-    whole, rank_buckets = layout
+    whole, rank_buckets = _MERGED.get(key, lambda: _merge_layout(ordered))
     assert whole.shards is not None
     shard_map = whole.shards
     if sums[0] is not None:
@@ -281,9 +273,7 @@ def merge(parts: Sequence[tuple[ShardPart, Sequence[Any]]]) -> tuple[Manifest, l
     return manifest, refs_out
 
 
-_MERGED: dict[tuple[Any, ...], tuple[Manifest, tuple[tuple[int, ...], ...]]] = {}  # oldest first
-_MERGED_LOCK = threading.Lock()
-_MAX_MERGED = 16
+_MERGED: Kept[tuple[Manifest, tuple[tuple[int, ...], ...]]] = Kept(16)  # per layout of the ranks' parts
 
 
 def _merge_layout(ordered: Sequence[ShardPart]) -> tuple[Manifest, tuple[tuple[int, ...], ...]]:

@@ -122,9 +122,10 @@ class Assembly(Sequence[np.ndarray]):
 
     def write_into(self, flat: torch.Tensor) -> None:
         """Copy the bucket into ``flat`` (a uint8 tensor of the bucket's span): each piece once."""
-        check_sizes(self.manifest, self.bucket, self.rank_buckets)  # nothing written if one is off
+        plan = bucket_plan(self.manifest, self.bucket)
+        check_sizes(plan, self.rank_buckets)  # nothing written if one is off
         with torch.no_grad():
-            fill(self.manifest, self.bucket, self.rank_buckets, flat, torch.from_numpy)
+            fill(plan, self.rank_buckets, flat, torch.from_numpy)
 
 
 def verify_fetched(manifest: Manifest, fetched: Mapping[int, Any]) -> None:
@@ -148,9 +149,10 @@ def _read(
 ) -> list[np.ndarray]:
     """One uint8 array per tensor of a bucket: a view of the rank bucket where one piece holds
     it as one run of bytes, else (any other tensor there) the bucket assembled (:func:`assemble`)."""
-    check_sizes(manifest, bucket, rank_buckets)
+    plan = bucket_plan(manifest, bucket)
+    check_sizes(plan, rank_buckets)
     direct: list[np.ndarray | None] = []
-    for entry, run in zip(entries, bucket_plan(manifest, bucket).direct, strict=True):
+    for entry, run in zip(entries, plan.direct, strict=True):
         if run is None:
             direct.append(None)
             continue

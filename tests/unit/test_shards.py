@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from raysync.core.assembly import assemble, bucket_plan
 from raysync.core.codec import bucket_checksums, copy_into, pack, unpack
+from raysync.core.kept import Kept
 from raysync.core.layout import Manifest, plan_layout
 from raysync.core.shards import (
     ShardPart,
@@ -396,3 +398,28 @@ def test_ranks_disagreeing_on_checksums_are_refused_and_none_refuses_verifying_r
         verify_fetched(manifest, fetched)
     with pytest.raises(ChecksumError, match="carries no checksums"):
         apply.checked(manifest, fetched, verify=True)
+
+
+def test_kept_keeps_the_newest_layouts_and_never_a_failed_one() -> None:
+    kept: Kept[int] = Kept(2)
+    made: list[str] = []
+
+    def make(key: str, value: int) -> Callable[[], int]:
+        def run() -> int:
+            made.append(key)
+            return value
+
+        return run
+
+    assert kept.get("a", make("a", 1)) == 1 and kept.get("a", make("a", 9)) == 1  # made once
+    kept.get("b", make("b", 2))
+    kept.get("c", make("c", 3))  # the oldest ("a") goes
+    assert kept.get("a", make("a", 4)) == 4 and kept.get("c", make("c", 9)) == 3
+    assert made == ["a", "b", "c", "a"]
+
+    def fails() -> int:
+        raise ValueError("bad layout")
+
+    for _ in range(2):  # a layout whose work raises is worked on again each time, never kept
+        with pytest.raises(ValueError, match="bad layout"):
+            kept.get("d", fails)
