@@ -116,14 +116,17 @@ class Writer:
     def floor_push(self, mailbox: Any, round: int) -> float:
         """The hub floor's part of this rank: its training step, its shard ``ray.put`` as uint8
         arrays, one message carrying the ref to ``mailbox`` (one way); the put's seconds."""
+        self.step()
+        refs, put_s = self.floor_put()
+        self.floor_ref = refs[0]  # held here until the next round: the mailbox only borrows it
+        mailbox.post.remote(round, refs, self.world)
+        return put_s
+
+    def step(self) -> None:
+        """A training step's change of this rank's shard, in place."""
         with torch.no_grad():
             for t in self.local():
                 t.add_(1.0)
-        t0 = time.perf_counter()
-        self.floor_ref = ray.put([t.detach().numpy().view(np.uint8) for t in self.local()])
-        put_s = time.perf_counter() - t0
-        mailbox.post.remote(round, [self.floor_ref], self.world)
-        return put_s
 
     def push(
         self, step: int, late_s: float = 0.0, keys: list[str] | None = None, sample: bool = False
@@ -131,9 +134,7 @@ class Writer:
         """One training step and push; ``(version, blocking s, snapshot s)``. With ``sample``, a thread
         samples this rank's private memory every 2 ms meanwhile (in rounds that are not timed)."""
         time.sleep(late_s)  # a rank that comes late (its own blocking is timed from its push)
-        with torch.no_grad():
-            for t in self.local():
-                t.add_(1.0)
+        self.step()
         done = threading.Event()
         before = _private_mib()
 
