@@ -62,6 +62,8 @@ def test_one_writer_per_model_until_takeover_or_death(hub: raysync.HubClient, hu
         hub.push(small_policy(6))
     assert hub.latest() == taken  # the refused version was never kept
     assert ray.get(new_trainer.push.remote(7)) == taken + 1
+    # the new writer stamps it and sends it one way: the hub may read it a moment after the reply
+    wait_for_condition(lambda: hub.latest() == taken + 1, timeout=30, what="the new writer's version kept")
     assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(7).state_dict())
 
     ray.kill(new_trainer)  # a writer that dies gives up its lease
