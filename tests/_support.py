@@ -18,6 +18,14 @@ import torch
 
 import raysync
 
+RING_ACK_S = 5.0
+"""``HubSettings(ring_ack_s=)`` for tests that count how versions arrived (rung or called).
+
+A live subscriber acks a small version in milliseconds, but on a loaded 2-core machine now
+and then past the default 0.2 s, and is then called the Ray way as well: a count of calls
+that says nothing about the doorbell. One hung for good (wedged by an attacker, say) still
+is, 5 s later, and the count shows it."""
+
 
 def wait_for_condition(
     predicate: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""

@@ -126,7 +126,8 @@ def hub_name(ray_start_regular: dict[str, Any]) -> str:
 
 
 @pytest.fixture
-def hub(hub_name: str) -> Iterator[raysync.HubClient]:
-    client = raysync.connect(hub_name)
+def hub(request: pytest.FixtureRequest, hub_name: str) -> Iterator[raysync.HubClient]:
+    """A fresh hub, with the test module's ``HUB_SETTINGS`` if it has them."""
+    client = raysync.connect(hub_name, settings=getattr(request.module, "HUB_SETTINGS", None))
     yield client
     ray.kill(client.actor)

@@ -49,7 +49,7 @@ from raysync.hub.relay import (
     quiet_threaded_gets,
 )
 from raysync.hub.relays import Relays
-from raysync.hub.settings import DEFAULT_DROP_SILENT_S, HubSettings
+from raysync.hub.settings import DEFAULT_DROP_SILENT_S, DEFAULT_RING_ACK_S, HubSettings
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState, Subscriber, Waiter
 
@@ -86,7 +86,13 @@ class WeightHub(Delivery, ShardedPublish):
         # The hub's own node needs no relay: the hub rings its doorbells and calls the rest itself.
         self._here_node = ray.get_runtime_context().get_node_id()
         self._here = (
-            NodeDelivery(self._here_node, self._late_here, self._settings.doorbell_bytes or 0, self._mail)
+            NodeDelivery(
+                self._here_node,
+                self._late_here,
+                self._settings.doorbell_bytes or 0,
+                self._mail,
+                self._settings.ring_ack_s or DEFAULT_RING_ACK_S,
+            )
             if self._settings.relays and self._settings.rings_own_node
             else None
         )

@@ -61,7 +61,7 @@ from raysync.core.assembly import whole_version
 from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberRestarted, SubscriberUnreachable
 from raysync.hub.persistence import actor_alive
 from raysync.hub.priority import control_plane_priority
-from raysync.hub.settings import HubSettings
+from raysync.hub.settings import DEFAULT_RING_ACK_S, HubSettings
 from raysync.transports import doorbell
 from raysync.transports.registry import info as transport_info
 
@@ -105,15 +105,18 @@ class NodeDelivery:
         send_late: Callable[[str, int, RelayReply], None],
         doorbell_bytes: int,
         mail: Mailboxes,
+        ring_ack_s: float = DEFAULT_RING_ACK_S,
     ) -> None:
         self._node_id = node_id
         self.mail = mail  # calls to this node's subscribers' actors (they poll for them)
         self._doorbell_bytes = doorbell_bytes  # the largest version handed over by doorbell
+        self._ring_ack_s = ring_ack_s  # a rung subscriber silent this long is called too
         self._send_late = send_late
         self._members: dict[str, RelayMember] = {}
         self.delivered = 0  # calls made to subscribers
         self.deliveries = 0  # messages from the hub
         self.rung = 0  # doorbells rung (one per subscriber process and version)
+        self.called_after_ring = 0  # rung subscriptions not acked in time, called the Ray way too
         # The node-local hop for small versions (transports/doorbell.py): made on first use.
         self._bell: tuple[doorbell.Ringer, doorbell.SegmentWriter] | None = None
         self._late_rows: dict[tuple[str, int], list[RelayAck]] = {}
@@ -122,7 +125,8 @@ class NodeDelivery:
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
         """Hand ``delivery.announcement`` to each of its ``sub_ids``; the acks in one reply.
 
-        Subscribers that take longer than :data:`ACK_WINDOW_S` are listed in the reply's
+        Called subscribers that take longer than :data:`ACK_WINDOW_S`, and rung ones that
+        have not acked within ``ring_ack_s`` (called then too), are listed in the reply's
         ``pending``; their acks follow in batches (``send_late``).
         """
         self.deliveries += 1
@@ -142,6 +146,7 @@ class NodeDelivery:
             # (a doorbell says nothing of that). The Ray call tells which; its ack is a late one.
             slow = {s: m for s in rung_pending if (m := self._members.get(s)) is not None}
             more_acks, more_late, more_calls = await notify_members(a, slow, self.mail.call, window=0.0)
+            self.called_after_ring += more_calls
             acks, late, calls = acks + more_acks, late + more_late, calls + more_calls
         self.delivered += calls
         acks += rung_acks
@@ -181,7 +186,7 @@ class NodeDelivery:
     async def _rung_acks(self, tokens: list[int]) -> tuple[list[RelayAck], list[str]]:
         if not tokens:
             return [], []
-        return await self._doorbell()[0].wait(tokens, ACK_WINDOW_S)
+        return await self._doorbell()[0].wait(tokens, self._ring_ack_s)
 
     def _doorbell(self) -> tuple[doorbell.Ringer, doorbell.SegmentWriter]:
         if self._bell is None:
@@ -231,6 +236,8 @@ class NodeDelivery:
             "deliveries": self.deliveries,
             "delivered": self.delivered,
             "rung": self.rung,
+            # of the calls delivered: to rung subscribers that had not acked within ring_ack_s
+            "called_after_ring": self.called_after_ring,
             # datagrams refused at the ack socket (not acks of an open ring MAC'd by the process rung)
             "dropped": sum(self._bell[0].drops.total.values()) if self._bell is not None else 0,
             # medians of the last 100 deliveries: writing the version and ringing, then the acks
@@ -251,7 +258,9 @@ class NodeRelay:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
 
         mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
-        self._node = NodeDelivery(node_id, send_late, settings.doorbell_bytes or 0, mail)
+        self._node = NodeDelivery(
+            node_id, send_late, settings.doorbell_bytes or 0, mail, settings.ring_ack_s or DEFAULT_RING_ACK_S
+        )
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
         """See :meth:`NodeDelivery.deliver`."""

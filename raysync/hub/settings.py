@@ -19,6 +19,8 @@ field                  environment variable        meaning
                                                    keep Ray's, see :mod:`raysync.hub.priority`)
 ``drop_silent_s``      ``RAYSYNC_DROP_SILENT_S``   a subscriber silent this long is checked and
                                                    dropped if its process died (10 s)
+``ring_ack_s``         ``RAYSYNC_RING_ACK_S``      how long a rung subscriber has to ack before
+                                                   it is called the Ray way too (0.2 s)
 =====================  ==========================  ==========================================
 
 Example:
@@ -36,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_DOORBELL_BYTES", "DEFAULT_DROP_SILENT_S", "HubSettings"]
+__all__ = ["DEFAULT_DOORBELL_BYTES", "DEFAULT_DROP_SILENT_S", "DEFAULT_RING_ACK_S", "HubSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +50,18 @@ DEFAULT_DROP_SILENT_S = 10.0
 
 _MIN_DROP_SILENT_S = 4.0  # two heartbeats
 
+DEFAULT_RING_ACK_S = 0.2
+"""A rung subscriber applies a small version in milliseconds: one silent this long may have died."""
+
+_MAX_RING_ACK_S = 60.0
+
 _ENV = {
     "relays": "RAYSYNC_RELAY",
     "rings_own_node": "RAYSYNC_HUB_RINGS",
     "doorbell_bytes": "RAYSYNC_DOORBELL_BYTES",
     "nice": "RAYSYNC_HUB_NICE",
     "drop_silent_s": "RAYSYNC_DROP_SILENT_S",
+    "ring_ack_s": "RAYSYNC_RING_ACK_S",
 }
 _NO = ("0", "false", "no", "off")
 _YES = ("1", "true", "yes", "on")
@@ -77,11 +85,16 @@ class HubSettings:
             send a heartbeat every 2 s) is checked, and dropped if its process died: a
             follower or torchrl worker that died leaves ``raysync status``, ``hub.wait``
             and ``push(wait=True)`` this long after (at most 1.5 times this). At least 4.
+        ring_ack_s: a subscriber rung by doorbell that has not acked within this many
+            seconds is called the Ray way as well (the call tells whether its process died
+            after the ring; a live one applies the version once and acks whichever way
+            comes first). Raise it on nodes so loaded that live subscribers miss it (the
+            relay's ``called_after_ring`` count grows). Above 0, at most 60.
 
     Raises:
         TypeError: a field of the wrong type.
         ValueError: ``doorbell_bytes`` below 0, ``nice`` outside -20..19, or
-            ``drop_silent_s`` below 4.
+            ``drop_silent_s`` below 4, or ``ring_ack_s`` not within (0, 60].
 
     Example:
         >>> HubSettings(relays=False, doorbell_bytes=0).relays
@@ -93,6 +106,7 @@ class HubSettings:
     doorbell_bytes: int | None = None
     nice: int | None = None
     drop_silent_s: float | None = None
+    ring_ack_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("relays", "rings_own_node"):
@@ -117,14 +131,20 @@ class HubSettings:
                 f"HubSettings.drop_silent_s must be at least {_MIN_DROP_SILENT_S:g} s (two heartbeats), "
                 f"got {silent!r}"
             )
+        ack = self.ring_ack_s
+        if ack is not None and (not isinstance(ack, (int, float)) or isinstance(ack, bool)):
+            raise TypeError(f"HubSettings.ring_ack_s must be a number of seconds or None, got {ack!r}")
+        if ack is not None and not 0 < ack <= _MAX_RING_ACK_S:  # NaN too
+            raise ValueError(f"HubSettings.ring_ack_s must be within (0, {_MAX_RING_ACK_S:g}] s, got {ack!r}")
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> HubSettings:
         """Every field set: the given ones as they are, the others from ``environ`` (this process's
         environment by default), a malformed variable logged and replaced by the default.
 
         Example:
-            >>> HubSettings(relays=False).resolved({"RAYSYNC_DOORBELL_BYTES": "1024"})
-            HubSettings(relays=False, rings_own_node=True, doorbell_bytes=1024, nice=None, drop_silent_s=10.0)
+            >>> given = HubSettings(relays=False).resolved({"RAYSYNC_DOORBELL_BYTES": "1024"})
+            >>> given.relays, given.doorbell_bytes, given.ring_ack_s
+            (False, 1024, 0.2)
         """
         env = os.environ if environ is None else environ
         read: dict[str, Callable[[Mapping[str, str], str], Any]] = {
@@ -133,6 +153,7 @@ class HubSettings:
             "doorbell_bytes": _bytes,
             "nice": _nice,
             "drop_silent_s": _silent,
+            "ring_ack_s": _ring_ack,
         }
         given: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return HubSettings(**{k: read[k](env, k) if v is None else v for k, v in given.items()})
@@ -182,6 +203,20 @@ def _silent(env: Mapping[str, str], name: str) -> float:
     if not value >= _MIN_DROP_SILENT_S:
         _warn(env, name, f"a number of seconds, at least {_MIN_DROP_SILENT_S:g}", DEFAULT_DROP_SILENT_S)
         return DEFAULT_DROP_SILENT_S
+    return value
+
+
+def _ring_ack(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(_ENV[name], "").strip()
+    if not raw:
+        return DEFAULT_RING_ACK_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= _MAX_RING_ACK_S:
+        _warn(env, name, f"a number of seconds within (0, {_MAX_RING_ACK_S:g}]", DEFAULT_RING_ACK_S)
+        return DEFAULT_RING_ACK_S
     return value
 
 

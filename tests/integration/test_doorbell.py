@@ -17,6 +17,7 @@ import torch
 import raysync
 from raysync.transports import doorbell
 from tests._support import (
+    RING_ACK_S,
     assert_same_weights,
     kill_until_gone,
     small_policy,
@@ -30,8 +31,12 @@ pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux an
 
 @pytest.fixture(params=["hub", "relay"])
 def ringer(request: pytest.FixtureRequest, hub_name: str) -> Iterator[str]:
-    """Who rings this node's doorbells: the hub itself, or the node's relay."""
-    settings = raysync.HubSettings(rings_own_node=request.param == "hub")
+    """Who rings this node's doorbells: the hub itself, or the node's relay.
+
+    Rung subscribers get ``RING_ACK_S`` to ack before they are called the Ray way too:
+    these tests count the ways.
+    """
+    settings = raysync.HubSettings(rings_own_node=request.param == "hub", ring_ack_s=RING_ACK_S)
     client = raysync.connect(hub_name, settings=settings)
     yield request.param
     ray.kill(client.actor)
@@ -113,6 +118,9 @@ def make_reader(hub_name: str) -> Any:
             same = all(torch.equal(before[k], after[k]) for k in before)
             return v0, self.raysync_version(), same  # type: ignore[attr-defined]
 
+        def weights(self) -> dict[str, torch.Tensor]:
+            return {k: v.clone() for k, v in self.policy.state_dict().items()}
+
     return Reader
 
 
@@ -124,16 +132,45 @@ def test_a_rung_apply_waits_for_running_methods_and_never_tears_a_read(
     hub.wait(hub.push(small_policy(6)), timeout=30)
     if ringer == "relay":
         _relay(hub)
-    rung = _stats(hub, ringer)["rung"]
+    before = _stats(hub, ringer)
     reads = [reader.read_twice.remote(0.3) for _ in range(4)]
     time.sleep(0.05)  # the reads are running
     v = hub.push(small_policy(7))
     results = ray.get(reads, timeout=60)
     assert all(v0 == v1 and same for v0, v1, same in results), results  # no version changed under a read
     hub.wait(v, timeout=30)
-    assert _stats(hub, ringer)["rung"] > rung  # it did come by doorbell
+    after = _stats(hub, ringer)
+    assert after["rung"] > before["rung"]  # it did come by doorbell
+    # acked within ring_ack_s (RING_ACK_S, past the 0.3 s wait): no Ray call on top of the ring
+    calls = ("called_after_ring", "delivered")
+    assert [after[k] for k in calls] == [before[k] for k in calls]
     assert ray.get(reader.raysync_version.remote()) == v
     wait_for_condition(lambda: ray.get(reader.read_twice.remote(0.0))[0] == v, what="reads see the version")
+
+
+def test_a_rung_subscriber_slower_than_ring_ack_s_is_called_too_and_applies_once(hub_name: str) -> None:
+    hub = raysync.connect(hub_name, settings=raysync.HubSettings(ring_ack_s=0.05))
+    try:
+        reader = make_reader(hub_name).remote()
+        ray.get(reader.raysync_version.remote())
+        hub.wait(hub.push(small_policy(6)), timeout=30)
+        before = hub.status()["here"]
+        reads = [reader.read_twice.remote(0.5) for _ in range(2)]
+        time.sleep(0.05)  # the reads are running: the rung apply waits for them, past 0.05 s
+        v = hub.push(small_policy(7))
+        results = ray.get(reads, timeout=60)
+        assert all(v0 == v1 and same for v0, v1, same in results), results
+        hub.wait(v, timeout=30)
+        after = hub.status()["here"]
+        assert after["rung"] - before["rung"] == 1
+        assert after["called_after_ring"] - before["called_after_ring"] == 1  # then called too
+        assert after["delivered"] - before["delivered"] == 1  # that call, and no other
+        assert ray.get(reader.raysync_version.remote()) == v
+        assert_same_weights(ray.get(reader.weights.remote()), small_policy(7).state_dict())
+        row = hub.status()["subscribers"][0]
+        assert row["applied"] == v and row["last_error"] is None
+    finally:
+        ray.kill(hub.actor)
 
 
 def test_a_killed_subscriber_is_called_then_dropped(

@@ -29,11 +29,15 @@ import torch
 
 import raysync
 from raysync.transports import doorbell
-from tests._support import assert_same_weights, small_policy
+from tests._support import RING_ACK_S, assert_same_weights, small_policy
 
 pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux (memfd, SO_PASSCRED)")
 
 _OTHER_PYTHON = "/usr/bin/python3"  # the system's interpreter: readable by nobody (a venv under /root is not)
+
+# The ``hub`` fixture's settings: rung subscribers get ``RING_ACK_S`` to ack, so a Ray call
+# made to one means it was wedged, not that the machine was busy.
+HUB_SETTINGS = raysync.HubSettings(ring_ack_s=RING_ACK_S)
 
 
 @pytest.fixture(scope="module")

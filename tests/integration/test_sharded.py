@@ -24,10 +24,11 @@ import torch
 import raysync
 from benchmarks import sharded_soak
 from tests import _sharded
-from tests._support import assert_same_weights, kill_until_gone, wait_for_condition
+from tests._support import RING_ACK_S, assert_same_weights, kill_until_gone, wait_for_condition
 from tests.integration.test_relay import _relay
 
 TIMEOUT = 60.0
+HUB_SETTINGS = raysync.HubSettings(ring_ack_s=RING_ACK_S)  # the ``hub`` fixture's: see RING_ACK_S
 
 
 def _free_port() -> int:
@@ -157,7 +158,8 @@ def test_every_receiver_gets_the_whole_tensors(
 @pytest.mark.parametrize("ringer", ["hub", "relay"])
 def test_small_versions_reach_a_node_by_doorbell(ranks: list[Any], hub_name: str, ringer: str) -> None:
     """As one writer's: assembled once on the node, rung (no Ray call per subscriber), bit-equal."""
-    hub = raysync.connect(hub_name, settings=raysync.HubSettings(rings_own_node=ringer == "hub"))
+    settings = raysync.HubSettings(rings_own_node=ringer == "hub", ring_ack_s=RING_ACK_S)
+    hub = raysync.connect(hub_name, settings=settings)
     copies = [_collector(hub_name) for _ in range(2)]
     view = _collector(hub_name, apply="view")  # looks into the sealed segment
     verifying = _collector(hub_name, verify=True)  # checks the CRC32s of what it reads

@@ -7,7 +7,12 @@ import logging
 import pytest
 
 import raysync
-from raysync.hub.settings import DEFAULT_DOORBELL_BYTES, DEFAULT_DROP_SILENT_S, HubSettings
+from raysync.hub.settings import (
+    DEFAULT_DOORBELL_BYTES,
+    DEFAULT_DROP_SILENT_S,
+    DEFAULT_RING_ACK_S,
+    HubSettings,
+)
 
 
 def test_defaults_without_environment() -> None:
@@ -17,6 +22,7 @@ def test_defaults_without_environment() -> None:
         doorbell_bytes=DEFAULT_DOORBELL_BYTES,
         nice=None,
         drop_silent_s=DEFAULT_DROP_SILENT_S,
+        ring_ack_s=DEFAULT_RING_ACK_S,
     )
 
 
@@ -27,9 +33,10 @@ def test_the_environment_fills_what_is_not_given() -> None:
         "RAYSYNC_DOORBELL_BYTES": "1024",
         "RAYSYNC_HUB_NICE": "18",
         "RAYSYNC_DROP_SILENT_S": "4.5",
+        "RAYSYNC_RING_ACK_S": "1.5",
     }
     assert HubSettings().resolved(env) == HubSettings(
-        relays=False, rings_own_node=False, doorbell_bytes=1024, nice=18, drop_silent_s=4.5
+        relays=False, rings_own_node=False, doorbell_bytes=1024, nice=18, drop_silent_s=4.5, ring_ack_s=1.5
     )
     given = HubSettings(relays=True, doorbell_bytes=0).resolved(env)
     assert (given.relays, given.doorbell_bytes) == (True, 0)  # given values win
@@ -42,6 +49,7 @@ def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pyte
         "RAYSYNC_HUB_NICE": "high",
         "RAYSYNC_RELAY": "maybe",
         "RAYSYNC_DROP_SILENT_S": "1",
+        "RAYSYNC_RING_ACK_S": "0",
     }
     with caplog.at_level(logging.WARNING, logger="raysync.hub.settings"):
         settings = HubSettings().resolved(env)
@@ -49,6 +57,7 @@ def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pyte
     text = caplog.text
     assert "RAYSYNC_DOORBELL_BYTES='lots'" in text and "RAYSYNC_HUB_NICE='high'" in text
     assert "RAYSYNC_RELAY='maybe'" in text and "RAYSYNC_DROP_SILENT_S='1'" in text
+    assert "RAYSYNC_RING_ACK_S='0'" in text
 
 
 @pytest.mark.parametrize(
@@ -62,6 +71,10 @@ def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pyte
         ({"drop_silent_s": "10"}, TypeError, "drop_silent_s must be a number of seconds"),
         ({"drop_silent_s": 2.0}, ValueError, "drop_silent_s must be at least 4 s"),
         ({"drop_silent_s": float("nan")}, ValueError, "drop_silent_s must be at least 4 s"),
+        ({"ring_ack_s": "1"}, TypeError, "ring_ack_s must be a number of seconds"),
+        ({"ring_ack_s": 0}, ValueError, r"ring_ack_s must be within \(0, 60\]"),
+        ({"ring_ack_s": 61.0}, ValueError, r"ring_ack_s must be within \(0, 60\]"),
+        ({"ring_ack_s": float("nan")}, ValueError, r"ring_ack_s must be within \(0, 60\]"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(kwargs: dict, error: type, words: str) -> None:
