@@ -298,7 +298,8 @@ def test_metrics_reach_the_heads_prometheus_export(job: Job) -> None:
     assert (_series(m, "raysync_push_duration_seconds_sum", model_id="policy") or 0) > 0
     assert (_series(m, "raysync_push_bytes_total", model_id="policy") or 0) > 0
     assert (_series(m, "raysync_apply_duration_seconds_count", model_id="policy") or 0) >= COLLECTORS
-    assert (_series(m, "raysync_subscribers", model_id="policy", state="live") or 0) >= 1
+    # exported: the job has ended by now, so its collectors may be dropped already (live 0)
+    assert _series(m, "raysync_subscribers", model_id="policy", state="live") is not None
     assert _series(m, "raysync_subscriber_lag", model_id="policy") is not None
 
 
