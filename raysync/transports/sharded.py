@@ -124,6 +124,11 @@ class Assembly(Sequence[np.ndarray]):
         """Copy the bucket into ``flat`` (a uint8 tensor of the bucket's span): each piece once."""
         plan = bucket_plan(self.manifest, self.bucket)
         check_sizes(plan, self.rank_buckets)  # nothing written if one is off
+        if flat.device.type == "cpu":
+            # numpy's copies are the C library's memcpy: for pieces of a few hundred KiB, a third
+            # less CPU than torch's copy loop (the same for MiB pieces)
+            fill(plan, self.rank_buckets, flat.detach().numpy())
+            return
         with torch.no_grad():
             fill(plan, self.rank_buckets, flat, torch.from_numpy)
 

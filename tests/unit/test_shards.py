@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from raysync.core.assembly import assemble, bucket_plan
+from raysync.core.assembly import assemble, bucket_plan, fill
 from raysync.core.codec import bucket_checksums, copy_into, pack, unpack
 from raysync.core.kept import Kept
 from raysync.core.layout import Manifest, plan_layout
@@ -170,6 +170,22 @@ def test_a_bucket_plan_is_worked_out_once_per_layout_and_never_serves_another() 
     with pytest.raises(ValueError, match="arrived with"):
         flat = torch.empty(first.bucket_nbytes[0], dtype=torch.uint8)
         Assembly(moved, 0, _rank_arrays(first)).write_into(flat)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_bucket_copied_by_torch_equals_the_one_copied_by_numpy(world: int) -> None:
+    """A CPU buffer is written with numpy's copies (the C library's memcpy); a GPU one takes torch's
+    (``fill`` with ``torch.from_numpy``): the same bytes, every byte written, gaps zeroed."""
+    manifest, _ = merge(_parts(world, _weights()))
+    arrays = _rank_arrays(manifest)
+    for b in range(manifest.num_buckets):
+        by_numpy = torch.full((manifest.bucket_nbytes[b],), 0xAB, dtype=torch.uint8)
+        by_torch = torch.full((manifest.bucket_nbytes[b],), 0xCD, dtype=torch.uint8)
+        Assembly(manifest, b, arrays).write_into(by_numpy)
+        fill(bucket_plan(manifest, b), arrays, by_torch, torch.from_numpy)
+        assert torch.equal(by_numpy, by_torch)
+        for entry, whole in zip(manifest.bucket_entries(b), assemble(manifest, b, arrays), strict=True):
+            assert by_numpy[entry.offset : entry.offset + entry.nbytes].numpy().tobytes() == whole.tobytes()
 
 
 def test_ranks_that_disagree_are_refused_naming_the_tensor() -> None:
