@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,16 @@ class ShardMap:
     boxes: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
     checksums: tuple[int, ...] | None = None
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Pickled once per object (the hub keeps one per layout, and sends it to every receiver of
+        # every version); a receiver unpickles each layout's once (see _shard_map_from)
+        blob = self.__dict__.get("_pickled")
+        if blob is None:
+            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+            blob = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
+            object.__setattr__(self, "_pickled", blob)
+        return _shard_map_from, (blob,)
+
     def box_of(self, key: str) -> Box | None:
         """The part of ``key`` this view holds (None: all of it)."""
         for k, offsets, lengths in self.boxes:
@@ -187,6 +198,21 @@ class ShardMap:
                 if box is None or intersect((p.offsets, p.lengths), box) is not None:
                     out.add(p.bucket)
         return sorted(out)
+
+
+_MAPS: Kept[ShardMap] = Kept(16)  # the shard maps unpickled in this process, by their bytes
+
+
+def _shard_map_from(blob: bytes) -> ShardMap:
+    """A pickled :class:`ShardMap`: the one unpickled before from the same bytes, if kept (every
+    version of a layout carries the same map; its pieces, and the bucket plans keyed on them, stay)."""
+
+    def load() -> ShardMap:
+        shard_map = ShardMap(*pickle.loads(blob))
+        object.__setattr__(shard_map, "_pickled", blob)
+        return shard_map
+
+    return _MAPS.get(blob, load)
 
 
 class ShardRefs:

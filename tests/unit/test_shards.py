@@ -188,6 +188,27 @@ def test_a_bucket_copied_by_torch_equals_the_one_copied_by_numpy(world: int) -> 
             assert by_numpy[entry.offset : entry.offset + entry.nbytes].numpy().tobytes() == whole.tobytes()
 
 
+def test_a_shard_map_is_pickled_once_and_unpickled_once_per_layout() -> None:
+    """The hub sends a version's shard map to every receiver (the same map for each version of a
+    layout): its bytes are made once, and a receiver unpickles each layout's map once."""
+    weights = _weights()
+    first, _ = merge(_parts(2, weights))
+    second, _ = merge(_parts(2, {k: t + 1 for k, t in weights.items()}))
+    assert first.shards is second.shards  # the hub's merge keeps the map per layout
+    sent = [pickle.dumps(m) for m in (first, second)]
+    assert first.shards is not None and first.shards.__dict__["_pickled"] in sent[0]  # made once, kept
+    got = [pickle.loads(b) for b in sent]
+    assert got[0] == first and got[1] == second  # every field as sent
+    assert got[0].shards is got[1].shards  # the receiver's second version reuses the first's map
+    # another layout, or the same one with each version's checksums, is a map of its own
+    four, _ = merge(_parts(4, weights))
+    assert pickle.loads(pickle.dumps(four)).shards == four.shards != got[0].shards
+    checked = [merge(_parts(2, {k: t + i for k, t in weights.items()}, checksum=True))[0] for i in (0, 1)]
+    received = [pickle.loads(pickle.dumps(m)) for m in checked]
+    assert [m.shards.checksums for m in received] == [m.shards.checksums for m in checked]  # type: ignore[union-attr]
+    assert received[0].shards.checksums != received[1].shards.checksums  # type: ignore[union-attr]
+
+
 def test_ranks_that_disagree_are_refused_naming_the_tensor() -> None:
     weights = _weights()
     parts = _parts(2, weights)
