@@ -59,19 +59,10 @@ logger = logging.getLogger(__name__)
 
 _PUBLISH_GRACE_S = 2.0  # a wait for a granted, unpublished number gives its publish this long
 _REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
-_LET_GO_S = 0.05  # a trimmed version's objects are let go this long after (see _let_go_soon)
 
 
 def _actor_id() -> str:
     return ray.get_runtime_context().get_actor_id() or "driver"
-
-
-def _let_go_soon(old: list[Any]) -> None:
-    """Drop versions the hub trimmed 50 ms from now, on its loop: the new version's delivery first."""
-    try:
-        asyncio.get_running_loop().call_later(_LET_GO_S, old.clear)
-    except RuntimeError:  # not on the loop: dropped now
-        old.clear()
 
 
 @ray.remote(num_cpus=0)
@@ -86,7 +77,6 @@ class WeightHub(Delivery, ShardedPublish):
         control_plane_priority(self._settings.nice)  # see hub/priority.py
         quiet_threaded_gets()
         self._state = HubState(name, keep, relay=bool(self._settings.relays))
-        self._state.let_go = _let_go_soon
         # Calls to subscribers' actors, collected by their processes' polls (hub/mailbox.py).
         self._mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
         self._loops = {}

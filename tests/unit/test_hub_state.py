@@ -41,21 +41,6 @@ def test_versions_are_stamped_in_order_and_only_keep_are_kept() -> None:
         state.get("other")
 
 
-def test_trimmed_versions_are_handed_to_let_go_with_their_refs() -> None:
-    """The hub's actor drops them a moment after a new version's delivery has started."""
-    state = _state(keep=2)
-    gone: list = []
-    state.let_go = gone.extend  # type: ignore[method-assign]
-    for i in range(1, 5):
-        state.stamp("policy", MANIFEST, [f"ref{i}"], TRAINER)
-    assert [(v.version, v.refs) for v in gone] == [(1, ["ref1"]), (2, ["ref2"])]
-    assert sorted(state.models["policy"].versions) == [3, 4]
-    assert state.raise_keep(3) and [v.version for v in gone] == [1, 2]  # raising keep trims nothing
-    state.stamp("policy", MANIFEST, ["ref5"], TRAINER)
-    state.stamp("policy", MANIFEST, ["ref6"], TRAINER)
-    assert [v.version for v in gone] == [1, 2, 3] and sorted(state.models["policy"].versions) == [4, 5, 6]
-
-
 def test_keep_is_raised_never_lowered() -> None:
     state = _state(keep=3)
     for i in range(4):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from raysync._protocol import (
@@ -28,10 +27,6 @@ class Versions(Leases):
     """Stamping, granting, keeping and handing out versions; whether a layout fits a subscriber."""
 
     round_blocks: dict[str, tuple[int, int]]  # model -> (next, last) of its sharded rounds' numbers
-    # Where the versions trimmed go (they hold the hub's borrow of their objects): dropped at once
-    # here; the hub's actor drops them a moment later, so that letting a version's objects go
-    # (milliseconds for a sharded one's) never comes before a new version's delivery.
-    let_go: Callable[[list[Version]], None] = staticmethod(lambda old: None)
 
     # ------------------------------------------------------------------ versions
     def latest(self, model_id: str) -> int | None:
@@ -249,9 +244,8 @@ class Versions(Leases):
             )
 
     def trim(self, model: Model) -> None:
-        old = [model.versions.pop(v) for v in sorted(model.versions)[: -self.keep]]
-        if old:
-            self.let_go(old)  # the hub's borrow of their objects goes with them
+        for v in sorted(model.versions)[: -self.keep]:
+            del model.versions[v]  # drops the hub's borrow of that version's objects
 
     def raise_keep(self, keep: int | None) -> bool:
         """Keep at least ``keep`` versions per model; never fewer than another client asked. Changed?"""
