@@ -192,32 +192,32 @@ def _bytes(env: Mapping[str, str], name: str) -> int:
         return DEFAULT_DOORBELL_BYTES
 
 
-def _silent(env: Mapping[str, str], name: str) -> float:
+def _seconds(
+    env: Mapping[str, str], name: str, default: float, fits: Callable[[float], bool], what: str
+) -> float:
+    """A number of seconds from the environment: ``default`` if unset; logged and ``default`` if
+    it is not a number, or not one that ``fits``."""
     raw = env.get(_ENV[name], "").strip()
     if not raw:
-        return DEFAULT_DROP_SILENT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value >= _MIN_DROP_SILENT_S:
-        _warn(env, name, f"a number of seconds, at least {_MIN_DROP_SILENT_S:g}", DEFAULT_DROP_SILENT_S)
-        return DEFAULT_DROP_SILENT_S
+    if not fits(value):  # NaN fits nothing
+        _warn(env, name, f"a number of seconds, {what}", default)
+        return default
     return value
+
+
+def _silent(env: Mapping[str, str], name: str) -> float:
+    at_least = _MIN_DROP_SILENT_S
+    return _seconds(env, name, DEFAULT_DROP_SILENT_S, lambda v: v >= at_least, f"at least {at_least:g}")
 
 
 def _ring_ack(env: Mapping[str, str], name: str) -> float:
-    raw = env.get(_ENV[name], "").strip()
-    if not raw:
-        return DEFAULT_RING_ACK_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= _MAX_RING_ACK_S:
-        _warn(env, name, f"a number of seconds within (0, {_MAX_RING_ACK_S:g}]", DEFAULT_RING_ACK_S)
-        return DEFAULT_RING_ACK_S
-    return value
+    most = _MAX_RING_ACK_S
+    return _seconds(env, name, DEFAULT_RING_ACK_S, lambda v: 0 < v <= most, f"within (0, {most:g}]")
 
 
 def _nice(env: Mapping[str, str], name: str) -> int | None:
