@@ -155,16 +155,18 @@ def _read(
     """One uint8 array per tensor of a bucket: a view of the rank bucket where one piece holds
     it as one run of bytes, else (any other tensor there) the bucket assembled (:func:`assemble`)."""
     plan = bucket_plan(manifest, bucket)
-    check_sizes(plan, rank_buckets)
-    direct: list[np.ndarray | None] = []
-    for entry, run in zip(entries, plan.direct, strict=True):
+    whole: list[np.ndarray] | None = None
+    if any(run is None for run in plan.direct):
+        whole = assemble(manifest, bucket, rank_buckets)  # checks every piece's size first
+    else:
+        check_sizes(plan, rank_buckets)
+    out: list[np.ndarray] = []
+    for i, (entry, run) in enumerate(zip(entries, plan.direct, strict=True)):
         if run is None:
-            direct.append(None)
+            assert whole is not None
+            out.append(whole[i])
             continue
-        b, i, start = run
-        flat = np.asarray(rank_buckets[b][i]).reshape(-1).view(np.uint8)
-        direct.append(flat[start : start + entry.nbytes])
-    if any(a is None for a in direct):
-        whole = assemble(manifest, bucket, rank_buckets)
-        return [whole[i] if a is None else a for i, a in enumerate(direct)]
-    return [a for a in direct if a is not None]
+        b, j, start = run
+        flat = np.asarray(rank_buckets[b][j]).reshape(-1).view(np.uint8)
+        out.append(flat[start : start + entry.nbytes])
+    return out
