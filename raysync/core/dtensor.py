@@ -102,6 +102,8 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
     if coord is None:
         raise InvalidWeightsError(f"this process is not in the device mesh {mesh} its weights are on")
     me = ranks.index(mesh.get_rank())
+    sizes = [mesh.size(dim) for dim in range(mesh.ndim)]
+    described: dict[Any, str] = {}  # each placements' description, made once per push
     specs: list[TensorSpec] = []
     local: dict[str, torch.Tensor] = {}
     boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -118,7 +120,7 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
         for dim, p in enumerate(t.placements):
             if isinstance(p, Shard):
                 d = p.dim % max(len(shape), 1)
-                chunk = -(-lengths[d] // mesh.size(dim)) if lengths[d] else 0
+                chunk = -(-lengths[d] // sizes[dim]) if lengths[d] else 0
                 start = min(coord[dim] * chunk, lengths[d])
                 offsets[d] += start
                 lengths[d] = max(0, min(lengths[d], start + chunk) - start)
@@ -130,13 +132,16 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
                     "Shard(d) and Replicate() placements (reduce a Partial one first: "
                     "t.redistribute(placements=[Replicate()]))"
                 )
-        shard = t.to_local()
+        with torch.no_grad():  # the local tensor itself, not through autograd (it is only read)
+            shard = t.to_local()
         if tuple(shard.shape) != tuple(lengths):
             raise InvalidWeightsError(
                 f"tensor {key!r}: this rank's local shard has shape {tuple(shard.shape)}, but its placements "
                 f"{tuple(t.placements)} over mesh {tuple(mesh.shape)} imply {tuple(lengths)}"
             )
-        placement = f"{tuple(t.placements)} over mesh {tuple(mesh.shape)}"
+        placement = described.get(t.placements)
+        if placement is None:
+            placement = described[t.placements] = f"{tuple(t.placements)} over mesh {tuple(mesh.shape)}"
         specs.append(TensorSpec(key, shape, _dtype_name(t.dtype), shard.element_size(), placement))
         if owner and all(lengths):
             local[key], boxes[key] = shard, (tuple(offsets), tuple(lengths))

@@ -60,7 +60,8 @@ def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> di
         ['a.b', 'c.d']
     """
     flat: dict[str, torch.Tensor] = {}
-    if isinstance(weights, torch.nn.Module):
+    module = isinstance(weights, torch.nn.Module)
+    if module:
         flat = _module_tensors(weights, keep_vars=False, non_persistent=non_persistent)
     elif _is_tensordict(weights):
         for key, value in weights.flatten_keys(".").items():
@@ -77,7 +78,14 @@ def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> di
             "no tensors to push: the weights are empty (a module without parameters or "
             "buffers, or an empty dict)"
         )
+    if module:  # state_dict() detached them (unless a hook of the module's did not): not twice, as
+        # a DTensor's detach is a dispatch of its own (~10 us each)
+        return {key: _packable(key, _detached(flat[key])) for key in sorted(flat)}
     return {key: _packable(key, flat[key].detach()) for key in sorted(flat)}
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
 
 
 def _packable(key: str, t: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,23 @@ def test_extract_accepts_module_tensordict_nested_and_dotted_dicts() -> None:
     assert list(extract_tensors(td)) == ["x.y", "z"]
 
 
+def test_a_modules_tensors_come_detached_sharing_its_memory_even_from_a_hook_that_does_not_detach() -> None:
+    model = torch.nn.Linear(3, 2)
+
+    def hook(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str, local: object) -> None:
+        state[prefix + "weight"] = module.weight  # the Parameter itself: it requires grad
+
+    model._register_state_dict_hook(hook)
+    with torch.no_grad():
+        model.weight.mul_(3.0)
+    got = extract_tensors(model)
+    assert not any(t.requires_grad for t in got.values())
+    assert got["weight"].data_ptr() == model.weight.data_ptr()  # no copy
+    assert torch.equal(got["weight"], model.weight.detach()) and torch.equal(got["bias"], model.bias.detach())
+    manifest = plan_layout(got)
+    assert_same_weights(unpack(manifest, pack(got, manifest)), got)  # packable: numpy takes no grad
+
+
 def test_key_order_is_canonical_whatever_the_insertion_order() -> None:
     a = {"b": torch.ones(3), "a": torch.zeros(2), "c": torch.ones(1)}
     b = {"c": torch.ones(1), "a": torch.zeros(2), "b": torch.ones(3)}
