@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,8 +32,8 @@ from raysync.core.shards import Box, ShardMap, ShardPiece, intersect
 from raysync.errors import ChecksumError
 
 __all__ = [
-    "BucketPlan", "assemble", "bucket_plan", "check_sizes", "fill", "run_in", "verify_rank_buckets",
-    "whole_version",
+    "SPARES", "BucketPlan", "Spares", "assemble", "bucket_plan", "check_sizes", "fill", "run_in",
+    "verify_rank_buckets", "whole_version",
 ]  # fmt: skip
 
 RankBuckets = Mapping[int, Sequence[np.ndarray]]
@@ -88,18 +90,22 @@ def verify_rank_buckets(manifest: Manifest, rank_buckets: RankBuckets) -> None:
         )
 
 
-def assemble(manifest: Manifest, bucket: int, rank_buckets: RankBuckets) -> list[np.ndarray]:
+def assemble(
+    manifest: Manifest, bucket: int, rank_buckets: RankBuckets, *, spare: bool = False
+) -> list[np.ndarray]:
     """One whole-tensor bucket of a sharded version, from its rank buckets.
 
-    Returns one uint8 array per tensor, in buffer order, all views of one fresh buffer laid
-    out as the manifest says (padding zeroed).
+    Returns one uint8 array per tensor, in buffer order, all views of one buffer laid out as
+    the manifest says (padding zeroed): a fresh one, or with ``spare`` the process's buffer of
+    that size (:data:`SPARES`) when nothing holds it any more.
 
     Example:
         >>> arrays = assemble(manifest, 0, {0: ray.get(r0), 1: ray.get(r1)})   # doctest: +SKIP
     """
     plan = bucket_plan(manifest, bucket)
     check_sizes(plan, rank_buckets)
-    flat = np.empty(manifest.bucket_nbytes[bucket], dtype=np.uint8)
+    nbytes = manifest.bucket_nbytes[bucket]
+    flat = SPARES.take(nbytes) if spare else np.empty(nbytes, dtype=np.uint8)
     fill(plan, rank_buckets, flat)
     return [flat[e.offset : e.offset + e.nbytes] for e in manifest.bucket_entries(bucket)]
 
@@ -129,6 +135,56 @@ class BucketPlan:
     sizes: tuple[tuple[int, int, int, str, int], ...]
     direct: tuple[tuple[int, int, int] | None, ...]
 
+
+class Spares:
+    """Assembly buffers handed out again once nothing holds them: one per byte size, at most
+    ``sizes`` sizes and ``max_bytes`` in all (the oldest size goes first).
+
+    A receiver that reads a sharded version's tensors as arrays (a ``WeightsLoader``'s
+    callback, which copies them into buffers of its own) lets go of them after each apply; a
+    fresh buffer for every version would page-fault its way through every byte again (a
+    32 MiB part: ~8,000 faults, about as long as the copy). A buffer is handed out again only
+    while nothing but this map refers to it, so a view still held (an ``apply="view"``
+    module's weights) is never written over: the next version gets a fresh buffer then.
+
+    Example:
+        >>> spares = Spares(2)
+        >>> a = spares.take(8); a_ptr = a.ctypes.data; del a
+        >>> spares.take(8).ctypes.data == a_ptr
+        True
+    """
+
+    def __init__(self, sizes: int, max_bytes: int = 2**30) -> None:
+        self._sizes = sizes
+        self._max_bytes = max_bytes
+        self._buffers: dict[int, list[Any]] = {}  # nbytes -> [buffer, its references when free]
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes`` (its bytes are whatever was last written there)."""
+        with self._lock:
+            kept = self._buffers.pop(nbytes, None)
+            if kept is not None and _references(kept[0]) == kept[1]:  # nothing else holds it
+                self._buffers[nbytes] = kept  # the newest last
+                return kept[0]
+            if nbytes > self._max_bytes:
+                return np.empty(nbytes, dtype=np.uint8)  # not kept: larger than all kept may be
+            while self._buffers and (
+                len(self._buffers) >= self._sizes
+                or nbytes + sum(b[0].nbytes for b in self._buffers.values()) > self._max_bytes
+            ):
+                del self._buffers[next(iter(self._buffers))]
+            kept = self._buffers[nbytes] = [np.empty(nbytes, dtype=np.uint8), 0]
+            kept[1] = _references(kept[0])  # counted as above: the list's, and the call's own
+            return kept[0]  # type: ignore[no-any-return]
+
+
+def _references(buffer: np.ndarray) -> int:
+    return sys.getrefcount(buffer)
+
+
+SPARES = Spares(4)
+"""The process's spare assembly buffers (receivers' reads of sharded versions)."""
 
 _PLANS: Kept[BucketPlan] = Kept(64)  # per bucket of a layout
 

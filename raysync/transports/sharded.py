@@ -157,7 +157,7 @@ def _read(
     plan = bucket_plan(manifest, bucket)
     whole: list[np.ndarray] | None = None
     if any(run is None for run in plan.direct):
-        whole = assemble(manifest, bucket, rank_buckets)  # checks every piece's size first
+        whole = assemble(manifest, bucket, rank_buckets, spare=True)  # checks every piece's size first
     else:
         check_sizes(plan, rank_buckets)
     out: list[np.ndarray] = []

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from raysync.core.assembly import assemble, bucket_plan, fill
+from raysync.core.assembly import Spares, assemble, bucket_plan, fill
 from raysync.core.codec import bucket_checksums, copy_into, pack, unpack
 from raysync.core.kept import Kept
 from raysync.core.layout import Manifest, plan_layout
@@ -323,6 +325,58 @@ def test_a_part_one_trainer_piece_holds_is_read_without_a_copy() -> None:
             )
     # one trainer piece holds each of these whole: read in place; cols' rows span both ranks' pieces
     assert shared == {"rows": True, "odd": True, "rep": True, "count": True, "cols": False}
+
+
+def _read_assembled(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """A 2-rank version's tensors as a receiver reads them (``Assembly`` arrays, viewed as
+    tensors, no copy), and weak refs to the buffers the assembled ones (``cols``) are in."""
+    manifest, _ = merge(_parts(2, weights))
+    rank_arrays = _rank_arrays(manifest)
+    views: dict[str, torch.Tensor] = {}
+    buffers = []
+    for b in range(manifest.num_buckets):
+        for entry, array in zip(manifest.bucket_entries(b), Assembly(manifest, b, rank_arrays), strict=True):
+            views[entry.key] = torch.from_numpy(array).view(getattr(torch, entry.dtype)).reshape(entry.shape)
+            if not any(np.shares_memory(array, a) for arrays in rank_arrays.values() for a in arrays):
+                buffers.append(weakref.ref(array.base))
+    return views, buffers
+
+
+def test_assembled_reads_reuse_a_buffer_nothing_holds_and_never_one_a_reader_keeps() -> None:
+    """A receiver reading assembled tensors (a ``WeightsLoader``'s callback, ``apply="view"``): a
+    version it let go of lends its buffer to the next (no fresh pages to fault in); tensors it
+    still holds (an ``apply="view"`` module's weights, a callback that kept them) keep their bytes
+    through later versions, bit for bit."""
+    one = _weights()
+    two = {k: (v * 3 if v.is_floating_point() else v + 1) for k, v in one.items()}
+    held, held_buffers = _read_assembled(one)  # kept, as an apply="view" module keeps its weights
+    assert held_buffers  # cols spans both ranks' pieces: assembled
+    got, buffers = _read_assembled(two)
+    assert_same_weights(got, two)
+    assert not {id(r()) for r in buffers} & {id(r()) for r in held_buffers}  # version 1's is still read
+    assert_same_weights(held, one)  # never written over
+    del got
+    assert all(r() is not None for r in buffers)  # let go by its reader: kept to serve again
+    again, buffers_again = _read_assembled(one)
+    assert [r() for r in buffers_again] == [r() for r in buffers]  # the same buffers, warm
+    assert_same_weights(again, one)
+    assert_same_weights(held, one)
+
+
+def test_spare_buffers_kept_stay_within_their_sizes_and_bytes() -> None:
+    # (no buffer is compared inside an assert: pytest's rewriting keeps its operands alive)
+    spares = Spares(2, max_bytes=100)
+    first = weakref.ref(spares.take(60))
+    again = id(spares.take(60))
+    assert again == id(first())  # let go of: kept, handed out again
+    big = weakref.ref(spares.take(200))
+    assert big() is None  # over max_bytes: never kept
+    other = weakref.ref(spares.take(50))  # 60 + 50 > 100: the older size goes
+    assert first() is None
+    assert other() is not None
+    for n in (10, 20, 30):
+        spares.take(n)
+    assert other() is None  # 2 sizes at most: 50 went first
 
 
 @pytest.mark.parametrize("writers", [2, 1])
