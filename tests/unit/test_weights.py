@@ -57,7 +57,7 @@ def test_a_modules_tensors_come_detached_sharing_its_memory_even_from_a_hook_tha
     def hook(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str, local: object) -> None:
         state[prefix + "weight"] = module.weight  # the Parameter itself: it requires grad
 
-    model._register_state_dict_hook(hook)
+    model.register_state_dict_post_hook(hook)
     with torch.no_grad():
         model.weight.mul_(3.0)
     got = extract_tensors(model)
