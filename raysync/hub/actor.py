@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -43,7 +44,7 @@ from raysync.hub import metrics
 from raysync.hub.delivery import Delivery
 from raysync.hub.mailbox import Mailboxes
 from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
-from raysync.hub.priority import control_plane_priority
+from raysync.hub.priority import control_plane_priority, freeze_startup_objects
 from raysync.hub.relay import (
     NodeDelivery,
     quiet_threaded_gets,
@@ -102,6 +103,7 @@ class WeightHub(Delivery, ShardedPublish):
         self._gauges = metrics.HubGauges(name)
         self._sweeper: asyncio.Task[None] | None = None
         self._restored = self._restore()
+        freeze_startup_objects()  # out of the garbage collector's full scans (hub/priority.py)
 
     # ------------------------------------------------------------------ restart
     def _restore(self) -> list[str]:
@@ -209,6 +211,7 @@ class WeightHub(Delivery, ShardedPublish):
             "pid": os.getpid(),
             "cpu_s": time.process_time(),  # cheap counters for benchmarks (status() is O(subscribers))
             "delivery_calls": self._state.delivery_calls,
+            "gc_frozen": gc.get_freeze_count(),  # start-up objects out of full collections' scans
         }
 
     async def settings(self) -> HubSettings:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import logging
 import os
 import statistics
@@ -60,7 +61,7 @@ from raysync._protocol import (
 from raysync.core.assembly import whole_version
 from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberRestarted, SubscriberUnreachable
 from raysync.hub.persistence import actor_alive
-from raysync.hub.priority import control_plane_priority
+from raysync.hub.priority import control_plane_priority, freeze_startup_objects
 from raysync.hub.settings import DEFAULT_RING_ACK_S, HubSettings
 from raysync.transports import doorbell
 from raysync.transports.registry import info as transport_info
@@ -261,6 +262,7 @@ class NodeRelay:
         self._node = NodeDelivery(
             node_id, send_late, settings.doorbell_bytes or 0, mail, settings.ring_ack_s or DEFAULT_RING_ACK_S
         )
+        freeze_startup_objects()  # out of the garbage collector's full scans, as the hub's
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
         """See :meth:`NodeDelivery.deliver`."""
@@ -282,7 +284,7 @@ class NodeRelay:
 
     async def stats(self) -> dict[str, Any]:
         """Its process, node, and the calls it made so far (for tests and benchmarks)."""
-        return self._node.stats()
+        return {**self._node.stats(), "gc_frozen": gc.get_freeze_count()}
 
 
 _FETCH_S = 30.0  # a version's bytes not at hand by then (pusher gone?): the Ray way instead

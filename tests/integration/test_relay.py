@@ -76,6 +76,9 @@ def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_nam
         assert _calls(hub) - before == 1  # one message for the node, whatever the subscribers on it
     stats = ray.get(relay.stats.remote())
     assert stats["deliveries"] >= 3
+    # the hub's and the relay's start-up objects (Ray's and raysync's imports) are out of the
+    # garbage collector's full scans: ~50 ms each otherwise, a stall of every model's deliveries
+    assert stats["gc_frozen"] > 10_000 and ray.get(hub.actor.configure.remote())["gc_frozen"] > 10_000
     assert stats["rung"] >= 3 * (len(copies) + 1)  # the copies and the view by doorbell
     assert stats["delivered"] >= 3  # the prefetching one by call
     assert ray.get(puller.raysync_version.remote()) is None  # pull mode: only when it asks
