@@ -74,6 +74,7 @@ class LocalPart:
         return tuple(out)
 
 
+@torch.no_grad()  # the local shards are only read: no autograd around them
 def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
     """This rank's pieces of ``tensors`` (some of them ``DTensor``\\ s over one device mesh).
 
@@ -132,8 +133,7 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
                     "Shard(d) and Replicate() placements (reduce a Partial one first: "
                     "t.redistribute(placements=[Replicate()]))"
                 )
-        with torch.no_grad():  # the local tensor itself, not through autograd (it is only read)
-            shard = t.to_local()
+        shard = t.to_local()  # under no_grad: the local tensor itself, not through autograd
         if tuple(shard.shape) != tuple(lengths):
             raise InvalidWeightsError(
                 f"tensor {key!r}: this rank's local shard has shape {tuple(shard.shape)}, but its placements "
