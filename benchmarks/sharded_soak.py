@@ -1,4 +1,4 @@
-"""Soak for sharded trainers: ranks killed mid-push, the group restarted; no version published torn.
+"""Soak for sharded trainers: ranks killed mid-push, rival groups, pushes that time out; nothing torn.
 
 A group of ``--world`` gloo ranks (Ray actors) holds a model as ``DTensor``\\ s (``Shard(0)`` and
 ``Shard(1)`` with uneven chunks, ``Replicate``, and a plain ``step`` buffer) and pushes it in a
@@ -12,8 +12,17 @@ At a random moment (uniform within ``--kill-within`` s of the group's start) one
 killed (``ray.kill``: its process dies wherever it is, mid-snapshot, mid-call to the hub or
 between pushes), then, after a random pause in which the others go on into their next push,
 the rest of the group; a new group (new processes) starts from a step never pushed before.
-This repeats for ``--kills`` kills or ``--seconds`` seconds; a last group then pushes without
-being killed.
+This repeats for ``--kills`` kills or ``--seconds`` seconds (or until ``--versions`` versions
+were published); a last group then pushes without being killed.
+
+With ``--rivals 1`` a second group pushes the same model at the same time as the writing one
+(each group's steps are its own: a step tells which group pushed it): the writer lease refuses
+every rank of it (``StaleWriterError``) until the writing group is killed; it then takes over
+and a new rival starts. With ``--lag-p p`` each rank's push, with probability ``p`` and on its
+own, is made with ``max_lag=1`` against a pull-mode subscriber that never syncs and a short
+timeout: it raises ``SyncTimeoutError`` on that rank alone, and the hub drops that push of
+every rank of the group (issue 41: such a push used to leave the ranks' counts apart, and
+every version after it held shards of two steps).
 
 Receivers: a ``@synced_model`` actor (polled every few ms; a method runs under its version
 lock, so it reports a version whole) and a ``WeightsLoader`` under a ``Follower`` in an actor
@@ -24,9 +33,11 @@ of its own (every version handed to it is checked in the callback). Checks:
 - no receiver ever holds a number the hub abandoned (``hub.status()["abandoned"]``, read after
   each restart: the numbers of rounds abandoned with a shard missing);
 - every number the hub granted was either published or abandoned (``unaccounted = 0``);
+- no number was returned to two ranks for pushes of different steps (``numbering_errors = 0``);
 - the last group's version reaches both receivers.
 
     python benchmarks/sharded_soak.py --kills 20 --seconds 300
+    python benchmarks/sharded_soak.py --rivals 1 --lag-p 0.05 --versions 1000 --kills 20 --seconds 900
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import _harness as harness
 
 MODEL = "soak"
+STEPS_PER_GROUP = 10_000  # group g pushes steps g * STEPS_PER_GROUP ..: a step tells its group
+PUSHES_PER_GROUP = 10_000
 # name -> (shape, placement): shard dims uneven over 2 and 4 ranks
 TENSORS: dict[str, tuple[tuple[int, ...], int | None]] = {
     "rows": ((257, 512), 0),  # 1 MiB of float64, Shard(0), uneven
@@ -91,6 +104,7 @@ class Ledger:
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, int, int, int]] = []
+        self.noted: dict[str, int] = {}
 
     def record(self, version: int, step: int, rank: int, group: int) -> None:
         self.rows.append((version, step, rank, group))
@@ -98,8 +112,19 @@ class Ledger:
     def entries(self) -> list[tuple[int, int, int, int]]:
         return list(self.rows)
 
+    def note(self, what: str) -> None:
+        """One push that did not return a number (refused, timed out, dropped)."""
+        self.noted[what] = self.noted.get(what, 0) + 1
 
-@ray.remote(num_cpus=0)
+    def notes(self) -> dict[str, int]:
+        return dict(self.noted)
+
+    def count(self, group: int) -> int:
+        """How many pushes of ``group``'s ranks returned a number."""
+        return sum(1 for row in self.rows if row[3] == group)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)  # stop() while run() runs
 class Rank:
     """One rank of the trainer group ``group``."""
 
@@ -124,9 +149,14 @@ class Rank:
             setattr(net, key, torch.nn.Parameter(distribute_tensor(getattr(net, key).detach(), mesh, place)))
         self.net = net
         self.hub = raysync.connect(hub)
+        self.stopping = False
 
     def ready(self) -> bool:
         return True
+
+    def stop(self) -> None:
+        """End :meth:`run` (every rank of the group at the same step: they agree before each push)."""
+        self.stopping = True
 
     def _fill(self, step: int) -> None:
         with torch.no_grad():
@@ -138,17 +168,56 @@ class Rank:
                 local.copy_(mine)
             self.net.step.fill_(step)
 
-    def run(self, first_step: int, pushes: int, timeout: float) -> int:
-        """Push steps ``first_step ..``; how many pushes returned."""
+    def run(self, first_step: int, pushes: int, timeout: float, lag_p: float = 0.0, seed: int = 0) -> int:
+        """Push steps ``first_step ..``; how many pushes it made (the ledger has what each did).
+
+        A rank whose push raises goes on with the next step, as a trainer that logs the error
+        would; each push is made after a barrier (a trainer's collectives keep its ranks in step).
+        """
         import torch.distributed as dist
 
+        rng = random.Random(seed * 1000 + self.group * 10 + self.rank)
+        done = 0
         for i in range(pushes):
             step = first_step + i
             self._fill(step)
-            dist.barrier()
-            version = self.hub.push(self.net, MODEL, timeout=timeout)
+            stop = torch.tensor([1 if self.stopping else 0])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # the group's barrier, and whether any rank stops
+            if int(stop):
+                break
+            lag = i > 0 and rng.random() < lag_p  # never the first push: it identifies the group
+            opts: dict[str, Any] = {"max_lag": 1, "include_pull": True, "timeout": 0.05} if lag else {}
+            done += 1
+            try:
+                version = self.hub.push(self.net, MODEL, **{"timeout": timeout, **opts})
+            except raysync.StaleWriterError:
+                self.ledger.note.remote("stale")  # a rival of the writing group: refused, tries again
+                time.sleep(0.02)
+                continue
+            except raysync.SyncTimeoutError:
+                self.ledger.note.remote("lagged" if lag else "timed_out")
+                continue
+            except raysync.InvalidWeightsError:
+                self.ledger.note.remote("dropped")  # another rank's push of this step raised
+                continue
             self.ledger.record.remote(version, step, self.rank, self.group)
-        return pushes
+        return done
+
+
+@ray.remote(num_cpus=0)
+class Evaluator:
+    """A pull-mode subscriber that never syncs: a push with ``max_lag`` and ``include_pull`` waits for it."""
+
+    def __init__(self, hub: str) -> None:
+        @raysync.synced_model("net", model_id=MODEL, hub=hub, mode="pull")
+        class Pulled:
+            def __init__(self) -> None:
+                self.net = Net()
+
+        self.pulled = Pulled()
+
+    def ready(self) -> bool:
+        return True
 
 
 def collector(hub: str) -> Any:
@@ -201,10 +270,15 @@ def soak(
     seed: int = 0,
     hub_name: str = "sharded-soak",
     ahead: int = 1,
+    rivals: int = 0,
+    lag_p: float = 0.0,
+    versions: int | None = None,
 ) -> dict[str, Any]:
     """Run the soak on the connected Ray cluster; the counts (see the module's docstring).
 
-    ``ahead`` groups start before they are needed (each while the one before pushes).
+    ``ahead`` groups start before they are needed (each while the one before pushes);
+    ``rivals`` of them push at the same time as the writing group. The soak ends after
+    ``kills`` kills, ``seconds`` seconds, or once ``versions`` versions were published.
 
     Raises:
         AssertionError: a version was published torn, a receiver held an abandoned number,
@@ -213,37 +287,72 @@ def soak(
     rng = random.Random(seed)
     hub = raysync.connect(hub_name)
     ledger = Ledger.remote()
+    ahead = max(ahead, rivals)
     # Groups start ahead (new processes, gloo joined) while the one before pushes: a restart then
     # costs the soak no wait for processes to start
     spawned: list[list[Any]] = []
+    running: dict[int, list[Any]] = {}  # group number -> its ranks' runs
 
     def spawn() -> None:
         port, number = _port(), len(spawned)
         spawned.append([Rank.remote(r, world, port, hub_name, ledger, number) for r in range(world)])
 
+    def start(number: int, pushes: int, lag: float = lag_p) -> None:
+        if number not in running:
+            ray.get([r.ready.remote() for r in spawned[number]], timeout=300)
+            first = number * STEPS_PER_GROUP  # each group's steps are its own
+            runs = [r.run.remote(first, pushes, push_timeout, lag, seed) for r in spawned[number]]
+            running[number] = runs
+
     for _ in range(ahead):
         spawn()
     receiver = collector(hub_name)
     checker = LoaderChecker.remote(hub_name)
+    evaluator = Evaluator.remote(hub_name)
     held: list[tuple[int | None, int, bool]] = []
 
     def poll() -> None:
         held.append(ray.get(receiver.report.remote(), timeout=60))
 
-    ray.get([receiver.report.remote(), checker.report.remote()], timeout=120)
-    started, step, group_no, killed = time.monotonic(), 0, 0, 0
+    ray.get([receiver.report.remote(), checker.report.remote(), evaluator.ready.remote()], timeout=120)
+    started, group_no, killed = time.monotonic(), 0, 0
     abandoned: set[int] = set()  # numbers the hub says it abandoned (status()["abandoned"])
-    pushes_per_group = 10_000
+
+    def settle(number: int) -> None:
+        for run in running.pop(number, []):
+            try:
+                ray.get(run, timeout=60)
+            except ray.exceptions.RayError:
+                pass
+
+    def published() -> int:
+        return int(hub.status()["models"].get(MODEL, {}).get("pushes", 0))
+
     while True:
-        last = killed >= kills or time.monotonic() - started > seconds
+        last = (
+            killed >= kills
+            or time.monotonic() - started > seconds
+            or (versions is not None and published() >= versions)
+        )
         while len(spawned) <= group_no + (0 if last else ahead):
             spawn()
         group = spawned[group_no]
-        ray.get([r.ready.remote() for r in group], timeout=300)
-        if last:  # the last group pushes a few versions and is left alone
-            ray.get([r.run.remote(step, 3, push_timeout) for r in group], timeout=300)
+        if last:  # the last group pushes a few versions and is left alone (its rivals are killed)
+            for number in [n for n in running if n != group_no]:
+                harness.kill_all(spawned[number])
+                settle(number)
+            if group_no in running:  # a rival that took over: it stops once it pushed a few versions
+                deadline = time.monotonic() + 120
+                while ray.get(ledger.count.remote(group_no)) < 3 * world and time.monotonic() < deadline:
+                    poll()
+                ray.get([r.stop.remote() for r in group], timeout=60)
+                settle(group_no)
+            start(group_no, 3, lag=0.0)  # the last versions: none times out
+            settle(group_no)
             break
-        runs = [r.run.remote(step, pushes_per_group, push_timeout) for r in group]
+        start(group_no, PUSHES_PER_GROUP)
+        for number in range(group_no + 1, group_no + 1 + rivals):
+            start(number, PUSHES_PER_GROUP)
         kill_at = time.monotonic() + rng.uniform(0.0, kill_within)
         while time.monotonic() < kill_at:
             poll()
@@ -254,18 +363,14 @@ def soak(
         while time.monotonic() < pause:
             poll()
         harness.kill_all(group)
-        for run in runs:
-            try:
-                ray.get(run, timeout=60)
-            except ray.exceptions.RayError:
-                pass
+        settle(group_no)
         # the rounds the groups before left open are settled by now (this group's first part, or
         # their deadline, abandoned them); the hub lists the numbers it abandoned lately
         abandoned |= set(hub.status()["abandoned"].get(MODEL, []))
-        step += pushes_per_group
         group_no += 1
     rows = ray.get(ledger.entries.remote(), timeout=60)
-    final = max(v for v, _, _, g in rows if g == group_no)
+    counts = ray.get(ledger.notes.remote(), timeout=60)
+    final = max(v for v, _, _, g in rows if g == group_no)  # its last pushes: no rank's timed out
     hub.wait(final, MODEL, timeout=120, subscribers=2)
     abandoned |= set(hub.status()["abandoned"].get(MODEL, []))
     poll()
@@ -281,6 +386,8 @@ def soak(
     stale = [h for h in held_versions if h[0] in abandoned]
     result = {
         "world": world,
+        "rivals": rivals,
+        "lag_p": lag_p,
         "seconds": round(time.monotonic() - started, 1),
         "groups": group_no + 1,
         "kills": killed,
@@ -290,10 +397,11 @@ def soak(
         "abandoned": len(set(steps_of) & abandoned),
         "abandoned_all": len(abandoned),
         # every number the hub granted (1 .. final, one block after another) was published or abandoned
-        "unaccounted": final - hub.status()["models"][MODEL]["pushes"] - len(abandoned),
-        "published_total": hub.status()["models"][MODEL]["pushes"],
+        "unaccounted": final - published() - len(abandoned),
+        "published_total": published(),
         "collector_reports": len(held_versions),
         "collector_versions": len({v for v, _, _ in held_versions}),
+        "groups_held": len({s // STEPS_PER_GROUP for _, s, _ in held_versions}),
         "loader_versions": len(seen),
         "final": final,
         "collector_final": held[-1][0],
@@ -301,10 +409,11 @@ def soak(
         "torn": len(torn),
         "numbering_errors": len(numbering),
         "abandoned_held": len(stale),
+        **{f"pushes_{k}": n for k, n in sorted(counts.items())},
     }
     for group in spawned:
         harness.kill_all(group)
-    harness.kill_all([receiver, checker, ledger])
+    harness.kill_all([receiver, checker, ledger, evaluator])
     ray.kill(hub.actor)
     assert not torn, f"versions published torn: {torn[:5]}"
     assert not numbering, f"one number pushed with several steps: {numbering[:5]}"
@@ -322,9 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-within", type=float, default=1.5, help="s after a group's start")
     parser.add_argument("--push-timeout", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rivals", type=int, default=0, help="groups pushing beside the writing one")
+    parser.add_argument("--lag-p", type=float, default=0.0, help="chance a rank's push times out alone")
+    parser.add_argument("--versions", type=int, default=None, help="stop once this many are published")
     args = parser.parse_args(argv)
     started = time.time()
-    with harness.local_cluster(num_cpus=args.world + 4, object_store_bytes=1024 * 2**20):
+    with harness.local_cluster(num_cpus=args.world * (2 + args.rivals) + 4, object_store_bytes=1024 * 2**20):
         result = soak(
             world=args.world,
             kills=args.kills,
@@ -332,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             kill_within=args.kill_within,
             push_timeout=args.push_timeout,
             seed=args.seed,
+            rivals=args.rivals,
+            lag_p=args.lag_p,
+            versions=args.versions,
         )
     print(", ".join(f"{k}={v}" for k, v in result.items()))
     harness.write_json(

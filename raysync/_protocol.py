@@ -127,6 +127,12 @@ need not wait for the reply; without them the hub stamps it (one round trip)."""
 PUBLISH_STAMPED = "publish_stamped"
 """``(publication) -> int``: a version its writer stamped (one message: one argument to serialize)."""
 
+CONTRIBUTE = "contribute"
+"""``(model_id, part, refs, pusher, takeover, timeout, settle, previous) -> PartTaken``: a rank's part."""
+
+GIVE_UP = "give_up"
+"""``(model_id, group token, push, rank, why) -> None``: a sharded rank's push raised before its part went."""
+
 BLOCK = 100
 """Version numbers a writer takes with each grant (the hub persists once per block)."""
 

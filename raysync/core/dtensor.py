@@ -23,7 +23,7 @@ import torch
 from raysync.core.shards import ShardPiece, TensorSpec
 from raysync.errors import InvalidWeightsError
 
-__all__ = ["LocalPart", "is_sharded", "local_part"]
+__all__ = ["LocalPart", "is_sharded", "local_part", "mesh_of", "mesh_rank"]
 
 
 def _dtensor_class() -> Any:
@@ -43,6 +43,21 @@ def is_sharded(tensors: Mapping[str, torch.Tensor]) -> bool:
     """
     cls = _dtensor_class()
     return cls is not None and any(isinstance(t, cls) for t in tensors.values())
+
+
+def mesh_of(tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The device mesh of the first ``DTensor`` in ``tensors`` (``None`` without one)."""
+    cls = _dtensor_class()
+    for t in tensors.values():
+        if cls is not None and isinstance(t, cls):
+            return t.device_mesh
+    return None
+
+
+def mesh_rank(mesh: Any) -> tuple[int, int]:
+    """``(rank, world)`` of this process in ``mesh``: its place in the flattened mesh, and its size."""
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    return ranks.index(mesh.get_rank()), len(ranks)
 
 
 @dataclass
@@ -98,11 +113,10 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
                 )
     if mesh is None:
         raise InvalidWeightsError("a sharded push needs DTensor weights; these have none")
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     coord = mesh.get_coordinate()
     if coord is None:
         raise InvalidWeightsError(f"this process is not in the device mesh {mesh} its weights are on")
-    me = ranks.index(mesh.get_rank())
+    me, world = mesh_rank(mesh)
     sizes = [mesh.size(dim) for dim in range(mesh.ndim)]
     described: dict[Any, str] = {}  # each placements' description, made once per push
     specs: list[TensorSpec] = []
@@ -145,7 +159,7 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
         specs.append(TensorSpec(key, shape, _dtype_name(t.dtype), shard.element_size(), placement))
         if owner and all(lengths):
             local[key], boxes[key] = shard, (tuple(offsets), tuple(lengths))
-    return LocalPart(me, len(ranks), tuple(sorted(specs, key=lambda s: s.key)), local, boxes)
+    return LocalPart(me, world, tuple(sorted(specs, key=lambda s: s.key)), local, boxes)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

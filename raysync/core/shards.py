@@ -112,8 +112,9 @@ class ShardPart:
     """What one rank of a sharded trainer sends the hub for one push.
 
     Attributes:
-        round: the how-many-th sharded push of this model by this rank's client; the
-            hub matches the ranks' parts of one version by it.
+        round: the how-many-th push of this model by this rank over its process group
+            (every push counts, one that raised too); the hub matches the ranks' parts of
+            one version by it, within one ``group``.
         rank: this rank's place in the group (0 .. world - 1).
         world: how many ranks hold the model's shards (the ``DTensor``\\ s' mesh).
         specs: every tensor of the model, as this rank sees it (sorted by key).
@@ -123,6 +124,7 @@ class ShardPart:
         separate: the keys laid out in buckets of their own, apart from the others (in the
             rank's layout and the whole one), once ``keys=`` pushed them: a receiver then
             fetches only their buckets of a ``keys=`` push.
+        group: the token of the rank's group (:mod:`raysync.core.group`), the same on every rank.
     """
 
     round: int
@@ -133,6 +135,7 @@ class ShardPart:
     pieces: tuple[ShardPiece, ...]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     separate: tuple[str, ...] = ()
+    group: str = ""
 
 
 @dataclass(frozen=True)

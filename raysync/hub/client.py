@@ -31,8 +31,10 @@ from raysync._checks import check_timeout, require_ray
 from raysync._protocol import (
     ACQUIRE,
     BLOCK,
+    CONTRIBUTE,
     DEFAULT_HUB,
     DEFAULT_NAMESPACE,
+    GIVE_UP,
     PUBLISH,
     PUBLISH_STAMPED,
     Grant,
@@ -50,6 +52,7 @@ from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
 from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
+from raysync.hub.state.groups import PartTaken
 from raysync.hub.waiting import early_result, raise_for
 from raysync.transports.base import check_transport
 from raysync.transports.registry import transport_class
@@ -97,6 +100,7 @@ class HubClient:
             previous=lambda model_id: _alive(me)._hub_newest(model_id),
             lost=lambda model_id, version: _alive(me)._lost(model_id, version),
             contribute=lambda *args: _alive(me)._contribute(*args),
+            give_up=lambda *args: _alive(me)._post(GIVE_UP, *args),
         )
         self.last_push: dict[str, Any] = {}
         self._publishes = Publishes()
@@ -173,10 +177,10 @@ class HubClient:
             self._publishes.sent(model_id, version, epoch)
         return version
 
-    def _contribute(self, model_id: str, part: Any, refs: list[Any], pusher: Any, *args: Any) -> int:
+    def _contribute(self, model_id: str, part: Any, refs: list[Any], pusher: Any, *args: Any) -> PartTaken:
         """A rank's part of a sharded push (hub/sharded.py; ``args``: timeout, settle, previous)."""
-        version: int = self._call("contribute", model_id, part, refs, pusher, self.takeover, *args)
-        return version
+        taken: PartTaken = self._call(CONTRIBUTE, model_id, part, refs, pusher, self.takeover, *args)
+        return taken
 
     def _ask_ahead(self, model_id: str, pusher: dict[str, Any]) -> Any:
         """Ask for the next block of numbers without waiting."""
@@ -284,12 +288,16 @@ class HubClient:
         hub publishes once all ranks' shards are in. A rank's push returns once the
         hub recorded its own shard (a rank's first push of a layout waits until the
         version is published, so that what the hub refuses raises there); ``wait=True``
-        or ``hub.wait(v)`` waits for the version to be published and applied. If a
-        rank never pushes its shard within ``timeout`` (default 60 s; it died or
-        stalled), or the group restarts first, the number is abandoned: nothing is
-        published, readers keep the previous version, and ``hub.wait`` of it (until
-        a newer version is out; and the rank's next push, if abandoned by then) raises
-        ``SyncTimeoutError`` (``InvalidWeightsError`` for a group that moved on) saying so.
+        or ``hub.wait(v)`` waits for the version to be published and applied. The first
+        push over a process group is collective (the ranks agree on their group: every
+        rank of the mesh must call it); each push of a rank is matched with the other
+        ranks' pushes of the same count, so every rank calls ``push`` once per step. If a
+        rank's push raises (``max_lag`` timed out, say) or it never pushes its shard within
+        ``timeout`` (default 60 s; it died or stalled), or the group restarts first, that
+        push is abandoned on every rank: nothing is published, readers keep the previous
+        version, and ``hub.wait`` of its number (until a newer version is out) raises why;
+        the ranks' next pushes go on as usual. Every rank of a group that does not hold
+        the model's writer lease gets ``StaleWriterError``.
         Such pushes take no ``keys``, ``delta`` or ``transport``; ``checksum=True`` (on every rank)
         adds one CRC32 per rank bucket, which ``verify=True`` receivers check before assembling.
 
@@ -324,17 +332,19 @@ class HubClient:
                 "transport='sharded' is what the hub names a sharded trainer's versions: push DTensor "
                 "weights from every rank over the object store (the default) instead"
             )
-        # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
-        # are unanswered): what the hub refused raises here.
-        self._settle(model_id, wait=False)
-        if max_lag is not None:
-            if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
-                raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
-            target = (self.latest(model_id) or 0) + 1 - max_lag
-            if target >= 1:
+        if max_lag is not None and (not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1):
+            raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
+
+        def before() -> None:
+            # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
+            # are unanswered): what the hub refused raises here.
+            self._settle(model_id, wait=False)
+            target = None if max_lag is None else (self.latest(model_id) or 0) + 1 - max_lag
+            if target is not None and target >= 1:
                 # A subscriber that failed an old version is not behind in a way waiting can fix
                 # (this push brings it forward): only laggards hold the trainer back.
                 self._wait(target, model_id, timeout, include_pull=include_pull, raise_failures=False)
+
         request = PushRequest(
             weights,
             model_id,
@@ -348,7 +358,7 @@ class HubClient:
             group_timeout=60.0 if timeout is None else timeout,
         )
         self.last_push = {"model_id": model_id}
-        pushed = self._pipeline.push(request, writer=writer_identity())
+        pushed = self._pipeline.push(request, writer=writer_identity(), before=before)
         self.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
         metrics.record_push(
             self.name,

@@ -28,12 +28,15 @@ from ray.exceptions import ObjectLostError, RayTaskError
 from raysync import _compat
 from raysync._checks import require_ray
 from raysync.core.codec import unpack
-from raysync.core.dtensor import is_sharded
+from raysync.core.dtensor import is_sharded, mesh_of, mesh_rank
 from raysync.core.extract import extract_extra_state, extract_tensors
+from raysync.core.group import GroupIdentity, identify_group
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
+from raysync.hub.identity import writer_identity
 from raysync.hub.sharded_push import push_shard
 from raysync.hub.state import Version
+from raysync.hub.state.groups import PartTaken
 from raysync.transports.base import HubTransport, Reuse, Snapshot, reuse_unchanged, transport_for
 from raysync.transports.registry import transport_class
 
@@ -43,10 +46,13 @@ logger = logging.getLogger(__name__)
 
 Publish = Callable[[str, Manifest, list[Any]], int]
 """``(model_id, manifest, refs) -> version``: the hub's stamp (raises what the hub refuses)."""
-Contribute = Callable[[str, Any, list[Any], dict[str, Any], float, bool, "int | None"], int]
-"""``(model_id, part, refs, pusher, timeout, settle, previous) -> version``: a sharded rank's part
-to the hub; the version once recorded, or (``settle``) once published; ``previous`` is the number
-the rank's last unsettled push got (its failure raises here)."""
+Contribute = Callable[[str, Any, list[Any], dict[str, Any], float, bool, "int | None"], PartTaken]
+"""``(model_id, part, refs, pusher, timeout, settle, previous) -> PartTaken``: a sharded rank's part
+to the hub; its round's number once recorded, or (``settle``) once published; ``previous`` is the
+number the rank's last unsettled push got (the answer says if it was abandoned since)."""
+GiveUp = Callable[[str, str, int, int, str], object]
+"""``(model_id, group token, push, rank, why)``: a sharded rank's push raised before its part was
+recorded; the hub abandons that push (sent without waiting, never raises)."""
 Previous = Callable[[str], "Version | None"]
 """``model_id -> the hub's newest version``, for keys/delta pushes after another writer's."""
 
@@ -79,6 +85,16 @@ class Offer:
     args: tuple[Any, ...]
 
 
+@dataclass
+class _Ticket:
+    """A sharded push's place: its group, its number there, this rank, whether the hub has its part."""
+
+    group: GroupIdentity
+    round: int
+    rank: int
+    recorded: bool = False
+
+
 @dataclass(frozen=True)
 class Pushed:
     """What a push did: the version and what it cost (``HubClient.last_push``)."""
@@ -97,10 +113,13 @@ class PushPipeline:
         previous: Previous | None = None,
         lost: Any = None,
         contribute: Contribute | None = None,
+        give_up: GiveUp | None = None,
     ) -> None:
         self._publish = publish
         self._contribute = contribute
-        self._rounds: dict[str, int] = {}  # sharded pushes of each model by this client
+        self._give_up = give_up
+        self._rounds: dict[tuple[str, str], int] = {}  # sharded pushes of each (model, group token)
+        self._groups: dict[tuple[int, ...], tuple[Any, GroupIdentity]] = {}  # per process group
         # Sharded: the layout of this rank's part the hub published last (a push of another waits
         # for its round), and the number of the last push that did not wait (its failure raises next).
         self._shard_confirmed: dict[str, Any] = {}
@@ -114,8 +133,16 @@ class PushPipeline:
         self.last: dict[str, Version] = {}  # the newest version this client pushed, per model
         self._shard_offer: dict[str, Offer] = {}  # this rank's part of its newest sharded version
 
-    def push(self, request: PushRequest, *, writer: dict[str, Any]) -> Pushed:
-        """Run every step; returns once the snapshot is taken and the hub stamped it."""
+    def push(
+        self, request: PushRequest, *, writer: dict[str, Any], before: Callable[[], None] | None = None
+    ) -> Pushed:
+        """Run every step; returns once the snapshot is taken and the hub stamped it.
+
+        ``before`` runs once the weights are read and, for a sharded push, once the push is
+        numbered (the client's checks that may wait or raise: ``max_lag``, earlier refusals).
+        A sharded push that raises before its part reached the hub tells the hub to abandon
+        that push, so the ranks' numbering stays in step whatever raised on one rank.
+        """
         t0 = time.perf_counter()
         model_id = request.model_id
         transport = self._transports.get(request.transport) or self._transports.setdefault(
@@ -127,7 +154,17 @@ class PushPipeline:
             )
         raw = extract_tensors(request.weights)
         if is_sharded(raw):  # DTensor weights: this rank pushes its own shards
-            return self._push_shard(request, raw, writer, transport)
+            ticket = self._open_round(model_id, raw, request.group_timeout)
+            try:
+                if before is not None:
+                    before()
+                return self._push_shard(request, raw, writer, transport, ticket)
+            except BaseException as err:
+                if not ticket.recorded:
+                    self._abandon_round(model_id, ticket, err)
+                raise
+        if before is not None:
+            before()
         tensors = self._tensors(request, raw)
         selected = _select_keys(tensors, request.keys) if request.keys is not None else None
         prev, prev_buckets = (
@@ -188,17 +225,52 @@ class PushPipeline:
         )
         return Pushed(version, stats)
 
-    def _push_shard(
-        self, request: PushRequest, tensors: dict[str, Any], writer: dict[str, Any], transport: HubTransport
-    ) -> Pushed:
+    def _open_round(self, model_id: str, tensors: dict[str, Any], timeout: float) -> _Ticket:
+        """Number this rank's sharded push of ``model_id`` (first, for each process group, the
+        ranks agree on their group: :func:`~raysync.core.group.identify_group`)."""
         if self._contribute is None:
             raise ValueError("this push pipeline takes no sharded (DTensor) weights")
+        mesh = mesh_of(tensors)
+        groups = tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
+        key = tuple(id(g) for g in groups)
+        known = self._groups.get(key)
+        if known is None:
+            ident = identify_group(mesh, writer_identity(), timeout=timeout)
+            if len(self._groups) >= 8:  # process groups made again and again: keep the newest
+                self._groups.pop(next(iter(self._groups)))
+            self._groups[key] = (groups, ident)  # the groups held: their ids stay theirs
+        else:
+            ident = known[1]
+        rank, _ = mesh_rank(mesh)
+        count = (model_id, ident.token)
+        self._rounds[count] = number = self._rounds.get(count, 0) + 1
+        return _Ticket(ident, number, rank)
+
+    def _abandon_round(self, model_id: str, ticket: _Ticket, err: BaseException) -> None:
+        if self._give_up is None:
+            return
+        why = f"{type(err).__name__}: {err}"[:500]
+        try:
+            self._give_up(model_id, ticket.group.token, ticket.round, ticket.rank, why)
+        except Exception as failed:  # the hub is gone or Ray shut down: the round expires instead
+            logger.info(
+                "could not tell the hub that push %d of %r was given up: %s", ticket.round, model_id, failed
+            )
+
+    def _push_shard(
+        self,
+        request: PushRequest,
+        tensors: dict[str, Any],
+        writer: dict[str, Any],
+        transport: HubTransport,
+        ticket: _Ticket,
+    ) -> Pushed:
+        assert self._contribute is not None
         contribute = self._contribute
         model_id = request.model_id
         selected = _select_keys(tensors, request.keys) if request.keys is not None else None
         # keys= pushed keys are laid apart (in the rank's layout and the whole one) from then on
         separate = self._separate.get(model_id, frozenset()) if selected is None else frozenset(selected)
-        self._rounds[model_id] = round = self._rounds.get(model_id, 0) + 1
 
         def hand(model_id: str, part: Any, refs: list[Any], pusher: dict[str, Any]) -> int:
             # A rank's first push of a layout waits until its round is published (what the hub
@@ -206,12 +278,17 @@ class PushPipeline:
             layout = (part.world, part.rank, part.specs, part.manifest.layout_hash)
             settle = self._shard_confirmed.get(model_id) != layout
             previous = self._shard_unsettled.pop(model_id, None)
+            pusher = {**pusher, "lead": ticket.group.lead}
             try:
-                version = contribute(model_id, part, refs, pusher, request.group_timeout, settle, previous)
+                taken = contribute(model_id, part, refs, pusher, request.group_timeout, settle, previous)
             except BaseException:
                 self._shard_confirmed.pop(model_id, None)
                 self._shard_last.pop(model_id, None)  # a keys= push must not fill from a failed one
                 raise
+            ticket.recorded = True
+            if taken.earlier is not None:
+                logger.warning("an earlier push of %r was not published: %s", model_id, taken.earlier)
+            version = taken.version
             if settle:
                 self._shard_confirmed[model_id] = layout
             else:
@@ -224,7 +301,8 @@ class PushPipeline:
             request,
             tensors,
             hand,
-            round=round,
+            round=ticket.round,
+            group=ticket.group.token,
             writer=writer,
             transport=transport,
             selected=selected,

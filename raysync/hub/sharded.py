@@ -10,21 +10,22 @@ round, so that what the hub refuses of it raises there). When the last part is i
 merges the parts (:func:`raysync.core.shards.merge`) and publishes the version under that
 number, in round order.
 
-The group is the model's writer: the lease is taken in group rank 0's name (its process),
-checked when rank 0's part arrives and again at publish, so another live group is refused
-(``StaleWriterError``) and a restarted one takes over from a dead one.
+The group is the model's writer: the lease is held in group rank 0's name (its process),
+checked for every rank's part in that name (each rank learns its group's rank 0 and a token
+of the group at its first push over a process group: :mod:`raysync.core.group`) and again
+at publish, so every rank of another live group is refused (``StaleWriterError``), a
+restarted one takes over from a dead one, and the parts of two groups are never merged.
 
 A round that never completes is abandoned (:mod:`raysync.hub.state.groups`): when ``timeout``
-seconds pass after its first part (a rank died or stalled), when a restarted or resized group
-pushes, or when the group runs too far ahead of it. Its number is never published: readers
-stay on the previous version, later rounds get higher numbers, ``hub.status()["abandoned"]``
-lists it, and ``hub.wait`` of the number (until a newer version is published) raises why
-(``SyncTimeoutError`` for a rank that never pushed, ``InvalidWeightsError`` for a group that
-moved on, or what the hub refused of the merged version). A rank's next push
-raises it too if the round failed by then (the push names the number it got last), as a
-single writer's next push raises a refusal of its previous one. A round lost in a hub
-restart (some ranks' parts went to the hub before it) is abandoned as soon as the hub
-sees it cannot complete, and no rank's next push raises for it: the group goes on.
+seconds pass after its first part (a rank died or stalled), when another group takes over,
+when the group runs too far ahead of it, or when a rank's push of it raised before its part
+was sent (the rank's client says so: :meth:`ShardedPublish.give_up`; every push is counted
+from its start, so the ranks' counts stay in step whatever raised). Its number is never
+published: readers stay on the previous version, later rounds get higher numbers,
+``hub.status()["abandoned"]`` lists it, and ``hub.wait`` of the number (until a newer version
+is published) raises why. A rank's next push is told why (a warning in that process), and
+its part is taken as usual. A round lost in a hub restart (some ranks' parts went to the hub
+before it) is abandoned as soon as the hub sees it cannot complete, quietly: the group goes on.
 
 A version published before a hub restart that lost it is kept again once every rank offered
 its part of it (:meth:`ShardedPublish.restore_part`, what a rank's ``hub.wait`` does when the
@@ -44,10 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raysync.core.shards import ShardPart, merge
-from raysync.errors import InvalidWeightsError, RaySyncError, SyncTimeoutError
-from raysync.hub.persistence import HubStore, writer_alive
+from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
+from raysync.hub.persistence import HubStore
 from raysync.hub.state import HubState
-from raysync.hub.state.groups import Round, Rounds
+from raysync.hub.state.groups import PartTaken, Round, Rounds
+from raysync.hub.state.leases import who
 
 __all__ = ["ShardedPublish"]
 
@@ -95,38 +97,41 @@ class ShardedPublish:
         timeout: float = 60.0,
         settle: bool = True,
         previous: int | None = None,
-    ) -> int:
+    ) -> PartTaken:
         """Record one rank's part of a sharded push; the version number granted to its round.
 
         Returns once the part is recorded (``settle=False``) or once the round is published
         (``settle=True``). ``previous``: the number this rank's last push returned without
-        settling; if that round failed, this part is refused with its error.
+        settling; if that round failed since, the answer says why (the part is taken all the same).
 
         Raises:
             SyncTimeoutError: with ``settle``, not every rank's part came within ``timeout``
-                seconds (nothing is published); or ``previous`` was abandoned for that.
+                seconds (nothing is published).
             InvalidWeightsError: a rank's second part for one push, a part of a push the group
-                moved past; with ``settle`` (or ``previous``): the ranks disagree on the
-                tensors or their layout, a shard is missing or duplicated (naming the tensor),
+                moved past or that another rank gave up; with ``settle``: the ranks disagree on
+                the tensors or their layout, a shard is missing or duplicated (naming the tensor),
                 or the group moved on before every rank pushed.
-            WeightMismatchError, StaleWriterError: as for any publish (rank 0 gets a lease
-                refusal at once).
+            StaleWriterError: the part's group is not the model's writer (another live writer
+                holds the lease, checked for every rank in its group rank 0's name), or another
+                group replaced it.
+            WeightMismatchError: as for any publish.
         """
+        lead = _lead_of(pusher, part)
+        try:
+            await self._check_writer(model_id, lead, takeover)
+        except StaleWriterError as err:
+            if part.rank == 0:
+                raise
+            raise StaleWriterError(
+                f"rank {part.rank} of a sharded group whose rank 0 is {who(lead)}: {err}"
+            ) from None
+        earlier = None
         if previous is not None:
             failure = self._rounds.refusal(model_id, previous)
-            if failure is not None:
-                raise failure
+            earlier = None if failure is None else str(failure)
         pusher = {**pusher, "takeover": takeover}
-        if part.rank == 0:  # the group's lease is rank 0's: refuse another live group's rank 0 now
-            await self._check_writer(model_id, pusher, takeover)
-        others = self._rounds.newcomer(model_id, part, pusher)
-        if others:
-            alive = await asyncio.gather(*(self._process_alive(p) for p in others))
-            if not all(alive):
-                why = f"rank {part.rank} came from a new process and a process of the old group died"
-                self._abandon(self._rounds.restart(model_id), why)
         rnd, dropped = self._rounds.add(model_id, part, list(refs), pusher)
-        self._abandon(dropped, f"rank {part.rank} pushed push {part.round} of {part.world} ranks first")
+        self._abandon(dropped, f"another group of {part.world} ranks (restarted, or taking over) pushed")
         held = self._round_held.get(id(rnd))
         if held is None:
             loop = asyncio.get_running_loop()
@@ -151,8 +156,31 @@ class ShardedPublish:
             held.tasks.add(task)
         assert rnd.version is not None
         if not settle:
-            return rnd.version
-        return await asyncio.shield(held.outcome)
+            return PartTaken(rnd.version, earlier)
+        return PartTaken(await asyncio.shield(held.outcome), earlier)
+
+    def give_up(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:
+        """Rank ``rank``'s push ``round`` raised before its part was recorded: abandon that push.
+
+        Sent without waiting by the rank's client (:meth:`raysync.HubClient.push`). The round
+        is abandoned at once if it is open (the other ranks' parts are let go, a wait for its
+        number raises why); the parts of it that come later are refused. Every rank's push is
+        numbered from the start of the call, so the ranks' counts stay in step.
+        """
+        if not (isinstance(token, str) and isinstance(round, int) and isinstance(rank, int)):
+            return
+        why = str(why)[:500]
+        rnd = self._rounds.give_up(model_id, token, round, rank, why)
+        if rnd is None:
+            logger.info("hub: rank %d gave up push %d of %r: %s", rank, round, model_id, why)
+            return
+        error = InvalidWeightsError(
+            f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was abandoned "
+            f"unpublished: rank {rank}'s push of it raised {why}; readers keep version "
+            f"{self._state.latest(rnd.model_id)}"
+        )
+        logger.warning("hub: %s", error)
+        self._settle_round(rnd, error=error)
 
     async def restore_part(
         self, model_id: str, version: int, part: ShardPart, refs: list[Any], pusher: dict[str, Any]
@@ -169,8 +197,8 @@ class ShardedPublish:
             return True
         self._forget_offers(model_id, before=version)  # a newer version is offered: not the older ones
         parts = self._offered.setdefault((model_id, version), {})
-        if any(p.world != part.world for p, _, _ in parts.values()):
-            parts.clear()  # a group of another size offers it: the other group's parts are not wanted
+        if any(p.world != part.world or p.group != part.group for p, _, _ in parts.values()):
+            parts.clear()  # another group offers it: the other group's parts are not wanted
         parts[part.rank] = (part, list(refs), pusher)
         if len(parts) < part.world:
             logger.info(
@@ -196,10 +224,6 @@ class ShardedPublish:
         """Drop the parts offered again of ``model_id``'s lost versions older than ``before``."""
         for key in [k for k in self._offered if k[0] == model_id and k[1] < before]:
             del self._offered[key]
-
-    async def _process_alive(self, pusher: dict[str, Any]) -> bool:
-        """Whether the process that sent a part still runs (Ray's GCS says; unsure means alive)."""
-        return await asyncio.to_thread(writer_alive, pusher)
 
     async def _round_published(self, model_id: str, version: int, timeout: float | None) -> float | None:
         """Until the sharded round granted ``version`` is published; what is left of ``timeout``.
@@ -306,3 +330,17 @@ class ShardedPublish:
                 return
         self._forget_offers(rnd.model_id, before=version + 1)  # offered again: a newer one is out
         self._settle_round(rnd, version)
+
+
+def _lead_of(pusher: dict[str, Any], part: ShardPart) -> dict[str, Any]:
+    """The identity of the part's group rank 0 (its lease's name), as the rank's client sent it.
+
+    Raises:
+        InvalidWeightsError: a part that names no group (a client that does not identify it).
+    """
+    lead = pusher.get("lead")
+    if not isinstance(lead, dict) or not isinstance(lead.get("writer_id"), str) or not part.group:
+        raise InvalidWeightsError(
+            f"rank {part.rank}'s part names no group (its client is older than the hub's): upgrade raysync"
+        )
+    return lead

@@ -30,7 +30,7 @@ from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged,
 
 __all__ = ["Contribute", "push_shard"]
 
-Contribute = Callable[[str, ShardPart, list[Any], dict[str, Any]], int]
+Contribute = Callable[[str, ShardPart, list[Any], dict[str, Any]], int]  # the round's version
 """``(model_id, part, refs, pusher) -> version``: this rank's part to the hub; its round's number."""
 
 
@@ -40,6 +40,7 @@ def push_shard(
     contribute: Contribute,
     *,
     round: int,
+    group: str,
     writer: dict[str, Any],
     transport: Transport | None = None,
     selected: set[str] | None = None,
@@ -47,6 +48,9 @@ def push_shard(
     previous: Snapshot | None = None,
 ) -> tuple[int, dict[str, Any], Snapshot]:
     """This rank's part of push ``round`` of a sharded model; ``(version, stats, its snapshot)``.
+
+    ``group`` is the token of the rank's group (:mod:`raysync.core.group`): the hub matches
+    the parts of one push by it and ``round``.
 
     ``transport`` is the client's object-store transport (it keeps a GPU rank's page-locked
     staging buffer from push to push); a fresh one without it. ``selected``: the keys of a
@@ -106,6 +110,7 @@ def push_shard(
         part.pieces(snap.manifest),
         request.bucket_bytes,
         tuple(sorted(separate)),
+        group,
     )
     stats = {
         "model_id": model_id,

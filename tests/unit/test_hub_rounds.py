@@ -20,17 +20,18 @@ from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState
-from raysync.hub.state.groups import MAX_OPEN, Rounds
+from raysync.hub.state.groups import MAX_OPEN, PartTaken, Rounds
 
 T = TypeVar("T")
 
 
-def _part(rank: int, world: int = 2, round: int = 1) -> ShardPart:
-    return ShardPart(round, rank, world, (), plan_specs([]), ())
+def _part(rank: int, world: int = 2, round: int = 1, group: str = "a") -> ShardPart:
+    return ShardPart(round, rank, world, (), plan_specs([]), (), group=f"token-{group}")
 
 
 def _who(rank: int, group: str = "a") -> dict[str, Any]:
-    return {"session": f"{group}{rank}", "writer_id": f"actor-{group}{rank}"}
+    lead = {"session": f"{group}0", "writer_id": f"actor-{group}0"}
+    return {"session": f"{group}{rank}", "writer_id": f"actor-{group}{rank}", "lead": lead}
 
 
 def test_a_round_closes_when_every_rank_is_in() -> None:
@@ -62,22 +63,54 @@ def test_a_fast_rank_may_push_again_before_a_slow_one_pushed() -> None:
 def test_a_restarted_or_resized_group_abandons_what_the_old_one_left_open() -> None:
     rounds = Rounds()
     old, _ = rounds.add("policy", _part(0, round=3), [], _who(0))
-    new, dropped = rounds.add("policy", _part(0, round=1), [], _who(0, "b"))  # rank 0, a new process
+    new, dropped = rounds.add("policy", _part(0, round=1, group="b"), [], _who(0, "b"))  # a new group
     assert dropped == [old] and new is not old and new.missing() == [1]
-    _, dropped = rounds.add("policy", _part(0, world=4, round=1), [], _who(0, "c"))  # 4 ranks now
+    _, dropped = rounds.add("policy", _part(0, world=4, round=1, group="c"), [], _who(0, "c"))  # 4 ranks
     assert dropped == [new]
 
 
-def test_a_rank_first_seen_while_rounds_are_open_is_checked_against_the_old_group() -> None:
-    """A restarted group's rank 1 pushing before its rank 0 must never complete the old group's round."""
+def test_parts_of_two_groups_never_make_one_round_and_a_replaced_group_is_refused() -> None:
+    """A restarted group's rank 1 pushing before its rank 0 never completes the old group's round, and
+    the old group's late parts are refused (the lease let the new group's part through: it replaced
+    the old one)."""
     rounds = Rounds()
-    assert rounds.newcomer("policy", _part(0), _who(0)) == []  # nothing open: nothing to check
     old, _ = rounds.add("policy", _part(0), [], _who(0))
-    assert rounds.newcomer("policy", _part(1), _who(1, "b")) == [_who(0)]  # is old rank 0 alive?
-    assert rounds.restart("policy") == [old]  # it is not: the old group's round is abandoned
-    new, dropped = rounds.add("policy", _part(1), [], _who(1, "b"))
-    assert dropped == [] and new is not old and new.missing() == [0]
-    assert rounds.newcomer("policy", _part(1), _who(1, "b")) == []  # a rank seen before
+    new, dropped = rounds.add("policy", _part(1, group="b"), [], _who(1, "b"))
+    assert dropped == [old] and new is not old and new.missing() == [0]
+    with pytest.raises(StaleWriterError, match="another group replaced"):
+        rounds.add("policy", _part(1), [], _who(1))  # the old group's rank 1, late
+    assert rounds.add("policy", _part(0, group="b"), [], _who(0, "b"))[0] is new and new.complete()
+    # one group's rank from two processes, or saying another size: refused, nothing changes
+    nxt, _ = rounds.add("policy", _part(0, round=2, group="b"), [], _who(0, "b"))
+    with pytest.raises(InvalidWeightsError, match="two processes push as rank 1"):
+        rounds.add("policy", _part(1, round=2, group="b"), [], {**_who(1, "b"), "session": "x"})
+    with pytest.raises(InvalidWeightsError, match="says the group has 3 ranks"):
+        rounds.add("policy", _part(1, world=3, round=2, group="b"), [], _who(1, "b"))
+    assert nxt.missing() == [1]
+
+
+def test_a_push_a_rank_gave_up_is_never_completed_by_the_other_ranks() -> None:
+    """Issue 41, case 1: rank 0's push raised before its part went (a max_lag timeout); rank 1's part
+    of that push must never be matched with rank 0's part of the next push."""
+    rounds = Rounds()
+    for rank in (0, 1):
+        rounds.add("policy", _part(rank, round=1), [], _who(rank))
+    assert rounds.give_up("policy", "token-a", 2, 0, "SyncTimeoutError: max_lag") is None  # nothing open
+    with pytest.raises(InvalidWeightsError, match=r"push 2 of 'policy' was abandoned: rank 0's push of it"):
+        rounds.add("policy", _part(1, round=2), [], _who(1))
+    three = [rounds.add("policy", _part(rank, round=3), [], _who(rank))[0] for rank in (0, 1)]
+    assert three[0] is three[1] and three[0].complete()
+    # rank 1's part went first: the open round is handed back to be abandoned
+    rnd, _ = rounds.add("policy", _part(1, round=4), [], _who(1))
+    assert rounds.give_up("policy", "token-a", 4, 0, "SyncTimeoutError") is rnd
+    assert rounds.open_rounds("policy") == []
+    assert rounds.add("policy", _part(0, round=5), [], _who(0))[0].round == 5
+    # a give-up of a rank whose part is in (what raised came after it) changes nothing
+    assert rounds.give_up("policy", "token-a", 5, 0, "SyncTimeoutError: wait") is None
+    assert [r.round for r in rounds.open_rounds("policy")] == [5]
+    # another group's give-up touches nothing of this one
+    assert rounds.give_up("policy", "token-b", 5, 1, "RuntimeError") is None
+    assert [r.round for r in rounds.open_rounds("policy")] == [5]
 
 
 def test_rounds_split_by_a_hub_restart_are_lost_whichever_rank_comes_first() -> None:
@@ -151,25 +184,28 @@ class _Store:
 class _Hub(ShardedPublish):
     """The hub's sharded side over its real state; publishing stamps, as the actor's does."""
 
-    def __init__(self, refuse: frozenset[str] = frozenset(), dead: frozenset[str] = frozenset()) -> None:
+    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
         self._init_rounds()
         self._state = HubState("hub", keep=4)
         self._store = _Store()  # type: ignore[assignment]
-        self.refuse, self.dead = refuse, dead
+        self.refuse = refuse
+        self.checked: list[str] = []
 
     async def publish(self, model_id: str, manifest: Any, refs: Any, pusher: Any, *_: Any, **kw: Any) -> int:
         return self._state.stamp(model_id, manifest, refs, pusher, kw["reserved"]).version
 
     async def _check_writer(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> None:
+        self.checked.append(pusher["session"])  # every rank's part is checked in its rank 0's name
         if pusher["session"] in self.refuse:
             raise StaleWriterError(f"model {model_id!r} is written by another group")
 
-    async def _process_alive(self, pusher: dict[str, Any]) -> bool:
-        return pusher["session"] not in self.dead
-
     async def push(self, rank: int, round: int = 1, group: str = "a", **kw: Any) -> int:
+        return (await self.taken(rank, round, group, **kw)).version
+
+    async def taken(self, rank: int, round: int = 1, group: str = "a", **kw: Any) -> PartTaken:
         kw.setdefault("settle", False)
-        return await self.contribute("policy", _part(rank, round=round), [], _who(rank, group), **kw)
+        part = _part(rank, round=round, group=group)
+        return await self.contribute("policy", part, [], _who(rank, group), **kw)
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -205,15 +241,14 @@ def test_a_round_a_rank_never_completes_is_abandoned_and_its_number_says_why() -
         with pytest.raises(SyncTimeoutError, match=r"ranks \[1\] of 2 did not push.*readers keep version 1"):
             await hub._round_published("policy", v, 10.0)
         assert hub._state.latest("policy") == 1  # nothing published with a shard missing
-        # the rank that got the number is told on its next push; its part of that push is refused
-        with pytest.raises(SyncTimeoutError, match="version 2 of 'policy'"):
-            await hub.push(0, round=3, previous=v)
-        assert hub._rounds.open_rounds("policy") == []
-        # the restarted group pushes again: a new number, published
-        assert await hub.push(0, group="b") == 3 and await hub.push(1, group="b") == 3
-        await hub._round_published("policy", 3, 10.0)
-        assert hub._state.latest("policy") == 3 and sorted(hub._state.models["policy"].versions) == [1, 3]
-        assert hub._abandoned() == {"policy": [2]}
+        # the rank that got the number is told on its next push, whose part is taken all the same
+        taken = await hub.taken(0, round=3, previous=v)
+        assert taken.version == 3 and taken.earlier is not None and "version 2 of 'policy'" in taken.earlier
+        # the restarted group pushes: what the dead group left open is abandoned, a new number published
+        assert await hub.push(0, group="b") == 4 and await hub.push(1, group="b") == 4
+        await hub._round_published("policy", 4, 10.0)
+        assert hub._state.latest("policy") == 4 and sorted(hub._state.models["policy"].versions) == [1, 4]
+        assert hub._abandoned() == {"policy": [2, 3]}
         # a newer version is out: a wait for the abandoned number waits for it, as for any older one
         assert await hub._round_published("policy", v, 10.0) == 10.0
 
@@ -222,7 +257,7 @@ def test_a_round_a_rank_never_completes_is_abandoned_and_its_number_says_why() -
 
 def test_a_restarted_group_never_completes_the_dead_group_s_round() -> None:
     async def main() -> None:
-        hub = _Hub(dead=frozenset({"a0"}))
+        hub = _Hub()
         old = await hub.push(0)  # the old group's rank 0; its rank 1 dies before pushing
         new = await hub.push(1, group="b")  # the new group's rank 1 comes first
         assert new != old and hub._rounds.pending("policy", new) is not None
@@ -241,6 +276,45 @@ def test_a_refused_group_publishes_nothing() -> None:
         with pytest.raises(StaleWriterError):
             await hub.push(0, group="b")  # rank 0 is refused before its part is recorded
         assert hub._rounds.open_rounds("policy") == [] and hub._state.latest("policy") is None
+
+    _run(main())
+
+
+def test_every_rank_of_a_group_that_is_not_the_writer_is_refused() -> None:
+    """Issue 41, case 2: only rank 0's part was checked against the lease; another live group's rank 1
+    was taken, replaced the hub's record of the writing group, and was published with its rank 0."""
+
+    async def main() -> None:
+        hub = _Hub(refuse=frozenset({"b0"}))  # group a holds the lease and lives
+        assert await hub.push(0) == 1 and await hub.push(1) == 1
+        await hub._round_published("policy", 1, 10.0)
+        assert await hub.push(0, round=2) == 2  # group a's push 2: rank 0's part is in
+        for rank in (1, 0):  # group b, rank 1 first
+            with pytest.raises(StaleWriterError, match=f"rank {rank}" if rank else "another group"):
+                await hub.push(rank, group="b")
+        assert hub.checked.count("b0") == 2  # each of b's ranks checked in b's rank 0's name
+        assert await hub.push(1, round=2) == 2  # group a's round is untouched and completes
+        await hub._round_published("policy", 2, 10.0)
+        assert hub._state.latest("policy") == 2 and hub._abandoned() == {}
+        assert hub._rounds.groups["policy"].token == "token-a"
+
+    _run(main())
+
+
+def test_a_give_up_abandons_the_open_push_and_the_next_push_of_every_rank_is_whole() -> None:
+    async def main() -> None:
+        hub = _Hub()
+        assert await hub.push(0) == 1 and await hub.push(1) == 1
+        await hub._round_published("policy", 1, 10.0)
+        v = await hub.push(1, round=2)  # rank 1's part of push 2 is in; rank 0's push 2 raised
+        hub.give_up("policy", "token-a", 2, 0, "SyncTimeoutError: max_lag=1 not reached within 2 s")
+        with pytest.raises(InvalidWeightsError, match=r"rank 0's push of it raised SyncTimeoutError"):
+            await hub._round_published("policy", v, 10.0)
+        taken = await hub.taken(1, round=3, previous=v)  # told, not refused: no cascade of refusals
+        assert "rank 0's push of it raised" in (taken.earlier or "")
+        assert await hub.push(0, round=3) == taken.version
+        await hub._round_published("policy", taken.version, 10.0)
+        assert hub._state.latest("policy") == taken.version
 
     _run(main())
 

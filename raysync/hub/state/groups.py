@@ -8,10 +8,11 @@ when every rank's part is in.
 
 A round that never completes is *abandoned*: its number is never published, readers stay
 on the previous version, and a wait for the number raises why (:meth:`Rounds.failure`).
-A round is abandoned when its deadline passes (a rank died or stalled), when the group
-restarts or changes size (a part comes from another process for a rank, or another
-``world``), or when the group runs more than :data:`MAX_OPEN` rounds ahead of it.
-A round the hub could not publish (the ranks disagree, the lost lease) fails the same way.
+A round is abandoned when its deadline passes (a rank died or stalled), when another group
+(restarted, resized, or one that took the lease over) pushes, when the group runs more than
+:data:`MAX_OPEN` rounds ahead of it, or when a rank's push of it raised before its part went
+(:meth:`Rounds.give_up`). A round the hub could not publish (the ranks disagree, the lost
+lease) fails the same way.
 
 A round is *lost* when the hub restarted while its ranks pushed it: each rank's parts
 arrive in push order, so a rank whose first part this hub saw is of push N sent its
@@ -40,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raysync.core.shards import ShardPart
-from raysync.errors import InvalidWeightsError
+from raysync.errors import InvalidWeightsError, StaleWriterError
 
-__all__ = ["MAX_OPEN", "Round", "Rounds"]
+__all__ = ["MAX_OPEN", "PartTaken", "Round", "Rounds"]
 
 MAX_OPEN = 4
 """Open rounds per model: a group whose fastest rank runs further ahead abandons the oldest."""
@@ -80,18 +81,46 @@ class Round:
         return sorted(set(range(self.world)) - set(self.parts))
 
 
+@dataclass(frozen=True)
+class PartTaken:
+    """The hub's answer to a rank's part: the number its round was granted, and an earlier failure.
+
+    Attributes:
+        version: the number granted to the part's round (every rank of the round gets it).
+        earlier: why the round of this rank's previous push, which returned before it was
+            published, was abandoned since (``None``: it was not). Told, not raised: the
+            rank's part of this push is taken all the same.
+    """
+
+    version: int
+    earlier: str | None = None
+
+
 @dataclass
 class _Group:
-    """What the hub knows of the group writing one model: its size, each rank's process, its rounds."""
+    """What the hub knows of the group writing one model: its token, size, processes and rounds."""
 
+    token: str  # made by its rank 0 for this process group (raysync.core.group): parts of one group
     world: int
     sessions: dict[int, Any] = field(default_factory=dict)  # rank -> its process (writer identity)
     open: dict[int, Round] = field(default_factory=dict)  # round number -> round, oldest first
     first: dict[int, int] = field(default_factory=dict)  # rank -> the push of its first part seen here
+    newest: dict[int, int] = field(default_factory=dict)  # rank -> the push of its newest part seen here
+
+
+_RETIRED_KEPT = 16  # tokens of groups another group replaced, per model (their late parts are refused)
+_GIVEN_UP_KEPT = 256  # pushes a rank gave up before its part was sent (the others' parts are refused)
 
 
 class Rounds:
-    """The open rounds of each model, the rounds granted a number and not settled, and failures."""
+    """The open rounds of each model, the rounds granted a number and not settled, and failures.
+
+    Parts are matched by their group's token and their push number: parts of two groups (two
+    trainers, or one trainer before and after its process group was made again) are never in
+    one round. Whether a group may write at all is the writer lease's to say (checked for every
+    rank's part in its group rank 0's name before :meth:`add`): a part of a group other than
+    the one on record has passed it, so that group replaced the one on record.
+    """
 
     def __init__(self) -> None:
         self.groups: dict[str, _Group] = {}
@@ -99,34 +128,30 @@ class Rounds:
         self.failed: dict[str, OrderedDict[int, BaseException]] = {}
         self.lost: set[tuple[str, int]] = set()  # (model, version) of failed rounds lost in a restart
         self._failed_parts: dict[tuple[str, int], tuple[int, frozenset[int]]] = {}  # -> (push, ranks in)
+        self._retired: dict[str, OrderedDict[str, None]] = {}
+        self._given_up: OrderedDict[tuple[str, str, int], str] = OrderedDict()  # (model, token, push) -> why
 
     def open_rounds(self, model_id: str) -> list[Round]:
         """The model's open rounds, oldest first."""
         group = self.groups.get(model_id)
         return [] if group is None else list(group.open.values())
 
-    def newcomer(self, model_id: str, part: ShardPart, pusher: dict[str, Any]) -> list[dict[str, Any]]:
-        """The pushers to check alive before :meth:`add` takes ``part``: those of the open rounds'
-        parts when ``part``'s rank has not pushed in this group before.
-
-        A rank first seen while rounds are open may be of a restarted group whose rank pushes
-        before the new rank 0 (whose process would tell the groups apart): if a process that
-        pushed to the open rounds is dead, they are the old group's (:meth:`restart`), and
-        must never be completed with the new group's parts.
+    def give_up(self, model_id: str, token: str, round: int, rank: int, why: str) -> Round | None:
+        """Rank ``rank``'s push ``round`` raised before its part reached the hub: nothing of it is
+        published. The round if it is open (the caller abandons it); else the parts of it that
+        come later are refused (:meth:`add`). A round being published, or settled, stays as it is.
         """
         group = self.groups.get(model_id)
-        if group is None or part.rank in group.sessions or not group.open:
-            return []
-        seen: dict[Any, dict[str, Any]] = {}
-        for rnd in group.open.values():
-            for _, _, other in rnd.parts.values():
-                seen.setdefault(other.get("session"), other)
-        return list(seen.values())
-
-    def restart(self, model_id: str) -> list[Round]:
-        """Forget the group writing ``model_id`` (it died); the open rounds it abandoned."""
-        group = self.groups.pop(model_id, None)
-        return [] if group is None else list(group.open.values())
+        rnd = None if group is None or group.token != token else group.open.get(round)
+        if rnd is not None:
+            if rank in rnd.parts:  # its part is in: what raised came after it
+                return None
+            del group.open[round]  # type: ignore[union-attr]
+            return rnd
+        self._given_up.setdefault((model_id, token, round), f"rank {rank}'s push of it raised {why}")
+        while len(self._given_up) > _GIVEN_UP_KEPT:
+            self._given_up.popitem(last=False)
+        return None
 
     def add(
         self, model_id: str, part: ShardPart, refs: list[Any], pusher: dict[str, Any]
@@ -140,23 +165,53 @@ class Rounds:
 
         Raises:
             InvalidWeightsError: a rank outside ``0 .. world - 1``, a rank's second part
-                for one round, or a part of a round this group already moved past
-                (nothing changes).
+                for one round, a part of a round this group already moved past or that a rank
+                gave up, a rank of one group that says another size, or two processes as one
+                rank (nothing changes).
+            StaleWriterError: a part of a group another group replaced.
         """
         if not isinstance(part.world, int) or part.world < 1 or not 0 <= part.rank < part.world:
             raise InvalidWeightsError(
                 f"a sharded push of {model_id!r} came from rank {part.rank} of {part.world}: ranks run "
                 "from 0 to world - 1"
             )
+        token = part.group
+        if token in self._retired.get(model_id, ()):
+            raise StaleWriterError(
+                f"rank {part.rank}'s part of push {part.round} of {model_id!r} comes from a group that "
+                "another group replaced (restarted, or took the writer lease over): nothing of it is "
+                "published"
+            )
+        why = self._given_up.get((model_id, token, part.round))
+        if why is not None:
+            raise InvalidWeightsError(
+                f"push {part.round} of {model_id!r} was abandoned: {why}; rank {part.rank}'s part of it "
+                "is not taken and nothing of it is published (the group goes on with its next push)"
+            )
         session = pusher.get("session")
         group = self.groups.get(model_id)
         dropped: list[Round] = []
-        known = None if group is None else group.sessions.get(part.rank, session)
-        if group is None or group.world != part.world or known != session:
-            # Another group (restarted, or resized): what the old one left open is abandoned.
+        if group is None or group.token != token:
+            # Another group that may write (the lease says so): what the one on record left open is
+            # abandoned, and its late parts are refused.
             if group is not None:
                 dropped = list(group.open.values())
-            group = self.groups[model_id] = _Group(part.world)
+                retired = self._retired.setdefault(model_id, OrderedDict())
+                retired[group.token] = None
+                while len(retired) > _RETIRED_KEPT:
+                    retired.popitem(last=False)
+            group = self.groups[model_id] = _Group(token, part.world)
+        if group.world != part.world:
+            raise InvalidWeightsError(
+                f"rank {part.rank} of a sharded group of {model_id!r} says the group has {part.world} "
+                f"ranks; its other ranks said {group.world}"
+            )
+        known = group.sessions.get(part.rank)
+        if known is not None and known != session:
+            raise InvalidWeightsError(
+                f"two processes push as rank {part.rank} of one sharded group of {model_id!r}: a rank "
+                "restarted alone cannot rejoin its group's pushes; restart the whole group"
+            )
         if part.rank not in group.first:  # its parts of earlier pushes went to a hub before a restart
             group.first[part.rank] = part.round
             for n, rnd in list(group.open.items()):
@@ -166,6 +221,17 @@ class Rounds:
             for (failed_model, version), (n, ranks) in self._failed_parts.items():  # expired meanwhile
                 if failed_model == model_id and n < part.round and part.rank not in ranks:
                     self.lost.add((model_id, version))
+        newest_before = group.newest.get(part.rank, 0)
+        if part.round == newest_before:
+            raise InvalidWeightsError(
+                f"rank {part.rank} pushed its shard of {model_id!r} twice for push {part.round}"
+            )
+        if part.round < newest_before:
+            raise InvalidWeightsError(
+                f"rank {part.rank} of a sharded group of {model_id!r} sent push {part.round} after push "
+                f"{newest_before}: each rank's pushes are numbered in order"
+            )
+        group.newest[part.rank] = part.round
         current = group.open.get(part.round)
         if current is None and any(n > part.round for r, n in group.first.items() if r != part.rank):
             group.sessions[part.rank] = session
@@ -178,16 +244,12 @@ class Rounds:
                 raise InvalidWeightsError(
                     f"rank {part.rank}'s part of push {part.round} of {model_id!r} came after the group "
                     f"moved on to push {newest}: push {part.round} was abandoned, nothing of it is "
-                    "published; push again"
+                    f"published; push again. The ranks' push counts: {_counts(group)} (each rank of a "
+                    "group calls push once per step: ranks whose counts drift apart never meet)"
                 )
             current = group.open[part.round] = Round(model_id, part.round, part.world)
             while len(group.open) > MAX_OPEN:
                 dropped.append(group.open.pop(next(iter(group.open))))
-        if part.rank in current.parts:
-            raise InvalidWeightsError(
-                f"rank {part.rank} pushed its shard of {model_id!r} twice for push {part.round}; "
-                f"ranks {current.missing()} have not pushed theirs"
-            )
         group.sessions[part.rank] = session
         current.parts[part.rank] = (part, refs, pusher)
         if current.complete():
@@ -237,3 +299,7 @@ class Rounds:
         """What a rank's next push raises for its push granted ``version``: why that round failed,
         unless it was lost in a hub restart (the group goes on)."""
         return None if (model_id, version) in self.lost else self.failure(model_id, version)
+
+
+def _counts(group: _Group) -> str:
+    return ", ".join(f"rank {r} at push {n}" for r, n in sorted(group.newest.items()))
