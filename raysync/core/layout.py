@@ -82,6 +82,9 @@ _WIDE_ELEMENTS = {"complex128": 16}
 WeightsLike = Any  # nn.Module | TensorDictBase | Mapping[str, Tensor | Mapping]
 
 
+_Spec = tuple[str, tuple[int, ...], str, int]  # (key, shape, dtype name, nbytes): what plan_specs lays out
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """Where one tensor lives in a version.
@@ -302,13 +305,17 @@ def plan_specs(
         # Small tensors of elements wider than Ray's minor alignment (complex128) go first, from
         # offset 0: each then starts at a multiple of its element size both here and where Ray
         # puts it, so buckets stay views of the store and every tensor a view of its bucket.
-        wide = [spec for spec in group if spec[3] < _MAJOR_SIZE and _element_size(spec) > _MINOR_ALIGN]
-        major = [spec for spec in group if spec[3] >= _MAJOR_SIZE]
-        minor = [spec for spec in group if spec[3] < _MAJOR_SIZE and _element_size(spec) <= _MINOR_ALIGN]
+        wide: list[tuple[_Spec, int]] = []  # (spec, its alignment)
+        major: list[tuple[_Spec, int]] = []
+        minor: list[tuple[_Spec, int]] = []
+        for spec in group:
+            size = _element_size(spec)
+            if spec[3] >= _MAJOR_SIZE:
+                major.append((spec, max(_MAJOR_ALIGN, size)))
+            else:
+                (wide if size > _MINOR_ALIGN else minor).append((spec, max(_MINOR_ALIGN, size)))
         offset = 0
-        for i, spec in enumerate(wide + major + minor):
-            key, shape, dtype, nbytes = spec
-            align = max(_MAJOR_ALIGN if nbytes >= _MAJOR_SIZE else _MINOR_ALIGN, _element_size(spec))
+        for i, ((key, shape, dtype, nbytes), align) in enumerate(wide + major + minor):
             offset = -(-offset // align) * align
             entries.append(TensorEntry(key, tuple(shape), dtype, b, i, offset, nbytes))
             offset += nbytes
@@ -318,7 +325,7 @@ def plan_specs(
     return Manifest(tuple(entries), tuple(spans), digest.hexdigest()[:16])
 
 
-def _element_size(spec: tuple[str, tuple[int, ...], str, int]) -> int:
+def _element_size(spec: _Spec) -> int:
     """The bytes of one element of a ``(key, shape, dtype name, nbytes)`` spec (torch-free)."""
     _, shape, dtype, nbytes = spec
     numel = math.prod(shape)
