@@ -2,7 +2,8 @@
 
 A version of a model travels as a few *buckets*: flat byte buffers. :func:`plan_layout`
 assigns every tensor a bucket and an offset (the alignment Ray's serializer uses, so a
-bucket put as a list of uint8 arrays is one flat buffer on arrival). A :class:`Manifest`
+bucket put as a list of uint8 arrays is one flat buffer on arrival; and a multiple of the
+tensor's element size, so every dtype views its bytes in place). A :class:`Manifest`
 says what is in the buckets (key, shape, dtype, bucket, offset, bytes) and carries a
 ``layout_hash`` that changes only when the model's structure does; :func:`validate`
 checks a manifest against a model and lists every mismatch.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import pickle
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,7 +73,16 @@ _MINOR_ALIGN = 8
 _MAJOR_SIZE = 2048
 
 
+# Elements wider than Ray's minor alignment, by dtype name: torch views a byte buffer as a
+# dtype only at an offset that is a multiple of its element size. Only needed for tensors
+# with no elements (the others' element size is nbytes / numel).
+_WIDE_ELEMENTS = {"complex128": 16}
+
+
 WeightsLike = Any  # nn.Module | TensorDictBase | Mapping[str, Tensor | Mapping]
+
+
+_Spec = tuple[str, tuple[int, ...], str, int]  # (key, shape, dtype name, nbytes): what plan_specs lays out
 
 
 @dataclass(frozen=True)
@@ -233,8 +244,11 @@ def plan_layout(
 
     Tensors fill buckets in key order; a bucket closes when the next tensor
     would take it past ``bucket_bytes`` (a larger tensor gets a bucket of its
-    own). Inside a bucket, tensors of 2 KiB or more come first so that Ray's
-    alignment of the buffers is predictable.
+    own). Inside a bucket, small tensors of 16-byte elements (complex128) come
+    first, then tensors of 2 KiB or more, then the others: offsets follow Ray's
+    alignment of the buffers (64 bytes from 2 KiB, 8 below), so a received bucket
+    is laid out as planned, and every tensor starts at a multiple of its element
+    size, so it is a view of its bucket whatever its dtype.
 
     Args:
         tensors: flat ``{key: tensor}`` (see :func:`extract_tensors`).
@@ -288,11 +302,20 @@ def plan_specs(
     entries: list[TensorEntry] = []
     spans: list[int] = []
     for b, group in enumerate(groups):
-        major = [spec for spec in group if spec[3] >= _MAJOR_SIZE]
-        minor = [spec for spec in group if spec[3] < _MAJOR_SIZE]
+        # Small tensors of elements wider than Ray's minor alignment (complex128) go first, from
+        # offset 0: each then starts at a multiple of its element size both here and where Ray
+        # puts it, so buckets stay views of the store and every tensor a view of its bucket.
+        wide: list[tuple[_Spec, int]] = []  # (spec, its alignment)
+        major: list[tuple[_Spec, int]] = []
+        minor: list[tuple[_Spec, int]] = []
+        for spec in group:
+            size = _element_size(spec)
+            if spec[3] >= _MAJOR_SIZE:
+                major.append((spec, max(_MAJOR_ALIGN, size)))
+            else:
+                (wide if size > _MINOR_ALIGN else minor).append((spec, max(_MINOR_ALIGN, size)))
         offset = 0
-        for i, (key, shape, dtype, nbytes) in enumerate(major + minor):
-            align = _MAJOR_ALIGN if nbytes >= _MAJOR_SIZE else _MINOR_ALIGN
+        for i, ((key, shape, dtype, nbytes), align) in enumerate(wide + major + minor):
             offset = -(-offset // align) * align
             entries.append(TensorEntry(key, tuple(shape), dtype, b, i, offset, nbytes))
             offset += nbytes
@@ -300,6 +323,13 @@ def plan_specs(
     entries.sort(key=lambda e: e.key)
     digest = hashlib.sha1(repr(([tuple(e.__dict__.values()) for e in entries], spans)).encode())
     return Manifest(tuple(entries), tuple(spans), digest.hexdigest()[:16])
+
+
+def _element_size(spec: _Spec) -> int:
+    """The bytes of one element of a ``(key, shape, dtype name, nbytes)`` spec (torch-free)."""
+    _, shape, dtype, nbytes = spec
+    numel = math.prod(shape)
+    return nbytes // numel if numel else _WIDE_ELEMENTS.get(dtype, 1)
 
 
 def cast_floating(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

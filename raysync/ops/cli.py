@@ -339,9 +339,7 @@ def render_status(
     from rich.table import Table
     from rich.text import Text
 
-    def cell(value: Any, style: str = "") -> Text:
-        # Every string from the hub is the users' (model ids, class names, errors): text, never markup.
-        return Text(str(value), style=style)
+    from raysync.ops.terminal_text import cell, printable  # every string from the hub: escaped text
 
     out = file or sys.stdout
     width = None if out.isatty() else max(160, shutil.get_terminal_size((160, 24)).columns)
@@ -421,16 +419,17 @@ def render_status(
         console.print(Text("modified locally (* above)", style="bold"))
         for s in modified:
             console.print(
-                f"  {s.get('subscriber')} ({s.get('model_id')}): its own code changed version "
-                f"{s['modified_since']} in place since applying it (a module in training mode? call "
-                ".eval() on rollout actors); the next version applied clears it",
+                f"  {printable(s.get('subscriber'))} ({printable(s.get('model_id'))}): its own code "
+                f"changed version {s['modified_since']} in place since applying it (a module in training "
+                "mode? call .eval() on rollout actors); the next version applied clears it",
                 markup=False,
             )
     errors = [s for s in status.get("subscribers", []) if s.get("last_error")]
     if errors:
         console.print(Text("last errors", style="bold"))
         for s in errors:
-            console.print(f"  {s.get('subscriber')} ({s.get('model_id')}): {s['last_error']}", markup=False)
+            who = f"{printable(s.get('subscriber'))} ({printable(s.get('model_id'))})"
+            console.print(f"  {who}: {printable(s['last_error'])}", markup=False)
 
 
 def _fmt(value: Any) -> str:

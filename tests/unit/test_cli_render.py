@@ -82,3 +82,33 @@ def test_a_subscriber_modified_locally_is_marked_and_explained() -> None:
     plain = io.StringIO()
     cli.render_status(_status(["policy"], modified_since=None, last_error=None), file=plain)
     assert "3*" not in plain.getvalue() and "modified locally" not in plain.getvalue()
+
+
+def test_control_characters_in_hub_strings_are_printed_escaped() -> None:
+    """Case 41.9: an ANSI escape or a newline in a model id (or any string from the hub) would
+    repaint the terminal or forge a line; every one is printed escaped, as a Python literal."""
+    evil = "policy\x1b[2J\x1b[31m\nv2"
+    status = _status(
+        [evil],
+        subscriber="actor01:policy\x9b0m\x7f",  # C1 CSI and DEL
+        class_name="C\x1b]0;t\x07",  # an OSC retitling the window
+        node_id="\x1b[1Anode",
+        last_error="ApplyError: bad\r\nRuntimeError: \x1b[8mhidden",
+        modified_since=3,
+    )
+    status["models"][evil]["writer"] = {"actor_id": None, "job_id": "j\x1bob", "pid": 1, "host": "h\u202eost"}
+    out = io.StringIO()
+    cli.render_status(status, file=out)
+    text = out.getvalue()
+    raw = sorted({c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F)})
+    assert not raw and "\u202e" not in text, raw
+    assert "policy\\x1b[2J\\x1b[31m\\nv2" in _column(text, "models", 0)  # one row, the id whole
+    assert "policy\\x1b[2J\\x1b[31m\\nv2" in _column(text, "subscribers", 0)
+    assert "actor01:policy\\x9b0m\\x7f" in _column(text, "subscribers", 1)
+    assert "C\\x1b]0;t\\x07" in _column(text, "subscribers", 2)
+    assert "\\x1b[1Anode" in _column(text, "subscribers", 3) and "j\\x1bob pid 1@h\\u202eost" in text
+    words = " ".join(text.split())
+    assert (
+        "actor01:policy\\x9b0m\\x7f (policy\\x1b[2J\\x1b[31m\\nv2): its own code changed version 3" in words
+    )
+    assert "ApplyError: bad\\r\\nRuntimeError: \\x1b[8mhidden" in words  # the last errors, in full
