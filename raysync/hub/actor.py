@@ -147,14 +147,14 @@ class WeightHub(Delivery, ShardedPublish):
             cond.notify_all()
 
     def _forget(self, sub: Subscriber) -> None:
-        if sub.via_node and sub.info.node_id:  # the relay forgets it too
-            self._relays.forget(sub.info.node_id, [sub.sub_id])
+        self._release(sub, died=False)  # its node's relay (or this hub, on its node) forgets it too
         self._stop(sub)
         emptied = self._state.remove(sub)
         if emptied is not None:
             self._stop(emptied)
 
     def _drop(self, sub: Subscriber, why: str) -> None:
+        self._release(sub, died=True)  # and its actor's mailbox
         self._stop(sub)
         emptied = self._state.drop(sub, why)
         if emptied is not None:

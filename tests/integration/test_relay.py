@@ -6,6 +6,7 @@ default; these tests start hubs with ``HubSettings(rings_own_node=False)`` so th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -259,3 +260,56 @@ def test_the_hub_and_relays_call_subscribers_without_importing_their_code(
     )
     _check_all(hub, [copy, called], hub.push(small_policy(3)), 3)
     assert _user_code_in(hub.actor) == []
+
+
+@pytest.mark.parametrize("served_by", ["hub", "relay"])
+def test_subscribers_that_came_and_went_leave_nothing_behind(hub_name: str, served_by: str) -> None:
+    """Actors come, take versions, and are killed: the hub (and the node's relay) keep no mailbox
+    or member record for them, and their doorbell sockets go when the next subscriber starts."""
+    settings = raysync.HubSettings(rings_own_node=served_by == "hub", drop_silent_s=4.0)
+    hub = raysync.connect(hub_name, settings=settings)
+    try:
+        keeper = make_collector(hub_name).remote()
+        ray.get(keeper.raysync_version.remote())
+        gone = [make_collector(hub_name).remote() for _ in range(8)]
+        ray.get([a.raysync_version.remote() for a in gone])
+        _check_all(hub, [keeper, *gone], hub.push(small_policy(1)), 1)
+        node = ray.get(keeper.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+        relay = _relay(hub) if served_by == "relay" else None
+        sockets = ray.get([a.__ray_call__.remote(_doorbell_address) for a in gone])
+        assert all(sockets) and all(os.path.exists(s) for s in sockets)
+        for actor in gone:
+            kill_until_gone(actor)
+
+        def kept() -> dict[str, Any]:
+            status = hub.status()
+            where = status["here"] if relay is None else ray.get(relay.stats.remote(), timeout=30)
+            mailboxes = ray.get(hub.actor.__ray_call__.remote(lambda self: len(self._mail)), timeout=30)
+            return {
+                "subscribers": len(status["subscribers"]),
+                "hub_mailboxes": mailboxes,
+                "members": where["members"],
+                "node_mailboxes": where["mailboxes"],
+            }
+
+        expected = {"subscribers": 1, "hub_mailboxes": 1, "members": 1, "node_mailboxes": 1}  # the keeper's
+        seen: list[dict[str, Any]] = []
+        try:
+            wait_for_condition(lambda: seen.append(kept()) or seen[-1] == expected, timeout=60)
+        except AssertionError:
+            raise AssertionError(
+                f"node {node[:8]}: the hub keeps {seen[-1]}, not only the keeper's"
+            ) from None
+        newcomer = make_collector(hub_name).remote()  # its process's doorbell sweeps the dead ones' sockets
+        ray.get(newcomer.raysync_version.remote())
+        assert not any(os.path.exists(s) for s in sockets)
+        _check_all(hub, [keeper, newcomer], hub.push(small_policy(2)), 2)
+    finally:
+        ray.kill(hub.actor)
+
+
+def _doorbell_address(self: Any) -> str | None:
+    from raysync.transports import doorbell
+
+    bell = doorbell.doorbell()
+    return None if bell is None else bell.address
