@@ -540,7 +540,7 @@ class WeightHub(Delivery, ShardedPublish):
     async def status(self) -> dict[str, Any]:
         return self._state.status() | {
             "cpu_s": time.process_time(),
-            "relays": self._relays.names(),
+            **self._relays.status(),  # relays up, and stalled ones (delivered around)
             # the hub's own node, whose doorbells it rings itself (None: a relay serves it too)
             "here": None if self._here is None else self._here.stats(),
             "uptime_s": time.time() - self._started,
