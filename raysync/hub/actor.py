@@ -147,14 +147,14 @@ class WeightHub(Delivery, ShardedPublish):
             cond.notify_all()
 
     def _forget(self, sub: Subscriber) -> None:
-        if sub.via_node and sub.info.node_id:  # the relay forgets it too
-            self._relays.forget(sub.info.node_id, [sub.sub_id])
+        self._release(sub, died=False)  # its node's relay (or this hub, on its node) forgets it too
         self._stop(sub)
         emptied = self._state.remove(sub)
         if emptied is not None:
             self._stop(emptied)
 
     def _drop(self, sub: Subscriber, why: str) -> None:
+        self._release(sub, died=True)  # and its actor's mailbox
         self._stop(sub)
         emptied = self._state.drop(sub, why)
         if emptied is not None:
@@ -540,7 +540,7 @@ class WeightHub(Delivery, ShardedPublish):
     async def status(self) -> dict[str, Any]:
         return self._state.status() | {
             "cpu_s": time.process_time(),
-            "relays": self._relays.names(),
+            **self._relays.status(),  # relays up, and stalled ones (delivered around)
             # the hub's own node, whose doorbells it rings itself (None: a relay serves it too)
             "here": None if self._here is None else self._here.stats(),
             "uptime_s": time.time() - self._started,

@@ -62,6 +62,20 @@ class Delivery:
     def _record(self, sub: Subscriber, report: ApplyReport) -> None:
         raise NotImplementedError  # the actor's
 
+    def _release(self, sub: Subscriber, *, died: bool) -> None:
+        """Free what delivery keeps for a subscription that goes (before the state forgets it):
+        its node's relay's record of it (or the hub's own, on its node), and, if its actor
+        ``died``, the actor's mailbox (its calls fail as gone: nobody polls for them any more)."""
+        if self._state.subs.get(sub.sub_id) is not sub:
+            return  # replaced by a newer registration (which keeps what it uses), or gone already
+        node, actor_id = sub.info.node_id, sub.info.actor_id
+        if sub.via_node and node:
+            self._relays.forget(node, [sub.sub_id])
+            if self._here is not None and node == self._here_node:
+                self._here.forget([sub.sub_id])
+        if died and actor_id is not None:
+            self._mail.fail(actor_id, SubscriberGone(f"actor {actor_id[:12]} died"))
+
     def _kick_model(self, model_id: str) -> None:
         for sub in self._state.subscribers(model_id):
             if sub.mode == "push":

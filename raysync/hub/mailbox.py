@@ -18,6 +18,10 @@ What Ray's errors said before, the mailbox says itself:
 - :class:`SubscriberUnreachable`: a call waited
   :data:`PICKUP_S` for a poll, or a running call went unconfirmed for :data:`LOST_S`.
 
+A process's mailbox goes when its actor is known dead (:meth:`Mailboxes.fail`), or once it
+holds no call and its process has not polled for :data:`IDLE_S` (it is gone; were it not, its
+next poll would make it a new one): a hub or relay keeps none for processes that came and went.
+
 Example:
     >>> mail = Mailboxes(alive=lambda actor_id: asyncio.sleep(0, True))
     >>> report = await mail.call("a1", NOTIFY, announcement)   # the process polls, runs, answers
@@ -36,6 +40,7 @@ from typing import Any
 from raysync._protocol import Announcement, Answer, Caller, Request
 
 __all__ = [
+    "IDLE_S",
     "LOST_S",
     "PICKUP_S",
     "Mailboxes",
@@ -50,6 +55,9 @@ PICKUP_S = 30.0
 """A call no poll collected within this long fails (the process is alive, yet does not poll)."""
 LOST_S = 60.0
 """A call handed out, neither answered nor reported running by a poll for this long, fails."""
+IDLE_S = 60.0
+"""A mailbox without calls whose process has not polled for this long is freed (a live one polls
+every :data:`~raysync.receivers.poller.POLL_S`)."""
 _SUSPECT_S = 1.0  # a call waiting this long with no poll open: is the actor still alive?
 _CHECK_S = 0.5  # how often the watchdog looks
 
@@ -121,6 +129,7 @@ class Mailboxes:
     ) -> tuple[Request, ...]:
         """A process collects its calls (waiting up to ``timeout`` s for one) and answers earlier ones."""
         box = self._boxes.setdefault(caller.actor_id, _Box())
+        self._watch()  # frees its mailbox once it stops polling
         if caller.pid in box.replaced:  # a poll its dead process left behind, arriving late
             return ()
         if box.pid is not None and box.pid != caller.pid:  # the actor restarted: its old calls are gone
@@ -173,6 +182,10 @@ class Mailboxes:
         """Calls queued or running (for stats and tests)."""
         return sum(len(b.queued) + len(b.running) for b in self._boxes.values())
 
+    def __len__(self) -> int:
+        """The processes that have a mailbox here (for stats and tests)."""
+        return len(self._boxes)
+
     # ------------------------------------------------------------------ internals
     @staticmethod
     def _hand_out(box: _Box) -> tuple[Request, ...]:
@@ -201,13 +214,21 @@ class Mailboxes:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_loop())
 
     async def _watch_loop(self) -> None:
-        """Fail the calls of actors that died or stopped polling; ends when no call waits."""
-        while any(box.busy() for box in self._boxes.values()):
+        """Fail the calls of actors that died or stopped polling, free the mailboxes of processes
+        that stopped polling; ends when there is no mailbox left."""
+        swept = time.monotonic()
+        while self._boxes:
             await asyncio.sleep(_CHECK_S)
             now = time.monotonic()
-            for actor_id, box in list(self._boxes.items()):
-                if box.busy():
-                    await self._check(actor_id, box, now)
+            if now - swept >= IDLE_S / 4:  # a few times per IDLE_S (an idle process costs nothing between)
+                swept = now
+                for actor_id, box in list(self._boxes.items()):
+                    if not box.busy() and box.polls == 0 and now - box.last_poll > IDLE_S:
+                        del self._boxes[actor_id]  # its process is gone (a poll would make a new one)
+            if any(box.busy() for box in self._boxes.values()):
+                for actor_id, box in list(self._boxes.items()):
+                    if box.busy():
+                        await self._check(actor_id, box, now)
 
     async def _check(self, actor_id: str, box: _Box, now: float) -> None:
         for req_id, (fut, confirmed) in list(box.running.items()):

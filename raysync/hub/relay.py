@@ -234,6 +234,7 @@ class NodeDelivery:
             "node_id": self._node_id,
             "members": len(self._members),
             "calls_pending": self.mail.pending(),
+            "mailboxes": len(self.mail),  # subscriber processes it keeps a mailbox for
             "deliveries": self.deliveries,
             "delivered": self.delivered,
             "rung": self.rung,

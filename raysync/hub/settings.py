@@ -21,6 +21,9 @@ field                  environment variable        meaning
                                                    dropped if its process died (10 s)
 ``ring_ack_s``         ``RAYSYNC_RING_ACK_S``      how long a rung subscriber has to ack before
                                                    it is called the Ray way too (0.2 s)
+``relay_stall_s``      ``RAYSYNC_RELAY_STALL_S``   a relay silent this long (beyond
+                                                   ``ring_ack_s``) on a delivery is stalled:
+                                                   its node is delivered to directly (10 s)
 =====================  ==========================  ==========================================
 
 Example:
@@ -38,7 +41,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_DOORBELL_BYTES", "DEFAULT_DROP_SILENT_S", "DEFAULT_RING_ACK_S", "HubSettings"]
+__all__ = [
+    "DEFAULT_DOORBELL_BYTES",
+    "DEFAULT_DROP_SILENT_S",
+    "DEFAULT_RELAY_STALL_S",
+    "DEFAULT_RING_ACK_S",
+    "HubSettings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,11 @@ DEFAULT_RING_ACK_S = 0.2
 
 _MAX_RING_ACK_S = 60.0
 
+DEFAULT_RELAY_STALL_S = 10.0
+"""A relay answers a delivery within milliseconds past ``ring_ack_s``: one silent this long is stuck."""
+
+_RELAY_STALL_RANGE = (1.0, 600.0)
+
 _ENV = {
     "relays": "RAYSYNC_RELAY",
     "rings_own_node": "RAYSYNC_HUB_RINGS",
@@ -62,6 +76,7 @@ _ENV = {
     "nice": "RAYSYNC_HUB_NICE",
     "drop_silent_s": "RAYSYNC_DROP_SILENT_S",
     "ring_ack_s": "RAYSYNC_RING_ACK_S",
+    "relay_stall_s": "RAYSYNC_RELAY_STALL_S",
 }
 _NO = ("0", "false", "no", "off")
 _YES = ("1", "true", "yes", "on")
@@ -90,11 +105,19 @@ class HubSettings:
             after the ring; a live one applies the version once and acks whichever way
             comes first). Raise it on nodes so loaded that live subscribers miss it (the
             relay's ``called_after_ring`` count grows). Above 0, at most 60.
+        relay_stall_s: a relay that has not answered one of the hub's deliveries within
+            ``ring_ack_s`` (its longest wait for rung subscribers) plus this many seconds is
+            *stalled* (stopped, wedged, starved of CPU): the hub delivers to its node's
+            subscribers itself, ``hub.status()["stalled_relays"]`` names it, and the relay is
+            used again once it answers, or replaced (killed; Ray starts it again) if it stays
+            silent for :data:`~raysync.hub.relays.REPLACE_AFTER_STALLS` times this bound.
+            At least 1, at most 600.
 
     Raises:
         TypeError: a field of the wrong type.
         ValueError: ``doorbell_bytes`` below 0, ``nice`` outside -20..19, or
-            ``drop_silent_s`` below 4, or ``ring_ack_s`` not within (0, 60].
+            ``drop_silent_s`` below 4, ``ring_ack_s`` not within (0, 60], or
+            ``relay_stall_s`` not within [1, 600].
 
     Example:
         >>> HubSettings(relays=False, doorbell_bytes=0).relays
@@ -107,6 +130,7 @@ class HubSettings:
     nice: int | None = None
     drop_silent_s: float | None = None
     ring_ack_s: float | None = None
+    relay_stall_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("relays", "rings_own_node"):
@@ -136,6 +160,12 @@ class HubSettings:
             raise TypeError(f"HubSettings.ring_ack_s must be a number of seconds or None, got {ack!r}")
         if ack is not None and not 0 < ack <= _MAX_RING_ACK_S:  # NaN too
             raise ValueError(f"HubSettings.ring_ack_s must be within (0, {_MAX_RING_ACK_S:g}] s, got {ack!r}")
+        stall = self.relay_stall_s
+        if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool)):
+            raise TypeError(f"HubSettings.relay_stall_s must be a number of seconds or None, got {stall!r}")
+        low, high = _RELAY_STALL_RANGE
+        if stall is not None and not low <= stall <= high:  # NaN too
+            raise ValueError(f"HubSettings.relay_stall_s must be within [{low:g}, {high:g}] s, got {stall!r}")
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> HubSettings:
         """Every field set: the given ones as they are, the others from ``environ`` (this process's
@@ -143,8 +173,8 @@ class HubSettings:
 
         Example:
             >>> given = HubSettings(relays=False).resolved({"RAYSYNC_DOORBELL_BYTES": "1024"})
-            >>> given.relays, given.doorbell_bytes, given.ring_ack_s
-            (False, 1024, 0.2)
+            >>> given.relays, given.doorbell_bytes, given.ring_ack_s, given.relay_stall_s
+            (False, 1024, 0.2, 10.0)
         """
         env = os.environ if environ is None else environ
         read: dict[str, Callable[[Mapping[str, str], str], Any]] = {
@@ -154,6 +184,7 @@ class HubSettings:
             "nice": _nice,
             "drop_silent_s": _silent,
             "ring_ack_s": _ring_ack,
+            "relay_stall_s": _relay_stall,
         }
         given: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return HubSettings(**{k: read[k](env, k) if v is None else v for k, v in given.items()})
@@ -218,6 +249,13 @@ def _silent(env: Mapping[str, str], name: str) -> float:
 def _ring_ack(env: Mapping[str, str], name: str) -> float:
     most = _MAX_RING_ACK_S
     return _seconds(env, name, DEFAULT_RING_ACK_S, lambda v: 0 < v <= most, f"within (0, {most:g}]")
+
+
+def _relay_stall(env: Mapping[str, str], name: str) -> float:
+    low, high = _RELAY_STALL_RANGE
+    return _seconds(
+        env, name, DEFAULT_RELAY_STALL_S, lambda v: low <= v <= high, f"within [{low:g}, {high:g}]"
+    )
 
 
 def _nice(env: Mapping[str, str], name: str) -> int | None:

@@ -6,15 +6,21 @@ default; these tests start hubs with ``HubSettings(rings_own_node=False)`` so th
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 import ray
 
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE
 from raysync.hub.relay import relay_name
+from raysync.hub.relays import REPLACE_AFTER_STALLS
+from raysync.hub.settings import DEFAULT_RING_ACK_S
 from tests._support import assert_same_weights, kill_until_gone, small_policy, wait_for_condition
 from tests.integration.test_synced import make_collector
 
@@ -259,3 +265,182 @@ def test_the_hub_and_relays_call_subscribers_without_importing_their_code(
     )
     _check_all(hub, [copy, called], hub.push(small_policy(3)), 3)
     assert _user_code_in(hub.actor) == []
+
+
+def _stalling_hub(hub_name: str, stall_s: float) -> raysync.HubClient:
+    """A hub whose relay serves its own node too, with a stall bound of ``stall_s`` (past ring_ack_s)."""
+    return raysync.connect(
+        hub_name, settings=raysync.HubSettings(rings_own_node=False, relay_stall_s=stall_s)
+    )
+
+
+def _record_versions(actor: Any) -> None:
+    """From now on the actor's subscription records each version it takes, however it takes it
+    (rung, called, a prefetched swap): observed in its process, on the version it says it holds."""
+
+    def record(self: Any) -> None:
+        sub = self.__dict__["_raysync_actor_sync"].subs["policy"]
+
+        class Recording(type(sub)):  # type: ignore[misc]
+            @property
+            def version(self) -> int | None:
+                return self.__dict__["held"]
+
+            @version.setter
+            def version(self, version: int | None) -> None:
+                if version is not None and version != self.__dict__["held"]:
+                    self.__dict__["taken"].append(version)
+                self.__dict__["held"] = version
+
+        sub.__dict__.update(held=sub.__dict__.pop("version"), taken=[])
+        sub.__class__ = Recording
+
+    ray.get(actor.__ray_call__.remote(record), timeout=60)
+
+
+def _taken(actor: Any) -> list[int]:
+    def taken(self: Any) -> list[int]:
+        return list(self.__dict__["_raysync_actor_sync"].subs["policy"].__dict__["taken"])
+
+    found: list[int] = ray.get(actor.__ray_call__.remote(taken), timeout=60)
+    return found
+
+
+def test_a_stalled_relay_holds_back_nobody_and_is_used_again_when_it_resumes(hub_name: str) -> None:
+    """A relay stopped (SIGSTOP) mid-run: its node's subscribers get the next version directly within
+    the stall bound, status names the relay stalled, and once it resumes versions go through it again;
+    no subscriber applies a version twice or backwards."""
+    hub = _stalling_hub(hub_name, 3.0)
+    bound = DEFAULT_RING_ACK_S + 3.0  # well before the relay would be replaced instead (6 bounds)
+    try:
+        actors = [make_collector(hub_name).remote() for _ in range(3)]
+        actors.append(make_collector(hub_name, prefetch=True).remote())  # called by the relay, not rung
+        ray.get([a.raysync_version.remote() for a in actors])
+        _check_all(hub, actors, hub.push(small_policy(1)), 1)
+        relay = _relay(hub)
+        pid = _pid(relay)
+        node = ray.get_runtime_context().get_node_id()
+        for actor in actors:
+            _record_versions(actor)
+        deliveries = ray.get(relay.stats.remote())["deliveries"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            v2 = hub.push(small_policy(2))
+            hub.wait(v2, timeout=bound + 15)  # SyncTimeoutError if held back past the bound
+            _check_all(hub, actors, v2, 2)
+            status = hub.status()
+            assert psutil.Process(pid).status() == psutil.STATUS_STOPPED  # delivered around it
+            assert node in status["stalled_relays"] and node not in status["relays"]
+            assert status["stalled_relays"][node]["relay"] == relay_name(
+                hub.name, hub.actor._actor_id.hex(), node
+            )
+            assert status["stalled_relays"][node]["silent_s"] >= bound
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for_condition(
+            lambda: node in hub.status()["relays"] and not hub.status()["stalled_relays"],
+            timeout=60,
+            what="the resumed relay is used again",
+        )
+        assert _pid(relay) == pid  # resumed, not replaced
+        assert ray.get(relay.stats.remote())["deliveries"] > deliveries  # it took the stalled one late
+        v3 = hub.push(small_policy(3))
+        _check_all(hub, actors, v3, 3)
+        before = _calls(hub)
+        v4 = hub.push(small_policy(4))
+        _check_all(hub, actors, v4, 4)
+        assert _calls(hub) - before == 1  # through the relay again: one message for the node
+        assert [_taken(a) for a in actors] == [[v2, v3, v4]] * len(actors)  # each once, in order
+        assert all(s["applied"] == v4 and s["last_error"] is None for s in hub.status()["subscribers"])
+    finally:
+        ray.kill(hub.actor)
+
+
+def test_a_relay_stalled_for_good_is_replaced(hub_name: str) -> None:
+    """A relay that stays stopped is delivered around, then killed and started again by Ray;
+    versions then go through the new relay process."""
+    hub = _stalling_hub(hub_name, 1.0)
+    replace_s = REPLACE_AFTER_STALLS * (DEFAULT_RING_ACK_S + 1.0)
+    try:
+        actors = [make_collector(hub_name).remote() for _ in range(2)]
+        ray.get([a.raysync_version.remote() for a in actors])
+        _check_all(hub, actors, hub.push(small_policy(1)), 1)
+        relay = _relay(hub)
+        pid = _pid(relay)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            v2 = hub.push(small_policy(2))
+            _check_all(hub, actors, v2, 2)  # directly, while it is stopped
+            wait_for_condition(
+                lambda: not psutil.pid_exists(pid), timeout=replace_s + 60, what="the stopped relay killed"
+            )
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert _pid(relay) != pid  # Ray started it again
+        node = ray.get_runtime_context().get_node_id()
+        wait_for_condition(
+            lambda: node in hub.status()["relays"] and not hub.status()["stalled_relays"],
+            timeout=60,
+            what="the new relay process is used",
+        )
+        _check_all(hub, actors, hub.push(small_policy(3)), 3)
+        before = _calls(hub)
+        v4 = hub.push(small_policy(4))
+        _check_all(hub, actors, v4, 4)
+        assert _calls(hub) - before == 1
+    finally:
+        ray.kill(hub.actor)
+
+
+@pytest.mark.parametrize("served_by", ["hub", "relay"])
+def test_subscribers_that_came_and_went_leave_nothing_behind(hub_name: str, served_by: str) -> None:
+    """Actors come, take versions, and are killed: the hub (and the node's relay) keep no mailbox
+    or member record for them, and their doorbell sockets go when the next subscriber starts."""
+    settings = raysync.HubSettings(rings_own_node=served_by == "hub", drop_silent_s=4.0)
+    hub = raysync.connect(hub_name, settings=settings)
+    try:
+        keeper = make_collector(hub_name).remote()
+        ray.get(keeper.raysync_version.remote())
+        gone = [make_collector(hub_name).remote() for _ in range(8)]
+        ray.get([a.raysync_version.remote() for a in gone])
+        _check_all(hub, [keeper, *gone], hub.push(small_policy(1)), 1)
+        node = ray.get(keeper.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+        relay = _relay(hub) if served_by == "relay" else None
+        sockets = ray.get([a.__ray_call__.remote(_doorbell_address) for a in gone])
+        assert all(sockets) and all(os.path.exists(s) for s in sockets)
+        for actor in gone:
+            kill_until_gone(actor)
+
+        def kept() -> dict[str, Any]:
+            status = hub.status()
+            where = status["here"] if relay is None else ray.get(relay.stats.remote(), timeout=30)
+            mailboxes = ray.get(hub.actor.__ray_call__.remote(lambda self: len(self._mail)), timeout=30)
+            return {
+                "subscribers": len(status["subscribers"]),
+                "hub_mailboxes": mailboxes,
+                "members": where["members"],
+                "node_mailboxes": where["mailboxes"],
+            }
+
+        expected = {"subscribers": 1, "hub_mailboxes": 1, "members": 1, "node_mailboxes": 1}  # the keeper's
+        seen: list[dict[str, Any]] = []
+        try:
+            wait_for_condition(lambda: seen.append(kept()) or seen[-1] == expected, timeout=60)
+        except AssertionError:
+            raise AssertionError(
+                f"node {node[:8]}: the hub keeps {seen[-1]}, not only the keeper's"
+            ) from None
+        newcomer = make_collector(hub_name).remote()  # its process's doorbell sweeps the dead ones' sockets
+        ray.get(newcomer.raysync_version.remote())
+        assert not any(os.path.exists(s) for s in sockets)
+        _check_all(hub, [keeper, newcomer], hub.push(small_policy(2)), 2)
+    finally:
+        ray.kill(hub.actor)
+
+
+def _doorbell_address(self: Any) -> str | None:
+    from raysync.transports import doorbell
+
+    bell = doorbell.doorbell()
+    return None if bell is None else bell.address

@@ -10,6 +10,7 @@ import raysync
 from raysync.hub.settings import (
     DEFAULT_DOORBELL_BYTES,
     DEFAULT_DROP_SILENT_S,
+    DEFAULT_RELAY_STALL_S,
     DEFAULT_RING_ACK_S,
     HubSettings,
 )
@@ -23,6 +24,7 @@ def test_defaults_without_environment() -> None:
         nice=None,
         drop_silent_s=DEFAULT_DROP_SILENT_S,
         ring_ack_s=DEFAULT_RING_ACK_S,
+        relay_stall_s=DEFAULT_RELAY_STALL_S,
     )
 
 
@@ -34,9 +36,16 @@ def test_the_environment_fills_what_is_not_given() -> None:
         "RAYSYNC_HUB_NICE": "18",
         "RAYSYNC_DROP_SILENT_S": "4.5",
         "RAYSYNC_RING_ACK_S": "1.5",
+        "RAYSYNC_RELAY_STALL_S": "2.5",
     }
     assert HubSettings().resolved(env) == HubSettings(
-        relays=False, rings_own_node=False, doorbell_bytes=1024, nice=18, drop_silent_s=4.5, ring_ack_s=1.5
+        relays=False,
+        rings_own_node=False,
+        doorbell_bytes=1024,
+        nice=18,
+        drop_silent_s=4.5,
+        ring_ack_s=1.5,
+        relay_stall_s=2.5,
     )
     given = HubSettings(relays=True, doorbell_bytes=0).resolved(env)
     assert (given.relays, given.doorbell_bytes) == (True, 0)  # given values win
@@ -50,6 +59,7 @@ def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pyte
         "RAYSYNC_RELAY": "maybe",
         "RAYSYNC_DROP_SILENT_S": "1",
         "RAYSYNC_RING_ACK_S": "0",
+        "RAYSYNC_RELAY_STALL_S": "0.5",
     }
     with caplog.at_level(logging.WARNING, logger="raysync.hub.settings"):
         settings = HubSettings().resolved(env)
@@ -57,7 +67,7 @@ def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pyte
     text = caplog.text
     assert "RAYSYNC_DOORBELL_BYTES='lots'" in text and "RAYSYNC_HUB_NICE='high'" in text
     assert "RAYSYNC_RELAY='maybe'" in text and "RAYSYNC_DROP_SILENT_S='1'" in text
-    assert "RAYSYNC_RING_ACK_S='0'" in text
+    assert "RAYSYNC_RING_ACK_S='0'" in text and "RAYSYNC_RELAY_STALL_S='0.5'" in text
 
 
 @pytest.mark.parametrize(
@@ -75,6 +85,10 @@ def test_a_malformed_variable_is_logged_and_replaced_by_the_default(caplog: pyte
         ({"ring_ack_s": 0}, ValueError, r"ring_ack_s must be within \(0, 60\]"),
         ({"ring_ack_s": 61.0}, ValueError, r"ring_ack_s must be within \(0, 60\]"),
         ({"ring_ack_s": float("nan")}, ValueError, r"ring_ack_s must be within \(0, 60\]"),
+        ({"relay_stall_s": "5"}, TypeError, "relay_stall_s must be a number of seconds"),
+        ({"relay_stall_s": 0.5}, ValueError, r"relay_stall_s must be within \[1, 600\]"),
+        ({"relay_stall_s": 601}, ValueError, r"relay_stall_s must be within \[1, 600\]"),
+        ({"relay_stall_s": float("nan")}, ValueError, r"relay_stall_s must be within \[1, 600\]"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(kwargs: dict, error: type, words: str) -> None:

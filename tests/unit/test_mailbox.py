@@ -254,3 +254,47 @@ def test_a_poll_left_open_by_a_replaced_process_takes_no_call() -> None:
         assert (await call).applied == 4
 
     asyncio.run(main())
+
+
+def test_a_process_that_stopped_polling_leaves_no_mailbox(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Subscriber processes come and go: the hub (or relay) keeps a mailbox only for those that poll."""
+    monkeypatch.setattr(mailbox, "_CHECK_S", 0.02)
+    monkeypatch.setattr(mailbox, "PICKUP_S", 0.1)
+
+    async def main() -> None:
+        mail = _mail(alive=True)
+        polling = Caller("b2" * 16, pid=200, node_id="n1")
+        gone = [Caller(f"{i:02d}" * 16, pid=300 + i, node_id="n1") for i in range(24)]
+        for caller in gone:  # each polled, was answered, then its process went
+            call = mail.call(caller.actor_id, proto.NOTIFY, _ann())
+            (req,) = await mail.poll(caller, [], [], timeout=1)
+            await mail.poll(caller, [Answer(req.req_id, ApplyReport(applied=3))], [], timeout=0)
+            assert (await call).applied == 3
+        never = mail.call("c3" * 16, proto.NOTIFY, _ann())  # queued for a process that never polls
+        assert len(mail) == 25
+        monkeypatch.setattr(mailbox, "IDLE_S", 0.2)  # (60 s, not 0.2, in a hub)
+        keep_polling = asyncio.create_task(_poll_forever(mail, polling))
+        with pytest.raises(SubscriberUnreachable, match="did not poll"):
+            await asyncio.wait_for(never, 2)
+        for _ in range(100):
+            if len(mail) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert len(mail) == 1  # only the process still polling keeps one
+        call = mail.call(polling.actor_id, proto.NOTIFY, _ann(4))
+        assert (await asyncio.wait_for(call, 2)).applied == 4  # and its calls still go through
+        again = mail.call(gone[0].actor_id, proto.NOTIFY, _ann(5))  # a process back: a new mailbox
+        (req,) = await mail.poll(gone[0], [], [], timeout=1)
+        mail.answer(gone[0], [Answer(req.req_id, ApplyReport(applied=5))])
+        assert (await again).applied == 5
+        keep_polling.cancel()
+
+    asyncio.run(main())
+
+
+async def _poll_forever(mail: Mailboxes, caller: Caller) -> None:
+    """A live process: polls again and again, answers each call at once."""
+    answers: list[Answer] = []
+    while True:
+        reqs = await mail.poll(caller, answers, [], timeout=0.05)
+        answers = [Answer(r.req_id, ApplyReport(applied=r.announcement.version)) for r in reqs]

@@ -84,6 +84,7 @@ class Roster(Versions):
         group = self.groups.get(key) if key is not None else None
         if group is not None and group.members.get(sub.sub_id) is sub:
             del group.members[sub.sub_id]
+            group.known.discard(sub.sub_id)
             if not group.members:
                 emptied = self.groups.pop(key)  # type: ignore[arg-type]
         for waiter in self.waiters.get(sub.model_id, ()):

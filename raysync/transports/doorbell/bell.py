@@ -26,7 +26,16 @@ from collections.abc import Callable
 from raysync._protocol import ApplyReport, RelayAck, Ring, compact
 from raysync.transports.doorbell import wire
 from raysync.transports.doorbell.segments import Segment, read_segment
-from raysync.transports.doorbell.sockets import Drops, Message, available, listen, peer_uid, receive, unlink
+from raysync.transports.doorbell.sockets import (
+    Drops,
+    Message,
+    available,
+    listen,
+    peer_uid,
+    receive,
+    sweep,
+    unlink,
+)
 
 __all__ = ["ACCEPT_PER_S", "PROBATION", "PROBATION_S", "Doorbell", "Handler", "doorbell"]
 
@@ -73,6 +82,7 @@ class Doorbell:
         atexit.register(unlink, self.address)
         self._thread = threading.Thread(target=self._loop, name="raysync-doorbell", daemon=True)
         self._thread.start()
+        sweep()  # the sockets that killed processes (no exit handler ran) left behind
 
     def register(self, sub_id: str, handler: Handler) -> str:
         """Route rings for ``sub_id`` to ``handler``; this doorbell's address (for the hub)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from raysync._protocol import RelayAck, Ring, expand
 from raysync.transports.doorbell import wire
 from raysync.transports.doorbell.segments import SegmentHandle
-from raysync.transports.doorbell.sockets import Drops, Message, connect, receive, runtime_dir, unlink
+from raysync.transports.doorbell.sockets import Drops, Message, connect, receive, runtime_dir, sweep, unlink
 
 __all__ = ["Ringer"]
 
@@ -58,6 +58,7 @@ class Ringer:
             self._loop = None
         self.late: Callable[[str, int, list[RelayAck]], None] | None = None
         self.drops = Drops("relay doorbell")
+        sweep()  # the sockets of the node's subscriber processes that were killed (no exit handler ran)
 
     def ring(
         self,

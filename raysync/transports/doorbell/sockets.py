@@ -7,6 +7,9 @@ connection per subscriber process: its rings and the acks travel on it, message 
 message (``SCM_RIGHTS`` carries each ring's segment), in a queue no other process can
 write into. What is refused is counted and logged at most once per :data:`LOG_EVERY_S`
 (:class:`Drops`).
+
+A socket file goes with its process: unlinked at exit, and, when the process was killed
+(no exit handler runs), by the next doorbell or ringer made on the node (:func:`sweep`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -39,6 +43,7 @@ __all__ = [
     "peer_uid",
     "receive",
     "runtime_dir",
+    "sweep",
     "unlink",
 ]
 
@@ -100,6 +105,73 @@ def _private(path: str, uid: int) -> bool:
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) & 0o077 == 0
+
+
+_OURS = re.compile(r"sub-([0-9]{1,10})-[0-9a-f]{12}")  # what listen("sub") names: sub-<pid>-<random>
+
+
+def sweep(base: str | None = None) -> int:
+    """Remove the doorbell sockets of processes that are gone from ``base`` (:func:`runtime_dir`);
+    how many were removed.
+
+    Only what is provably a dead doorbell of this user goes: a name :func:`listen` makes, a
+    socket (``lstat``: a symlink is never followed, nor removed), owned by this user, whose
+    process (the pid in its name) does not exist, and on which nobody listens (``connect``
+    refused). Anything else stays, in a directory that is not this user's alone too.
+
+    Example:
+        >>> sweep()   # in a new subscriber process or relay
+        3
+    """
+    base = runtime_dir() if base is None else base
+    uid = os.getuid()
+    if base is None or not _private(base, uid):
+        return 0
+    removed = 0
+    try:
+        entries = list(os.scandir(base))
+    except OSError as err:
+        logger.debug("could not list %s: %s", base, err)
+        return 0
+    for entry in entries:
+        found = _OURS.fullmatch(entry.name)
+        if found is None or int(found.group(1)) == os.getpid():
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != uid or _process_exists(int(found.group(1))):
+            continue
+        if _refused(entry.path):
+            unlink(entry.path)
+            removed += 1
+    if removed:
+        logger.info("removed %d doorbell socket(s) of processes that are gone from %s", removed, base)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):  # another user's, or no pid at all: keep
+        return True
+    return True
+
+
+def _refused(path: str) -> bool:
+    """Whether nobody listens on the socket at ``path`` (a live doorbell accepts, or is busy)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.setblocking(False)
+        probe.connect(path)
+    except OSError as err:
+        return err.errno == errno.ECONNREFUSED
+    finally:
+        probe.close()
+    return False
 
 
 def listen(kind: str) -> tuple[socket.socket, str]:
