@@ -12,9 +12,9 @@ pointer) is an ordinary tensor that would write into every actor's weights and w
 - a shared mapping that is writable here (the object store's file): the same bytes through
   a second mapping of the same file pages, read-only (``mremap`` with an old size of 0 makes
   it, no copy). One per store mapping per process, kept while the store is mapped or a
-  view uses it; its page tables are filled (``MADV_POPULATE_READ``) the first time each
-  2 MiB of it is used, so a forward pass takes no page faults (the store's own mapping is
-  filled once per process the same way: :mod:`raysync.transports.store_pages`).
+  view uses it; its page tables are filled once, after the first view of 16 MiB or more,
+  as the store's own mapping is (:mod:`raysync.core.prefault`), so a forward pass takes
+  no page faults.
 - anything else (private memory: small objects Ray keeps in the process, buckets of a
   sharded version assembled here), or a shared mapping no second mapping can be made of
   (no Linux ``mremap``; huge pages): one copy into fresh pages, then made read-only
@@ -39,22 +39,23 @@ import mmap
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from raysync.core.prefault import MADV_POPULATE_READ, MIN_VERSION_BYTES, cap_bytes
+
 __all__ = ["read_only_buckets"]
 
 logger = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
-_CHUNK = 2 * 2**20  # populated in runs of this size, each once
 _ALIGN = 64  # of each array in a copy
 _PROT_READ = 1
 _MREMAP_MAYMOVE = 1
-_MADV_POPULATE_READ = 22  # Linux 5.14+
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -78,7 +79,7 @@ class _Alias:
     length: int
     base: int
     users: weakref.WeakSet[_Pages]  # the arrays' owners over it
-    populated: bytearray  # per _CHUNK: filled already
+    populated: bool = False  # its page tables filled (once, see _populate)
 
 
 class _Pages:
@@ -99,7 +100,6 @@ class _Pages:
 _lock = threading.RLock()  # a collected _Pages may drop a WeakSet entry mid-call: re-entrant
 _aliases: list[_Alias] = []
 _no_alias: set[tuple[str, int]] = set()  # files mremap refused: copied instead (warned once each)
-_can_populate = True
 
 
 def read_only_buckets(buckets: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
@@ -121,10 +121,15 @@ def read_only_buckets(buckets: Sequence[Sequence[np.ndarray]]) -> list[list[np.n
     with _lock:
         maps = _Maps()
         _drop_unused(maps)
-        return [_bucket([np.asarray(a) for a in arrays], maps) for arrays in buckets]
+        used: dict[int, int] = {}  # id(alias) -> bytes viewed through it now
+        out = [_bucket([np.asarray(a) for a in arrays], maps, used) for arrays in buckets]
+        for alias in _aliases:
+            if not alias.populated and used.get(id(alias), 0) >= MIN_VERSION_BYTES:
+                _populate(alias)
+        return out
 
 
-def _bucket(arrays: list[np.ndarray], maps: _Maps) -> list[np.ndarray]:
+def _bucket(arrays: list[np.ndarray], maps: _Maps, used: dict[int, int]) -> list[np.ndarray]:
     """One bucket's arrays on read-only pages: all at once when one mapping holds them (the usual)."""
     out: list[np.ndarray | None] = [_frozen(a) if a.nbytes == 0 else None for a in arrays]
     todo = [i for i, a in enumerate(arrays) if a.nbytes]
@@ -139,7 +144,7 @@ def _bucket(arrays: list[np.ndarray], maps: _Maps) -> list[np.ndarray]:
         groups = [([i], maps.holding(*spans[i]) if i in spans else None) for i in todo]
     copied = []
     for indices, m in groups:
-        views = _in_place([arrays[i] for i in indices], [spans[i] for i in indices], m) if m else None
+        views = _in_place([arrays[i] for i in indices], [spans[i] for i in indices], m, used) if m else None
         if views is None:
             copied += indices
             continue
@@ -151,7 +156,9 @@ def _bucket(arrays: list[np.ndarray], maps: _Maps) -> list[np.ndarray]:
     return [a for a in out if a is not None]
 
 
-def _in_place(arrays: list[np.ndarray], spans: list[tuple[int, int]], m: _Mapping) -> list[np.ndarray] | None:
+def _in_place(
+    arrays: list[np.ndarray], spans: list[tuple[int, int]], m: _Mapping, used: dict[int, int]
+) -> list[np.ndarray] | None:
     """``arrays`` (non-empty, all in mapping ``m``) read-only without a copy, or None if they cannot be."""
     if not m.writable:
         return [_frozen(a) for a in arrays]  # no process can write them through this mapping
@@ -161,7 +168,7 @@ def _in_place(arrays: list[np.ndarray], spans: list[tuple[int, int]], m: _Mappin
     shift = alias.base + (m.offset - alias.offset) - m.start  # from an address in m to the same byte in alias
     lo = min(at for at, _ in spans) + shift
     hi = max(at + n for at, n in spans) + shift
-    _populate(alias, lo, hi - lo)
+    used[id(alias)] = used.get(id(alias), 0) + hi - lo
     owner = _Pages(lo, hi - lo, arrays)
     alias.users.add(owner)
     flat = np.asarray(owner)
@@ -219,7 +226,7 @@ def _alias_for(m: _Mapping) -> _Alias | None:
         libc.munmap(base, length)
         _refused(m, reason)
         return None
-    alias = _Alias(m.file, m.offset, length, base, weakref.WeakSet(), bytearray(-(-length // _CHUNK)))
+    alias = _Alias(m.file, m.offset, length, base, weakref.WeakSet())
     _aliases.append(alias)
     logger.debug("a read-only mapping of %d MiB of shared weights at %#x", length >> 20, base)
     return alias
@@ -234,24 +241,20 @@ def _refused(m: _Mapping, reason: str) -> None:
     )
 
 
-def _populate(alias: _Alias, address: int, nbytes: int) -> None:
-    """Fill the page tables of the alias's 2 MiB runs under these bytes, each run once."""
-    global _can_populate
-    first = (address - alias.base) // _CHUNK
-    last = (address + nbytes - 1 - alias.base) // _CHUNK
-    todo = [c for c in range(first, last + 1) if not alias.populated[c]]
-    if not todo:
-        return
-    for c in todo:
-        alias.populated[c] = 1
+def _populate(alias: _Alias) -> None:
+    """Fill the alias's page tables once, up to the cap (as the store's own mapping: core/prefault.py)."""
+    alias.populated = True
+    length = min(alias.length, cap_bytes())
     libc = _libc()
-    if not _can_populate or libc is None:
-        return  # first reads fault the pages in instead
-    lo = alias.base + todo[0] * _CHUNK
-    hi = min(alias.base + (todo[-1] + 1) * _CHUNK, alias.base + alias.length)
-    if libc.madvise(lo, hi - lo, _MADV_POPULATE_READ) != 0:
-        _can_populate = False  # a kernel before 5.14
+    if length == 0 or libc is None:
+        return  # reads fault the pages in instead
+    t0 = time.perf_counter()
+    if libc.madvise(alias.base, length, MADV_POPULATE_READ) != 0:  # a kernel before 5.14: faults instead
         logger.debug("madvise(MADV_POPULATE_READ) failed: %s", _errno())
+        return
+    logger.debug(
+        "read-only view mapping: %.0f MiB populated in %.3f s", length / 2**20, time.perf_counter() - t0
+    )
 
 
 def _drop_unused(maps: _Maps) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -187,3 +188,21 @@ def test_a_store_no_second_mapping_can_be_made_of_is_copied_read_only(
     assert held.tobytes() == buckets[0][0].tobytes()
     perms, device, inode = mapping_of(held.ctypes.data)
     assert "w" not in perms and (device, inode) != mapping_of(buckets[0][0].ctypes.data)[1:]
+
+
+@pytest.mark.parametrize("cap_mib", ["", "0"])
+def test_a_large_view_fills_its_page_tables_once_unless_turned_off(
+    monkeypatch: pytest.MonkeyPatch, cap_mib: str
+) -> None:
+    """As the store's own mapping (RAYSYNC_PREFAULT_STORE_MIB): a forward pass then takes no page faults."""
+    monkeypatch.setenv("RAYSYNC_PREFAULT_STORE_MIB", cap_mib)
+    nbytes = 32 * 2**20
+    _store, buckets = in_shared_memory([[np.ones(nbytes, dtype=np.uint8)]])
+    [[held]] = read_only_buckets(buckets)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert int(held[:: mmap.PAGESIZE].sum()) == nbytes // mmap.PAGESIZE  # a read of every page
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    if cap_mib == "0":
+        assert faults >= nbytes // (64 * 2**10) // 2, faults  # a fault per 64 KiB (the kernel's fault-around)
+    else:
+        assert faults < 32, faults
