@@ -42,11 +42,12 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from raysync.core.prefault import MADV_POPULATE_READ, MIN_VERSION_BYTES, cap_bytes
+from raysync.core.proc_maps import Mapping, Mappings
 
 __all__ = ["read_only_buckets"]
 
@@ -59,22 +60,11 @@ _MREMAP_MAYMOVE = 1
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-class _Mapping(NamedTuple):
-    """One line of ``/proc/self/maps``."""
-
-    start: int
-    end: int
-    writable: bool
-    shared: bool
-    offset: int  # of ``start`` in the file
-    file: tuple[str, int]  # (device, inode)
-
-
 @dataclasses.dataclass
 class _Alias:
     """A read-only second mapping of a shared file mapping's pages."""
 
-    file: tuple[str, int]
+    file: tuple[int, int, int]
     offset: int  # the file offset ``base`` maps
     length: int
     base: int
@@ -99,7 +89,7 @@ class _Pages:
 
 _lock = threading.RLock()  # a collected _Pages may drop a WeakSet entry mid-call: re-entrant
 _aliases: list[_Alias] = []
-_no_alias: set[tuple[str, int]] = set()  # files mremap refused: copied instead (warned once each)
+_no_alias: set[tuple[int, int, int]] = set()  # files mremap refused: copied instead (warned once each)
 
 
 def read_only_buckets(buckets: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
@@ -119,22 +109,22 @@ def read_only_buckets(buckets: Sequence[Sequence[np.ndarray]]) -> list[list[np.n
         [[b'\\x00\\x01\\x02']]
     """
     with _lock:
-        maps = _Maps()
-        _drop_unused(maps)
         used: dict[int, int] = {}  # id(alias) -> bytes viewed through it now
-        out = [_bucket([np.asarray(a) for a in arrays], maps, used) for arrays in buckets]
+        with Mappings() as maps:
+            _drop_unused(maps)
+            out = [_bucket([np.asarray(a) for a in arrays], maps, used) for arrays in buckets]
         for alias in _aliases:
             if not alias.populated and used.get(id(alias), 0) >= MIN_VERSION_BYTES:
                 _populate(alias)
         return out
 
 
-def _bucket(arrays: list[np.ndarray], maps: _Maps, used: dict[int, int]) -> list[np.ndarray]:
+def _bucket(arrays: list[np.ndarray], maps: Mappings, used: dict[int, int]) -> list[np.ndarray]:
     """One bucket's arrays on read-only pages: all at once when one mapping holds them (the usual)."""
     out: list[np.ndarray | None] = [_frozen(a) if a.nbytes == 0 else None for a in arrays]
     todo = [i for i, a in enumerate(arrays) if a.nbytes]
     spans = {i: (_address(arrays[i]), arrays[i].nbytes) for i in todo if arrays[i].flags.c_contiguous}
-    groups: list[tuple[list[int], _Mapping | None]] = []
+    groups: list[tuple[list[int], Mapping | None]] = []
     if todo and len(spans) == len(todo):
         lo = min(at for at, _ in spans.values())
         m = maps.holding(lo, max(at + n for at, n in spans.values()) - lo)
@@ -157,7 +147,7 @@ def _bucket(arrays: list[np.ndarray], maps: _Maps, used: dict[int, int]) -> list
 
 
 def _in_place(
-    arrays: list[np.ndarray], spans: list[tuple[int, int]], m: _Mapping, used: dict[int, int]
+    arrays: list[np.ndarray], spans: list[tuple[int, int]], m: Mapping, used: dict[int, int]
 ) -> list[np.ndarray] | None:
     """``arrays`` (non-empty, all in mapping ``m``) read-only without a copy, or None if they cannot be."""
     if not m.writable:
@@ -204,7 +194,7 @@ def _copied(arrays: list[np.ndarray]) -> list[np.ndarray]:
     return [flat[at : at + arr.nbytes] for arr, at in zip(arrays, offsets, strict=True)]
 
 
-def _alias_for(m: _Mapping) -> _Alias | None:
+def _alias_for(m: Mapping) -> _Alias | None:
     """The read-only second mapping of ``m``'s pages (made now if need be), or None if none can be."""
     for alias in _aliases:
         if (
@@ -232,7 +222,7 @@ def _alias_for(m: _Mapping) -> _Alias | None:
     return alias
 
 
-def _refused(m: _Mapping, reason: str) -> None:
+def _refused(m: Mapping, reason: str) -> None:
     _no_alias.add(m.file)
     logger.warning(
         "apply='view': cannot map shared weights read-only a second time (%s): each version "
@@ -257,7 +247,7 @@ def _populate(alias: _Alias) -> None:
     )
 
 
-def _drop_unused(maps: _Maps) -> None:
+def _drop_unused(maps: Mappings) -> None:
     """Unmap aliases that no view uses and whose file this process no longer maps otherwise."""
     if all(alias.users for alias in _aliases):
         return
@@ -268,52 +258,6 @@ def _drop_unused(maps: _Maps) -> None:
         if alias.file not in mapped and not alias.users and libc is not None:
             libc.munmap(alias.base, alias.length)
             _aliases.remove(alias)
-
-
-class _Maps:
-    """This process's mappings (``/proc/self/maps``, read once), looked up by address."""
-
-    def __init__(self) -> None:
-        try:
-            with open("/proc/self/maps") as f:
-                self._lines = f.read().splitlines()
-        except OSError:
-            self._lines = []  # not Linux: every array is copied
-        self._starts: dict[int, int] = {}
-
-    def _start(self, i: int) -> int:
-        start = self._starts.get(i)
-        if start is None:
-            line = self._lines[i]
-            start = self._starts[i] = int(line[: line.index("-")], 16)
-        return start
-
-    def holding(self, address: int, nbytes: int) -> _Mapping | None:
-        """The mapping holding all of ``[address, address + nbytes)``, if one does."""
-        lo, hi = 0, len(self._lines)
-        while lo < hi:  # the last line starting at or below address (lines are sorted)
-            mid = (lo + hi) // 2
-            if self._start(mid) <= address:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == 0:
-            return None
-        m = _parse(self._lines[lo - 1])
-        return m if m is not None and address + nbytes <= m.end else None
-
-    def all(self) -> list[_Mapping]:
-        return [m for m in map(_parse, self._lines) if m is not None]
-
-
-def _parse(line: str) -> _Mapping | None:
-    parts = line.split(maxsplit=5)
-    try:
-        lo, hi = (int(v, 16) for v in parts[0].split("-"))
-        perms = parts[1]
-        return _Mapping(lo, hi, "w" in perms, "s" in perms, int(parts[2], 16), (parts[3], int(parts[4])))
-    except (IndexError, ValueError):
-        return None
 
 
 _LIBC: list[Any] = []
