@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 from types import TracebackType
 from typing import NamedTuple
@@ -98,6 +97,8 @@ class Mappings:
         return [m for m in map(_parse, self._text()) if m is not None]
 
     def _query(self, address: int) -> Mapping | None:
+        import fcntl  # here: only where /proc/self/maps opened (Linux)
+
         q = _Query(size=ctypes.sizeof(_Query), query_addr=address)
         try:
             fcntl.ioctl(self._fd, _PROCMAP_QUERY, q)  # type: ignore[arg-type]

@@ -15,10 +15,10 @@ pointer) is an ordinary tensor that would write into every actor's weights and w
   view uses it; its page tables are filled once, after the first view of 16 MiB or more,
   as the store's own mapping is (:mod:`raysync.core.prefault`), so a forward pass takes
   no page faults.
-- anything else (private memory: small objects Ray keeps in the process, buckets of a
-  sharded version assembled here), or a shared mapping no second mapping can be made of
-  (no Linux ``mremap``; huge pages): one copy into fresh pages, then made read-only
-  (``mprotect``).
+- anything else (this process's private memory: a sharded version's bucket assembled
+  here, another data path's own buffers), or a shared mapping no second mapping can be
+  made of (no Linux ``mremap``; huge pages): one copy into fresh pages, then made
+  read-only (``mprotect``).
 
 A write then stops the process with ``SIGSEGV``; Python's ``faulthandler`` (on in Ray's
 workers) prints the traceback of the write to the worker's stderr, and Ray reports the
