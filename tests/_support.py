@@ -8,11 +8,13 @@ and raysync only, about 0.15 s of CPU less for each of the suite's ~500 worker p
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -87,3 +89,35 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         x, y = a[key].detach().contiguous(), b[key].detach().contiguous()
         assert x.dtype == y.dtype and x.shape == y.shape, key
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key
+
+
+def in_shared_memory(buckets: list[list[np.ndarray]]) -> tuple[mmap.mmap, list[list[np.ndarray]]]:
+    """The buckets copied into one shared, writable mapping, as Ray's object store holds them.
+
+    Returns the mapping (the "store": writable, as every Ray process maps the store) and the
+    buckets' arrays over it: back to back, read-only for numpy, as ``ray.get`` returns them.
+    """
+    align = 64
+    store = mmap.mmap(-1, sum(a.nbytes + align for b in buckets for a in b) + mmap.PAGESIZE)  # MAP_SHARED
+    flat = np.frombuffer(store, dtype=np.uint8)
+    out, at = [], 0
+    for bucket in buckets:
+        arrays = []
+        for a in bucket:
+            flat[at : at + a.nbytes] = a
+            arrays.append(flat[at : at + a.nbytes])
+            arrays[-1].flags.writeable = False
+            at = (at + a.nbytes + align - 1) // align * align
+        out.append(arrays)
+    return store, out
+
+
+def mapping_of(address: int) -> tuple[str, str, int]:
+    """``(permissions, device, inode)`` of this process's mapping holding ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms, _offset, device, inode = line.split()[:5]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms, device, int(inode)
+    raise AssertionError(f"{address:#x} is in no mapping of this process")

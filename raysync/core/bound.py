@@ -21,6 +21,7 @@ from raysync.core import codec
 from raysync.core.codec import unpack
 from raysync.core.extract import module_schema
 from raysync.core.layout import _EXTRA, Manifest, _short, validate
+from raysync.core.readonly_pages import read_only_buckets
 from raysync.errors import (
     InvalidWeightsError,
     WeightMismatchError,
@@ -246,7 +247,8 @@ class BoundModel:
         ids = list(ids) if ids is not None else [None] * self.manifest.num_buckets
         extras = _extra_targets(self.module, extra_state)  # unpickled and checked before any change
         if self.view:
-            all_buckets = [by_index[b] for b in range(self.manifest.num_buckets)]
+            # on pages mapped read-only here: no route (as_subclass, dlpack, raw memory) can write them
+            all_buckets = read_only_buckets([by_index[b] for b in range(self.manifest.num_buckets)])
             tensors = unpack(self.manifest, all_buckets, read_only=True)
             _set_extra_state(extras)
             for key, t in tensors.items():

@@ -11,7 +11,7 @@ their first reads.
 What: once per process, after the first version of 16 MiB or more, one
 ``madvise(MADV_POPULATE_WRITE)`` (pusher) or ``MADV_POPULATE_READ`` (readers)
 over the store's mapping (a store in ``/dev/shm`` only), capped at
-:data:`DEFAULT_CAP_BYTES` (environment variable ``RAYSYNC_PREFAULT_STORE_MIB``;
+:data:`~raysync.core.prefault.DEFAULT_CAP_BYTES` (environment variable ``RAYSYNC_PREFAULT_STORE_MIB``;
 ``0`` turns it off). That makes up to that much of the node's store resident,
 as Ray's own ``preallocate_plasma_memory`` does, and costs each process
 ~2 MiB of page tables per GiB. Linux 5.14+; elsewhere it does nothing.
@@ -31,26 +31,17 @@ import sys
 import threading
 import time
 
-logger = logging.getLogger(__name__)
+from raysync.core.prefault import (
+    MADV_POPULATE_READ,
+    MADV_POPULATE_WRITE,
+    MIN_VERSION_BYTES,
+    cap_bytes,
+)
 
-DEFAULT_CAP_BYTES = 4 * 2**30
-MIN_VERSION_BYTES = 16 * 2**20  # smaller versions fault ~4,000 pages at most: not worth a populate
-_MADV_POPULATE_READ = 22
-_MADV_POPULATE_WRITE = 23
+logger = logging.getLogger(__name__)
 
 _done: set[bool] = set()  # the modes (write=True/False) already populated in this process
 _lock = threading.Lock()
-
-
-def _cap_bytes() -> int:
-    raw = os.environ.get("RAYSYNC_PREFAULT_STORE_MIB")
-    if raw is None or raw.strip() == "":
-        return DEFAULT_CAP_BYTES
-    try:
-        return max(0, int(raw)) * 2**20
-    except ValueError:
-        logger.warning("RAYSYNC_PREFAULT_STORE_MIB=%r is not an integer: using the default", raw)
-        return DEFAULT_CAP_BYTES
 
 
 def store_mappings() -> list[tuple[int, int]]:
@@ -87,7 +78,7 @@ def populate_store_mapping(write: bool, version_bytes: int) -> int:
     with _lock:
         if write in _done:
             return 0
-        cap = _cap_bytes()
+        cap = cap_bytes()
         if cap == 0:
             _done.add(write)
             return 0
@@ -97,7 +88,7 @@ def populate_store_mapping(write: bool, version_bytes: int) -> int:
         _done.add(write)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+        advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
         t0 = time.perf_counter()
         total = 0
         for start, length in mappings:

@@ -15,7 +15,7 @@ from raysync.core.codec import bucket_checksums, pack, stage_bucket, unpack, ver
 from raysync.core.extract import extract_extra_state, extract_tensors, module_schema, to_tensordict
 from raysync.core.layout import plan_layout, schema_of, validate
 from raysync.core.readonly import ReadOnlyTensor
-from tests._support import assert_same_weights
+from tests._support import assert_same_weights, in_shared_memory
 
 
 def _mixed() -> dict[str, torch.Tensor]:
@@ -145,11 +145,14 @@ def test_view_mode_shares_memory_and_refuses_in_place_writes() -> None:
     dst = torch.nn.Linear(4, 3)
     tensors = extract_tensors(src)
     manifest = plan_layout(tensors)
-    buckets = pack(tensors, manifest)
+    store, buckets = in_shared_memory(pack(tensors, manifest))  # as the object store holds them
     BoundModel(dst, manifest, view=True).apply(buckets)
     assert isinstance(dst.weight, torch.nn.Parameter) and isinstance(dst.weight, ReadOnlyTensor)
     weight_entry = next(e for e in manifest.entries if e.key == "weight")
-    assert dst.weight.data_ptr() == buckets[0][weight_entry.index].ctypes.data  # no copy made
+    held = buckets[0][weight_entry.index]
+    store[held.ctypes.data - np.frombuffer(store, np.uint8).ctypes.data] ^= 0xFF  # the store changes...
+    assert not torch.equal(dst.weight, src.weight)  # ... and so does the view: no copy made
+    store[held.ctypes.data - np.frombuffer(store, np.uint8).ctypes.data] ^= 0xFF
     assert torch.equal(dst(torch.ones(1, 4)), src(torch.ones(1, 4)))
     writes = [
         lambda: dst.weight.add_(1),
