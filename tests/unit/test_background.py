@@ -65,12 +65,13 @@ def test_a_thread_holding_ray_running_delays_a_shutdown_and_stops_after_it(
     running = True
     monkeypatch.setattr(ray, "is_initialized", lambda: running)
     steps: list[str] = []
-    release = threading.Event()
+    release, shut = threading.Event(), threading.Event()
 
     def call() -> None:  # a follower's call into Ray, then its next one
         with background.held("call"):
             steps.append("in Ray")
             release.wait(10)
+        shut.wait(10)
         try:
             with background.held("call"):
                 steps.append("in Ray again")
@@ -86,5 +87,6 @@ def test_a_thread_holding_ray_running_delays_a_shutdown_and_stops_after_it(
     assert shutdown.acquire(timeout=10)
     running = False
     shutdown.release()
+    shut.set()
     thread.join(10)
     assert steps == ["in Ray", "stopped"]
