@@ -92,6 +92,7 @@ class Membership:
         self._hubs: dict[tuple[str, str | None], _Hub] = {}
         self._members: dict[str, Member] = {}
         self._thread: threading.Thread | None = None
+        self._session: tuple[str, str] | None = None  # the Ray they belong to (_session())
 
     def hub(self, member: Member) -> _Hub:
         key = (member.hub_name, member.hub_namespace)
@@ -115,11 +116,16 @@ class Membership:
 
     def join(self, member: Member) -> None:
         """Register ``member`` and start it from the newest version; keep it known from now on."""
+        session = _session()
         with self._lock:
+            if session != self._session:  # a new ray.init(): what was known went with the old Ray
+                self._members.clear()
+                self._hubs.clear()
+                self._session, self._thread = session, None
             self._members[member.sub_id] = member
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._heartbeat_loop, name="raysync-heartbeat", daemon=True
+                    target=self._heartbeat_loop, args=(session,), name="raysync-heartbeat", daemon=True
                 )
                 self._thread.start()
         newest = self.call(member, proto.REGISTER, member.registration())
@@ -141,16 +147,18 @@ class Membership:
         except RayNotRunningError:
             logger.debug("%s: Ray was shut down; report not sent", member.sub_id)
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, session: tuple[str, str]) -> None:
         """Check in with every hub; register again the members it does not know (it restarted).
 
-        Ends once Ray is shut down here, forgetting every member (they belonged to that Ray).
+        Ends once Ray is shut down here, forgetting every member (they belonged to that Ray),
+        or when this process connected to another Ray meanwhile (``join`` started a new one).
         """
         try:
             while True:
                 time.sleep(proto.HEARTBEAT_S)
-                if not ray.is_initialized():
-                    raise RayNotRunningError("ray.shutdown()")
+                with background.held("check in with the hub"):
+                    if _session() != session:
+                        raise RayNotRunningError("ray.shutdown(), then another ray.init()")
                 with self._lock:
                     by_hub: dict[tuple[str, str | None], list[Member]] = {}
                     for m in self._members.values():
@@ -160,9 +168,10 @@ class Membership:
         except RayNotRunningError:
             logger.debug("Ray was shut down: the heartbeat stops")
             with self._lock:
-                self._members.clear()
-                self._hubs.clear()
-                self._thread = None
+                if self._thread is threading.current_thread():
+                    self._members.clear()
+                    self._hubs.clear()
+                    self._session, self._thread = None, None
 
     def _beat(self, members: list[Member]) -> None:
         hub = self.hub(members[0])
@@ -202,6 +211,12 @@ class Membership:
                     self.report(member, report)
             except Exception as err:  # never let one member stop the heartbeat
                 logger.warning("%s could not tell the hub of local changes: %s", member.sub_id, err)
+
+
+def _session() -> tuple[str, str]:
+    """Which Ray this process is connected to: its node and job (a new ``ray.init()`` changes one)."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_node_id(), ctx.get_job_id()
 
 
 _MEMBERSHIP: Membership | None = None
