@@ -285,7 +285,7 @@ class Follower:
         self._stop.set()
         membership().leave(self, timeout=timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
-            # The thread's long poll stops waiting within STOP_CHECK_S of the stop; an apply
+            # The thread's long poll stops waiting within background.STEP_S of the stop; an apply
             # under way finishes first.
             self._thread.join(timeout=max(timeout, 1.0))
 
