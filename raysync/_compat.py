@@ -65,6 +65,14 @@ Ray (checked with :data:`RAY_CHECKED`):
     which raysync turns into :class:`~raysync.errors.RayNotRunningError`. Ray's only public switch
     is ``RAY_ENABLE_AUTO_CONNECT=0``, read once at import and process-wide: the user's choice.
 
+``ray._private.worker._connect_or_shutdown_lock`` (:func:`shutdown_lock`)
+    The lock ``ray.init()`` and ``ray.shutdown()`` hold while they run. A raysync thread (a
+    follower's long poll, the heartbeat) holds it around each of its calls into Ray, so that a
+    ``ray.shutdown()`` from another thread waits for the call to end instead of tearing the core
+    worker down under it: a call into a core worker that is shutting down ends the whole process
+    ("The core worker has already been shutdown ... The process will exit"). Ray has no public
+    way to hold a shutdown off, nor a hook run before one.
+
 ``ray._private.internal_api.get_memory_info_reply`` (:func:`object_store_bytes_used`)
     Bytes in use in the node's object store, for benchmarks that count copies
     per version: ``ray.available_resources`` rounds the store to whole objects'
@@ -112,6 +120,7 @@ __all__ = [
     "put_no_start",
     "in_worker",
     "runtime_context_no_start",
+    "shutdown_lock",
     "tensor_version",
     "version_counters",
 ]
@@ -135,6 +144,7 @@ RAY_USES = (
     "ray.runtime_context.RuntimeContext.worker.mode",
     "ray._private.internal_api.get_memory_info_reply",
     "ray.get / ray.put / ray.get_runtime_context / ActorMethod._remote .__wrapped__ (no auto-init)",
+    "ray._private.worker._connect_or_shutdown_lock",
 )
 """Every private use of Ray, by name (see the module docstring for why each)."""
 
@@ -308,6 +318,20 @@ def call_no_start(method: Any, *args: Any, **options: Any) -> Any:
         if ray.is_initialized():
             raise
         raise RaySystemError("Ray has not been started yet (ray.shutdown() was called).") from err
+
+
+def shutdown_lock() -> Any:
+    """The lock ``ray.init()`` and ``ray.shutdown()`` of this process hold (an ``RLock``; private).
+
+    Held, it keeps a ``ray.shutdown()`` in another thread waiting (see the module docstring).
+
+    Example:
+        >>> with shutdown_lock():  # doctest: +SKIP
+        ...     ref = call_no_start(hub.heartbeat, ids)   # no ray.shutdown() runs meanwhile
+    """
+    from ray._private import worker
+
+    return worker._connect_or_shutdown_lock
 
 
 def metrics_report_interval_s() -> float:

@@ -16,15 +16,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-import ray
 import torch
+from ray.exceptions import GetTimeoutError
 
 from raysync import _compat
 from raysync._checks import check_timeout, require_ray
@@ -39,13 +37,12 @@ from raysync._protocol import (
     PUBLISH_STAMPED,
     Grant,
     Publication,
-    WaitResult,
 )
 from raysync.core.codec import unpack
 from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.errors import RaySyncError, StaleWriterError, UnknownModelError
-from raysync.hub import metrics
+from raysync.hub import deadline, metrics
 from raysync.hub.identity import writer_identity
 from raysync.hub.lease import Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
@@ -53,7 +50,7 @@ from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
 from raysync.hub.state.groups import PartTaken
-from raysync.hub.waiting import early_result, raise_for
+from raysync.hub.waiting import wait_for
 from raysync.transports.base import check_transport
 from raysync.transports.registry import transport_class
 
@@ -69,6 +66,11 @@ class HubClient:
     """What a trainer (or anyone) uses to push, wait, pull and inspect. Picklable.
 
     Get one from :func:`connect`. Every option is keyword-only.
+
+    Attributes:
+        retry_s: seconds a call without a timeout of its own (``latest``, ``status``, ``pull``,
+            a push's answers from the hub) waits for the hub, retrying while it restarts:
+            :class:`~raysync.SyncTimeoutError` after (60 s; whatever the hub does).
 
     Example:
         >>> hub = raysync.connect()
@@ -122,14 +124,21 @@ class HubClient:
         return self._handle
 
     def _call(self, method: str, *args: Any) -> Any:
-        """Call the hub; while it restarts (or after it died), find it again and retry."""
+        """Call the hub within the call's deadline (:mod:`raysync.hub.deadline`; ``retry_s`` outside
+        one); while it restarts (or after it died), find it again and retry."""
 
         def handle(fresh: bool) -> Any:
             if fresh:
                 self._handle = None  # a restarted or re-created hub is found by name
             return self.actor
 
-        return call_hub(handle, method, *args, retry_s=self.retry_s)
+        timeout = deadline.left(self.retry_s)
+        try:
+            if timeout is not None and timeout <= 0:  # nothing sent: the call is out of time
+                raise GetTimeoutError(method)
+            return call_hub(handle, method, *args, timeout=timeout, retry_s=self.retry_s)
+        except GetTimeoutError:
+            raise deadline.timed_out(self.name, method, self.retry_s) from None
 
     def _post(self, method: str, *args: Any) -> Any:
         """Call the hub without waiting: the reply's ``ObjectRef`` (Ray sends one caller's calls in order)."""
@@ -199,7 +208,8 @@ class HubClient:
         Offers the newest version again if a hub restart swallowed its publish, and
         raises (with ``raise_refused``) what the hub refused since the last time.
         """
-        swallowed = self._publishes.settle(model_id, self._lease(model_id), wait=wait)
+        lease = self._lease(model_id)
+        swallowed = self._publishes.settle(model_id, lease, wait=wait, timeout=deadline.left(60.0))
         mine = self._pipeline.last.get(model_id)
         sent = self._publishes.epochs.get(model_id)
         if swallowed is not None and mine is not None and sent is not None and sent[0] == mine.version:
@@ -262,7 +272,9 @@ class HubClient:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
             model_id: which model this is; one hub serves several.
             wait: also wait until every subscriber of ``model_id`` applied it.
-            timeout: seconds for ``wait=True`` and ``max_lag`` (``None``: no limit).
+            timeout: seconds for ``wait=True`` and ``max_lag`` (``None``: no limit), and for
+                each answer the push waits for from the hub (``None``: :attr:`retry_s`), plus
+                2 s (``ANSWER_GRACE_S``) for a sharded group's.
             max_lag: first wait while any subscriber is more than ``max_lag``
                 versions behind, so the trainer never runs further ahead.
             keys: push only these tensors (exact keys, ``fnmatch`` patterns
@@ -315,7 +327,8 @@ class HubClient:
             StaleWriterError: another live trainer holds this model's writer
                 lease (see ``connect(takeover=...)``), or took it over since the
                 previous push (that push's version was refused).
-            SyncTimeoutError: ``wait=True`` or ``max_lag`` and ``timeout`` passed first.
+            SyncTimeoutError: ``wait=True`` or ``max_lag`` and ``timeout`` passed first, or
+                the hub did not answer in time (see ``timeout``).
 
         Example:
             >>> v = hub.push(model)
@@ -324,7 +337,7 @@ class HubClient:
             >>> v = hub.push(model, dtype=torch.bfloat16, delta=True)
         """
         _check_model_id(model_id)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
         if transport == "sharded":
@@ -334,16 +347,18 @@ class HubClient:
             )
         if max_lag is not None and (not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1):
             raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")
+        bound = (self.retry_s if timeout is None else timeout) + deadline.ANSWER_GRACE_S
 
         def before() -> None:
             # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
             # are unanswered): what the hub refused raises here.
-            self._settle(model_id, wait=False)
+            with deadline.within(bound):
+                self._settle(model_id, wait=False)
             target = None if max_lag is None else (self.latest(model_id) or 0) + 1 - max_lag
             if target is not None and target >= 1:
                 # A subscriber that failed an old version is not behind in a way waiting can fix
                 # (this push brings it forward): only laggards hold the trainer back.
-                self._wait(target, model_id, timeout, include_pull=include_pull, raise_failures=False)
+                wait_for(self, target, model_id, timeout, include_pull=include_pull, raise_failures=False)
 
         request = PushRequest(
             weights,
@@ -358,7 +373,7 @@ class HubClient:
             group_timeout=60.0 if timeout is None else timeout,
         )
         self.last_push = {"model_id": model_id}
-        pushed = self._pipeline.push(request, writer=writer_identity(), before=before)
+        pushed = self._pipeline.push(request, writer=writer_identity(), before=before, bound=bound)
         self.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
         metrics.record_push(
             self.name,
@@ -372,6 +387,7 @@ class HubClient:
         return pushed.version
 
     @needs_ray
+    @deadline.bounded
     def next_version(self, model_id: str = "policy") -> int:
         """The version number this writer's next push of ``model_id`` gets (nothing is pushed).
 
@@ -422,14 +438,15 @@ class HubClient:
         Args:
             version: a version ``push()`` returned.
             model_id: the model.
-            timeout: seconds (``None``: no limit).
+            timeout: seconds (``None``: no limit); the hub's answer is waited for 2 s longer
+                (``ANSWER_GRACE_S``), then ``SyncTimeoutError`` whatever the hub does.
             include_pull: also wait for pull-mode subscribers.
             subscribers: also wait until at least this many subscribers of ``model_id``
                 (counted as above) registered, e.g. the actors just created.
 
         Raises:
             SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards
-                (or says how many of ``subscribers`` registered).
+                (or says how many of ``subscribers`` registered), or that the hub did not answer.
             ApplyError: some subscriber failed to apply it (it keeps its previous version).
             StaleWriterError, WeightMismatchError: the hub refused a push of this client
                 that did not wait for its answer (see :meth:`push`).
@@ -445,57 +462,24 @@ class HubClient:
             isinstance(subscribers, bool) or not isinstance(subscribers, int) or subscribers < 0
         ):
             raise ValueError(f"subscribers must be None or an integer >= 0, got {subscribers!r}")
-        self._wait(
-            version, model_id, timeout, include_pull=include_pull, raise_failures=True, need=subscribers or 0
+        _check_model_id(model_id)
+        wait_for(
+            self,
+            version,
+            model_id,
+            timeout,
+            include_pull=include_pull,
+            raise_failures=True,
+            need=subscribers or 0,
         )
 
-    def _wait(
-        self,
-        version: int,
-        model_id: str,
-        timeout: float | None,
-        *,
-        include_pull: bool,
-        raise_failures: bool,
-        need: int = 0,
-    ) -> None:
-        _check_model_id(model_id)
-        _check_timeout(timeout)
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        mine = self._pipeline.offer(model_id)
-        offer = mine is not None and mine.version >= version
-        args = (model_id, version, timeout, include_pull, offer, need)
-        # With publishes unanswered (a push just returned), send the wait at once instead of
-        # after their answers: the hub keeps a stamped version before its publish awaits
-        # anything and starts one caller's calls in order, so the wait finds it (one round
-        # trip less). A refusal among the answers still raises first.
-        early = None
-        if self._publishes.unanswered(model_id):
-            require_ray("wait")
-            early = _compat.call_no_start(self.actor.wait, *args)
-        try:
-            self._settle(model_id, wait=True)
-        except BaseException:
-            if early is not None:
-                with contextlib.suppress(Exception):
-                    ray.cancel(early)
-            raise
-        result: WaitResult | None = None if early is None else early_result(early, timeout)
-        if result is None:
-            result = self._call("wait", *args)
-        if result.missing and mine is not None:
-            # The hub restarted and lost the version: offer ours again (a sharded rank: its part;
-            # the hub keeps the version once every rank offered), then wait as usual.
-            self._call(mine.method, *mine.args, writer_identity())
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            result = self._call("wait", model_id, version, left, include_pull, False, need)
-        raise_for(result, model_id, version, timeout, need=need, failures=raise_failures)
-
     @needs_ray
+    @deadline.bounded
     def latest(self, model_id: str = "policy") -> int | None:
         """The newest version of ``model_id`` (``None`` before the first push).
+
+        Raises:
+            SyncTimeoutError: the hub did not answer within :attr:`retry_s` (60 s).
 
         Example:
             >>> hub.latest()
@@ -517,6 +501,7 @@ class HubClient:
     ) -> dict[str, torch.Tensor]: ...
 
     @needs_ray
+    @deadline.bounded
     def pull(
         self, model_id: str = "policy", version: int | None = None, *, state_dict: bool = False
     ) -> TensorDict | dict[str, torch.Tensor]:
@@ -553,8 +538,12 @@ class HubClient:
         return tensors if state_dict else to_tensordict(tensors)
 
     @needs_ray
+    @deadline.bounded
     def status(self) -> dict[str, Any]:
         """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors).
+
+        Raises:
+            SyncTimeoutError: the hub did not answer within :attr:`retry_s` (60 s).
 
         Example:
             >>> hub.status()["subscribers"][0]["lag"]
@@ -565,6 +554,7 @@ class HubClient:
         return result
 
     @needs_ray
+    @deadline.bounded
     def settings(self) -> HubSettings:
         """How this hub delivers (fixed when it was created; every field set).
 
@@ -594,7 +584,3 @@ def _restore_client(
 def _check_model_id(model_id: Any) -> None:
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
-
-
-def _check_timeout(timeout: Any) -> None:
-    check_timeout(timeout)

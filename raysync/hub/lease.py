@@ -37,6 +37,7 @@ from raysync import _compat
 from raysync._checks import require_ray
 from raysync._protocol import BLOCK, Grant
 from raysync.errors import RaySyncError, StaleWriterError
+from raysync.hub import deadline
 
 __all__ = ["Publishes", "Refusal", "WriterLease", "lease_of"]
 
@@ -102,7 +103,8 @@ class WriterLease:
             return None
         require_ray("push")
         try:
-            grant: Grant = _compat.get_no_start(ref, timeout=60)
+            left = deadline.left(60.0)  # the push's (raysync.hub.deadline): then acquire() says so
+            grant: Grant = _compat.get_no_start(ref, timeout=60.0 if left is None else min(60.0, left))
             return grant
         except RayTaskError as err:
             cause = getattr(err, "cause", None)

@@ -24,6 +24,7 @@ from raysync import _compat
 from raysync._checks import not_running, ray_shut_down, require_ray
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
 from raysync.errors import RaySyncError
+from raysync.hub import background
 from raysync.hub.actor import WeightHub
 from raysync.hub.settings import HubSettings
 
@@ -150,45 +151,33 @@ def call_hub(
         args: its arguments.
         timeout: seconds for the whole call, retries included (``GetTimeoutError`` after).
         retry_s: how long to keep retrying while the hub is unavailable.
-        stopped: checked every ``STOP_CHECK_S`` while the answer is awaited; once it says
-            True, the call returns None without the answer (a long poll that its caller's
-            ``stop()`` should not have to sit out).
+        stopped: for a call from a raysync thread (:mod:`raysync.hub.background`): its calls
+            into Ray hold a ``ray.shutdown()`` off, for :data:`~raysync.hub.background.STEP_S`
+            at most each, and ``stopped`` is checked between them; once it says True, the call
+            returns None without the answer (a long poll that its caller's ``stop()`` should
+            not have to sit out).
 
     Raises:
         RaySyncError: what the hub raised (``StaleWriterError``, ``UnknownModelError``, ...).
+        RayNotRunningError: Ray is not running here (with ``stopped``: it was shut down meanwhile).
     """
     retries, fresh = _Retries(method, timeout, retry_s, GetTimeoutError), False
+    what = f"call the hub ({method})"
     while True:
-        require_ray(f"call the hub ({method})")
         try:
+            if stopped is not None:  # from a raysync thread
+                with background.held(what):
+                    ref = _compat.call_no_start(getattr(handle(fresh), method), *args)
+                return background.get(ref, timeout=retries.left(), stopped=stopped, what=what)
+            require_ray(what)
             # Never Ray's auto-init: a call racing ray.shutdown() fails instead of starting a new Ray.
             ref = _compat.call_no_start(getattr(handle(fresh), method), *args)
-            if stopped is None:
-                return _compat.get_no_start(ref, timeout=retries.left())
-            return _get_unless_stopped(ref, retries, stopped)
+            return _compat.get_no_start(ref, timeout=retries.left())
         except RayTaskError as err:
             raise _unwrapped(err) from None
         except _RESTARTING as err:
             time.sleep(retries.after(err))
             fresh = True
-
-
-STOP_CHECK_S = 0.1
-"""How often a hub call with ``stopped=`` checks it while it waits for the answer."""
-
-
-def _get_unless_stopped(ref: Any, retries: _Retries, stopped: Callable[[], bool]) -> Any:
-    while True:
-        left = retries.left()
-        try:
-            return _compat.get_no_start(
-                ref, timeout=STOP_CHECK_S if left is None else min(STOP_CHECK_S, left)
-            )
-        except GetTimeoutError:
-            if stopped():
-                return None
-            if left is not None and left <= STOP_CHECK_S:
-                raise
 
 
 async def call_hub_async(

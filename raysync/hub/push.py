@@ -33,6 +33,7 @@ from raysync.core.extract import extract_extra_state, extract_tensors
 from raysync.core.group import GroupIdentity, identify_group
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
+from raysync.hub import deadline
 from raysync.hub.identity import writer_identity
 from raysync.hub.sharded_push import push_shard
 from raysync.hub.state import Version
@@ -134,14 +135,20 @@ class PushPipeline:
         self._shard_offer: dict[str, Offer] = {}  # this rank's part of its newest sharded version
 
     def push(
-        self, request: PushRequest, *, writer: dict[str, Any], before: Callable[[], None] | None = None
+        self,
+        request: PushRequest,
+        *,
+        writer: dict[str, Any],
+        before: Callable[[], None] | None = None,
+        bound: float | None = None,
     ) -> Pushed:
         """Run every step; returns once the snapshot is taken and the hub stamped it.
 
         ``before`` runs once the weights are read and, for a sharded push, once the push is
         numbered (the client's checks that may wait or raise: ``max_lag``, earlier refusals).
         A sharded push that raises before its part reached the hub tells the hub to abandon
-        that push, so the ranks' numbering stays in step whatever raised on one rank.
+        that push, so the ranks' numbering stays in step whatever raised on one rank. The
+        hub's answers after ``before`` come within ``bound`` seconds (:mod:`raysync.hub.deadline`).
         """
         t0 = time.perf_counter()
         model_id = request.model_id
@@ -158,13 +165,26 @@ class PushPipeline:
             try:
                 if before is not None:
                     before()
-                return self._push_shard(request, raw, writer, transport, ticket)
+                with deadline.within(bound):
+                    return self._push_shard(request, raw, writer, transport, ticket)
             except BaseException as err:
                 if not ticket.recorded:
                     self._abandon_round(model_id, ticket, err)
                 raise
         if before is not None:
             before()
+        with deadline.within(bound):
+            return self._push_whole(request, raw, writer, transport, t0)
+
+    def _push_whole(
+        self,
+        request: PushRequest,
+        raw: dict[str, torch.Tensor],
+        writer: dict[str, Any],
+        transport: HubTransport,
+        t0: float,
+    ) -> Pushed:
+        model_id = request.model_id
         tensors = self._tensors(request, raw)
         selected = _select_keys(tensors, request.keys) if request.keys is not None else None
         prev, prev_buckets = (

@@ -39,7 +39,8 @@ from raysync._protocol import Announcement, ApplyReport, Registration, Subscribe
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import module_schema
 from raysync.core.shards import TensorParallel
-from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
+from raysync.hub import background
 from raysync.hub.locate import call_hub
 from raysync.receivers import apply
 from raysync.receivers.membership import membership
@@ -115,6 +116,9 @@ class Follower:
     A version that fails to apply (wrong shape, a ``set_extra_state`` that raises)
     leaves the module as it was and is reported: ``hub.wait``/``push(wait=True)``
     raise :class:`~raysync.ApplyError` naming this follower.
+
+    ``ray.shutdown()`` ends the following: it waits for an apply under way (its fetch takes
+    ``timeout`` at most), then the thread stops quietly (:mod:`raysync.hub.background`).
 
     Example:
         >>> follower = Follower(policy, "policy", label="evaluator")  # doctest: +SKIP
@@ -281,12 +285,18 @@ class Follower:
         self._stop.set()
         membership().leave(self, timeout=timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
-            # The thread's long poll stops waiting within STOP_CHECK_S of the stop; an apply
+            # The thread's long poll stops waiting within background.STEP_S of the stop; an apply
             # under way finishes first.
             self._thread.join(timeout=max(timeout, 1.0))
 
     # ------------------------------------------------------------------ internals
     def _follow(self) -> None:
+        try:
+            self._follow_until_stopped()
+        except RayNotRunningError:  # ray.shutdown(): nothing left to follow
+            logger.debug("%s: Ray was shut down; the follower stops", self.label)
+
+    def _follow_until_stopped(self) -> None:
         hub = membership().hub(self)
         # A version that failed to apply, whether its back-off runs, and the back-off (doubling).
         failed, waiting, backoff = 0, False, _RETRY_S[0]
@@ -298,7 +308,9 @@ class Follower:
                 newest = call_hub(
                     hub.handle, proto.WAIT_NEWER, self.model_id, after, wait_s, stopped=self._stop.is_set
                 )
-            except Exception as err:  # the hub is gone for good or the cluster is shutting down
+            except RayNotRunningError:
+                raise
+            except Exception as err:  # the hub is gone for good
                 if self._stop.is_set():
                     return
                 logger.warning("%s: asking hub %r failed: %s; trying again", self.label, self._hub, err)
@@ -323,26 +335,32 @@ class Follower:
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
-        """Held while a version goes in: no ``paused()`` block runs, no forward call of the module."""
+        """Held while a version goes in: no ``paused()`` block runs, no forward call of the module.
+
+        Taken inside :meth:`_apply`'s hold on ``ray.shutdown()``, letting one in while it waits
+        (the thread calling it may be in a ``paused()`` block).
+        """
         module = self._module()
-        with self._pause, forward_lock(module) if module is not None else contextlib.nullcontext():
+        forward = forward_lock(module) if module is not None else contextlib.nullcontext()
+        with background.taking("apply a version", self._pause, forward):
             yield
 
     def _apply(self, ann: Announcement) -> ApplyReport:
         with self._apply_lock:
             if self.version is not None and not self.target.intact():
                 self.target.forget()  # user code re-pointed the module: take the next version whole
-            report = apply.apply_version(
-                self.target,
-                ann.version,
-                ann.manifest,
-                list(ann.refs),
-                held=self.version,
-                timeout=self.timeout,
-                verify="if_present",
-                guard=self._guard,
-                label=f"{self.label} ({self.model_id!r})",
-            )
+            with background.held("apply a version"):  # a ray.shutdown() waits for the apply
+                report = apply.apply_version(
+                    self.target,
+                    ann.version,
+                    ann.manifest,
+                    list(ann.refs),
+                    held=self.version,
+                    timeout=self.timeout,
+                    verify="if_present",
+                    guard=self._guard,
+                    label=f"{self.label} ({self.model_id!r})",
+                )
             if report.failed is not None:
                 self.last_error = report.error
                 if report.applied is None and self.version is not None:

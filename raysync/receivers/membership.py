@@ -4,7 +4,9 @@
 :class:`Member`\\ s of one :class:`Membership` per process: it registers them (waiting
 for the hub while it restarts), checks in for all of them with one heartbeat call per
 hub every :data:`~raysync._protocol.HEARTBEAT_S` seconds, registers again the ones a
-restarted hub does not know, and sends their reports.
+restarted hub does not know, and sends their reports. Its calls into Ray hold a
+``ray.shutdown()`` off while they run (:mod:`raysync.hub.background`); after one, the
+heartbeat ends and the process's members are forgotten (a new ``ray.init()`` starts afresh).
 
 Example:
     >>> membership().join(member)        # registers; member.start_from(newest) applies it
@@ -22,6 +24,8 @@ import ray
 
 from raysync import _protocol as proto
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration
+from raysync.errors import RayNotRunningError
+from raysync.hub import background
 from raysync.hub.locate import call_hub, get_hub_actor
 from raysync.receivers import poller
 
@@ -88,6 +92,7 @@ class Membership:
         self._hubs: dict[tuple[str, str | None], _Hub] = {}
         self._members: dict[str, Member] = {}
         self._thread: threading.Thread | None = None
+        self._session: tuple[str, str] | None = None  # the Ray they belong to (_session())
 
     def hub(self, member: Member) -> _Hub:
         key = (member.hub_name, member.hub_namespace)
@@ -96,9 +101,13 @@ class Membership:
                 self._hubs[key] = _Hub(*key)
             return self._hubs[key]
 
-    def call(self, member: Member, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.hub.locate.call_hub`)."""
-        return call_hub(self.hub(member).handle, method, *args, timeout=timeout)
+    def call(
+        self, member: Member, method: str, *args: Any, timeout: float | None = None, thread: bool = False
+    ) -> Any:
+        """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.hub.locate.call_hub`);
+        ``thread``: from a raysync thread (:mod:`raysync.hub.background`)."""
+        stopped = background.never if thread else None
+        return call_hub(self.hub(member).handle, method, *args, timeout=timeout, stopped=stopped)
 
     def serve(self, member: Member, owner: Any) -> None:
         """Answer the calls ``member``'s hub (and its node's relay) queue for this actor with
@@ -107,11 +116,16 @@ class Membership:
 
     def join(self, member: Member) -> None:
         """Register ``member`` and start it from the newest version; keep it known from now on."""
+        session = _session()
         with self._lock:
+            if session != self._session:  # a new ray.init(): what was known went with the old Ray
+                self._members.clear()
+                self._hubs.clear()
+                self._session, self._thread = session, None
             self._members[member.sub_id] = member
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._heartbeat_loop, name="raysync-heartbeat", daemon=True
+                    target=self._heartbeat_loop, args=(session,), name="raysync-heartbeat", daemon=True
                 )
                 self._thread.start()
         newest = self.call(member, proto.REGISTER, member.registration())
@@ -126,34 +140,53 @@ class Membership:
             logger.debug("%s could not unregister: %s", member.sub_id, err)
 
     def report(self, member: Member, report: ApplyReport) -> None:
-        """Tell the hub what ``member`` applied on its own (fire and forget)."""
-        getattr(self.hub(member).handle(), proto.REPORT).remote(member.sub_id, report)
+        """Tell the hub what ``member`` applied on its own (fire and forget; not after ``ray.shutdown()``)."""
+        try:
+            with background.held("report to the hub"):
+                getattr(self.hub(member).handle(), proto.REPORT).remote(member.sub_id, report)
+        except RayNotRunningError:
+            logger.debug("%s: Ray was shut down; report not sent", member.sub_id)
 
-    def _heartbeat_loop(self) -> None:
-        """Check in with every hub; register again the members it does not know (it restarted)."""
-        while True:
-            time.sleep(proto.HEARTBEAT_S)
+    def _heartbeat_loop(self, session: tuple[str, str]) -> None:
+        """Check in with every hub; register again the members it does not know (it restarted).
+
+        Ends once Ray is shut down here, forgetting every member (they belonged to that Ray),
+        or when this process connected to another Ray meanwhile (``join`` started a new one).
+        """
+        try:
+            while True:
+                time.sleep(proto.HEARTBEAT_S)
+                with background.held("check in with the hub"):
+                    if _session() != session:
+                        raise RayNotRunningError("ray.shutdown(), then another ray.init()")
+                with self._lock:
+                    by_hub: dict[tuple[str, str | None], list[Member]] = {}
+                    for m in self._members.values():
+                        by_hub.setdefault((m.hub_name, m.hub_namespace), []).append(m)
+                for members in by_hub.values():
+                    self._beat(members)
+        except RayNotRunningError:
+            logger.debug("Ray was shut down: the heartbeat stops")
             with self._lock:
-                by_hub: dict[tuple[str, str | None], list[Member]] = {}
-                for m in self._members.values():
-                    by_hub.setdefault((m.hub_name, m.hub_namespace), []).append(m)
-            for members in by_hub.values():
-                self._beat(members)
+                if self._thread is threading.current_thread():
+                    self._members.clear()
+                    self._hubs.clear()
+                    self._session, self._thread = None, None
 
     def _beat(self, members: list[Member]) -> None:
         hub = self.hub(members[0])
         try:
-            unknown = set(
-                ray.get(
-                    getattr(hub.handle(), proto.HEARTBEAT).remote([m.sub_id for m in members]),
-                    timeout=proto.HEARTBEAT_S * 5,
-                )
-            )
+            with background.held("check in with the hub"):
+                ref = getattr(hub.handle(), proto.HEARTBEAT).remote([m.sub_id for m in members])
+            unknown = set(background.get(ref, timeout=proto.HEARTBEAT_S * 5))
         except ray.exceptions.ActorDiedError:  # killed for good: follow a new hub of that name, if any
-            before = hub.handle()
-            if hub.handle(fresh=True) is before:
-                return
+            with background.held("find the hub"):
+                before = hub.handle()
+                if hub.handle(fresh=True) is before:
+                    return
             unknown = {m.sub_id for m in members}
+        except RayNotRunningError:
+            raise
         except Exception:  # restarting or busy: try again next beat
             return
         for member in members:
@@ -165,7 +198,9 @@ class Membership:
                 hub.name,
             )
             try:
-                member.start_from(self.call(member, proto.REGISTER, member.registration()))
+                member.start_from(self.call(member, proto.REGISTER, member.registration(), thread=True))
+            except RayNotRunningError:
+                raise
             except Exception as err:
                 logger.warning("%s could not register again: %s", member.sub_id, err)
         for member in members:
@@ -176,6 +211,12 @@ class Membership:
                     self.report(member, report)
             except Exception as err:  # never let one member stop the heartbeat
                 logger.warning("%s could not tell the hub of local changes: %s", member.sub_id, err)
+
+
+def _session() -> tuple[str, str]:
+    """Which Ray this process is connected to: its node and job (a new ``ray.init()`` changes one)."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_node_id(), ctx.get_job_id()
 
 
 _MEMBERSHIP: Membership | None = None

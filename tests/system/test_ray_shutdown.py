@@ -1,6 +1,7 @@
-"""After ``ray.shutdown()`` a client raises a raysync error that says so, and never starts a cluster.
+"""After ``ray.shutdown()`` a client raises a raysync error that says so, and never starts a cluster;
+a follower running at ``ray.shutdown()`` (or at the end of the script) stops quietly.
 
-One process of its own runs both cases (a Ray start is the most of their time): ``connect()``
+One process of its own runs the client's cases (a Ray start is the most of their time): ``connect()``
 starts a local Ray and says so once, then the calls after ``ray.shutdown()``.
 """
 
@@ -110,3 +111,35 @@ def test_connect_says_once_that_it_started_a_local_ray(run: Any) -> None:
     said = [line for line in run.stderr.splitlines() if "started a local Ray" in line]
     assert len(said) == 1 and "call ray.init(...) before raysync.connect()" in said[0]
     assert "second init:" in run.stdout  # what the warning warned of
+
+
+_FOLLOWER_SCRIPT = textwrap.dedent(
+    """
+    import sys, ray, torch, raysync
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    hub = raysync.connect("follow-shutdown")
+    hub.push(torch.nn.Linear(4, 2))
+    follower = raysync.follow(torch.nn.Linear(4, 2), hub="follow-shutdown")
+    # the follower's thread applies the next version: it is in its long poll from now on
+    follower.wait_for(hub.push(torch.nn.Linear(4, 2)), timeout=60)
+    print("following", follower.version, flush=True)
+    if sys.argv[1] == "shutdown":
+        ray.shutdown()
+        print("after shutdown", flush=True)
+    # else the script simply ends: Ray's own shutdown at exit meets the running follower
+    """
+)
+
+
+@pytest.mark.parametrize("end", ["shutdown", "exit"])
+def test_a_running_follower_stops_quietly_at_ray_shutdown(end: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FOLLOWER_SCRIPT, end], capture_output=True, text=True, timeout=240
+    )
+    said = out.stdout + out.stderr
+    # Ray's core worker, torn down under a call of the follower's thread, ends the process with:
+    assert "The process will exit" not in said, said[-3000:]
+    assert out.returncode == 0, said[-3000:]
+    assert "following 2" in out.stdout, said[-3000:]
+    assert ("after shutdown" in out.stdout) == (end == "shutdown"), said[-3000:]

@@ -114,3 +114,21 @@ def test_ray_calls_without_auto_init_are_there() -> None:
         assert inner is not None, f"{name} has no __wrapped__: see raysync/_compat.py (call_no_start and kin)"
         assert "auto_init_ray" in fn.__code__.co_names, f"{name}: the outer function is no auto-init wrapper"
         assert "auto_init_ray" not in inner.__code__.co_names, f"{name}: the inner one still auto-inits"
+
+
+def test_ray_shutdown_waits_for_its_lock() -> None:
+    """raysync's threads hold ``ray._private.worker._connect_or_shutdown_lock`` around their calls
+    into Ray (_compat.shutdown_lock): this names the use if ``ray.shutdown()`` stops taking it."""
+    import threading
+
+    import ray
+
+    lock = _compat.shutdown_lock()
+    assert lock.acquire(blocking=False), "ray._private.worker._connect_or_shutdown_lock"
+    lock.release()
+    ended = threading.Event()
+    shutdown = threading.Thread(target=lambda: (ray.shutdown(), ended.set()), daemon=True)
+    with lock:
+        shutdown.start()
+        assert not ended.wait(0.5), "ray.shutdown() ran while raysync held its lock (_compat.shutdown_lock)"
+    assert ended.wait(60), "ray.shutdown() did not end once the lock was released"
