@@ -10,7 +10,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo tor
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.raysync-installed
 
-.PHONY: demo demo-torchrl demo-llm test lint typecheck unit pytest bench clean
+.PHONY: demo demo-torchrl demo-llm test lint typecheck unit pytest pytest-vllm bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,15 +63,23 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 # Two pytest-xdist workers, a file at a time, heaviest files first (tests/conftest.py): one
-# worker alone leaves the 2 cores idle half the time while actors start and tests wait.
+# worker alone leaves the 2 cores idle half the time while actors start and tests wait. The 25
+# slowest tests are listed at the end, so the next slow test is seen.
 PYTEST_WORKERS ?= 2
-pytest: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q --durations=10 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS ?=
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The vLLM tests, in .venv-vllm (skipped, and said so, where vLLM did not install).
+pytest-vllm: $(VLLM_STAMP)
 	@if [ -x $(VLLM_BIN)/python ] && $(VLLM_BIN)/python -c "import vllm" 2>/dev/null; then \
 	  $(VLLM_BIN)/python -m pytest -q --durations=5 tests/integration/test_vllm.py; \
 	else echo "make: no $(VLLM_VENV) with vLLM: tests/integration/test_vllm.py skipped"; fi
 
-test: lint typecheck pytest
+# Every part runs even when one before it failed (a lint error or a failed test does not hide
+# the vLLM tests), then a summary of what ran (.ci/test_parts.sh); the exit status says if any failed.
+test: $(STAMP) $(VLLM_STAMP)
+	@MAKE="$(MAKE)" bash .ci/test_parts.sh lint typecheck pytest pytest-vllm
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/push_fanout.py

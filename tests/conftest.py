@@ -12,6 +12,8 @@ import pytest
 import ray
 
 import raysync
+from raysync._protocol import DEFAULT_NAMESPACE
+from raysync.hub.locate import get_hub_actor
 
 # Ray starts its workers at nice 15: on a 2-core machine, the test process (nice 0) then
 # starves every actor it waits for (importing torch in a new actor took 8 s instead of 2.5 s
@@ -119,15 +121,70 @@ def ray_start_regular() -> Iterator[dict[str, Any]]:
     ray.shutdown()
 
 
-@pytest.fixture
-def hub_name(ray_start_regular: dict[str, Any]) -> str:
-    """A fresh hub name per test, so tests never see each other's versions."""
+# A hub per test keeps tests apart, but its process takes a second or two of CPU to start on the
+# 2-core machine (about 200 tests take one). So the ``hub`` fixture starts the hub of the test
+# that comes next in the same file (same ``HUB_SETTINGS``) while this one runs, and that test
+# finds it up: ``_started_ahead`` maps a test's node id to the name of the hub started for it.
+# It is a hub like any other (a fresh name, no versions, no subscribers); one a test does not
+# take (it failed to start, say) is stopped when its file ends.
+_started_ahead: dict[str, str] = {}
+_next_item: dict[str, pytest.Item | None] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Remember which test runs next (the ``hub`` fixture starts its hub ahead)."""
+    _next_item[item.nodeid] = nextitem
+    try:
+        return (yield)
+    finally:
+        _next_item.pop(item.nodeid, None)
+
+
+def _fresh_hub_name() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def _start_hub_for_next_test(item: pytest.Item) -> None:
+    nextitem = _next_item.get(item.nodeid)
+    if nextitem is None or "hub" not in getattr(nextitem, "fixturenames", ()):
+        return
+    if getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        return  # another file: other HUB_SETTINGS, and this file's end stops what it started
+    name = _fresh_hub_name()
+    get_hub_actor(name, settings=getattr(item.module, "HUB_SETTINGS", None))  # returns at once
+    _started_ahead[nextitem.nodeid] = name
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_hubs_started_ahead() -> Iterator[None]:
+    """Stop a hub started ahead for a test that never took it (it was deselected, say)."""
+    yield
+    for nodeid in list(_started_ahead):
+        name = _started_ahead.pop(nodeid)
+        if ray.is_initialized():
+            try:
+                ray.kill(ray.get_actor(name, namespace=DEFAULT_NAMESPACE))
+            except ValueError:
+                pass  # never created, or gone already
+
+
+@pytest.fixture
+def hub_name(request: pytest.FixtureRequest, ray_start_regular: dict[str, Any]) -> str:
+    """A fresh hub name per test, so tests never see each other's versions.
+
+    A test that takes the ``hub`` fixture gets the name of the hub started for it ahead,
+    if the test before it started one.
+    """
+    if "hub" in request.fixturenames and request.node.nodeid in _started_ahead:
+        return _started_ahead.pop(request.node.nodeid)
+    return _fresh_hub_name()
 
 
 @pytest.fixture
 def hub(request: pytest.FixtureRequest, hub_name: str) -> Iterator[raysync.HubClient]:
     """A fresh hub, with the test module's ``HUB_SETTINGS`` if it has them."""
     client = raysync.connect(hub_name, settings=getattr(request.module, "HUB_SETTINGS", None))
+    _start_hub_for_next_test(request.node)
     yield client
     ray.kill(client.actor)
