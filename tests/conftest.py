@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import uuid
@@ -122,43 +123,86 @@ def ray_start_regular() -> Iterator[dict[str, Any]]:
 
 
 # A hub per test keeps tests apart, but its process takes a second or two of CPU to start on the
-# 2-core machine (about 200 tests take one). So the ``hub`` fixture starts the hub of the test
-# that comes next in the same file (same ``HUB_SETTINGS``) while this one runs, and that test
-# finds it up: ``_started_ahead`` maps a test's node id to the name of the hub started for it.
+# 2-core machine (about 200 tests take one). So as each test starts, the hubs of the next tests of
+# the same file that take the ``hub`` fixture (same ``HUB_SETTINGS``) are started, and those tests
+# find them up: ``_started_ahead`` maps a test's node id to the name of the hub started for it.
 # It is a hub like any other (a fresh name, no versions, no subscribers); one a test does not
-# take (it failed to start, say) is stopped when its file ends.
+# take (it was not run, say) is stopped when its file ends. With `--dist loadfile` a file's
+# tests all run on one worker, in order. A file whose fixtures create the test's hub themselves,
+# with settings of their own, sets ``HUBS_STARTED_AHEAD = False`` (a hub keeps the settings it
+# was created with: a test that connects to one started ahead with other settings fails, below).
 _started_ahead: dict[str, str] = {}
-_next_item: dict[str, pytest.Item | None] = {}
+_given_out: set[str] = set()  # names of hubs started ahead that a test took
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    """Remember which test runs next (the ``hub`` fixture starts its hub ahead)."""
-    _next_item[item.nodeid] = nextitem
-    try:
-        return (yield)
-    finally:
-        _next_item.pop(item.nodeid, None)
+class _SettingsLost(logging.Handler):
+    """Records ``connect()``'s warning that a hub started ahead keeps other settings than asked."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hubs: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "created with other settings" in str(record.msg) and record.args:
+            name = record.args[0] if isinstance(record.args, tuple) else None
+            if name in _given_out:
+                self.hubs.append(str(name))
 
 
 def _fresh_hub_name() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 
 
-def _start_hub_for_next_test(item: pytest.Item) -> None:
-    nextitem = _next_item.get(item.nodeid)
-    if nextitem is None or "hub" not in getattr(nextitem, "fixturenames", ()):
+HUBS_AHEAD = 2  # a file's short tests (a second each) would otherwise wait for the hub ahead
+
+
+def _next_hub_tests(item: pytest.Item) -> list[pytest.Item]:
+    """The next ``HUBS_AHEAD`` tests of ``item``'s file, after it, that take the ``hub`` fixture."""
+    items = item.session.items
+    try:
+        at = items.index(item)
+    except ValueError:
+        return []
+    found: list[pytest.Item] = []
+    for later in items[at + 1 :]:
+        if later.path != item.path or len(found) == HUBS_AHEAD:
+            break
+        if "hub" in getattr(later, "fixturenames", ()):
+            found.append(later)
+    return found
+
+
+def _start_hub_ahead(item: pytest.Item) -> None:
+    """Start the hubs of the next tests of this file that take ``hub``, those not started yet."""
+    if not ray.is_initialized() or not getattr(item.module, "HUBS_STARTED_AHEAD", True):
         return
-    if getattr(nextitem, "module", None) is not getattr(item, "module", None):
-        return  # another file: other HUB_SETTINGS, and this file's end stops what it started
-    name = _fresh_hub_name()
-    get_hub_actor(name, settings=getattr(item.module, "HUB_SETTINGS", None))  # returns at once
-    _started_ahead[nextitem.nodeid] = name
+    for later in _next_hub_tests(item):
+        if later.nodeid not in _started_ahead:
+            name = _fresh_hub_name()
+            get_hub_actor(name, settings=getattr(item.module, "HUB_SETTINGS", None))  # returns at once
+            _started_ahead[later.nodeid] = name
+
+
+@pytest.fixture(autouse=True)
+def _hub_of_the_next_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """As a test starts, the hubs of the next tests that take one start too (see above)."""
+    _start_hub_ahead(request.node)
+    lost = _SettingsLost()
+    logger = logging.getLogger("raysync.hub.connect")
+    logger.addHandler(lost)
+    try:
+        yield
+    finally:
+        logger.removeHandler(lost)
+    assert not lost.hubs, (
+        f"hub(s) {lost.hubs} were started ahead with the file's HUB_SETTINGS, but a fixture of this "
+        "test connected to them with settings of its own: set HUBS_STARTED_AHEAD = False in the file"
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _stop_hubs_started_ahead() -> Iterator[None]:
-    """Stop a hub started ahead for a test that never took it (it was deselected, say)."""
+    """Stop a hub started ahead for a test that never took it."""
     yield
     for nodeid in list(_started_ahead):
         name = _started_ahead.pop(nodeid)
@@ -166,7 +210,7 @@ def _stop_hubs_started_ahead() -> Iterator[None]:
             try:
                 ray.kill(ray.get_actor(name, namespace=DEFAULT_NAMESPACE))
             except ValueError:
-                pass  # never created, or gone already
+                pass  # gone already (its cluster was shut down and started again, say)
 
 
 @pytest.fixture
@@ -177,7 +221,9 @@ def hub_name(request: pytest.FixtureRequest, ray_start_regular: dict[str, Any]) 
     if the test before it started one.
     """
     if "hub" in request.fixturenames and request.node.nodeid in _started_ahead:
-        return _started_ahead.pop(request.node.nodeid)
+        name = _started_ahead.pop(request.node.nodeid)
+        _given_out.add(name)
+        return name
     return _fresh_hub_name()
 
 
@@ -185,6 +231,6 @@ def hub_name(request: pytest.FixtureRequest, ray_start_regular: dict[str, Any]) 
 def hub(request: pytest.FixtureRequest, hub_name: str) -> Iterator[raysync.HubClient]:
     """A fresh hub, with the test module's ``HUB_SETTINGS`` if it has them."""
     client = raysync.connect(hub_name, settings=getattr(request.module, "HUB_SETTINGS", None))
-    _start_hub_for_next_test(request.node)
+    _start_hub_ahead(request.node)  # the session's Ray is up now, if this file's first test
     yield client
     ray.kill(client.actor)
