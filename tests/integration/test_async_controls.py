@@ -63,8 +63,8 @@ def test_max_lag_blocks_the_trainer_until_the_slow_subscriber_catches_up(
     slow = make_follower(hub_name, mode="pull").remote()
     ray.get(slow.version.remote())
     model = LoRAPolicy(1)
-    assert hub.push(model, max_lag=2, timeout=5) == 1  # (without include_pull, pull mode never holds back)
-    assert hub.push(model, max_lag=2, timeout=5, include_pull=True) == 2  # slow is 2 behind: allowed
+    assert hub.push(model, max_lag=2, timeout=30) == 1  # (without include_pull, pull mode never holds back)
+    assert hub.push(model, max_lag=2, timeout=30, include_pull=True) == 2  # slow is 2 behind: allowed
     with pytest.raises(raysync.SyncTimeoutError, match=r"version 1.*Follower") as info:
         hub.push(model, max_lag=2, timeout=1.0, include_pull=True)  # a 3rd would put it 3 behind
     assert info.value.laggards[0]["applied"] is None

@@ -78,12 +78,12 @@ def test_object_store_stays_bounded_over_many_pushes(hub_name: str) -> None:
         # is checked once the push settled: the kept versions and the one just retired.
         wait_for_condition(
             lambda: _store_used_mib() - start <= 3 * 64,
-            timeout=10,
+            timeout=30,
             what=f"object store back within keep=2 (+1 retiring) versions after push {i + 1}",
         )
     settled = wait_for_condition(
         lambda: (used := _store_used_mib() - start) <= 2 * 64 and used,
-        timeout=10,
+        timeout=30,
         what="exactly the 2 kept versions of 64 MiB left",
     )
     assert settled >= 2 * 64 - 1  # it does hold the two kept versions
