@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import glob
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +72,25 @@ def _viewer(hub_name: str) -> Any:
     return Viewer
 
 
+@pytest.fixture(scope="module")
+def bystander(ray_start_regular: dict[str, Any]) -> Iterator[tuple[raysync.HubClient, Any]]:
+    """A hub and a second viewer of its versions, shared by the routes: each route's vandal is new."""
+    hub = raysync.connect(f"test-view-memory-{uuid.uuid4().hex[:8]}")
+    viewer = _viewer(hub.name).remote()
+    ray.get(viewer.raysync_version.remote(), timeout=120)
+    yield hub, viewer
+    ray.kill(viewer)
+    ray.kill(hub.actor)
+
+
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_case3_no_route_writes_a_view_over_the_object_store(
-    route: str, hub: raysync.HubClient, hub_name: str, ray_start_regular: dict[str, Any]
+    route: str, bystander: tuple[raysync.HubClient, Any], ray_start_regular: dict[str, Any]
 ) -> None:
     """A write through any route raises or faults actor A; B and hub.pull() keep the version."""
-    vandal, bystander = _viewer(hub_name).remote(), _viewer(hub_name).remote()
-    ray.get([vandal.raysync_version.remote(), bystander.raysync_version.remote()], timeout=120)
+    hub, bystander_ = bystander
+    vandal = _viewer(hub.name).remote()
+    ray.get(vandal.raysync_version.remote(), timeout=120)
     src = _big(5)
     v = hub.push(src, wait=True, timeout=120)
     assert "plasma" in ray.get(vandal.where.remote(), timeout=60)  # the object store's, not the doorbell's
@@ -94,9 +108,11 @@ def test_case3_no_route_writes_a_view_over_the_object_store(
             what="faulthandler's report of the write in the worker's log",
         )
         assert "in vandalize" in report  # the traceback names the code that wrote
+    finally:
+        ray.kill(vandal)
     assert outcome == "faulted" or outcome.startswith("refused"), outcome
-    assert_same_weights(ray.get(bystander.weights.remote(), timeout=60), src.state_dict())
+    assert_same_weights(ray.get(bystander_.weights.remote(), timeout=60), src.state_dict())
     assert_same_weights(hub.pull().flatten_keys(".").to_dict(), src.state_dict())
-    assert ray.get(bystander.raysync_version.remote(), timeout=60) == v
-    perms, where = ray.get(bystander.where.remote(), timeout=60).split(maxsplit=1)
+    assert ray.get(bystander_.raysync_version.remote(), timeout=60) == v
+    perms, where = ray.get(bystander_.where.remote(), timeout=60).split(maxsplit=1)
     assert "plasma" in where and "w" not in perms, (perms, where)  # the store's pages, mapped read-only
