@@ -58,7 +58,7 @@ def test_new_calls_wait_at_most_the_priority_window_behind_a_waiting_apply() -> 
     t0 = time.monotonic()
     with lock.read():  # a short call while the long one runs and the apply waits
         waited = time.monotonic() - t0
-    assert waited < WRITER_PRIORITY_S + 0.5
+    assert waited < WRITER_PRIORITY_S + 2.0  # not the long call's 5 s
     release.set()
     writer.join(timeout=5)
     assert not writer.is_alive()  # the apply got in once the long call ended
