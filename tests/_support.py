@@ -28,6 +28,16 @@ and then past the default 0.2 s, and is then called the Ray way as well: a count
 that says nothing about the doorbell. One hung for good (wedged by an attacker, say) still
 is, 5 s later, and the count shows it."""
 
+PATH_RING_ACK_S = 60.0
+"""``HubSettings(ring_ack_s=)`` for tests that assert a version came by doorbell and by no Ray call:
+the most the setting allows.
+
+A subscriber acks a ring in milliseconds, or, when the test holds it (methods running, which
+the apply waits for), once the test lets it go: both far within this on any machine, so no
+ring these tests count is followed by a call. One that never acks (what they exist to catch)
+still fails them: its version comes by Ray call a minute later, past ``hub.wait``'s bound.
+Not for tests whose rung subscribers may die unseen (their versions would wait this long)."""
+
 
 def wait_for_condition(
     predicate: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""

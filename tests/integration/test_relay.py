@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -40,6 +40,35 @@ def _relay(hub: raysync.HubClient) -> Any:
     name = hub.status()["relays"][node]
     assert name == relay_name(hub.name, hub.actor._actor_id.hex(), node)
     return ray.get_actor(name, namespace=DEFAULT_NAMESPACE)
+
+
+def _until_rung(
+    hub: raysync.HubClient, push: Callable[[], int], stats: Callable[[], dict[str, Any]], *, pushes: int = 5
+) -> None:
+    """Push versions until one was rung by whoever rings this node; ``stats()`` are its counts.
+
+    The hub rings its own node's doorbells from the first version on. A relay rings from the
+    first delivery the hub hands it: the hub does so once the relay answered its ping (then
+    ``status()["relays"]`` lists it: :func:`_relay`); before that, and while it is lost (died,
+    restarting) or stalled, the hub calls the node's subscribers itself. That first delivery
+    names the node's subscribers to the relay, which rings those whose process has a doorbell
+    (when the version fits ``doorbell_bytes``) and calls the others. So this pushes versions
+    (``push()`` pushes one and returns its number; each is waited for) until the ringer's
+    ``rung`` moved: from then on every small version rings them, unless the ringer dies or
+    stalls (which the counts a test compares then show: ``pid``, ``stalled_relays``).
+    """
+    seen: list[dict[str, Any]] = []
+    for _ in range(pushes):
+        before = stats()
+        hub.wait(push(), timeout=60)
+        seen.append(stats())
+        if seen[-1]["pid"] == before["pid"] and seen[-1]["rung"] > before["rung"]:
+            return
+    status = hub.status()
+    raise AssertionError(
+        f"{pushes} versions pushed, none rung: the ringer's stats {seen}; relays {status['relays']}, "
+        f"stalled {status['stalled_relays']}, delivery {status['delivery']}"
+    )
 
 
 def _pid(relay: Any) -> int:
