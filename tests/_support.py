@@ -131,3 +131,15 @@ def mapping_of(address: int) -> tuple[str, str, int]:
             if lo <= address < hi:
                 return perms, device, int(inode)
     raise AssertionError(f"{address:#x} is in no mapping of this process")
+
+
+def doorbell_address(self: Any) -> str | None:
+    """The address of the doorbell of the process it runs in, if it has one (``actor.__ray_call__``).
+
+    Here rather than in a test module: a worker it runs in imports this light module, not the
+    test module's imports (pytest, the other test modules it draws on: seconds of CPU each).
+    """
+    from raysync.transports import doorbell
+
+    bell = doorbell.doorbell()
+    return None if bell is None else bell.address
