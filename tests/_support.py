@@ -32,11 +32,12 @@ PATH_RING_ACK_S = 60.0
 """``HubSettings(ring_ack_s=)`` for tests that assert a version came by doorbell and by no Ray call:
 the most the setting allows.
 
-A subscriber acks a ring in milliseconds, or, when the test holds it (methods running, which
-the apply waits for), once the test lets it go: both far within this on any machine, so no
-ring these tests count is followed by a call. One that never acks (what they exist to catch)
-still fails them: its version comes by Ray call a minute later, past ``hub.wait``'s bound.
-Not for tests whose rung subscribers may die unseen (their versions would wait this long)."""
+A live subscriber acks a ring in milliseconds, or, when the test holds it (methods running,
+which the apply waits for), once the test lets it go: both far within this on any machine,
+so no ring these tests count is followed by a call. One that never acks (what they exist to
+catch) still fails them: ``hub.wait`` runs out first, or the count shows the call. Not for
+tests whose subscribers may die once rung (their rings wait this long before the Ray call
+finds them dead); a process killed before the push is no such case: its ring fails at once."""
 
 
 def wait_for_condition(
