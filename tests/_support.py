@@ -28,6 +28,17 @@ and then past the default 0.2 s, and is then called the Ray way as well: a count
 that says nothing about the doorbell. One hung for good (wedged by an attacker, say) still
 is, 5 s later, and the count shows it."""
 
+PATH_RING_ACK_S = 60.0
+"""``HubSettings(ring_ack_s=)`` for tests that assert a version came by doorbell and by no Ray call:
+the most the setting allows.
+
+A live subscriber acks a ring in milliseconds, or, when the test holds it (methods running,
+which the apply waits for), once the test lets it go: both far within this on any machine,
+so no ring these tests count is followed by a call. One that never acks (what they exist to
+catch) still fails them: ``hub.wait`` runs out first, or the count shows the call. Not for
+tests whose subscribers may die once rung (their rings wait this long before the Ray call
+finds them dead); a process killed before the push is no such case: its ring fails at once."""
+
 
 def wait_for_condition(
     predicate: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""
@@ -121,3 +132,15 @@ def mapping_of(address: int) -> tuple[str, str, int]:
             if lo <= address < hi:
                 return perms, device, int(inode)
     raise AssertionError(f"{address:#x} is in no mapping of this process")
+
+
+def doorbell_address(self: Any) -> str | None:
+    """The address of the doorbell of the process it runs in, if it has one (``actor.__ray_call__``).
+
+    Here rather than in a test module: a worker it runs in imports this light module, not the
+    test module's imports (pytest, the other test modules it draws on: seconds of CPU each).
+    """
+    from raysync.transports import doorbell
+
+    bell = doorbell.doorbell()
+    return None if bell is None else bell.address

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -21,7 +21,13 @@ from raysync._protocol import DEFAULT_NAMESPACE
 from raysync.hub.relay import relay_name
 from raysync.hub.relays import REPLACE_AFTER_STALLS
 from raysync.hub.settings import DEFAULT_RING_ACK_S
-from tests._support import assert_same_weights, kill_until_gone, small_policy, wait_for_condition
+from tests._support import (
+    assert_same_weights,
+    doorbell_address,
+    kill_until_gone,
+    small_policy,
+    wait_for_condition,
+)
 from tests.integration.test_synced import make_collector
 
 
@@ -42,6 +48,35 @@ def _relay(hub: raysync.HubClient) -> Any:
     return ray.get_actor(name, namespace=DEFAULT_NAMESPACE)
 
 
+def _until_rung(
+    hub: raysync.HubClient, push: Callable[[], int], stats: Callable[[], dict[str, Any]], *, pushes: int = 5
+) -> None:
+    """Push versions until one was rung by whoever rings this node; ``stats()`` are its counts.
+
+    The hub rings its own node's doorbells from the first version on. A relay rings from the
+    first delivery the hub hands it: the hub does so once the relay answered its ping (then
+    ``status()["relays"]`` lists it: :func:`_relay`); before that, and while it is lost (died,
+    restarting) or stalled, the hub calls the node's subscribers itself. That first delivery
+    names the node's subscribers to the relay, which rings those whose process has a doorbell
+    (when the version fits ``doorbell_bytes``) and calls the others. So this pushes versions
+    (``push()`` pushes one and returns its number; each is waited for) until the ringer's
+    ``rung`` moved: from then on every small version rings them, unless the ringer dies or
+    stalls (which the counts a test compares then show: ``pid``, ``stalled_relays``).
+    """
+    seen: list[dict[str, Any]] = []
+    for _ in range(pushes):
+        before = stats()
+        hub.wait(push(), timeout=60)
+        seen.append(stats())
+        if seen[-1]["pid"] == before["pid"] and seen[-1]["rung"] > before["rung"]:
+            return
+    status = hub.status()
+    raise AssertionError(
+        f"{pushes} versions pushed, none rung: the ringer's stats {seen}; relays {status['relays']}, "
+        f"stalled {status['stalled_relays']}, delivery {status['delivery']}"
+    )
+
+
 def _pid(relay: Any) -> int:
     """The relay's process, once it answers (Ray refuses calls while it restarts)."""
 
@@ -52,6 +87,11 @@ def _pid(relay: Any) -> int:
             return None
 
     return int(wait_for_condition(answer, timeout=60, what="the relay answers"))
+
+
+def _relay_stats(relay: Any) -> Callable[[], dict[str, Any]]:
+    """What :func:`_until_rung` reads of a relay: its stats."""
+    return lambda: dict(ray.get(relay.stats.remote(), timeout=30))
 
 
 def _calls(hub: raysync.HubClient) -> int:
@@ -67,7 +107,7 @@ def _check_all(hub: raysync.HubClient, actors: list[Any], version: int, seed: in
 
 
 def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_name: str) -> None:
-    copies = [make_collector(hub_name).remote() for _ in range(3)]
+    copies = [make_collector(hub_name).remote() for _ in range(2)]
     view = make_collector(hub_name, apply="view").remote()
     prefetching = make_collector(hub_name, prefetch=True).remote()
     puller = make_collector(hub_name, mode="pull").remote()
@@ -75,6 +115,7 @@ def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_nam
     ray.get([a.raysync_version.remote() for a in [*batched, puller]])
     relay = _relay(hub)
     assert hub.status()["delivery"]["nodes"] == [ray.get_runtime_context().get_node_id()]
+    _until_rung(hub, lambda: hub.push(small_policy(0)), _relay_stats(relay))  # it serves the node now
     for seed in (1, 2, 3):
         before = _calls(hub)
         v = hub.push(small_policy(seed))
@@ -93,7 +134,7 @@ def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_nam
 
 
 def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, hub_name: str) -> None:
-    actors = [make_collector(hub_name).remote() for _ in range(3)]
+    actors = [make_collector(hub_name).remote() for _ in range(2)]
     ray.get([a.raysync_version.remote() for a in actors])
     relay = _relay(hub)
     pid = _pid(relay)
@@ -122,13 +163,13 @@ def test_settings_are_the_hubs_for_its_life(hub_name: str, caplog: pytest.LogCap
     direct = raysync.connect(hub_name, settings=raysync.HubSettings(relays=False, doorbell_bytes=0))
     try:
         assert direct.settings().relays is False and direct.settings().doorbell_bytes == 0
-        actors = [make_collector(hub_name).remote() for _ in range(3)]
+        actors = [make_collector(hub_name).remote() for _ in range(2)]
         ray.get([a.raysync_version.remote() for a in actors])
         for seed in (1, 2):
             before = _calls(direct)
             v = direct.push(small_policy(seed))
             _check_all(direct, actors, v, seed)
-            assert _calls(direct) - before == 3  # one call per subscriber: no relay, no doorbell
+            assert _calls(direct) - before == 2  # one call per subscriber: no relay, no doorbell
         assert direct.status()["relays"] == {}
         with caplog.at_level("WARNING", logger="raysync.hub.connect"):
             again = raysync.connect(hub_name, settings=raysync.HubSettings(relays=True))
@@ -171,11 +212,11 @@ def _arm(relay: Any, fault: str) -> None:
 def test_relay_dying_mid_delivery_or_mid_ack_loses_nothing(
     hub: raysync.HubClient, hub_name: str, fault: str
 ) -> None:
-    actors = [make_collector(hub_name).remote() for _ in range(4)]
+    actors = [make_collector(hub_name).remote() for _ in range(2)]  # one acked before it dies, one not
     ray.get([a.raysync_version.remote() for a in actors])
-    v1 = hub.push(small_policy(1))
-    _check_all(hub, actors, v1, 1)
     relay = _relay(hub)
+    _until_rung(hub, lambda: hub.push(small_policy(1)), _relay_stats(relay))  # the next version goes to it
+    _check_all(hub, actors, hub.latest(), 1)
     pid = _pid(relay)
     _arm(relay, fault)
     v2 = hub.push(small_policy(2))
@@ -222,7 +263,8 @@ def test_relays_come_back_after_a_hub_restart(hub: raysync.HubClient, hub_name: 
     )
     v = hub.push(small_policy(2))
     _check_all(hub, actors, v, 2)
-    _relay(hub)  # a new relay for the new hub
+    relay = _relay(hub)  # a new relay for the new hub
+    _until_rung(hub, lambda: hub.push(small_policy(2)), _relay_stats(relay))
     before = _calls(hub)
     v = hub.push(small_policy(3))
     _check_all(hub, actors, v, 3)
@@ -251,9 +293,11 @@ def test_the_hub_and_relays_call_subscribers_without_importing_their_code(
     called = make_collector(hub_name, prefetch=True).remote()  # called by the relay, not rung
     ray.get([copy.raysync_version.remote(), called.raysync_version.remote()])
     relay = _relay(hub)
+    _until_rung(hub, lambda: hub.push(small_policy(1)), _relay_stats(relay))  # the next versions go to it
+    delivered = ray.get(relay.stats.remote())["delivered"]
     for seed in (1, 2):
         _check_all(hub, [copy, called], hub.push(small_policy(seed)), seed)
-    assert ray.get(relay.stats.remote())["delivered"] >= 2  # its calls went through the relay
+    assert ray.get(relay.stats.remote())["delivered"] - delivered >= 2  # its calls went through the relay
     assert _user_code_in(hub.actor) == []
     assert _user_code_in(relay) == []
     # After a restart the new hub process builds the handles again (from the GCS), likewise.
@@ -313,7 +357,7 @@ def test_a_stalled_relay_holds_back_nobody_and_is_used_again_when_it_resumes(hub
     hub = _stalling_hub(hub_name, 3.0)
     bound = DEFAULT_RING_ACK_S + 3.0  # well before the relay would be replaced instead (6 bounds)
     try:
-        actors = [make_collector(hub_name).remote() for _ in range(3)]
+        actors = [make_collector(hub_name).remote() for _ in range(2)]
         actors.append(make_collector(hub_name, prefetch=True).remote())  # called by the relay, not rung
         ray.get([a.raysync_version.remote() for a in actors])
         _check_all(hub, actors, hub.push(small_policy(1)), 1)
@@ -362,7 +406,7 @@ def test_a_relay_stalled_for_good_is_replaced(hub_name: str) -> None:
     hub = _stalling_hub(hub_name, 1.0)
     replace_s = REPLACE_AFTER_STALLS * (DEFAULT_RING_ACK_S + 1.0)
     try:
-        actors = [make_collector(hub_name).remote() for _ in range(2)]
+        actors = [make_collector(hub_name).remote()]  # the new relay's counts tell how its versions came
         ray.get([a.raysync_version.remote() for a in actors])
         _check_all(hub, actors, hub.push(small_policy(1)), 1)
         relay = _relay(hub)
@@ -385,10 +429,13 @@ def test_a_relay_stalled_for_good_is_replaced(hub_name: str) -> None:
             what="the new relay process is used",
         )
         _check_all(hub, actors, hub.push(small_policy(3)), 3)
-        before = _calls(hub)
+        before, relayed = _calls(hub), ray.get(relay.stats.remote())
         v4 = hub.push(small_policy(4))
         _check_all(hub, actors, v4, 4)
         assert _calls(hub) - before == 1
+        after = ray.get(relay.stats.remote())  # the new process took it, and rang the subscriber
+        assert after["pid"] == relayed["pid"] != pid, (pid, relayed, after)
+        assert (after["deliveries"] - relayed["deliveries"], after["rung"] - relayed["rung"]) == (1, 1)
     finally:
         ray.kill(hub.actor)
 
@@ -402,12 +449,12 @@ def test_subscribers_that_came_and_went_leave_nothing_behind(hub_name: str, serv
     try:
         keeper = make_collector(hub_name).remote()
         ray.get(keeper.raysync_version.remote())
-        gone = [make_collector(hub_name).remote() for _ in range(8)]
+        gone = [make_collector(hub_name).remote() for _ in range(2)]
         ray.get([a.raysync_version.remote() for a in gone])
         _check_all(hub, [keeper, *gone], hub.push(small_policy(1)), 1)
         node = ray.get(keeper.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
         relay = _relay(hub) if served_by == "relay" else None
-        sockets = ray.get([a.__ray_call__.remote(_doorbell_address) for a in gone])
+        sockets = ray.get([a.__ray_call__.remote(doorbell_address) for a in gone])
         assert all(sockets) and all(os.path.exists(s) for s in sockets)
         for actor in gone:
             kill_until_gone(actor)
@@ -437,10 +484,3 @@ def test_subscribers_that_came_and_went_leave_nothing_behind(hub_name: str, serv
         _check_all(hub, [keeper, newcomer], hub.push(small_policy(2)), 2)
     finally:
         ray.kill(hub.actor)
-
-
-def _doorbell_address(self: Any) -> str | None:
-    from raysync.transports import doorbell
-
-    bell = doorbell.doorbell()
-    return None if bell is None else bell.address

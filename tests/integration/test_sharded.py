@@ -24,8 +24,14 @@ import torch
 import raysync
 from benchmarks import sharded_soak
 from tests import _sharded
-from tests._support import RING_ACK_S, assert_same_weights, kill_until_gone, wait_for_condition
-from tests.integration.test_relay import _relay
+from tests._support import (
+    PATH_RING_ACK_S,
+    RING_ACK_S,
+    assert_same_weights,
+    kill_until_gone,
+    wait_for_condition,
+)
+from tests.integration.test_relay import _relay, _until_rung
 
 TIMEOUT = 60.0
 HUB_SETTINGS = raysync.HubSettings(ring_ack_s=RING_ACK_S)  # the ``hub`` fixture's: see RING_ACK_S
@@ -158,12 +164,12 @@ def test_every_receiver_gets_the_whole_tensors(
 @pytest.mark.parametrize("ringer", ["hub", "relay"])
 def test_small_versions_reach_a_node_by_doorbell(ranks: list[Any], hub_name: str, ringer: str) -> None:
     """As one writer's: assembled once on the node, rung (no Ray call per subscriber), bit-equal."""
-    settings = raysync.HubSettings(rings_own_node=ringer == "hub", ring_ack_s=RING_ACK_S)
+    settings = raysync.HubSettings(rings_own_node=ringer == "hub", ring_ack_s=PATH_RING_ACK_S)
     hub = raysync.connect(hub_name, settings=settings)
-    copies = [_collector(hub_name) for _ in range(2)]
+    copy = _collector(hub_name)
     view = _collector(hub_name, apply="view")  # looks into the sealed segment
     verifying = _collector(hub_name, verify=True)  # checks the CRC32s of what it reads
-    actors = [*copies, view, verifying]
+    actors = [copy, view, verifying]
 
     def stats() -> dict[str, int]:
         if ringer == "hub":
@@ -173,8 +179,12 @@ def test_small_versions_reach_a_node_by_doorbell(ranks: list[Any], hub_name: str
     try:
         ray.get([a.state.remote() for a in actors], timeout=TIMEOUT)
         ray.get([r.make.remote(0) for r in ranks], timeout=TIMEOUT)
-        before: dict[str, int] = {}
-        for step in (1, 2, 3):
+        if ringer == "relay":
+            _relay(hub)  # up: the next delivery goes through it
+        # from the first version rung on, every version rings every subscriber (see _until_rung)
+        _until_rung(hub, lambda: _push(ranks, hub_name, checksum=True)[0][0], stats)
+        before = stats()
+        for step in (1, 2):
             ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
             version = _push(ranks, hub_name, checksum=True)[0][0]
             hub.wait(version, timeout=TIMEOUT)
@@ -183,11 +193,13 @@ def test_small_versions_reach_a_node_by_doorbell(ranks: list[Any], hub_name: str
                 held, weights = ray.get(actor.state.remote(), timeout=TIMEOUT)
                 assert held == version
                 assert_same_weights(weights, expected)
-            if step == 1:  # from here on the relay (if it rings) is up and knows every subscriber
-                before = stats()
         after = stats()
-        assert after["rung"] - before["rung"] == 2 * len(actors)  # every process rung, per version
-        assert after["delivered"] == before["delivered"]  # and none called
+        assert after["pid"] == before["pid"], (before, after)  # one ringer's counts
+        assert after["rung"] - before["rung"] == 2 * len(actors), (
+            before,
+            after,
+        )  # every process, per version
+        assert after["delivered"] == before["delivered"], (before, after)  # and none called
         rows = hub.status()["subscribers"]
         assert len(rows) == len(actors) and all(r["last_error"] is None for r in rows), rows
     finally:
@@ -269,9 +281,7 @@ def _parts_of(net: torch.nn.Module, tp: raysync.TensorParallel) -> torch.nn.Modu
     return net
 
 
-def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
-    ranks: list[Any], hub: raysync.HubClient, hub_name: str
-) -> None:
+def test_tensor_parallel_actors_and_followers_hold_only_their_parts(ranks: list[Any], hub_name: str) -> None:
     """``placement=`` on ``@synced_model`` and ``raysync.follow``: the module holds its parts only
     (rows split along dim 1 and cols along dim 0, unlike the trainer), bit-equal to those parts of
     the trainer's ``full_tensor()``s, the replicated tensor and the buffer whole; the same from
@@ -294,6 +304,8 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
     def parts(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {**full, "rows": full["rows"].chunk(2, dim=1)[1], "cols": full["cols"].chunk(2, dim=0)[1]}
 
+    # rung subscribers get PATH_RING_ACK_S to ack: the counts below say doorbell, and no Ray call
+    hub = raysync.connect(hub_name, settings=raysync.HubSettings(ring_ack_s=PATH_RING_ACK_S))
     engine = ray.remote(num_cpus=0)(Engine).remote()
     followed, alone = _parts_of(_sharded.Net(8), tp), _parts_of(_sharded.Net(8), tp)
     follower = raysync.follow(followed, "policy", hub=hub_name, placement=tp)
@@ -337,6 +349,7 @@ def test_tensor_parallel_actors_and_followers_hold_only_their_parts(
         follower.stop()
         single.stop()
         ray.kill(engine)
+        ray.kill(hub.actor)
 
 
 def test_an_fsdp2_trainer_pushes_from_every_rank(
