@@ -27,6 +27,9 @@ from tests.integration.test_relay import _check_all, _relay, _until_rung
 from tests.integration.test_synced import make_collector
 
 pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux and a writable /dev/shm")
+# The ``ringer`` fixture creates each test's hub, with the settings of its parameter: no hub is
+# started ahead with the file's (tests/conftest.py).
+HUBS_STARTED_AHEAD = False
 
 
 @pytest.fixture(params=["hub", "relay"])

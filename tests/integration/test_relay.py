@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -30,13 +30,9 @@ from tests._support import (
 )
 from tests.integration.test_synced import make_collector
 
-
-@pytest.fixture
-def hub(hub_name: str) -> Iterator[raysync.HubClient]:
-    """A hub that leaves its own node to a relay too (by default it rings doorbells there itself)."""
-    client = raysync.connect(hub_name, settings=raysync.HubSettings(rings_own_node=False))
-    yield client
-    ray.kill(client.actor)
+# The ``hub`` fixture's settings: a hub that leaves its own node to a relay too (by default it
+# rings doorbells there itself).
+HUB_SETTINGS = raysync.HubSettings(rings_own_node=False)
 
 
 def _relay(hub: raysync.HubClient) -> Any:
