@@ -317,6 +317,11 @@ def test_bench_that_fails_half_way_says_where_in_one_line(
     )
 
 
+# Ray gives a new node's raylet a fixed 30 s to register with the GCS; on a loaded 2-core machine
+# that can run out before the bench began.
+_STARTUP_TIMED_OUT = "timed out during startup"
+
+
 def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> None:
     """`python -m raysync bench` runs the check installed with raysync, on a local Ray of its own.
 
@@ -344,6 +349,8 @@ def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> Non
     argv = [sys.executable, "-m", "raysync", "bench", "--quick", "--sizes-mib", "1", "--actors", "1"]
     argv += ["--apply", "view", "--repeats", "2", "--warmup", "1"]
     done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    if done.returncode != 0 and _STARTUP_TIMED_OUT in done.stderr:  # its Ray never started: again, once
+        done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=240)
     tail = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, tail
     report = json.loads((work / "raysync-bench" / "bench.json").read_text())
