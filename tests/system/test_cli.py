@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,27 +112,35 @@ def _closed_port() -> int:
         return int(probe.getsockname()[1])  # closed again when the block ends
 
 
-def _raysync(*args: str, limit: float) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run the raysync command as a user would; return its result and how long it took."""
-    start = time.monotonic()
+# `python -m raysync ARGS` (raysync/__main__.py is `sys.exit(main())`), but first writing down the
+# moment the command starts: after the interpreter's start and the imports the command makes before
+# its --timeout begins (Ray, rich). Those are not the command's to bound, and on a loaded 2-core
+# machine they alone can take many seconds.
+_TIMED_RAYSYNC = (
+    "import sys, time, ray, rich.console, rich.progress\n"
+    "from raysync.ops.cli import main\n"
+    "with open(sys.argv[1], 'w') as started:\n"
+    "    started.write(repr(time.clock_gettime(time.CLOCK_MONOTONIC)))\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+AFTER_TIMEOUT_S = 8.0
+"""How long a command may take past its ``--timeout`` (documented: it bounds the whole command,
+connecting included) to print its message and exit. Without that bound Ray tries for minutes."""
+
+
+def _raysync(*args: str, limit: float, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the raysync command as a user would; return its result and the seconds from the moment the
+    command started (see ``_TIMED_RAYSYNC``) until its process ended."""
+    stamp = tmp_path / "started"
     done = subprocess.run(
-        [sys.executable, "-m", "raysync", *args], capture_output=True, text=True, timeout=limit + 60
+        [sys.executable, "-c", _TIMED_RAYSYNC, str(stamp), *args],
+        capture_output=True,
+        text=True,
+        timeout=limit + 120,
     )
-    return done, time.monotonic() - start
-
-
-@pytest.fixture(scope="module")
-def allowed_s() -> Callable[[float], float]:
-    """How long ``raysync status --timeout T`` may take: T + 8 s.
-
-    Starting Python and importing raysync (torch, Ray) is not the command's to bound; where that
-    alone takes over 3 s (a loaded 2-core machine), the surplus is allowed on top, twice (the
-    load changes between this measurement and the command's). Without the bound Ray would try
-    for minutes.
-    """
-    done, startup = _raysync("--help", limit=60)
-    assert done.returncode == 0, done.stderr
-    return lambda timeout: timeout + 8 + 2 * max(0.0, startup - 3)
+    ended = time.clock_gettime(time.CLOCK_MONOTONIC)  # one clock for every process of this machine
+    assert stamp.exists(), done.stderr[-3000:]
+    return done, ended - float(stamp.read_text())
 
 
 def test_status_without_a_cluster_says_so(
@@ -149,12 +157,12 @@ def test_status_without_a_cluster_says_so(
     assert "Could not find any running Ray instance" in err
 
 
-def test_case10_status_unreachable_address_honours_timeout(allowed_s: Callable[[float], float]) -> None:
+def test_case10_status_unreachable_address_honours_timeout(tmp_path: Path) -> None:
     """A closed port: exit 1 at once with one message naming the address and what to check."""
     address = f"127.0.0.1:{_closed_port()}"
-    done, elapsed = _raysync("status", "--address", address, "--timeout", "5", limit=5)
+    done, elapsed = _raysync("status", "--address", address, "--timeout", "5", limit=5, tmp_path=tmp_path)
     assert done.returncode == 1, done.stderr
-    assert elapsed < allowed_s(5), f"took {elapsed:.1f} s"
+    assert elapsed < 5 + AFTER_TIMEOUT_S, f"took {elapsed:.1f} s"
     (message,) = done.stderr.strip().splitlines()
     assert f"no Ray cluster at {address!r}" in message and "cannot open a TCP connection" in message
     for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
@@ -162,13 +170,11 @@ def test_case10_status_unreachable_address_honours_timeout(allowed_s: Callable[[
     assert done.stdout == ""
 
 
-def test_case10_status_address_that_is_not_ray_honours_timeout(
-    not_ray: str, allowed_s: Callable[[float], float]
-) -> None:
+def test_case10_status_address_that_is_not_ray_honours_timeout(not_ray: str, tmp_path: Path) -> None:
     """A port that accepts TCP but is no GCS: ray.init would retry for minutes; --timeout ends it."""
-    done, elapsed = _raysync("status", "--address", not_ray, "--timeout", "3", limit=3)
+    done, elapsed = _raysync("status", "--address", not_ray, "--timeout", "3", limit=3, tmp_path=tmp_path)
     assert done.returncode == 1, done.stderr
-    assert elapsed < allowed_s(3), f"took {elapsed:.1f} s"
+    assert elapsed < 3 + AFTER_TIMEOUT_S, f"took {elapsed:.1f} s"
     (message,) = done.stderr.strip().splitlines()  # none of Ray's per-attempt GCS warnings
     assert (
         f"no Ray cluster at {not_ray!r}" in message
@@ -179,14 +185,12 @@ def test_case10_status_address_that_is_not_ray_honours_timeout(
     assert done.stdout == ""
 
 
-def test_case10_status_address_that_does_not_answer_honours_timeout(
-    allowed_s: Callable[[float], float],
-) -> None:
+def test_case10_status_address_that_does_not_answer_honours_timeout(tmp_path: Path) -> None:
     """A non-routable address: SYNs go unanswered (or, behind some proxies, TCP opens and no GCS answers)."""
     address = "10.255.255.1:6379"
-    done, elapsed = _raysync("status", "--address", address, "--timeout", "3", limit=3)
+    done, elapsed = _raysync("status", "--address", address, "--timeout", "3", limit=3, tmp_path=tmp_path)
     assert done.returncode == 1, done.stderr
-    assert elapsed < allowed_s(3), f"took {elapsed:.1f} s"
+    assert elapsed < 3 + AFTER_TIMEOUT_S, f"took {elapsed:.1f} s"
     (message,) = done.stderr.strip().splitlines()
     assert f"no Ray cluster at {address!r}" in message
     for hint in ("ray start --head", "RAY_ADDRESS", "RAY_AUTH_MODE=token"):
@@ -279,10 +283,18 @@ def test_bench_checks_the_cluster_it_runs_in_and_leaves_nothing_behind(
         return [n for n in named if n.startswith("raysync-bench-")] + [k.decode() for k in stored]
 
     # Ray forgets a killed actor's name a moment after it is gone: slower on a loaded machine.
-    deadline = time.monotonic() + 90
-    while (remaining := left()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not remaining, f"raysync bench left a hub, relay or record behind: {remaining}"
+    remaining: list[str] = []
+
+    def nothing_left() -> bool:
+        remaining[:] = left()
+        return not remaining
+
+    try:
+        wait_for_condition(
+            nothing_left, timeout=90, interval=0.1, what="raysync bench's hubs and records gone"
+        )
+    except AssertionError:
+        raise AssertionError(f"raysync bench left a hub, relay or record behind: {remaining}") from None
 
 
 def test_bench_that_fails_half_way_says_where_in_one_line(
@@ -303,6 +315,11 @@ def test_bench_that_fails_half_way_says_where_in_one_line(
         "raysync bench: error: the check stopped at 'fan-out 16 MiB N=2 apply=copy': "
         "TimeoutError: 2 receivers did not register with the hub within 120 s"
     )
+
+
+# Ray gives a new node's raylet a fixed 30 s to register with the GCS; on a loaded 2-core machine
+# that can run out before the bench began.
+_STARTUP_TIMED_OUT = "timed out during startup"
 
 
 def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> None:
@@ -332,6 +349,8 @@ def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> Non
     argv = [sys.executable, "-m", "raysync", "bench", "--quick", "--sizes-mib", "1", "--actors", "1"]
     argv += ["--apply", "view", "--repeats", "2", "--warmup", "1"]
     done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    if done.returncode != 0 and _STARTUP_TIMED_OUT in done.stderr:  # its Ray never started: again, once
+        done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=240)
     tail = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, tail
     report = json.loads((work / "raysync-bench" / "bench.json").read_text())
@@ -349,12 +368,13 @@ def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> Non
     assert "ANCHORS" not in done.stdout and ".md" not in done.stdout, tail
 
 
-def test_bench_unreachable_address_says_so(allowed_s: Callable[[float], float]) -> None:
+def test_bench_unreachable_address_says_so(tmp_path: Path) -> None:
     """`raysync bench --address` at a closed port: exit 1 at once, naming the address, before any check."""
     address = f"127.0.0.1:{_closed_port()}"
-    done, elapsed = _raysync("bench", "--quick", "--address", address, "--timeout", "5", limit=5)
+    argv = ("bench", "--quick", "--address", address, "--timeout", "5")
+    done, elapsed = _raysync(*argv, limit=5, tmp_path=tmp_path)
     assert done.returncode == 1, done.stderr
-    assert elapsed < allowed_s(5), f"took {elapsed:.1f} s"
+    assert elapsed < 5 + AFTER_TIMEOUT_S, f"took {elapsed:.1f} s"
     (message,) = done.stderr.strip().splitlines()
     assert message.startswith("raysync bench: error: ") and f"no Ray cluster at {address!r}" in message
     assert done.stdout == ""

@@ -9,6 +9,7 @@ exports for Prometheus, and `raysync status` from another process.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -18,10 +19,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,15 @@ class Head:
     dashboard_url: str
     metrics_url: str
     env: dict[str, str]  # what a client needs: this venv first on PATH, token authentication
+    proc: subprocess.Popen[bytes]  # `ray start --block`: it ends, and ends the head, if any part exits
+    temp_dir: str
+
+    def stopped(self) -> str | None:
+        """Why the head is gone (`ray start`'s exit and log), or None while it runs."""
+        if self.proc.poll() is None:
+            return None
+        log = Path(self.temp_dir) / "ray-start.log"
+        return f"ray start exited {self.proc.returncode}: {log.read_text()[-3000:] if log.exists() else ''}"
 
 
 @dataclass
@@ -52,6 +63,7 @@ class Job:
     submission_id: str
     status: str
     logs: str
+    exported: dict[str, float]  # the raysync series the head exported while the job ran (see _Scraper)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -187,6 +199,8 @@ def head() -> Iterator[Head]:
             f"http://127.0.0.1:{started.ports['dashboard-port']}",
             f"http://127.0.0.1:{started.ports['metrics-export-port']}/metrics",
             env | {"RAY_AUTH_MODE": "token"},
+            started.proc,
+            started.temp_dir,
         )
     finally:
         _stop(started.proc)
@@ -199,19 +213,88 @@ def _ray(head: Head, *args: str, timeout: float = 60) -> subprocess.CompletedPro
     )
 
 
+def _said(result: subprocess.CompletedProcess[str]) -> str:
+    return result.stdout + result.stderr
+
+
+def _job_command(
+    head: Head,
+    *args: str,
+    done: Callable[[subprocess.CompletedProcess[str]], bool],
+    what: str,
+    timeout: float,
+    each_timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    """`ray job ARGS` until ``done(its result)``, at most ``timeout`` s; fails at once if the head stopped.
+
+    The job server answers through the dashboard and the head node's agent (Ray's job submission
+    REST API: the dashboard hands each call to its job module's process, which calls the agent over
+    HTTP). On a loaded machine either can fail to answer for a while though the head is running (a
+    submission is refused with "No available agent" until the agent has registered; a module whose
+    health check failed is restarted, and calls meanwhile are refused). A refused client asks
+    again, as a user would: the tests assert the job's outcome, not the luck of one call.
+    """
+    results: list[subprocess.CompletedProcess[str]] = []
+
+    def answered() -> bool:
+        why = head.stopped()
+        if why:
+            raise AssertionError(f"the head stopped before {what}: {why}")
+        try:
+            results.append(_ray(head, "job", *args, timeout=each_timeout))
+        except subprocess.TimeoutExpired as late:  # e.g. a follow that hangs: what it said so far
+            said = [
+                x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                for x in (late.stdout, late.stderr)
+            ]
+            results.append(subprocess.CompletedProcess(late.cmd, -9, *said))
+        return done(results[-1])
+
+    try:
+        wait_for_condition(answered, timeout=timeout, interval=2.0, what=what)
+    except AssertionError as err:
+        last = f"exit {results[-1].returncode}: {_said(results[-1])[-3000:]}" if results else None
+        raise AssertionError(f"{err}; the last answer: {last}") from None
+    return results[-1]
+
+
+class _Scraper:
+    """The head's metrics export scraped every second, in a thread, as a Prometheus server would.
+
+    A series exported only while what it measures lives (a subscriber's lag: until the hub drops
+    the subscriber, some seconds after its job ended; then Ray drops the series) is held here as it
+    was last seen, however long the tests take to read it.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.exported: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-scraper", daemon=True)
+
+    def __enter__(self) -> _Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            # the head's agent busy (no answer, or half of one): the next scrape tries again
+            with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+                self.exported.update(_scrape(self.url))
+            self._stop.wait(1.0)
+
+
 @pytest.fixture(scope="module")
 def job(head: Head) -> Job:
     """examples/quickstart.py, submitted as the README says, waited for until it ends."""
     submission_id = f"raysync-test-{uuid.uuid4().hex[:8]}"
-    submit = [
-        "job",
-        "submit",
-        "--address",
-        head.dashboard_url,
-        "--submission-id",
-        submission_id,
-        "--working-dir",
-        ".",
+    where = ("--address", head.dashboard_url)
+    submit = ["submit", *where, "--submission-id", submission_id, "--working-dir", "."]
+    submit += [
         "--",
         "python",
         "examples/quickstart.py",
@@ -220,21 +303,50 @@ def job(head: Head) -> Job:
         "--collectors",
         str(COLLECTORS),
     ]
-    done: list[subprocess.CompletedProcess[str]] = []
+    with _Scraper(head.metrics_url) as scraper:
+        status, logs = _run_job(head, submission_id, submit)
+    return Job(head, submission_id, status, logs, dict(scraper.exported))
 
-    def submitted() -> bool:
-        # The job agent may come up a little after the dashboard answers; until then the
-        # submission is refused at once ("No available agent"), and nothing was started.
-        result = _ray(head, *submit, timeout=240)
-        done.append(result)
-        return "No available agent" not in result.stdout + result.stderr
 
-    wait_for_condition(submitted, timeout=60, interval=1.0, what="job accepted")
-    # Without --no-wait, `ray job submit` follows the job until it ends and then prints its
-    # final status; the logs are read again afterwards, as a user would.
-    logs = _ray(head, "job", "logs", "--address", head.dashboard_url, submission_id)
-    assert logs.returncode == 0, logs.stderr[-3000:]
-    return Job(head, submission_id, done[-1].stdout + done[-1].stderr, logs.stdout)
+def _run_job(head: Head, submission_id: str, submit: list[str]) -> tuple[str, str]:
+    """`ray job submit` as the README says; the job's final status and its logs, once it ended."""
+    where = ("--address", head.dashboard_url)
+    # Without --no-wait, `ray job submit` follows the job until it ends and prints its final status.
+    # Submitted again only while refused before the job was taken (a job taken already is refused
+    # as "already exists").
+    submitted = _job_command(
+        head,
+        *submit,
+        done=lambda r: "submitted successfully" in _said(r) or "already exists" in _said(r),
+        what="the job accepted",
+        timeout=300,
+        each_timeout=240,
+    )
+    ended = re.compile(rf"Job '{submission_id}' (succeeded|failed|was stopped)")
+    status = _said(submitted)
+    if not ended.search(status):  # the follow broke off (its log stream through the dashboard)
+        status = _said(
+            _job_command(
+                head,
+                "status",
+                *where,
+                submission_id,
+                done=lambda r: bool(ended.search(_said(r))),
+                what="the job's end",
+                timeout=240,
+            )
+        )
+    # The logs, read afterwards as a user would.
+    logs = _job_command(
+        head,
+        "logs",
+        *where,
+        submission_id,
+        done=lambda r: r.returncode == 0,
+        what="the job's logs",
+        timeout=120,
+    )
+    return status, logs.stdout
 
 
 def test_quickstart_job_succeeds_and_every_collector_ends_on_the_last_version(job: Job) -> None:
@@ -278,7 +390,11 @@ def test_metrics_reach_the_heads_prometheus_export(job: Job) -> None:
     seen: dict[str, float] = {}
 
     def complete() -> dict[str, float] | None:
-        m = _scrape(job.head.metrics_url)
+        try:
+            m = _scrape(job.head.metrics_url)
+        except (OSError, http.client.HTTPException, ValueError) as err:  # the agent busy: asked again
+            seen["scrape failed: " + repr(err)] = 0.0
+            return None
         seen.clear()
         seen.update({k: v for k, v in m.items() if "_bucket" not in k})
         published = _series(m, "raysync_pushes_total", model_id="policy")
@@ -291,6 +407,9 @@ def test_metrics_reach_the_heads_prometheus_export(job: Job) -> None:
         )
     except AssertionError as err:
         raise AssertionError(f"{err}; raysync series seen: {seen}") from None
+    # What a Prometheus server scraping the head would hold: the series exported while the job
+    # ran (a subscriber's go some seconds after its job ended), and these.
+    m = job.exported | m
     # Pushes are timed in the trainer (the job's driver): a driver that exits right after its
     # last push may not get to export that last report interval.
     timed = _series(m, "raysync_push_duration_seconds_count", model_id="policy", transport="object_store")
@@ -298,19 +417,30 @@ def test_metrics_reach_the_heads_prometheus_export(job: Job) -> None:
     assert (_series(m, "raysync_push_duration_seconds_sum", model_id="policy") or 0) > 0
     assert (_series(m, "raysync_push_bytes_total", model_id="policy") or 0) > 0
     assert (_series(m, "raysync_apply_duration_seconds_count", model_id="policy") or 0) >= COLLECTORS
-    # exported: the job has ended by now, so its collectors may be dropped already (live 0)
+    # exported (the job has ended by now, so its collectors may be dropped already: live 0)
     assert _series(m, "raysync_subscribers", model_id="policy", state="live") is not None
     assert _series(m, "raysync_subscriber_lag", model_id="policy") is not None
 
 
 def test_status_command_reads_the_jobs_hub_from_another_process(job: Job) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "raysync", "status", "--address", job.head.gcs_address, "--json"],
+        # --timeout: connecting as a driver on a loaded machine may take more than the default 30 s
+        [
+            sys.executable,
+            "-m",
+            "raysync",
+            "status",
+            "--address",
+            job.head.gcs_address,
+            "--json",
+            "--timeout",
+            "120",
+        ],
         cwd=ROOT,
         env=job.head.env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]

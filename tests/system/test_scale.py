@@ -85,19 +85,28 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
             ray.kill(actor)
 
 
+# Ray gives a new node's raylet a fixed 30 s to register with the GCS; on a loaded 2-core machine
+# that can run out before the check began. Such a run is tried again, once, with a new cluster.
+_STARTUP_TIMED_OUT = "timed out during startup"
+
+
 def test_each_node_receives_a_version_once_whatever_its_subscribers(tmp_path: Path) -> None:
-    """Three raylets (own object stores), 2 subscribers on each worker, in a separate process."""
+    """Two raylets (own object stores), in a separate process: one subscriber on the head (where the
+    trainer puts each version), two on the worker (which pulls it)."""
     out = tmp_path / "multinode.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    argv = [sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--subs-per-node", "2", "2"]
-    argv += ["--head-subs", "0", "--size-mib", "8", "--store-mib", "100", "--pushes", "2", "--json", str(out)]
+    argv = [sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--subs-per-node", "2"]
+    argv += ["--head-subs", "1", "--size-mib", "8", "--store-mib", "100", "--pushes", "2", "--json", str(out)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    if done.returncode != 0 and _STARTUP_TIMED_OUT in done.stderr:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["converged"], result
+    assert result["placement"] == {"node0": 1, "node1": 2}, result  # nodes with 1 and 2 subscribers
     for row in result["versions"]:
         for tag, node in row["nodes"].items():
-            # One copy of the version per node: the trainer's put on the head, one pull per worker,
-            # however many subscribers read it there (N-fold would be 2.0).
+            # One copy of the version per node: the trainer's put on the head, one pull on the worker,
+            # however many subscribers read it there (N-fold would be 2.0 on the worker).
             assert 0.95 <= node["x_version"] <= 1.2, (row["version"], tag, node)
     assert done.returncode == 0, done.stdout[-3000:]
