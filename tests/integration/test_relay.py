@@ -46,8 +46,9 @@ def _relay(hub: raysync.HubClient) -> Any:
 
 def _until_rung(
     hub: raysync.HubClient, push: Callable[[], int], stats: Callable[[], dict[str, Any]], *, pushes: int = 5
-) -> None:
+) -> list[int]:
     """Push versions until one was rung by whoever rings this node; ``stats()`` are its counts.
+    Returns the versions pushed.
 
     The hub rings its own node's doorbells from the first version on. A relay rings from the
     first delivery the hub hands it: the hub does so once the relay answered its ping (then
@@ -60,12 +61,14 @@ def _until_rung(
     stalls (which the counts a test compares then show: ``pid``, ``stalled_relays``).
     """
     seen: list[dict[str, Any]] = []
+    versions: list[int] = []
     for _ in range(pushes):
         before = stats()
-        hub.wait(push(), timeout=60)
+        versions.append(push())
+        hub.wait(versions[-1], timeout=60)
         seen.append(stats())
         if seen[-1]["pid"] == before["pid"] and seen[-1]["rung"] > before["rung"]:
-            return
+            return versions
     status = hub.status()
     raise AssertionError(
         f"{pushes} versions pushed, none rung: the ringer's stats {seen}; relays {status['relays']}, "
@@ -145,8 +148,8 @@ def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, h
     wait_for_condition(lambda: hub.status()["relays"], what="the hub uses the restarted relay")
     # ray.kill returns before the relay dies: the last push may have reached the old process, and
     # then the hub learns of the restart from the new one's first reply (one call more, once)
-    v = hub.push(small_policy(8))
-    _check_all(hub, actors, v, 8)
+    _until_rung(hub, lambda: hub.push(small_policy(8)), _relay_stats(relay))
+    _check_all(hub, actors, hub.latest(), 8)
     before = _calls(hub)
     v = hub.push(small_policy(9))
     _check_all(hub, actors, v, 9)
@@ -384,13 +387,13 @@ def test_a_stalled_relay_holds_back_nobody_and_is_used_again_when_it_resumes(hub
         )
         assert _pid(relay) == pid  # resumed, not replaced
         assert ray.get(relay.stats.remote())["deliveries"] > deliveries  # it took the stalled one late
-        v3 = hub.push(small_policy(3))
-        _check_all(hub, actors, v3, 3)
+        rung = _until_rung(hub, lambda: hub.push(small_policy(3)), _relay_stats(relay))  # it rings again
+        _check_all(hub, actors, rung[-1], 3)
         before = _calls(hub)
         v4 = hub.push(small_policy(4))
         _check_all(hub, actors, v4, 4)
         assert _calls(hub) - before == 1  # through the relay again: one message for the node
-        assert [_taken(a) for a in actors] == [[v2, v3, v4]] * len(actors)  # each once, in order
+        assert [_taken(a) for a in actors] == [[v2, *rung, v4]] * len(actors)  # each once, in order
         assert all(s["applied"] == v4 and s["last_error"] is None for s in hub.status()["subscribers"])
     finally:
         ray.kill(hub.actor)
@@ -424,7 +427,8 @@ def test_a_relay_stalled_for_good_is_replaced(hub_name: str) -> None:
             timeout=60,
             what="the new relay process is used",
         )
-        _check_all(hub, actors, hub.push(small_policy(3)), 3)
+        _until_rung(hub, lambda: hub.push(small_policy(3)), _relay_stats(relay))  # it rings
+        _check_all(hub, actors, hub.latest(), 3)
         before, relayed = _calls(hub), ray.get(relay.stats.remote())
         v4 = hub.push(small_policy(4))
         _check_all(hub, actors, v4, 4)
