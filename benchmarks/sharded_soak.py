@@ -34,7 +34,7 @@ of its own (every version handed to it is checked in the callback). Checks:
   each restart: the numbers of rounds abandoned with a shard missing);
 - every number the hub granted was either published or abandoned (``unaccounted = 0``);
 - no number was returned to two ranks for pushes of different steps (``numbering_errors = 0``);
-- the last group's version reaches both receivers.
+- the last group pushes its 3 versions, and the last reaches both receivers.
 
     python benchmarks/sharded_soak.py --kills 20 --seconds 300
     python benchmarks/sharded_soak.py --rivals 1 --lag-p 0.05 --versions 1000 --kills 20 --seconds 900
@@ -64,6 +64,7 @@ import _harness as harness
 MODEL = "soak"
 STEPS_PER_GROUP = 10_000  # group g pushes steps g * STEPS_PER_GROUP ..: a step tells its group
 PUSHES_PER_GROUP = 10_000
+_LAST_PUSH_TIMEOUT_S = 60.0  # the last group's pushes: their ranks live, so only load could time them out
 # name -> (shape, placement): shard dims uneven over 2 and 4 ranks
 TENSORS: dict[str, tuple[tuple[int, ...], int | None]] = {
     "rows": ((257, 512), 0),  # 1 MiB of float64, Shard(0), uneven
@@ -173,11 +174,14 @@ class Rank:
 
         A rank whose push raises goes on with the next step, as a trainer that logs the error
         would; each push is made after a barrier (a trainer's collectives keep its ranks in step).
+        A :meth:`stop` ends the run it was sent to, not the next one; the run returns once the
+        ledger holds what each of its pushes did.
         """
         import torch.distributed as dist
 
+        self.stopping = False  # a stop() ended the run before this one
         rng = random.Random(seed * 1000 + self.group * 10 + self.rank)
-        done = 0
+        done, told = 0, None
         for i in range(pushes):
             step = first_step + i
             self._fill(step)
@@ -191,16 +195,18 @@ class Rank:
             try:
                 version = self.hub.push(self.net, MODEL, **{"timeout": timeout, **opts})
             except raysync.StaleWriterError:
-                self.ledger.note.remote("stale")  # a rival of the writing group: refused, tries again
+                told = self.ledger.note.remote("stale")  # a rival of the writing group: refused, tries again
                 time.sleep(0.02)
                 continue
             except raysync.SyncTimeoutError:
-                self.ledger.note.remote("lagged" if lag else "timed_out")
+                told = self.ledger.note.remote("lagged" if lag else "timed_out")
                 continue
             except raysync.InvalidWeightsError:
-                self.ledger.note.remote("dropped")  # another rank's push of this step raised
+                told = self.ledger.note.remote("dropped")  # another rank's push of this step raised
                 continue
-            self.ledger.record.remote(version, step, self.rank, self.group)
+            told = self.ledger.record.remote(version, step, self.rank, self.group)
+        if told is not None:
+            ray.get(told)  # an actor runs one caller's calls in order: the ledger has them all
         return done
 
 
@@ -297,11 +303,11 @@ def soak(
         port, number = _port(), len(spawned)
         spawned.append([Rank.remote(r, world, port, hub_name, ledger, number) for r in range(world)])
 
-    def start(number: int, pushes: int, lag: float = lag_p) -> None:
+    def start(number: int, pushes: int, lag: float = lag_p, timeout: float = push_timeout) -> None:
         if number not in running:
             ray.get([r.ready.remote() for r in spawned[number]], timeout=300)
             first = number * STEPS_PER_GROUP  # each group's steps are its own
-            runs = [r.run.remote(first, pushes, push_timeout, lag, seed) for r in spawned[number]]
+            runs = [r.run.remote(first, pushes, timeout, lag, seed) for r in spawned[number]]
             running[number] = runs
 
     for _ in range(ahead):
@@ -347,8 +353,9 @@ def soak(
                     poll()
                 ray.get([r.stop.remote() for r in group], timeout=60)
                 settle(group_no)
-            start(group_no, 3, lag=0.0)  # the last versions: none times out
-            settle(group_no)
+            # The last versions: none times out (no rank of this group dies; only load could)
+            start(group_no, 3, lag=0.0, timeout=max(push_timeout, _LAST_PUSH_TIMEOUT_S))
+            last_pushes = min(ray.get(running.pop(group_no), timeout=300))
             break
         start(group_no, PUSHES_PER_GROUP)
         for number in range(group_no + 1, group_no + 1 + rivals):
@@ -404,6 +411,7 @@ def soak(
         "groups_held": len({s // STEPS_PER_GROUP for _, s, _ in held_versions}),
         "loader_versions": len(seen),
         "final": final,
+        "last_pushes": last_pushes,
         "collector_final": held[-1][0],
         "loader_final": loader_version,
         "torn": len(torn),
@@ -419,6 +427,7 @@ def soak(
     assert not numbering, f"one number pushed with several steps: {numbering[:5]}"
     assert not stale, f"a receiver held an abandoned number: {stale[:5]}"
     assert result["unaccounted"] == 0, result
+    assert last_pushes == 3, f"the last group pushed {last_pushes} of its 3 last versions: {result}"
     assert result["collector_final"] == final and loader_version == final, result
     return result
 

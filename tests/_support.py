@@ -40,6 +40,11 @@ tests whose subscribers may die once rung (their rings wait this long before the
 finds them dead); a process killed before the push is no such case: its ring fails at once."""
 
 
+CLIENT_MARGIN_S = 5.0
+"""What a test allows past a bound a client call promises (``wait(timeout=T)`` raises by
+``T + ANSWER_GRACE_S``): the client process's own scheduling on a loaded 2-core machine."""
+
+
 def wait_for_condition(
     predicate: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""
 ) -> Any:

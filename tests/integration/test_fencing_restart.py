@@ -28,7 +28,12 @@ class Trainer:
     """A second trainer process."""
 
     def __init__(self, hub_name: str, takeover: bool) -> None:
+        self.hub_name = hub_name
         self.hub = raysync.connect(hub_name, takeover=takeover)
+
+    def take_over(self) -> None:
+        """Connect again, with ``takeover=True``, as a trainer restarted to take over would."""
+        self.hub = raysync.connect(self.hub_name, takeover=True)
 
     def push(self, seed: int) -> Any:
         try:
@@ -47,7 +52,8 @@ def test_one_writer_per_model_until_takeover_or_death(hub: raysync.HubClient, hu
     assert hub.latest() == 2  # nothing interleaved
     assert hub.push(small_policy(4), "other") == 1  # other models are free
 
-    new_trainer = Trainer.remote(hub_name, True)
+    new_trainer = intruder  # the refused process connects again, with takeover=True (a process less)
+    ray.get(new_trainer.take_over.remote())
     taken = ray.get(new_trainer.push.remote(5))  # explicit takeover: a new lease, a new block
     assert taken > 2
     # The old writer stamps from its old block without waiting: the hub refuses that

@@ -325,59 +325,61 @@ def test_collectors_follow_a_sharded_trainer(hub_name: str) -> None:
 
 @ray.remote(num_cpus=0)
 class _Trainer:
-    """A trainer actor: the model's only writer."""
+    """A trainer actor: the only writer of model ``policy`` on each hub it pushes to."""
 
-    def __init__(self, hub_name: str) -> None:
-        self.hub = raysync.connect(hub_name)
+    def __init__(self) -> None:
+        self.hubs: dict[str, raysync.HubClient] = {}
 
-    def push(self, bias: float) -> int:
-        return int(self.hub.push(constant_policy(bias), "policy"))
+    def push(self, hub_name: str, bias: float) -> int:
+        hub = self.hubs.get(hub_name) or self.hubs.setdefault(hub_name, raysync.connect(hub_name))
+        return int(hub.push(constant_policy(bias), "policy"))
 
 
-def test_a_collector_in_the_driver_follows_a_trainer_actor(hub_name: str) -> None:
+@pytest.fixture(scope="module")
+def trainer(ray_start_regular: dict[str, Any]) -> Iterator[Any]:
+    """One trainer process for the tests that follow one (each pushes to its own hub: a hub of its
+    test's name, whose lease and versions no other test sees)."""
+    actor = _Trainer.remote()
+    yield actor
+    ray.kill(actor)
+
+
+def test_a_collector_in_the_driver_follows_a_trainer_actor(hub_name: str, trainer: Any) -> None:
     """``follow_only`` with torchrl's single-process ``Collector``: it acts with its own policy, which
     ``update_policy_weights_()`` brings to the trainer actor's newest version."""
-    trainer = _Trainer.remote(hub_name)
     hub = raysync.connect(hub_name)
-    try:
-        policy = constant_policy(-1.0)
-        scheme = HubWeightSyncScheme(hub=hub_name, timeout=30, follow_only=True)
-        collector = Collector(
-            PendulumEnv(), policy, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme}
-        )
-        with _closing(collector) as c:
-            batches = iter(c)
-            assert _actions(next(batches)) == {-1.0}  # nothing pushed yet, and the driver pushes nothing
-            for b in (0.75, 1.5):
-                version = ray.get(trainer.push.remote(b), timeout=60)
-                wait_for_condition(lambda v=version: hub.latest("policy") == v, what="published")
-                c.update_policy_weights_()
-                assert scheme.version == version and _actions(next(batches)) == {b}
-    finally:
-        ray.kill(trainer)
+    policy = constant_policy(-1.0)
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=30, follow_only=True)
+    collector = Collector(
+        PendulumEnv(), policy, frames_per_batch=8, total_frames=-1, weight_sync_schemes={"policy": scheme}
+    )
+    with _closing(collector) as c:
+        batches = iter(c)
+        assert _actions(next(batches)) == {-1.0}  # nothing pushed yet, and the driver pushes nothing
+        for b in (0.75, 1.5):
+            version = ray.get(trainer.push.remote(hub_name, b), timeout=60)
+            wait_for_condition(lambda v=version: hub.latest("policy") == v, what="published")
+            c.update_policy_weights_()
+            assert scheme.version == version and _actions(next(batches)) == {b}
 
 
-def test_ray_collector_actors_follow_a_trainer_actor(hub_name: str) -> None:
+def test_ray_collector_actors_follow_a_trainer_actor(hub_name: str, trainer: Any) -> None:
     """``follow_only`` with ``RayCollector``: its actors act with the trainer actor's versions, and
     ``update_policy_weights_()`` returns once both hold the newest."""
-    trainer = _Trainer.remote(hub_name)
     hub = raysync.connect(hub_name)
-    try:
-        first = ray.get(trainer.push.remote(0.25), timeout=60)
-        wait_for_condition(lambda: hub.latest("policy") == first, what="published")
-        scheme = HubWeightSyncScheme(hub=hub_name, timeout=60, follow_only=True)
-        with _closing(_ray_collector(constant_policy(-1.0), scheme, sync=True)) as c:
-            c.update_policy_weights_()  # as torchrl asks of a RayCollector before it iterates
-            batches = iter(c)
-            assert _actions(next(batches)) == {0.25}  # the trainer's version, not the driver's policy
-            version = ray.get(trainer.push.remote(-0.5), timeout=60)
-            wait_for_condition(lambda: hub.latest("policy") == version, what="published")
-            c.update_policy_weights_()
-            assert _actions(next(batches)) == {-0.5}
-            rows = _worker_rows(hub_name)
-            assert len(rows) == 2 and all(r["applied"] == version for r in rows), rows
-    finally:
-        ray.kill(trainer)
+    first = ray.get(trainer.push.remote(hub_name, 0.25), timeout=60)
+    wait_for_condition(lambda: hub.latest("policy") == first, what="published")
+    scheme = HubWeightSyncScheme(hub=hub_name, timeout=60, follow_only=True)
+    with _closing(_ray_collector(constant_policy(-1.0), scheme, sync=True)) as c:
+        c.update_policy_weights_()  # as torchrl asks of a RayCollector before it iterates
+        batches = iter(c)
+        assert _actions(next(batches)) == {0.25}  # the trainer's version, not the driver's policy
+        version = ray.get(trainer.push.remote(hub_name, -0.5), timeout=60)
+        wait_for_condition(lambda: hub.latest("policy") == version, what="published")
+        c.update_policy_weights_()
+        assert _actions(next(batches)) == {-0.5}
+        rows = _worker_rows(hub_name)
+        assert len(rows) == 2 and all(r["applied"] == version for r in rows), rows
 
 
 def _sharded_group(world: int = 2) -> list[Any]:
