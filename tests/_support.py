@@ -46,9 +46,13 @@ CLIENT_MARGIN_S = 5.0
 
 
 def wait_for_condition(
-    predicate: Callable[[], Any], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""
+    predicate: Callable[[], Any], *, timeout: float = 60.0, interval: float = 0.05, what: str = ""
 ) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``.
+
+    The default bound leaves room for what a loaded 2-core machine stretches (an actor's start,
+    imports included, took over 20 s there); it costs nothing unless the condition never comes.
+    """
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
