@@ -136,15 +136,21 @@ def test_killed_relay_is_restarted_and_nothing_is_lost(hub: raysync.HubClient, h
     actors = [make_collector(hub_name).remote() for _ in range(2)]
     ray.get([a.raysync_version.remote() for a in actors])
     relay = _relay(hub)
-    pid = _pid(relay)
+    pids = [_pid(relay)]
     seen: list[int] = []
     for seed in range(1, 4):  # 3 kills, each push right after one: the 2nd and 3rd hit a restarted relay
         ray.kill(relay, no_restart=False)
         v = hub.push(small_policy(seed))
         _check_all(hub, actors, v, seed)
         seen.append(v)
+        # ray.kill returns before the process dies (seconds later on a loaded machine): once it is
+        # gone, Ray restarts it, and the next kill hits the new process
+        wait_for_condition(
+            lambda p=pids[-1]: not psutil.pid_exists(p), timeout=60, what="the killed relay gone"
+        )
+        pids.append(_pid(relay))
     assert seen == sorted(seen)
-    assert _pid(relay) != pid  # Ray restarts it; the hub delivers through it again
+    assert len(set(pids)) == len(pids), pids  # Ray restarted it each time; the hub delivers through it again
     wait_for_condition(lambda: hub.status()["relays"], what="the hub uses the restarted relay")
     # ray.kill returns before the relay dies: the last push may have reached the old process, and
     # then the hub learns of the restart from the new one's first reply (one call more, once)
