@@ -35,6 +35,7 @@ from raysync._checks import check_timeout
 from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
 from raysync.core.shards import TensorParallel
 from raysync.errors import AmbiguousModelError, RaySyncError
+from raysync.receivers.attr_hint import check_attrs
 from raysync.receivers.locks import AsyncRWLock, RWLock
 from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription
 
@@ -229,6 +230,7 @@ def _attaching_init(init: Callable[..., None]) -> Callable[..., None]:
             self.__dict__["_raysync_init_depth"] = depth
         if depth == 0:
             cls = type(self)
+            check_attrs(self, [spec.attr for spec in cls.__raysync_specs__])  # a short traceback
             _ActorSync.attach(self, cls.__raysync_specs__, cls.__raysync_async__)
 
     return __init__

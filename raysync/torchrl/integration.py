@@ -40,6 +40,7 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import _module_tensors, extract_extra_state, extract_tensors, non_persistent_buffers
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.receivers.follower import Follower
+from raysync.torchrl.first_version import wait_for_first_version
 from raysync.torchrl.strategy import _target_for, resolve_model, split_extra_state
 
 __all__ = ["HubWeightSyncScheme"]
@@ -170,6 +171,8 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         if kwargs.get("model") is not None:
             self.model = kwargs["model"]
         _ = self.client  # connects Ray (and the hub) in this process
+        if self.follow_only:  # before any worker starts: one clear error if the writer never pushed
+            wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)
         self._ray_address = ray.get_runtime_context().gcs_address
         self._expected = _expected_workers(context, kwargs)
         local = self._local_model()
@@ -342,13 +345,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 "the weights; call update_policy_weights_() without weights to catch up with it"
             )
         deadline = time.monotonic() + self.timeout
-        while (latest := self.client.latest(model_id)) is None:
-            if time.monotonic() >= deadline:
-                raise SyncTimeoutError(
-                    f"no version of {model_id!r} on hub {self.hub!r} within {self.timeout:g} s: "
-                    "its writer has not pushed"
-                )
-            time.sleep(0.05)
+        latest = wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)
         self._check_workers(latest, deadline, joining=True)
         if self.apply_locally and own and not _weightless(own):
             if self._applied is None or self._applied < latest:
