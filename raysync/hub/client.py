@@ -530,11 +530,11 @@ class HubClient:
         self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
-        every = range(info.manifest.num_buckets)
         buckets = transport_class(info.manifest.transport).fetch(
-            info.manifest, list(info.refs), every, timeout=None
+            info.manifest, list(info.refs), range(info.manifest.num_buckets), timeout=None
         )
-        tensors = {k: t.clone() for k, t in unpack(info.manifest, buckets).items()}
+        unpacked = unpack(info.manifest, buckets)
+        tensors = {k: unpacked[k].clone() for k in info.manifest.pushed_keys()}  # the pushed order
         return tensors if state_dict else to_tensordict(tensors)
 
     @needs_ray

@@ -10,7 +10,7 @@ import torch
 
 from raysync.receivers.target import is_target
 
-__all__ = ["check_attrs", "missing_module_message"]
+__all__ = ["missing_attr", "missing_module_message"]
 
 
 def missing_module_message(owner: Any, attr: str) -> str:
@@ -45,16 +45,14 @@ def missing_module_message(owner: Any, attr: str) -> str:
     )
 
 
-def check_attrs(owner: Any, attrs: Iterable[str]) -> None:
-    """Raise the :func:`missing_module_message` of the first of ``attrs`` holding no module or target.
+def missing_attr(owner: Any, attrs: Iterable[str]) -> str | None:
+    """The :func:`missing_module_message` of the first of ``attrs`` holding no module or target, or None.
 
-    Called as the actor's ``__init__`` returns, before anything registers, so that the
-    actor's creation error is this message after a frame or two of traceback.
-
-    Raises:
-        TypeError: ``owner.<attr>`` is neither an ``nn.Module`` nor a raysync Target.
+    The actor's ``__init__`` raises it as a ``TypeError`` itself, before anything registers,
+    so that the actor's creation error is this message after one frame of traceback.
     """
     for attr in attrs:
         held = getattr(owner, attr, None)
         if not isinstance(held, torch.nn.Module) and not is_target(held):
-            raise TypeError(missing_module_message(owner, attr))
+            return missing_module_message(owner, attr)
+    return None

@@ -439,7 +439,7 @@ def test_missing_module_attribute_fails_actor_creation_clearly(hub_name: str, ra
             return 1
 
     with pytest.raises(
-        ray.exceptions.RayActorError, match=r"self\.policy is missing; did you mean attr='model'"
+        ray.exceptions.RayActorError, match=r"self\.policy is missing; the actor's modules: \['model'\]"
     ):
         ray.get(Forgetful.remote().ping.remote())
 
