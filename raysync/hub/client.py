@@ -287,7 +287,7 @@ class HubClient:
                 change; subscribers holding them skip them.
             bucket_bytes: target bucket size (a version is a few buckets).
             checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
-            check_finite: refuse weights with NaN or Inf (names the tensors).
+            check_finite: refuse NaN or Inf (naming the tensors); off: they push (the check costs ~6 pushes).
             transport: ``"object_store"`` or ``"nixl"``; default: the client's.
                 NIXL sends full versions (no ``keys``, ``delta`` or ``checksum``).
             include_pull: let ``wait`` and ``max_lag`` wait for pull-mode

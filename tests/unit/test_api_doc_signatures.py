@@ -25,3 +25,11 @@ def test_the_api_table_row_of_a_target_names_every_parameter(name: str) -> None:
     assert sorted(wanted - listed) == [], (
         f"docs/api.md's raysync.{name}(...) row omits {sorted(wanted - listed)}"
     )
+
+
+def test_the_push_row_says_nan_weights_are_pushed_unless_check_finite() -> None:
+    """NaN weights are accepted by default (the check reads every byte: measured, issue 48): said where
+    push is documented."""
+    (row,) = [line for line in API.read_text().splitlines() if line.startswith("| `hub.push(")]
+    assert "check_finite=False" in row  # the default, in the signature
+    assert "so NaN weights are pushed unless asked" in row
