@@ -30,6 +30,15 @@ class _EmptyHub:
         return None
 
 
+class _MultiCollector:
+    """What the scheme sees of a MultiSyncCollector when torchrl calls init_on_sender: its pipes made,
+    its 2 worker processes not started yet."""
+
+    def __init__(self) -> None:
+        self.pipes: list[Any] = []
+        self.num_workers = 2
+
+
 @pytest.mark.parametrize("unknown", [False, True], ids=["latest-none", "unknown-model"])
 def test_init_on_sender_of_a_follow_only_scheme_before_any_push_raises_within_its_timeout(
     unknown: bool,
@@ -41,7 +50,7 @@ def test_init_on_sender_of_a_follow_only_scheme_before_any_push_raises_within_it
     scheme._client = hub
     t0 = time.monotonic()
     with pytest.raises(SyncTimeoutError) as raised:
-        scheme.init_on_sender(model_id="policy", context=None)
+        scheme.init_on_sender(model_id="policy", context=_MultiCollector())
     elapsed = time.monotonic() - t0
     assert elapsed < 1.0 + MARGIN_S, f"took {elapsed:.1f} s"
     said = str(raised.value)
