@@ -24,13 +24,16 @@ if TYPE_CHECKING:
 __all__ = [
     "extract_extra_state",
     "extract_tensors",
+    "extract_with_order",
     "module_schema",
     "non_persistent_buffers",
     "to_tensordict",
 ]
 
 
-def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> dict[str, torch.Tensor]:
+def extract_with_order(
+    weights: WeightsLike, *, non_persistent: bool = False
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Flatten weights into ``{dotted_key: tensor}``, sorted by key.
 
     A module's extra state (``get_extra_state()``, the ``"..._extra_state"``
@@ -46,9 +49,10 @@ def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> di
             has. Ignored for a TensorDict or a state dict (they hold what they hold).
 
     Returns:
-        The tensors, detached, in canonical (sorted) key order. No copy,
-        except that conjugate and negative views (``x.conj()``,
-        ``x.conj().imag``) are resolved to their values.
+        The tensors, detached, in canonical (sorted) key order (no copy,
+        except that conjugate and negative views, ``x.conj()``,
+        ``x.conj().imag``, are resolved to their values), and their keys in
+        the weights' own order (a module's ``state_dict()`` order).
 
     Raises:
         InvalidWeightsError: the weights are empty, hold a non-tensor leaf, or
@@ -56,8 +60,9 @@ def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> di
             meta or quantized (the message names the key and the fix).
 
     Example:
-        >>> list(extract_tensors({"a": {"b": torch.ones(1)}, "c.d": torch.zeros(2)}))
-        ['a.b', 'c.d']
+        >>> tensors, order = extract_with_order({"c.d": torch.zeros(2), "a": {"b": torch.ones(1)}})
+        >>> list(tensors), order
+        (['a.b', 'c.d'], ['c.d', 'a.b'])
     """
     flat: dict[str, torch.Tensor] = {}
     module = isinstance(weights, torch.nn.Module)
@@ -80,8 +85,18 @@ def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> di
         )
     if module:  # state_dict() detached them (unless a hook of the module's did not): not twice, as
         # a DTensor's detach is a dispatch of its own (~10 us each)
-        return {key: _packable(key, _detached(flat[key])) for key in sorted(flat)}
-    return {key: _packable(key, flat[key].detach()) for key in sorted(flat)}
+        return {key: _packable(key, _detached(flat[key])) for key in sorted(flat)}, list(flat)
+    return {key: _packable(key, flat[key].detach()) for key in sorted(flat)}, list(flat)
+
+
+def extract_tensors(weights: WeightsLike, *, non_persistent: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`extract_with_order`'s tensors alone: see there.
+
+    Example:
+        >>> list(extract_tensors({"b": torch.ones(1), "a": torch.ones(1)}))
+        ['a', 'b']
+    """
+    return extract_with_order(weights, non_persistent=non_persistent)[0]
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

@@ -135,6 +135,9 @@ class Manifest:
             lives in the ranks' buckets (:class:`~raysync.core.shards.ShardMap`);
             ``entries`` and ``bucket_nbytes`` then describe the whole tensors
             receivers get. None for a version of one writer.
+        order: the pushed weights' own key order (their ``state_dict()`` order), as
+            indices into ``entries``; None when it is the sorted order (or unknown).
+            Not part of ``layout_hash``. :meth:`pushed_keys` reads it.
 
     Example:
         >>> m = plan_layout({"w": torch.zeros(2, 3)})
@@ -149,6 +152,7 @@ class Manifest:
     transport: str = "object_store"
     extra_state: tuple[tuple[str, bytes], ...] = ()
     shards: ShardMap | None = None
+    order: tuple[int, ...] | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -159,6 +163,23 @@ class Manifest:
     def total_nbytes(self) -> int:
         """Bytes of tensor data in a version (padding excluded)."""
         return sum(e.nbytes for e in self.entries)
+
+    def pushed_keys(self) -> list[str]:
+        """The tensor keys in the pushed weights' own order (see ``order``; sorted if unknown)."""
+        return self.keys() if self.order is None else [self.entries[i].key for i in self.order]
+
+    def with_order(self, keys: Sequence[str]) -> Manifest:
+        """A copy carrying ``keys`` (every entry's key once) as the push's key order.
+
+        Example:
+            >>> plan_layout({"b": torch.ones(1), "a": torch.ones(1)}).with_order(["b", "a"]).pushed_keys()
+            ['b', 'a']
+        """
+        index = {e.key: i for i, e in enumerate(self.entries)}
+        order: tuple[int, ...] | None = tuple(index[k] for k in keys if k in index)
+        if order is not None and (len(set(order)) != len(index) or order == tuple(range(len(index)))):
+            order = None  # not every key once, or the sorted order itself
+        return self if order == self.order else dataclasses.replace(self, order=order)
 
     def keys(self) -> list[str]:
         """The tensor keys, sorted."""

@@ -287,7 +287,7 @@ class HubClient:
                 change; subscribers holding them skip them.
             bucket_bytes: target bucket size (a version is a few buckets).
             checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
-            check_finite: refuse weights with NaN or Inf (names the tensors).
+            check_finite: refuse NaN or Inf (naming the tensors); off: they push (the check costs ~6 pushes).
             transport: ``"object_store"`` or ``"nixl"``; default: the client's.
                 NIXL sends full versions (no ``keys``, ``delta`` or ``checksum``).
             include_pull: let ``wait`` and ``max_lag`` wait for pull-mode
@@ -530,11 +530,11 @@ class HubClient:
         self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
-        every = range(info.manifest.num_buckets)
         buckets = transport_class(info.manifest.transport).fetch(
-            info.manifest, list(info.refs), every, timeout=None
+            info.manifest, list(info.refs), range(info.manifest.num_buckets), timeout=None
         )
-        tensors = {k: t.clone() for k, t in unpack(info.manifest, buckets).items()}
+        unpacked = unpack(info.manifest, buckets)
+        tensors = {k: unpacked[k].clone() for k in info.manifest.pushed_keys()}  # the pushed order
         return tensors if state_dict else to_tensordict(tensors)
 
     @needs_ray

@@ -29,7 +29,7 @@ from raysync import _compat
 from raysync._checks import require_ray
 from raysync.core.codec import unpack
 from raysync.core.dtensor import is_sharded, mesh_of, mesh_rank
-from raysync.core.extract import extract_extra_state, extract_tensors
+from raysync.core.extract import extract_extra_state, extract_with_order
 from raysync.core.group import GroupIdentity, identify_group
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
@@ -159,7 +159,7 @@ class PushPipeline:
             raise ValueError(
                 f"transport={request.transport!r} sends whole versions: drop keys=, delta= and checksum="
             )
-        raw = extract_tensors(request.weights)
+        raw, order = extract_with_order(request.weights)
         if is_sharded(raw):  # DTensor weights: this rank pushes its own shards
             ticket = self._open_round(model_id, raw, request.group_timeout)
             try:
@@ -174,7 +174,7 @@ class PushPipeline:
         if before is not None:
             before()
         with deadline.within(bound):
-            return self._push_whole(request, raw, writer, transport, t0)
+            return self._push_whole(request, raw, writer, transport, t0, order)
 
     def _push_whole(
         self,
@@ -183,6 +183,7 @@ class PushPipeline:
         writer: dict[str, Any],
         transport: HubTransport,
         t0: float,
+        order: list[str],
     ) -> Pushed:
         model_id = request.model_id
         tensors = self._tensors(request, raw)
@@ -206,6 +207,7 @@ class PushPipeline:
             self._separate[model_id] = frozenset(selected)
         manifest = self._layout(tensors, request.bucket_bytes, self._separate.get(model_id, frozenset()))
         manifest = manifest.with_extra_state(extract_extra_state(request.weights))  # get_extra_state()
+        manifest = manifest.with_order(order)  # the weights' own key order, for pull(state_dict=True)
         if transport.name == "object_store":
             _check_capacity(model_id, manifest)
         reuse: Reuse | None = None

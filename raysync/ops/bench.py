@@ -36,6 +36,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from raysync.ops.report_numbers import ms_text as _ms
+from raysync.ops.report_numbers import ratio_text
+
 __all__ = ["CHECKS", "BenchConfig", "add_arguments", "config_from", "local_ray", "print_report", "run_check"]
 
 logger = logging.getLogger(__name__)
@@ -541,7 +544,7 @@ def print_report(report: Mapping[str, Any], *, where: str = "", file: TextIO | N
     head = f"{'check':<{check_w}}  {'where':<{where_w}} {'measured':>10} {'floor':>10} {'ratio':>6}  bound"
     print(f"        {head}   ok", file=out)
     for r in rows:
-        ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.2f}"
+        ratio = "-" if r.get("ratio") is None else ratio_text(r["ratio"], r["bound"])
         ok = "-" if r.get("verified") is None else "yes" if r["verified"] else "NO"
         print(
             f"  {'met ' if r.get('met') else 'MISS'}  {r['check']:<{check_w}}  {r['where']:<{where_w}} "
@@ -571,7 +574,3 @@ def print_report(report: Mapping[str, Any], *, where: str = "", file: TextIO | N
         bound, measures, floor, miss = CHECKS[check]
         say(f"{check}: {measures}; floor: {floor}; bound: {bound}x the floor.", indent="  ", then="    ")
         say(f"A miss: {miss}.", indent="    ")
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"

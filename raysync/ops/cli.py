@@ -33,16 +33,14 @@ import logging
 import math
 import os
 import shutil
-import socket
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO, cast
 
 from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE
 from raysync.ops import bench
+from raysync.ops.cluster_connect import ClusterUnreachable, connect, error_line
 
 __all__ = ["main", "render_status"]
 
@@ -88,19 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return _status(args)
         return _bench(args)
-    except CliError as err:
-        print(_error_line(args.command, err), file=sys.stderr)
+    except (CliError, ClusterUnreachable) as err:
+        print(error_line(args.command, err), file=sys.stderr)
         return 1
-
-
-def _error_line(command: str, err: object) -> str:
-    return f"raysync {command}: error: {err}"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raysync", description="Inspect a raysync hub, or check a Ray cluster with raysync."
     )
+    parser.add_argument("--version", action="version", version=f"raysync {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{status,bench}")
     status = sub.add_parser(
         "status",
@@ -131,6 +126,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed raysync's version (its package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raysync")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "(not installed)"
+
+
 def _seconds(text: str) -> float:
     """``--timeout``'s type: a positive, finite number of seconds."""
     try:
@@ -149,7 +154,7 @@ def _status(args: argparse.Namespace) -> int:
     import ray
 
     deadline = time.monotonic() + args.timeout
-    started = _connect(args.address, timeout=args.timeout, deadline=deadline, command=args.command)
+    started = connect(args.address, timeout=args.timeout, deadline=deadline, command=args.command)
     try:
         try:
             handle = ray.get_actor(args.name, namespace=args.namespace)
@@ -171,140 +176,6 @@ def _status(args: argparse.Namespace) -> int:
     else:
         render_status(status, namespace=args.namespace)
     return 0
-
-
-def _connect(address: str | None, *, timeout: float, deadline: float, command: str) -> bool:
-    """Connect this process to a cluster unless it already is; True if we connected it.
-
-    ``ray.init`` to an address where no GCS answers retries for many minutes and
-    prints a warning per attempt. So a TCP probe first turns a closed port away
-    at once; the process's standard error is held back while connecting (see
-    :class:`_HeldStderr`); and a watchdog thread ends the process at
-    ``deadline`` (a :func:`time.monotonic` time) with one message and exit code
-    1 if the probe or ``ray.init`` is still going then.
-
-    Raises:
-        CliError: nothing accepts connections at the address, or ``ray.init`` failed.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    target = address or os.environ.get("RAY_ADDRESS") or "auto"
-    endpoint = _endpoint(target)
-    where = f"{endpoint[0]}:{endpoint[1]}" if endpoint is not None else "there"
-    within = f"within --timeout {timeout:g} s (a slow cluster may need more)"
-    stage = ["probe" if endpoint is not None else "init"]  # how far connecting got
-    settled = threading.Lock()  # taken by whichever comes first: the connection or the watchdog
-    held = _HeldStderr()
-
-    def give_up() -> None:
-        if not settled.acquire(blocking=False):
-            return  # connected (or failed) in time
-        held.close()
-        if stage[0] == "probe":
-            why = f"no TCP connection to {where} {within}"
-        elif endpoint is not None:
-            why = f"{where} accepts connections, but no Ray GCS answered {within}"
-        else:
-            why = f"no Ray GCS answered {within}"
-        print(_error_line(command, _unreachable(target, why)), file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)  # ray.init cannot be interrupted, and Ray's atexit shutdown would wait on it
-
-    watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), give_up)
-    watchdog.daemon = True
-    try:
-        with held:
-            watchdog.start()
-            try:
-                if endpoint is not None:
-                    with socket.create_connection(endpoint, timeout=max(deadline - time.monotonic(), 0.01)):
-                        pass
-                    stage[0] = "init"
-                ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
-            finally:
-                settled.acquire()  # blocks for good if the watchdog is already ending the process
-                watchdog.cancel()
-    except Exception as err:
-        if stage[0] == "probe" and isinstance(err, TimeoutError):  # a hair before the watchdog
-            why = f"no TCP connection to {where} {within}"
-        elif stage[0] == "probe" and isinstance(err, OSError):
-            why = f"cannot open a TCP connection to {where} ({err.strerror or type(err).__name__})"
-        else:
-            why = f"{type(err).__name__}: {str(err).strip()[:300]}"
-        raise CliError(_unreachable(target, why)) from None
-    finally:
-        if held.text and ray.is_initialized():
-            sys.stderr.write(held.text)  # a connection that worked: Ray's own warnings stay visible
-        elif held.text:
-            logger.debug("while connecting to %r, Ray wrote:\n%s", target, held.text)
-    return True
-
-
-def _endpoint(target: str) -> tuple[str, int] | None:
-    """``(host, port)`` of an address such as ``10.0.0.5:6379``, ``[::1]:6379`` or ``ray://h:10001``.
-
-    None for anything else (``auto``, ``local``, a host without a port): ``ray.init`` resolves
-    and checks those itself.
-    """
-    rest = target.split("://", 1)[-1].rstrip("/")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        return None
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    return (host, int(port)) if host and 0 < int(port) < 65536 else None
-
-
-def _unreachable(target: str, why: str) -> str:
-    """The one-line message for a cluster this command could not connect to."""
-    why = why.rstrip().rstrip(".")  # Ray's own messages end with one
-    return (
-        f"no Ray cluster at {target!r}: {why}. Check that a cluster is running there (`ray status "
-        f"--address {target}`; start one with `ray start --head`), that --address or RAY_ADDRESS "
-        "names its GCS as HOST:PORT (port 6379 by default), and, for a cluster started with "
-        "`ray start` on Ray 2.60, that RAY_AUTH_MODE=token is set"
-    )
-
-
-class _HeldStderr:
-    """Sends file descriptor 2 to a temporary file while open; ``text`` is what landed there.
-
-    Ray's core (C++) logs a warning to the process's standard error for every failed GCS
-    attempt; redirecting ``sys.stderr`` would not catch those.
-    """
-
-    def __init__(self) -> None:
-        self.text = ""
-        self._file: Any = None
-        self._saved: int | None = None
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> _HeldStderr:
-        sys.stderr.flush()
-        try:
-            self._saved = os.dup(2)
-        except OSError:  # no standard error to hold back
-            return self
-        self._file = tempfile.TemporaryFile()
-        os.dup2(self._file.fileno(), 2)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Give file descriptor 2 back and read what was held (once; later calls do nothing)."""
-        with self._lock:
-            if self._saved is None:
-                return
-            sys.stderr.flush()
-            os.dup2(self._saved, 2)
-            os.close(self._saved)
-            self._saved = None
-            self._file.seek(0)
-            self.text = self._file.read().decode(errors="replace")
-            self._file.close()
 
 
 def _no_hub_message(name: str, namespace: str) -> str:
@@ -493,7 +364,7 @@ def _bench(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if address:
             deadline = time.monotonic() + args.timeout
-            if _connect(address, timeout=args.timeout, deadline=deadline, command=args.command):
+            if connect(address, timeout=args.timeout, deadline=deadline, command=args.command):
                 stack.callback(ray.shutdown)
             where = address
         elif ray.is_initialized():  # called from a process connected already (a test, a notebook)

@@ -32,6 +32,7 @@ from raysync.core.layout import Manifest
 from raysync.core.shards import TensorParallel
 from raysync.errors import RaySyncError, UnknownModelError
 from raysync.receivers import apply
+from raysync.receivers.attr_hint import missing_module_message
 from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
 from raysync.receivers.pull import PullSync
@@ -100,11 +101,7 @@ class _Subscription(PullSync, LocalChanges):
     def module(self) -> torch.nn.Module:
         module = getattr(self.sync.owner, self.spec.attr, None)
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(
-                f"@synced_model({self.spec.attr!r}) needs self.{self.spec.attr} to be an nn.Module "
-                f"(or a raysync Target such as a WeightsLoader) once __init__ returns, found "
-                f"{type(module).__name__}"
-            )
+            raise TypeError(missing_module_message(self.sync.owner, self.spec.attr))
         return module
 
     @property

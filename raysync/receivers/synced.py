@@ -35,6 +35,7 @@ from raysync._checks import check_timeout
 from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
 from raysync.core.shards import TensorParallel
 from raysync.errors import AmbiguousModelError, RaySyncError
+from raysync.receivers.attr_hint import missing_attr
 from raysync.receivers.locks import AsyncRWLock, RWLock
 from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription
 
@@ -229,6 +230,8 @@ def _attaching_init(init: Callable[..., None]) -> Callable[..., None]:
             self.__dict__["_raysync_init_depth"] = depth
         if depth == 0:
             cls = type(self)
+            if (missing := missing_attr(self, [s.attr for s in cls.__raysync_specs__])) is not None:
+                raise TypeError(missing)  # here: the actor's creation error shows one frame
             _ActorSync.attach(self, cls.__raysync_specs__, cls.__raysync_async__)
 
     return __init__

@@ -40,6 +40,7 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import _module_tensors, extract_extra_state, extract_tensors, non_persistent_buffers
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.receivers.follower import Follower
+from raysync.torchrl.first_version import wait_for_first_version
 from raysync.torchrl.strategy import _target_for, resolve_model, split_extra_state
 
 __all__ = ["HubWeightSyncScheme"]
@@ -69,10 +70,10 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             so workers act with them and a weightless worker gets them before its first
             batch. ``False``: the state dict's keys only (for a model that
             ``@raysync.synced_model`` actors, which hold state dict keys, follow too).
-        follow_only: the weights come from another writer (a sharded trainer whose
-            every rank pushes, a trainer actor): this process never pushes. The
-            collector's policy is not pushed first; workers start from the hub's newest
-            version (waiting up to ``timeout`` for a first one), and
+        follow_only: the weights come from another writer (a sharded trainer whose every
+            rank pushes, a trainer actor): this process never pushes, nor the collector's policy
+            first; workers start from the hub's newest version (none within ``timeout``: the
+            collector raises SyncTimeoutError before any worker starts), and
             ``update_policy_weights_()`` returns once every worker, and the collector's
             own policy, hold the hub's newest version. Weights other than the
             collector's own policy's are refused.
@@ -170,8 +171,10 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         if kwargs.get("model") is not None:
             self.model = kwargs["model"]
         _ = self.client  # connects Ray (and the hub) in this process
-        self._ray_address = ray.get_runtime_context().gcs_address
         self._expected = _expected_workers(context, kwargs)
+        if self.follow_only and self._expected:  # workers start from the newest: before any starts,
+            wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)  # one error
+        self._ray_address = ray.get_runtime_context().gcs_address
         local = self._local_model()
         own = self._own(local) if isinstance(local, torch.nn.Module) else {}
         if own and not _weightless(own) and not self.follow_only:
@@ -342,13 +345,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 "the weights; call update_policy_weights_() without weights to catch up with it"
             )
         deadline = time.monotonic() + self.timeout
-        while (latest := self.client.latest(model_id)) is None:
-            if time.monotonic() >= deadline:
-                raise SyncTimeoutError(
-                    f"no version of {model_id!r} on hub {self.hub!r} within {self.timeout:g} s: "
-                    "its writer has not pushed"
-                )
-            time.sleep(0.05)
+        latest = wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)
         self._check_workers(latest, deadline, joining=True)
         if self.apply_locally and own and not _weightless(own):
             if self._applied is None or self._applied < latest:

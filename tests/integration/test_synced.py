@@ -438,7 +438,9 @@ def test_missing_module_attribute_fails_actor_creation_clearly(hub_name: str, ra
         def ping(self) -> int:
             return 1
 
-    with pytest.raises(ray.exceptions.RayActorError, match=r"self.policy to be an nn.Module"):
+    with pytest.raises(
+        ray.exceptions.RayActorError, match=r"self\.policy is missing; the actor's modules: \['model'\]"
+    ):
         ray.get(Forgetful.remote().ping.remote())
 
 

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -390,3 +391,21 @@ def _sharded_group(world: int = 2) -> list[Any]:
         port = s.getsockname()[1]
     cls = ray.remote(num_cpus=0)(_sharded.Rank)
     return [cls.remote(r, world, port) for r in range(world)]
+
+
+def test_a_follow_only_collector_before_any_push_raises_within_its_timeout(hub: raysync.HubClient) -> None:
+    """Created before its writer's first push, a follow_only collector fails in its constructor with
+    one SyncTimeoutError naming what to do, within its timeout: no worker starts (issue 48)."""
+    scheme = HubWeightSyncScheme(hub=hub.name, timeout=5, follow_only=True)
+    t0 = time.monotonic()
+    with pytest.raises(raysync.SyncTimeoutError, match=r"no version of 'policy' on hub .* within 5 s"):
+        MultiSyncCollector(
+            [PendulumEnv] * 2,
+            constant_policy(-1.0),
+            frames_per_batch=8,
+            total_frames=-1,
+            weight_sync_schemes={"policy": scheme},
+        )
+    elapsed = time.monotonic() - t0
+    assert elapsed < 5 + 15, f"took {elapsed:.1f} s"  # the timeout, and a loaded machine's margin
+    assert _worker_rows(hub.name) == []  # no worker was started

@@ -448,3 +448,25 @@ def test_status_command_reads_the_jobs_hub_from_another_process(job: Job) -> Non
     assert status["hub"] == "raysync"  # the default hub, found in raysync's namespace
     assert status["models"]["policy"]["latest"] == STEPS
     assert status["models"]["policy"]["pushes"] == STEPS
+
+
+def test_status_without_the_token_fails_at_once_with_the_token_hint_first(head: Head) -> None:
+    """The head authenticates by token (Ray 2.60's `ray start`); a client without RAY_AUTH_MODE=token
+    is refused at each attempt, and `raysync status` says so rather than waiting out --timeout."""
+    env = {k: v for k, v in head.env.items() if not k.startswith("RAY_AUTH")}
+    result = subprocess.run(
+        [sys.executable, "-m", "raysync", "status", "--address", head.gcs_address, "--timeout", "120"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    (message,) = result.stderr.strip().splitlines()
+    assert message.startswith(
+        f"raysync status: error: the Ray cluster at {head.gcs_address!r} refused this client's "
+        "authentication: set RAY_AUTH_MODE=token"
+    ), message
+    assert "slow cluster" not in message  # not a timeout

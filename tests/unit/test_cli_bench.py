@@ -145,6 +145,36 @@ def test_bench_report_shows_each_value_beside_its_floor_and_what_a_miss_means() 
     assert "floor: ray.put of the same bytes + N plain actors ray.get it" in said
 
 
+@pytest.mark.parametrize(
+    "measured, floor, shown",
+    [
+        (0.01302, 0.01, "1.302"),  # a miss that two decimals would print as 1.30, beside "<= 1.3"
+        (0.0130004, 0.01, "1.30004"),
+        (0.013 + 1e-12, 0.01, ">1.3"),  # above the bound by less than any decimals shown
+        (0.01299, 0.01, "1.30"),  # met, rounded up to the bound: still reads as met
+        (0.0128, 0.01, "1.28"),
+        (0.0338, 0.006, "5.63"),
+    ],
+)
+def test_bench_report_never_prints_a_miss_as_a_ratio_within_its_bound(
+    measured: float, floor: float, shown: str
+) -> None:
+    """`raysync bench --quick` printed a MISS with ratio "1.30" against "<= 1.3" (issue 48)."""
+    report = _report()
+    row = report["rows"][0]  # fan-out: all applied, bound 1.3
+    row["measured_s"], row["floor_s"], row["ratio"] = measured, floor, measured / floor
+    row["met"] = row["ratio"] <= row["bound"]
+    out = io.StringIO()
+    bench.print_report(report, file=out)
+    line = next(x for x in out.getvalue().splitlines() if "fan-out: all applied" in x and "<=" in x)
+    printed = line.split()[-4]  # ..., ratio, "<=", bound, ok
+    assert printed == shown, line
+    assert line.startswith("  MISS" if not row["met"] else "  met "), line
+    if printed.startswith(">"):
+        return
+    assert (float(printed) <= row["bound"]) == row["met"], f"{line!r} reads as the other side of its bound"
+
+
 def test_no_bench_output_names_a_file_outside_the_package() -> None:
     """The targets' source (a file of the project's workspace) is not shipped: no output names it."""
     root = Path(raysync.__file__).parent / "ops"
