@@ -84,11 +84,11 @@ class WaitLabel:
     def __str__(self) -> str:
         if self.max_lag is not None:
             return (
-                f"push of {self.model_id!r} waits for subscribers to come within max_lag={self.max_lag} "
-                f"(to apply version {self.version})"
+                f"push of {self.model_id!r} waiting for subscribers to come within max_lag={self.max_lag} "
+                f"(to hold version {self.version})"
             )
-        also = f" and {self.need} subscriber(s) registered" if self.need else ""
-        return f"wait for version {self.version} of {self.model_id!r} applied{also}"
+        also = f" and {self.need} registered subscribers" if self.need else ""
+        return f"wait for version {self.version} of {self.model_id!r}{also}"
 
 
 @dataclass
@@ -117,7 +117,7 @@ class Progress:
         if now < self._next:
             return False
         self._next = now + self.every
-        what = [f"{self.label} for {now - self.started:.0f} s"]
+        what = [f"{self.label}: still waiting after {now - self.started:.0f} s"]
         if rows:
             what.append(f"{len(rows)} behind: {behind(rows)}")
         if count is not None and count < self.label.need:

@@ -177,7 +177,7 @@ def raise_for(
         label = label or WaitLabel(model_id, version, need)
         rows = [r.row() for r in result.laggards]
         kind = "subscriber(s)" if include_pull else "push-mode subscriber(s)"
-        said = [f"{label}: timed out after {timeout} s"]
+        said = [f"{label} timed out after {timeout} s"]
         if rows:
             said.append(f"{len(rows)} {kind} did not apply version {version}: {behind(rows)}")
         if short:
