@@ -66,11 +66,11 @@ def wait_for(
         # after their answers: the hub keeps a stamped version before its publish awaits
         # anything and starts one caller's calls in order, so the wait finds it (one round
         # trip less). A refusal among the answers still raises first.
-        early = None
+        early, asked, sent = None, slice_s(), time.monotonic()
         if client._publishes.unanswered(model_id):
             require_ray("wait")
             early = _compat.call_no_start(
-                client.actor.wait, model_id, version, slice_s(), include_pull, offer, need
+                client.actor.wait, model_id, version, asked, include_pull, offer, need
             )
         try:
             client._settle(model_id, wait=True)
@@ -86,11 +86,14 @@ def wait_for(
                     if early is not None:
                         early, result = None, early_result(early)
                     if result is None:
-                        result = client._call("wait", model_id, version, slice_s(), include_pull, offer, need)
+                        asked, sent = slice_s(), time.monotonic()
+                        result = client._call("wait", model_id, version, asked, include_pull, offer, need)
                 except SyncTimeoutError as err:
-                    # A sharded round still missing ranks' parts at the end of a slice: wait on.
+                    if time.monotonic() - sent < asked:
+                        raise  # before its slice ended: why a sharded round will never be published
                     if left() == 0:
                         raise SyncTimeoutError(f"{err} ({label}: {timeout} s in all)") from None
+                    # A sharded round still missing ranks' parts at the end of a slice: wait on.
                     if progress.due():
                         logger.warning("%s: %s", label, err)
                     continue

@@ -142,3 +142,31 @@ def test_progress_logs_once_per_interval_by_its_clock(caplog: pytest.LogCaptureF
         "wait for version 2 of 'policy' and 3 registered subscribers: still waiting after 10 s" in caplog.text
     )
     assert "only 1 of the 3 push-mode subscribers" in caplog.text and "would make 3" in caplog.text
+
+
+class RoundHub(StandInHub):
+    """A hub whose version is a sharded round: unpublished for ``slices`` slices (the hub's
+    ``SyncTimeoutError`` at each slice's end), or abandoned (``SyncTimeoutError`` at once)."""
+
+    def __init__(self, slices: int, *, abandoned: bool = False) -> None:
+        super().__init__()
+        self.unpublished, self.abandoned = slices, abandoned
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if method == "wait" and self.abandoned:
+            raise SyncTimeoutError("ranks [1] of 2 did not push their shards: readers keep version 1")
+        if method == "wait" and self.unpublished:
+            self.unpublished -= 1
+            time.sleep(args[2])
+            raise SyncTimeoutError(f"version 2 of 'policy' is not published yet (within {args[2]} s)")
+        return WaitResult() if method == "wait" else super()._call(method, *args)
+
+
+def test_a_sharded_round_slower_than_a_slice_is_waited_for_and_an_abandoned_one_raises_at_once(
+    quick: None,
+) -> None:
+    wait_for(RoundHub(2), 2, "policy", 5.0, include_pull=False, raise_failures=True)  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(SyncTimeoutError, match="did not push their shards"):
+        wait_for(RoundHub(0, abandoned=True), 2, "policy", 30.0, include_pull=False, raise_failures=True)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 15.0  # not asked again until the wait's 30 s end
