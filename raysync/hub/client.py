@@ -50,8 +50,7 @@ from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
 from raysync.hub.state.groups import PartTaken
-from raysync.hub.wait_text import WaitLabel
-from raysync.hub.waiting import wait_for
+from raysync.hub.waiting import wait_for, wait_within_lag
 from raysync.transports.base import check_transport
 from raysync.transports.registry import transport_class
 
@@ -273,10 +272,9 @@ class HubClient:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
             model_id: which model this is; one hub serves several.
             wait: also wait until every push-mode subscriber of ``model_id`` applied it.
-            timeout: seconds for ``wait=True`` and ``max_lag`` (``None``: 300 s,
-                ``WAIT_TIMEOUT_S``; ``float("inf")``: no bound; a long wait logs who is behind
-                every 10 s), and for each answer the push waits for from the hub (``None``:
-                :attr:`retry_s`), plus 2 s (``ANSWER_GRACE_S``) for a sharded group's.
+            timeout: seconds for ``wait=True`` and ``max_lag`` (as :meth:`wait`'s), and for each
+                answer the push waits for from the hub (``None``: :attr:`retry_s`), plus
+                2 s (``ANSWER_GRACE_S``) for a sharded group's.
             max_lag: first wait while any push-mode subscriber is more than ``max_lag``
                 versions behind, so the trainer never runs further ahead.
             keys: push only these tensors (exact keys, ``fnmatch`` patterns
@@ -356,20 +354,8 @@ class HubClient:
             # are unanswered): what the hub refused raises here.
             with deadline.within(bound):
                 self._settle(model_id, wait=False)
-            target = None if max_lag is None else (self.latest(model_id) or 0) + 1 - max_lag
-            if target is not None and target >= 1:
-                # A subscriber that failed an old version is not behind in a way waiting can fix
-                # (this push brings it forward): only laggards hold the trainer back.
-                label = WaitLabel(model_id, target, max_lag=max_lag)
-                wait_for(
-                    self,
-                    target,
-                    model_id,
-                    timeout,
-                    include_pull=include_pull,
-                    raise_failures=False,
-                    label=label,
-                )
+            if max_lag is not None:
+                wait_within_lag(self, model_id, max_lag, timeout, include_pull=include_pull)
 
         request = PushRequest(
             weights,

@@ -21,7 +21,7 @@ from raysync.hub.wait_text import Progress, WaitLabel, behind, not_counted, regi
 if TYPE_CHECKING:
     from raysync.hub.client import HubClient
 
-__all__ = ["early_result", "raise_for", "wait_for"]
+__all__ = ["early_result", "raise_for", "wait_for", "wait_within_lag"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,21 @@ def wait_for(
         include_pull=include_pull,
         pull=pull,
     )
+
+
+def wait_within_lag(
+    client: HubClient, model_id: str, max_lag: int, timeout: float | None, *, include_pull: bool
+) -> None:
+    """A push's ``max_lag``: wait until no push-mode subscriber (pull-mode too with ``include_pull``)
+    would be more than ``max_lag`` versions behind the version about to be pushed."""
+    target = (client.latest(model_id) or 0) + 1 - max_lag
+    if target >= 1:
+        # A subscriber that failed an old version is not behind in a way waiting can fix
+        # (this push brings it forward): only laggards hold the trainer back.
+        label = WaitLabel(model_id, target, max_lag=max_lag)
+        wait_for(
+            client, target, model_id, timeout, include_pull=include_pull, raise_failures=False, label=label
+        )
 
 
 def _pull_mode(client: HubClient, model_id: str) -> int | None:
