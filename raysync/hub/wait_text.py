@@ -110,6 +110,15 @@ class Progress:
         """Whether a line is due now."""
         return self.clock() >= self._next
 
+    def note(self, why: object) -> bool:
+        """Log ``why`` the wait goes on (a sharded round not published yet) if a line is due."""
+        now = self.clock()
+        if now < self._next:
+            return False
+        self._next = now + self.every
+        logger.warning("%s: still waiting after %.0f s: %s", self.label, now - self.started, why)
+        return True
+
     def report(self, rows: Sequence[dict[str, Any]], count: int | None, pull: int | None) -> bool:
         """Log who is behind if a line is due (``count``: subscribers registered and counted; ``pull``:
         pull-mode ones not counted); whether it logged."""

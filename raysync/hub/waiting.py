@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +21,6 @@ if TYPE_CHECKING:
     from raysync.hub.client import HubClient
 
 __all__ = ["early_result", "raise_for", "wait_for", "wait_within_lag"]
-
-logger = logging.getLogger(__name__)
 
 
 def wait_for(
@@ -94,8 +91,7 @@ def wait_for(
                     if left() == 0:
                         raise SyncTimeoutError(f"{err} ({label}: {timeout} s in all)") from None
                     # A sharded round still missing ranks' parts at the end of a slice: wait on.
-                    if progress.due():
-                        logger.warning("%s: %s", label, err)
+                    progress.note(err)
                     continue
             if result.missing and mine is not None:
                 # The hub restarted and lost the version: offer ours again (a sharded rank: its part;

@@ -163,9 +163,12 @@ class RoundHub(StandInHub):
 
 
 def test_a_sharded_round_slower_than_a_slice_is_waited_for_and_an_abandoned_one_raises_at_once(
-    quick: None,
+    quick: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    wait_for(RoundHub(2), 2, "policy", 5.0, include_pull=False, raise_failures=True)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="raysync"):
+        wait_for(RoundHub(2), 2, "policy", 5.0, include_pull=False, raise_failures=True)  # type: ignore[arg-type]
+    assert "wait for version 2 of 'policy': still waiting after" in caplog.text
+    assert "is not published yet" in caplog.text
     started = time.monotonic()
     with pytest.raises(SyncTimeoutError, match="did not push their shards"):
         wait_for(RoundHub(0, abandoned=True), 2, "policy", 30.0, include_pull=False, raise_failures=True)  # type: ignore[arg-type]
