@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_timeout", "not_running", "ray_shut_down", "require_ray"]
+__all__ = ["WAIT_TIMEOUT_S", "check_timeout", "not_running", "ray_shut_down", "require_ray", "wait_timeout"]
+
+WAIT_TIMEOUT_S = 300.0
+"""The bound of a wait given ``timeout=None`` (the default of ``hub.wait``, ``push``'s ``wait=True``
+and ``max_lag``, ``Follower.wait_for``, ``raysync_sync`` and the torchrl senders' waits): every wait
+ends, with :class:`~raysync.SyncTimeoutError` naming who is behind. ``float("inf")`` waits without
+a bound, where a caller really means it."""
 
 
 def check_timeout(
@@ -44,6 +50,22 @@ def check_timeout(
         what = f"None or a number of seconds {bound}" if allow_none else f"a number of seconds {bound}"
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return float(value)
+
+
+def wait_timeout(value: Any, name: str = "timeout") -> float | None:
+    """A wait's bound in seconds: ``value`` checked as :func:`check_timeout` does, ``None`` (the
+    default) as :data:`WAIT_TIMEOUT_S` (read at call time), ``float("inf")`` as ``None`` (no bound).
+
+    Example:
+        >>> wait_timeout(None)
+        300.0
+        >>> wait_timeout(float("inf")) is None
+        True
+    """
+    seconds = check_timeout(value, name)
+    if seconds is None:
+        return WAIT_TIMEOUT_S
+    return None if math.isinf(seconds) else seconds
 
 
 def not_running(what: str) -> Exception:

@@ -50,7 +50,7 @@ from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
 from raysync.hub.state.groups import PartTaken
-from raysync.hub.waiting import wait_for
+from raysync.hub.waiting import wait_for, wait_within_lag
 from raysync.transports.base import check_transport
 from raysync.transports.registry import transport_class
 
@@ -271,11 +271,11 @@ class HubClient:
         Args:
             weights: an ``nn.Module``, a ``TensorDict`` or a (nested) state dict.
             model_id: which model this is; one hub serves several.
-            wait: also wait until every subscriber of ``model_id`` applied it.
-            timeout: seconds for ``wait=True`` and ``max_lag`` (``None``: no limit), and for
-                each answer the push waits for from the hub (``None``: :attr:`retry_s`), plus
+            wait: also wait until every push-mode subscriber of ``model_id`` applied it.
+            timeout: seconds for ``wait=True`` and ``max_lag`` (as :meth:`wait`'s), and for each
+                answer the push waits for from the hub (``None``: :attr:`retry_s`), plus
                 2 s (``ANSWER_GRACE_S``) for a sharded group's.
-            max_lag: first wait while any subscriber is more than ``max_lag``
+            max_lag: first wait while any push-mode subscriber is more than ``max_lag``
                 versions behind, so the trainer never runs further ahead.
             keys: push only these tensors (exact keys, ``fnmatch`` patterns
                 such as ``"*.lora_*"``, or a predicate on the key); the others
@@ -354,11 +354,8 @@ class HubClient:
             # are unanswered): what the hub refused raises here.
             with deadline.within(bound):
                 self._settle(model_id, wait=False)
-            target = None if max_lag is None else (self.latest(model_id) or 0) + 1 - max_lag
-            if target is not None and target >= 1:
-                # A subscriber that failed an old version is not behind in a way waiting can fix
-                # (this push brings it forward): only laggards hold the trainer back.
-                wait_for(self, target, model_id, timeout, include_pull=include_pull, raise_failures=False)
+            if max_lag is not None:
+                wait_within_lag(self, model_id, max_lag, timeout, include_pull=include_pull)
 
         request = PushRequest(
             weights,
@@ -438,15 +435,17 @@ class HubClient:
         Args:
             version: a version ``push()`` returned.
             model_id: the model.
-            timeout: seconds (``None``: no limit); the hub's answer is waited for 2 s longer
+            timeout: seconds (``None``: 300 s, ``WAIT_TIMEOUT_S``; ``float("inf")``: no bound; a
+                long wait logs who is behind every 10 s); the hub's answer is waited for 2 s longer
                 (``ANSWER_GRACE_S``), then ``SyncTimeoutError`` whatever the hub does.
             include_pull: also wait for pull-mode subscribers.
             subscribers: also wait until at least this many subscribers of ``model_id``
                 (counted as above) registered, e.g. the actors just created.
 
         Raises:
-            SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards
-                (or says how many of ``subscribers`` registered), or that the hub did not answer.
+            SyncTimeoutError: ``timeout`` seconds passed; the message names the laggards and why
+                (or says how many of ``subscribers`` registered, and how many pull-mode ones were
+                not counted), or that the hub did not answer.
             ApplyError: some subscriber failed to apply it (it keeps its previous version).
             StaleWriterError, WeightMismatchError: the hub refused a push of this client
                 that did not wait for its answer (see :meth:`push`).

@@ -10,16 +10,17 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
 from raysync import _compat
-from raysync._checks import check_timeout, require_ray
+from raysync._checks import require_ray, wait_timeout
 from raysync._protocol import WaitResult
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError
-from raysync.hub import deadline
+from raysync.hub import deadline, wait_text
 from raysync.hub.identity import writer_identity
+from raysync.hub.wait_text import Progress, WaitLabel, behind, not_counted, registered
 
 if TYPE_CHECKING:
     from raysync.hub.client import HubClient
 
-__all__ = ["early_result", "raise_for", "wait_for"]
+__all__ = ["early_result", "raise_for", "wait_for", "wait_within_lag"]
 
 
 def wait_for(
@@ -31,27 +32,43 @@ def wait_for(
     include_pull: bool,
     raise_failures: bool,
     need: int = 0,
+    label: WaitLabel | None = None,
 ) -> None:
     """``client``'s wait for ``version`` (:meth:`HubClient.wait <raysync.HubClient.wait>`, a push's
-    ``max_lag``): the hub's answer is waited for :data:`~raysync.hub.deadline.ANSWER_GRACE_S`
-    past ``timeout``, then :class:`SyncTimeoutError`, whatever the hub does.
+    ``wait=True`` and ``max_lag``): the hub's answer is waited for
+    :data:`~raysync.hub.deadline.ANSWER_GRACE_S` past ``timeout`` (``None``:
+    :data:`~raysync._checks.WAIT_TIMEOUT_S`; ``inf``: no bound), then :class:`SyncTimeoutError`,
+    whatever the hub does. The hub is asked in slices of :data:`~raysync.hub.wait_text.LOG_EVERY_S`,
+    and each slice that ends short logs who is behind.
     """
-    check_timeout(timeout)
+    timeout = wait_timeout(timeout)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ValueError(f"version must be an integer >= 1 (what push() returned), got {version!r}")
+    label = label or WaitLabel(model_id, version, need)
+    progress = Progress(label, include_pull, every=wait_text.LOG_EVERY_S)
     end = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if end is None else max(0.0, end - time.monotonic())
+
+    def slice_s() -> float:
+        rest = left()
+        return progress.every if rest is None else min(rest, progress.every)
+
+    pull: int | None = 0
     with deadline.within(None if timeout is None else timeout + deadline.ANSWER_GRACE_S):
         mine = client._pipeline.offer(model_id)
         offer = mine is not None and mine.version >= version
-        args = (model_id, version, timeout, include_pull, offer, need)
         # With publishes unanswered (a push just returned), send the wait at once instead of
         # after their answers: the hub keeps a stamped version before its publish awaits
         # anything and starts one caller's calls in order, so the wait finds it (one round
         # trip less). A refusal among the answers still raises first.
-        early = None
+        early, asked, sent = None, slice_s(), time.monotonic()
         if client._publishes.unanswered(model_id):
             require_ray("wait")
-            early = _compat.call_no_start(client.actor.wait, *args)
+            early = _compat.call_no_start(
+                client.actor.wait, model_id, version, asked, include_pull, offer, need
+            )
         try:
             client._settle(model_id, wait=True)
         except BaseException:
@@ -59,16 +76,75 @@ def wait_for(
                 with contextlib.suppress(Exception):
                     ray.cancel(early)
             raise
-        result: WaitResult | None = None if early is None else early_result(early)
-        if result is None:
-            result = client._call("wait", *args)
-        if result.missing and mine is not None:
-            # The hub restarted and lost the version: offer ours again (a sharded rank: its part;
-            # the hub keeps the version once every rank offered), then wait as usual.
-            client._call(mine.method, *mine.args, writer_identity())
-            left = None if end is None else max(0.0, end - time.monotonic())
-            result = client._call("wait", model_id, version, left, include_pull, False, need)
-    raise_for(result, model_id, version, timeout, need=need, failures=raise_failures)
+        result: WaitResult | None = None
+        while True:
+            if result is None:
+                try:
+                    if early is not None:
+                        early, result = None, early_result(early)
+                    if result is None:
+                        asked, sent = slice_s(), time.monotonic()
+                        result = client._call("wait", model_id, version, asked, include_pull, offer, need)
+                except SyncTimeoutError as err:
+                    if time.monotonic() - sent < asked:
+                        raise  # before its slice ended: why a sharded round will never be published
+                    if left() == 0:
+                        raise SyncTimeoutError(f"{err} ({label}: {timeout} s in all)") from None
+                    # A sharded round still missing ranks' parts at the end of a slice: wait on.
+                    progress.note(err)
+                    continue
+            if result.missing and mine is not None:
+                # The hub restarted and lost the version: offer ours again (a sharded rank: its part;
+                # the hub keeps the version once every rank offered), then wait as usual.
+                client._call(mine.method, *mine.args, writer_identity())
+                offer, result = False, None
+                continue
+            registered = result.registered
+            short = registered is not None and registered < need
+            if not (result.laggards or short) or left() == 0:
+                break
+            if progress.due():
+                if short and not include_pull:
+                    pull = _pull_mode(client, model_id)
+                progress.report([r.row() for r in result.laggards], registered, pull)
+            result = None
+        if (result.laggards or short) and not include_pull:
+            pull = _pull_mode(client, model_id)
+    raise_for(
+        result,
+        model_id,
+        version,
+        timeout,
+        need=need,
+        failures=raise_failures,
+        label=label,
+        include_pull=include_pull,
+        pull=pull,
+    )
+
+
+def wait_within_lag(
+    client: HubClient, model_id: str, max_lag: int, timeout: float | None, *, include_pull: bool
+) -> None:
+    """A push's ``max_lag``: wait until no push-mode subscriber (pull-mode too with ``include_pull``)
+    would be more than ``max_lag`` versions behind the version about to be pushed."""
+    target = (client.latest(model_id) or 0) + 1 - max_lag
+    if target >= 1:
+        # A subscriber that failed an old version is not behind in a way waiting can fix
+        # (this push brings it forward): only laggards hold the trainer back.
+        label = WaitLabel(model_id, target, max_lag=max_lag)
+        wait_for(
+            client, target, model_id, timeout, include_pull=include_pull, raise_failures=False, label=label
+        )
+
+
+def _pull_mode(client: HubClient, model_id: str) -> int | None:
+    """How many pull-mode subscribers of ``model_id`` are registered (``None``: the hub did not say)."""
+    try:
+        status = client._call("status")
+    except Exception:  # only for a message: the wait's own answer is what counts
+        return None
+    return sum(1 for s in status["subscribers"] if s["model_id"] == model_id and s["mode"] == "pull")
 
 
 def early_result(ref: Any) -> WaitResult | None:
@@ -91,33 +167,40 @@ def early_result(ref: Any) -> WaitResult | None:
 
 
 def raise_for(
-    result: WaitResult, model_id: str, version: int, timeout: float | None, *, need: int, failures: bool
+    result: WaitResult,
+    model_id: str,
+    version: int,
+    timeout: float | None,
+    *,
+    need: int,
+    failures: bool,
+    label: WaitLabel | None = None,
+    include_pull: bool = True,
+    pull: int | None = 0,
 ) -> None:
-    """Raise what a wait's end means: ``SyncTimeoutError`` naming the laggards (or how many of
-    ``need`` subscribers registered), ``ApplyError`` naming the failures (with ``failures``).
+    """Raise what a wait's end means: ``SyncTimeoutError`` naming who is behind and why (and how
+    many of ``need`` subscribers registered; without ``include_pull``, that the ``pull`` pull-mode
+    ones were not counted: ``None``, an unknown number),
+    ``ApplyError`` naming the failures (with ``failures``).
 
     Example:
         >>> raise_for(WaitResult(), "policy", 3, 30.0, need=0, failures=True)   # all there: no error
     """
-    if result.laggards or (result.registered is not None and result.registered < need):
+    short = result.registered is not None and result.registered < need
+    if result.laggards or short:
+        label = label or WaitLabel(model_id, version, need)
         rows = [r.row() for r in result.laggards]
-        names = ", ".join(
-            f"{r['subscriber']} ({r['actor']}, applied {r['applied']}"
-            + (f", {r['state']}" if r["state"] != "live" else "")
-            + (f", error: {r['error']}" if r["error"] else "")
-            + ")"
-            for r in rows[:10]
-        )
-        short = (
-            f"; only {result.registered} of the {need} subscribers waited for had registered"
-            if result.registered is not None and result.registered < need
-            else ""
-        )
-        raise SyncTimeoutError(
-            f"{len(rows)} subscriber(s) of {model_id!r} did not apply version {version} "
-            f"within {timeout} s: {names or '-'}{short}",
-            laggards=rows,
-        )
+        kind = "subscriber(s)" if include_pull else "push-mode subscriber(s)"
+        said = [f"{label} timed out after {timeout} s"]
+        if rows:
+            said.append(f"{len(rows)} {kind} did not apply version {version}: {behind(rows)}")
+        if short:
+            assert result.registered is not None
+            said.append(registered(result.registered, need, pull, include_pull))
+        tail = (
+            "" if short or include_pull else not_counted(pull)
+        )  # said with the registrations, where they fell short
+        raise SyncTimeoutError("; ".join(said) + tail, laggards=rows)
     if result.failures and failures:
         rows = [r.row() for r in result.failures]
         names = "; ".join(f"{r['subscriber']} ({r['actor']}): {r['error']}" for r in rows[:10])

@@ -35,6 +35,7 @@ import ray
 import torch
 
 from raysync import _protocol as proto
+from raysync._checks import wait_timeout
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import module_schema
@@ -260,9 +261,14 @@ class Follower:
     def wait_for(self, version: int, timeout: float | None = None) -> int:
         """Block until this follower holds ``version`` or newer; return the version held.
 
+        Args:
+            version: a version ``push()`` returned.
+            timeout: seconds (``None``: 300 s, ``WAIT_TIMEOUT_S``; ``float("inf")``: no bound).
+
         Raises:
             SyncTimeoutError: not within ``timeout`` seconds.
         """
+        timeout = wait_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._applied:
             while self.version is None or self.version < version:

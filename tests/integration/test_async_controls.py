@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -11,7 +12,10 @@ import ray
 import torch
 
 import raysync
-from tests._support import assert_same_weights, wait_for_condition
+from raysync import _checks
+from raysync.hub import wait_text
+from raysync.hub.deadline import ANSWER_GRACE_S
+from tests._support import CLIENT_MARGIN_S, assert_same_weights, wait_for_condition
 
 BUCKET = 40 * 1024  # small buckets: base0 | base1 + adapters
 
@@ -85,6 +89,36 @@ def test_max_lag_blocks_the_trainer_until_the_slow_subscriber_catches_up(
     thread.join(timeout=30)
     assert released["at"] >= synced_at
     assert hub.latest() == 3
+
+
+def test_max_lag_at_its_default_timeout_names_the_busy_actor_and_logs_while_it_waits(
+    hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 48, item 4: push(max_lag=...) without a timeout is bounded (WAIT_TIMEOUT_S, 300 s: 4 s
+    # here) and says every LOG_EVERY_S (10 s: 1 s here) whom it waits for.
+    monkeypatch.setattr(_checks, "WAIT_TIMEOUT_S", 4.0)
+    monkeypatch.setattr(wait_text, "LOG_EVERY_S", 1.0)
+    follower = make_follower(hub_name).remote()
+    ray.get(follower.version.remote())
+    model = LoRAPolicy(1)
+    assert hub.push(model, wait=True, timeout=60) == 1
+    busy = follower.busy.remote(12)  # a push-mode actor applies between its method calls: not now
+    wait_for_condition(lambda: _row(hub)["applied"] == 1, what="the follower holds 1")
+    assert hub.push(model) == 2
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="raysync"), pytest.raises(raysync.SyncTimeoutError) as info:
+        hub.push(model, max_lag=1)  # a 3rd would put it 2 behind
+    assert time.monotonic() - started < 4.0 + ANSWER_GRACE_S + CLIENT_MARGIN_S
+    text = str(info.value)
+    assert "within max_lag=1" in text and "timed out after 4.0 s" in text
+    assert (
+        "Follower" in text and "holds version 1; live, no error: applying, or busy in a method call" in text
+    )
+    lines = [r.getMessage() for r in caplog.records if r.name == "raysync.hub.wait_text"]
+    assert lines and all("within max_lag=1" in line and "Follower" in line for line in lines)
+    assert len(lines) <= 4.0 / 1.0 + 1  # one a second at most
+    assert ray.get(busy, timeout=60) == 1
+    assert hub.push(model, max_lag=1, timeout=60) == 3  # it applied 2 once free
 
 
 def test_partial_push_moves_only_the_selected_keys(hub: raysync.HubClient, hub_name: str) -> None:

@@ -33,7 +33,7 @@ def test_wait_counts_the_collectors_just_created(hub: raysync.HubClient, hub_nam
     for c in collectors:
         assert ray.get(c.raysync_version.remote()) == v
     t0 = time.monotonic()
-    with pytest.raises(raysync.SyncTimeoutError, match="only 2 of the 3 subscribers"):
+    with pytest.raises(raysync.SyncTimeoutError, match="only 2 of the 3 push-mode subscribers"):
         hub.wait(v, timeout=2, subscribers=3)
     assert time.monotonic() - t0 < 2 + ANSWER_GRACE_S + CLIENT_MARGIN_S  # wait(timeout=T)'s bound
     with pytest.raises(ValueError, match="subscribers"):

@@ -466,6 +466,28 @@ def test_case12_pull_subscribers_do_not_stall_push_wait_or_max_lag(
     assert holds(evaluator, 5)
 
 
+def test_case12_a_wait_short_of_subscribers_names_the_pull_mode_ones_it_did_not_count(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    # Issue 48, item 2: one push-mode and one pull-mode actor; subscribers=2 counts push-mode ones
+    # only (the pull-mode one moves only when it syncs), and the timeout says so and how to count it.
+    collector = make_sub(hub_name)
+    evaluator = make_sub(hub_name, "pull")
+    ray.get([collector.check.remote(), evaluator.check.remote()], timeout=CALL_S)
+    push(hub, 1, wait=True, timeout=CALL_S)
+    started = time.monotonic()
+    with pytest.raises(raysync.SyncTimeoutError) as info:
+        hub.wait(1, subscribers=2, timeout=2)
+    assert time.monotonic() - started < 2 + ANSWER_GRACE_S + CLIENT_MARGIN_S
+    text = str(info.value)
+    assert "only 1 of the 2 push-mode subscribers waited for (subscribers=2) registered" in text
+    assert "1 pull-mode subscriber(s) registered too, which would make 2" in text
+    assert "include_pull=True" in text
+    assert "-;" not in text and "0 subscriber(s)" not in text
+    assert ray.get(evaluator.sync.remote(), timeout=CALL_S) is True
+    hub.wait(1, subscribers=2, timeout=CALL_S, include_pull=True)  # counted, as the message said
+
+
 # ---------------------------------------------------------------------- case 13: raw errors
 
 

@@ -10,6 +10,7 @@ test-only loopback data path (``tests/_loopback_transport.py``).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -19,9 +20,10 @@ import torch
 
 import raysync
 import raysync.adapters
+from raysync import _checks
 from tests import _loopback_transport as loopback
 from tests import _targets
-from tests._support import assert_same_weights, small_policy, wait_for_condition
+from tests._support import CLIENT_MARGIN_S, assert_same_weights, small_policy, wait_for_condition
 from tests._targets import Engine, engine_loader, policy_state, record_engine
 
 TIMEOUT = 90.0
@@ -152,6 +154,33 @@ def test_a_misfit_is_refused_before_any_byte_is_fetched(hub: raysync.HubClient, 
         assert len(loopback.FETCHES) == fetches  # refused from the manifest alone
         assert len(engine.calls) == calls and follower.version == v1
         assert_same_weights(engine.params, small_policy(1).state_dict())
+    finally:
+        follower.stop()
+
+
+def test_a_followers_wait_for_left_at_its_default_timeout_ends(
+    hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 48, item 4: Follower.wait_for without a timeout is bounded (WAIT_TIMEOUT_S: 300 s, 1 s here).
+    monkeypatch.setattr(_checks, "WAIT_TIMEOUT_S", 1.0)
+    follower = raysync.follow(target=Engine().loader(), hub=hub_name)
+    try:
+        v1 = hub.push(small_policy(1))
+        assert follower.wait_for(v1) >= v1
+        ended: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                follower.wait_for(v1 + 1)  # never pushed
+            except BaseException as err:
+                ended.append(err)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        thread.join(timeout=1.0 + CLIENT_MARGIN_S)
+        assert not thread.is_alive(), "wait_for() without a timeout did not end at the default bound"
+        assert isinstance(ended[0], raysync.SyncTimeoutError)
+        assert f"not {v1 + 1}, after 1.0 s" in str(ended[0])
     finally:
         follower.stop()
 
