@@ -44,7 +44,7 @@ from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.errors import RaySyncError, StaleWriterError, UnknownModelError
 from raysync.hub import deadline, metrics
 from raysync.hub.identity import writer_identity
-from raysync.hub.lease import Publishes, WriterLease, lease_of
+from raysync.hub.lease import LeaseMoved, Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
 from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.settings import HubSettings
@@ -105,7 +105,7 @@ class HubClient:
             give_up=lambda *args: _alive(me)._post(GIVE_UP, *args),
         )
         self.last_push: dict[str, Any] = {}
-        self._publishes = Publishes()
+        self._publishes, self._moved = Publishes(), LeaseMoved(lambda m: _alive(me)._post("latest", m))
         self._posting: dict[str, Any] = {}  # the hub's methods bound with retries, for _post
         self._posting_to: Any = None
 
@@ -157,14 +157,13 @@ class HubClient:
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
         """Stamp the version from this process's block and publish it; wait only for a new layout.
 
-        A layout the hub has not accepted from this writer yet (the first push, a changed
-        structure, the push after a refusal) waits for the hub's answer, so weights that
-        do not fit a subscriber raise here; other pushes return without it and the answer
-        is read on the next push, ``wait`` or query.
+        A layout the hub has not accepted from this writer yet (first push, new structure, after a refusal
+        or a lease taken back: :class:`.LeaseMoved`) waits for the answer; others read it on the next call.
         """
         pusher = {**writer_identity(), **self.last_push}
         lease = lease_of(self.name, self.namespace, model_id)
         with lease.lock:
+            self._moved.take_back_if_moved(model_id, lease)
             version, epoch = lease.take(
                 lambda: self._acquire(model_id, pusher),
                 lambda: self._ask_ahead(model_id, pusher),
@@ -350,8 +349,9 @@ class HubClient:
         bound = (self.retry_s if timeout is None else timeout) + deadline.ANSWER_GRACE_S
 
         def before() -> None:
-            # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
-            # are unanswered): what the hub refused raises here.
+            # Whether the lease moved (asked now); the hub's answers to earlier pushes that arrived (the
+            # oldest waited for when too many are unanswered): what the hub refused raises here.
+            self._moved.ask(model_id, self._lease(model_id))
             with deadline.within(bound):
                 self._settle(model_id, wait=False)
             target = None if max_lag is None else (self.latest(model_id) or 0) + 1 - max_lag
@@ -408,8 +408,8 @@ class HubClient:
         _check_model_id(model_id)
         self._settle(model_id, wait=False)
         pusher = {**writer_identity(), **self.last_push}
-        lease = self._lease(model_id)
-        with lease.lock:
+        with (lease := self._lease(model_id)).lock:
+            self._moved.check_now(model_id, lease)
             return lease.peek(lambda: self._acquire(model_id, pusher))
 
     # ------------------------------------------------------------------ wait / query

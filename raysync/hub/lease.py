@@ -15,6 +15,11 @@ unique across hub restarts; a restarted trainer (a new process, even of the same
 takes a new block; and the lease's fencing epoch changes whenever the lease passes to
 another writer, so the old writer's later publishes are refused, never interleaved.
 
+A job's driver and tasks share one lease, each process under an epoch of its own: a push
+of one asks the hub for the newest version before its snapshot (:class:`LeaseMoved`) and
+takes the lease back if another process of the job published since, so it never hands
+out a number from a block whose epoch is over (a number that would never be published).
+
 Example:
     >>> lease = lease_of("raysync", "raysync", "policy")
     >>> with lease.lock:                                   # doctest: +SKIP
@@ -31,15 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayError, RayTaskError
 
 from raysync import _compat
 from raysync._checks import require_ray
 from raysync._protocol import BLOCK, Grant
 from raysync.errors import RaySyncError, StaleWriterError
 from raysync.hub import deadline
+from raysync.hub.identity import writer_identity
 
-__all__ = ["Publishes", "Refusal", "WriterLease", "lease_of"]
+__all__ = ["LeaseMoved", "Publishes", "Refusal", "WriterLease", "lease_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,8 @@ class WriterLease:
         upcoming: the next block, asked for when half of this one is used.
         confirmed: the layout the hub accepted (no subscriber refused it): pushes of
             another layout wait for the hub's answer, so a mismatch raises on the push.
+        stamped: the last number stamped under :attr:`epoch` (before the first: the block's
+            first less one); a newer version on the hub means another process took the lease.
     """
 
     epoch: int | None = None
@@ -69,6 +77,7 @@ class WriterLease:
     last: int = 0
     upcoming: Any = None
     confirmed: str | None = None
+    stamped: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, acquire: Callable[[], Grant], ask_ahead: Callable[[], Any]) -> tuple[int, int]:
@@ -82,6 +91,7 @@ class WriterLease:
         """
         version = self.peek(acquire)
         self.next += 1
+        self.stamped = version
         if self.upcoming is None and self.last - version == BLOCK // 2:
             self.upcoming = ask_ahead()
         assert self.epoch is not None
@@ -117,7 +127,7 @@ class WriterLease:
 
     def _adopt(self, grant: Grant) -> None:
         if grant.epoch != self.epoch:
-            self.confirmed = None
+            self.confirmed, self.stamped = None, grant.first - 1
         self.epoch, self.next, self.last = grant.epoch, grant.first, grant.last
 
 
@@ -267,3 +277,75 @@ class Publishes:
         refusal = self._refused.pop(model_id, None)
         if refusal is not None:
             refusal.raise_it(model_id)
+
+
+_JOB_KINDS = ("driver", "tasks")  # writers whose processes share one lease
+
+
+class LeaseMoved:
+    """Whether another process of this job took the writer lease since this process last stamped.
+
+    A job's driver and its tasks are one writer (:mod:`raysync.hub.identity`), each process
+    stamping from a block of its own under an epoch of its own: a task that pushes takes the
+    lease (a new epoch), and the driver's later publishes under the old epoch are refused. A
+    push returns before the hub answers its publish, so the driver's next push would hand out
+    a number that is never published (refused, and said so only on the push after). A push of
+    a job's process therefore asks the hub for the newest version before its snapshot (sent
+    without waiting, read just before stamping): one newer than any this process stamped means
+    another process published under a newer epoch, and the push takes the lease back (a new
+    epoch and a block above every number granted) as a process's first push does. Fencing is
+    unchanged: every change of hands is a grant that moves the epoch on, so the other
+    process's later publishes are refused, never interleaved; a live writer outside the job
+    still gets ``StaleWriterError`` from that grant, at once. An actor is one process (a
+    restarted one starts afresh): its pushes skip the question. One question per client and
+    model (its answer read by the next push).
+
+    Example:
+        >>> moved = LeaseMoved(lambda model_id: hub.actor.latest.remote(model_id))
+        >>> moved.ask("policy", lease)                    # doctest: +SKIP
+        >>> with lease.lock:                              # doctest: +SKIP
+        ...     moved.take_back_if_moved("policy", lease)
+    """
+
+    def __init__(self, newest: Callable[[str], Any]) -> None:
+        """``newest(model_id)``: the hub's newest version number of the model, asked without waiting."""
+        self._newest = newest
+        self._lock = threading.Lock()
+        self._asked: dict[str, Any] = {}  # model -> ObjectRef of the hub's newest version number
+
+    def ask(self, model_id: str, lease: WriterLease) -> None:
+        """Ask the hub for ``model_id``'s newest version without waiting, if this process may be
+        one of several of its writer (a job's driver or task) and stamped under a lease."""
+        if lease.epoch is None or writer_identity()["kind"] not in _JOB_KINDS:
+            return
+        ref = self._newest(model_id)
+        with self._lock:
+            self._asked[model_id] = ref
+
+    def check_now(self, model_id: str, lease: WriterLease) -> None:
+        """Ask and read the answer at once (hold ``lease.lock``): for a number asked in advance."""
+        self.ask(model_id, lease)
+        self.take_back_if_moved(model_id, lease)
+
+    def take_back_if_moved(self, model_id: str, lease: WriterLease) -> None:
+        """Read the answer (hold ``lease.lock``); if another process published since this one
+        stamped, drop the lease so that this push asks for it again (a new epoch and block)."""
+        with self._lock:
+            ref = self._asked.pop(model_id, None)
+        if ref is None or lease.epoch is None:
+            return
+        left = deadline.left(60.0)
+        try:
+            newest = _compat.get_no_start(ref, timeout=60.0 if left is None else max(0.0, min(60.0, left)))
+        except RayError:
+            return  # the hub restarting or slow: the publish's own answer still says what it refused
+        if isinstance(newest, int) and newest > lease.stamped:
+            logger.info(
+                "another process of this job published version %d of %r after this process stamped "
+                "version %d: taking the writer lease back (the next number follows %d)",
+                newest,
+                model_id,
+                lease.stamped,
+                newest,
+            )
+            lease.lose()
