@@ -25,7 +25,7 @@ import torch
 from ray.exceptions import GetTimeoutError
 
 from raysync import _compat
-from raysync._checks import check_timeout, require_ray
+from raysync._checks import check_model_id, check_timeout, require_ray
 from raysync._protocol import (
     ACQUIRE,
     BLOCK,
@@ -46,6 +46,7 @@ from raysync.hub import deadline, metrics
 from raysync.hub.identity import writer_identity
 from raysync.hub.lease import LeaseMoved, Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
+from raysync.hub.model_ids import LATEST_NONE, note_absent
 from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
@@ -335,7 +336,7 @@ class HubClient:
             >>> v = hub.push(model, keys=["*lora*"])                # adapters only
             >>> v = hub.push(model, dtype=torch.bfloat16, delta=True)
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
@@ -405,7 +406,7 @@ class HubClient:
             >>> v = hub.next_version()
             >>> assert hub.push(model) == v
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         self._settle(model_id, wait=False)
         pusher = {**writer_identity(), **self.last_push}
         with (lease := self._lease(model_id)).lock:
@@ -462,7 +463,7 @@ class HubClient:
             isinstance(subscribers, bool) or not isinstance(subscribers, int) or subscribers < 0
         ):
             raise ValueError(f"subscribers must be None or an integer >= 0, got {subscribers!r}")
-        _check_model_id(model_id)
+        check_model_id(model_id)
         wait_for(
             self,
             version,
@@ -478,6 +479,8 @@ class HubClient:
     def latest(self, model_id: str = "policy") -> int | None:
         """The newest version of ``model_id`` (``None`` before the first push).
 
+        For an id the hub lacks while it holds others' (a typo?), one warning names the models there.
+
         Raises:
             SyncTimeoutError: the hub did not answer within :attr:`retry_s` (60 s).
 
@@ -485,10 +488,12 @@ class HubClient:
             >>> hub.latest()
             12
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         self._settle(model_id, wait=True, raise_refused=False)
-        result: int | None = self._call("latest", model_id)
-        return result
+        newest: int | None = self._call("latest", model_id)
+        if newest is None:
+            note_absent(self.name, model_id, lambda: self._call("status"), LATEST_NONE)
+        return newest
 
     @overload
     def pull(
@@ -526,7 +531,7 @@ class HubClient:
             >>> hub.pull()["0", "weight"].shape        # a nested TensorDict
             torch.Size([16, 8])
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
@@ -579,8 +584,3 @@ def _restore_client(
     name: str, namespace: str, takeover: bool = False, transport: str = "object_store"
 ) -> HubClient:
     return HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
-
-
-def _check_model_id(model_id: Any) -> None:
-    if not isinstance(model_id, str) or not model_id:
-        raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
