@@ -8,7 +8,6 @@ import time
 import pytest
 
 import raysync
-from raysync.receivers.first_version import wait_for_first
 from tests._support import small_policy
 
 
@@ -34,6 +33,8 @@ def test_latest_of_a_typod_model_id_is_none_and_warns_once_naming_the_models_the
 def test_a_follower_of_a_typod_model_id_says_so_and_a_bounded_wait_names_the_models(
     hub: raysync.HubClient, hub_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from raysync.receivers.first_version import wait_for_first
+
     hub.push(small_policy(1))
     with caplog.at_level(logging.INFO):
         # Following a model with no version yet is allowed (a follower may start before its trainer).
@@ -60,6 +61,8 @@ def test_a_follower_of_a_typod_model_id_says_so_and_a_bounded_wait_names_the_mod
 def test_a_follower_that_starts_before_any_push_logs_one_info_line(
     hub: raysync.HubClient, hub_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from raysync.receivers.first_version import wait_for_first
+
     with caplog.at_level(logging.INFO):
         follower = raysync.follow(small_policy(0), "policy", hub=hub_name)
     try:
