@@ -31,7 +31,7 @@ FOLLOWING = "following it until one is pushed"
 
 
 def _status(follower: Follower) -> dict[str, Any]:
-    status: dict[str, Any] = call_hub(membership().hub(follower).handle, "status", timeout=30.0)
+    status: dict[str, Any] = call_hub(membership().hub(follower).handle, "status", timeout=5.0)
     return status
 
 
