@@ -106,7 +106,7 @@ class HubClient:
             give_up=lambda *args: _alive(me)._post(GIVE_UP, *args),
         )
         self.last_push: dict[str, Any] = {}
-        self._publishes, self._moved = Publishes(), LeaseMoved(lambda m: _alive(me)._post("latest", m))
+        self._publishes, self._moved = Publishes(), LeaseMoved(name)
         self._posting: dict[str, Any] = {}  # the hub's methods bound with retries, for _post
         self._posting_to: Any = None
 

@@ -16,9 +16,9 @@ takes a new block; and the lease's fencing epoch changes whenever the lease pass
 another writer, so the old writer's later publishes are refused, never interleaved.
 
 A job's driver and tasks share one lease, each process under an epoch of its own: a push
-of one asks the hub for the newest version before its snapshot (:class:`LeaseMoved`) and
-takes the lease back if another process of the job published since, so it never hands
-out a number from a block whose epoch is over (a number that would never be published).
+of one reads the lease's epoch from the GCS before stamping (:class:`LeaseMoved`) and
+takes the lease back if another process took it since, so it never hands out a number
+from a block whose epoch is over (a number that would never be published).
 
 Example:
     >>> lease = lease_of("raysync", "raysync", "policy")
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
 from raysync import _compat
 from raysync._checks import require_ray
@@ -44,6 +44,7 @@ from raysync._protocol import BLOCK, Grant
 from raysync.errors import RaySyncError, StaleWriterError
 from raysync.hub import deadline
 from raysync.hub.identity import writer_identity
+from raysync.hub.persistence import lease_epoch
 
 __all__ = ["LeaseMoved", "Publishes", "Refusal", "WriterLease", "lease_of"]
 
@@ -68,8 +69,6 @@ class WriterLease:
         upcoming: the next block, asked for when half of this one is used.
         confirmed: the layout the hub accepted (no subscriber refused it): pushes of
             another layout wait for the hub's answer, so a mismatch raises on the push.
-        stamped: the last number stamped under :attr:`epoch` (before the first: the block's
-            first less one); a newer version on the hub means another process took the lease.
     """
 
     epoch: int | None = None
@@ -77,7 +76,6 @@ class WriterLease:
     last: int = 0
     upcoming: Any = None
     confirmed: str | None = None
-    stamped: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, acquire: Callable[[], Grant], ask_ahead: Callable[[], Any]) -> tuple[int, int]:
@@ -91,7 +89,6 @@ class WriterLease:
         """
         version = self.peek(acquire)
         self.next += 1
-        self.stamped = version
         if self.upcoming is None and self.last - version == BLOCK // 2:
             self.upcoming = ask_ahead()
         assert self.epoch is not None
@@ -127,7 +124,7 @@ class WriterLease:
 
     def _adopt(self, grant: Grant) -> None:
         if grant.epoch != self.epoch:
-            self.confirmed, self.stamped = None, grant.first - 1
+            self.confirmed = None
         self.epoch, self.next, self.last = grant.epoch, grant.first, grant.last
 
 
@@ -283,44 +280,43 @@ _JOB_KINDS = ("driver", "tasks")  # writers whose processes share one lease
 
 
 class LeaseMoved:
-    """Whether another process of this job took the writer lease since this process last stamped.
+    """Whether another process took this process's writer lease since it was granted.
 
     A job's driver and its tasks are one writer (:mod:`raysync.hub.identity`), each process
     stamping from a block of its own under an epoch of its own: a task that pushes takes the
     lease (a new epoch), and the driver's later publishes under the old epoch are refused. A
     push returns before the hub answers its publish, so the driver's next push would hand out
     a number that is never published (refused, and said so only on the push after). A push of
-    a job's process therefore asks the hub for the newest version before its snapshot (sent
-    without waiting, read just before stamping): one newer than any this process stamped means
-    another process published under a newer epoch, and the push takes the lease back (a new
-    epoch and a block above every number granted) as a process's first push does. Fencing is
-    unchanged: every change of hands is a grant that moves the epoch on, so the other
-    process's later publishes are refused, never interleaved; a live writer outside the job
-    still gets ``StaleWriterError`` from that grant, at once. An actor is one process (a
-    restarted one starts afresh): its pushes skip the question. One question per client and
-    model (its answer read by the next push).
+    a job's process therefore reads the lease's epoch from the hub's record in the GCS (asked
+    in a thread when the push starts, read just before stamping; about a millisecond, never
+    queued behind the hub's work): the hub writes a grant's epoch there before it replies, so
+    after another process's push returned this one reads its epoch. A newer epoch than this
+    process's means the lease moved: the push asks for it again as a process's first push does
+    (a new epoch and a block above every number granted). Fencing is unchanged: every change
+    of hands is a grant that moves the epoch on, so the other process's later publishes are
+    refused, never interleaved; a live writer outside the job (a takeover) is refused at that
+    grant, at once. An actor is one process (a restarted one starts afresh): its pushes skip this.
 
     Example:
-        >>> moved = LeaseMoved(lambda model_id: hub.actor.latest.remote(model_id))
+        >>> moved = LeaseMoved("raysync")
         >>> moved.ask("policy", lease)                    # doctest: +SKIP
         >>> with lease.lock:                              # doctest: +SKIP
         ...     moved.take_back_if_moved("policy", lease)
     """
 
-    def __init__(self, newest: Callable[[str], Any]) -> None:
-        """``newest(model_id)``: the hub's newest version number of the model, asked without waiting."""
-        self._newest = newest
+    def __init__(self, hub: str) -> None:
+        self._hub = hub
         self._lock = threading.Lock()
-        self._asked: dict[str, Any] = {}  # model -> ObjectRef of the hub's newest version number
+        self._asked: dict[str, concurrent.futures.Future[int | None]] = {}  # model -> its epoch, read
 
     def ask(self, model_id: str, lease: WriterLease) -> None:
-        """Ask the hub for ``model_id``'s newest version without waiting, if this process may be
-        one of several of its writer (a job's driver or task) and stamped under a lease."""
+        """Read the lease's epoch in a thread, if this process may be one of several of its
+        writer (a job's driver or task) and holds the lease."""
         if lease.epoch is None or writer_identity()["kind"] not in _JOB_KINDS:
             return
-        ref = self._newest(model_id)
+        future = _reader().submit(lease_epoch, self._hub, model_id)
         with self._lock:
-            self._asked[model_id] = ref
+            self._asked[model_id] = future
 
     def check_now(self, model_id: str, lease: WriterLease) -> None:
         """Ask and read the answer at once (hold ``lease.lock``): for a number asked in advance."""
@@ -328,24 +324,36 @@ class LeaseMoved:
         self.take_back_if_moved(model_id, lease)
 
     def take_back_if_moved(self, model_id: str, lease: WriterLease) -> None:
-        """Read the answer (hold ``lease.lock``); if another process published since this one
-        stamped, drop the lease so that this push asks for it again (a new epoch and block)."""
+        """Read the epoch (hold ``lease.lock``); if another process took the lease since this one
+        got it, drop it so that this push asks for it again (a new epoch and block)."""
         with self._lock:
-            ref = self._asked.pop(model_id, None)
-        if ref is None or lease.epoch is None:
+            future = self._asked.pop(model_id, None)
+        if future is None or lease.epoch is None:
             return
         left = deadline.left(60.0)
         try:
-            newest = _compat.get_no_start(ref, timeout=60.0 if left is None else max(0.0, min(60.0, left)))
-        except RayError:
-            return  # the hub restarting or slow: the publish's own answer still says what it refused
-        if isinstance(newest, int) and newest > lease.stamped:
+            epoch = future.result(timeout=60.0 if left is None else max(0.0, min(60.0, left)))
+        except Exception as err:  # the GCS slow or gone: the publish's own answer still says what it refused
+            logger.debug("could not read the writer lease of %r: %s", model_id, err)
+            return
+        if epoch is not None and epoch > lease.epoch:
             logger.info(
-                "another process of this job published version %d of %r after this process stamped "
-                "version %d: taking the writer lease back (the next number follows %d)",
-                newest,
+                "another process took the writer lease of %r (epoch %d; this process held %d): "
+                "taking it back (the next number follows every number granted)",
                 model_id,
-                lease.stamped,
-                newest,
+                epoch,
+                lease.epoch,
             )
             lease.lose()
+
+
+_readers: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _reader() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read leases' epochs (started on first use)."""
+    global _readers
+    with _leases_lock:
+        if _readers is None:
+            _readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="raysync-lease")
+        return _readers
