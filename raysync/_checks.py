@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["WAIT_TIMEOUT_S", "check_timeout", "not_running", "ray_shut_down", "require_ray", "wait_timeout"]
+__all__ = [
+    "WAIT_TIMEOUT_S",
+    "check_model_id",
+    "check_timeout",
+    "not_running",
+    "ray_shut_down",
+    "require_ray",
+    "wait_timeout",
+]
 
 WAIT_TIMEOUT_S = 300.0
 """The bound of a wait given ``timeout=None`` (the default of ``hub.wait``, ``push``'s ``wait=True``
@@ -109,3 +117,15 @@ def ray_shut_down(grace_s: float = 2.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def check_model_id(model_id: Any) -> None:
+    """Raise ``ValueError`` unless ``model_id`` is a non-empty string.
+
+    Example:
+        >>> check_model_id("")
+        Traceback (most recent call last):
+        ValueError: model_id must be a non-empty string, got ''
+    """
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")

@@ -85,7 +85,8 @@ import torch
 from raysync import _protocol as proto
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest, _short
-from raysync.errors import EngineNotReadyError, RaySyncError, WeightMismatchError
+from raysync.errors import EngineNotReadyError, RaySyncError, SyncTimeoutError, WeightMismatchError
+from raysync.receivers.first_version import wait_for_first
 from raysync.receivers.follower import Follower
 from raysync.receivers.target import Incoming
 
@@ -364,7 +365,13 @@ def follow_engine(
     """Have a vLLM engine follow ``model_id`` on the hub; the engine, holding the newest version.
 
     See :class:`VLLMEngine` (``rollback``, ``expected``) and :class:`~raysync.Follower`
-    (the rest). ``engine.follower`` is the follower; ``engine.stop()`` ends it.
+    (the rest). ``engine.follower`` is the follower; ``engine.stop()`` ends it. If the hub
+    has no version of ``model_id`` yet (the engine starts before its trainer), it waits up
+    to ``timeout`` seconds for the first one.
+
+    Raises:
+        SyncTimeoutError: no version of ``model_id`` within ``timeout`` (the message names
+            the models the hub holds: a typo'd id?); the engine follows nothing then.
 
     In a Ray actor the subscription's id is the actor's (``sub_id`` overrides it), so a
     restarted actor takes its subscription over: ``hub.wait`` waits for the new process,
@@ -378,7 +385,14 @@ def follow_engine(
     """
     engine = VLLMEngine(llm, expected=expected, rollback=rollback, name=label or "vLLM engine")
     return start_following(
-        engine, model_id, hub=hub, namespace=namespace, label=label, timeout=timeout, sub_id=sub_id
+        engine,
+        model_id,
+        hub=hub,
+        namespace=namespace,
+        label=label,
+        timeout=timeout,
+        sub_id=sub_id,
+        first=True,
     )
 
 
@@ -391,8 +405,16 @@ def start_following(
     label: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     sub_id: str | None = None,
+    first: bool = False,
 ) -> VLLMEngine:
     """Start a :class:`~raysync.Follower` feeding ``engine`` (what :func:`follow_engine` does with it).
+
+    It returns holding the hub's newest version, or none if the hub has none yet (the engine
+    then raises ``EngineNotReadyError`` until the first push lands). With ``first=True``
+    (:func:`follow_engine`) it waits up to ``timeout`` seconds for a first version.
+
+    Raises:
+        SyncTimeoutError: ``first=True`` and no version within ``timeout`` (the follower is stopped).
 
     Example:
         >>> start_following(VLLMEngine(llm), "policy").version  # doctest: +SKIP
@@ -412,6 +434,12 @@ def start_following(
         label=label or engine.name,
         timeout=timeout,
     ).start()
+    if first:
+        try:
+            wait_for_first(engine.follower, timeout)
+        except SyncTimeoutError:
+            engine.follower.stop()
+            raise
     return engine
 
 

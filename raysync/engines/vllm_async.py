@@ -176,7 +176,10 @@ async def follow_async_engine(
     """Have an ``AsyncLLM`` follow ``model_id`` on the hub (awaited on the engine's loop).
 
     See :func:`~raysync.engines.vllm.follow_engine`; the engine holds the hub's newest
-    version when this returns.
+    version when this returns (it waits up to ``timeout`` for a first one).
+
+    Raises:
+        SyncTimeoutError: no version of ``model_id`` within ``timeout``.
 
     Example:
         >>> synced = await follow_async_engine(async_llm, "policy", rollback=True)  # doctest: +SKIP
@@ -200,5 +203,6 @@ async def follow_async_engine(
         label=label,
         timeout=timeout,
         sub_id=sub_id,
+        first=True,
     )
     return engine

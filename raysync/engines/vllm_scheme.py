@@ -4,7 +4,7 @@ torchrl's scheme broadcasts weights over NCCL from a trainer (rank 0) to vLLM wo
 after a collective handshake (``init_all_workers_group``) that both sides must enter
 together. Here the same calls go through a raysync hub: the sender's ``update_weights``
 is ``hub.push`` (and, by default, a wait until every replica holds the version), each
-receiver is a :func:`~raysync.engines.vllm.follow_engine` engine, and
+receiver is a :func:`~raysync.engines.vllm.start_following` engine, and
 ``init_all_workers_group`` is no rendezvous: it connects to the hub (sender) or starts
 following it (receiver), in any order. The NCCL arguments (``master_address``,
 ``master_port``, ``device``) are accepted and unused; ``gpus_per_replica`` is kept as
@@ -29,7 +29,7 @@ import torch
 
 from raysync import _protocol as proto
 from raysync.channels.base import DEFAULT_TIMEOUT
-from raysync.engines.vllm import VLLMEngine, follow_engine
+from raysync.engines.vllm import VLLMEngine, start_following
 
 __all__ = ["VLLMWeightReceiver", "VLLMWeightSender", "VLLMWeightSyncScheme", "get_model_metadata"]
 
@@ -180,16 +180,19 @@ class VLLMWeightReceiver:
     def init_all_workers_group(
         self, model_metadata: dict[str, tuple[torch.dtype, torch.Size]] | None = None
     ) -> None:
-        """Start following the hub (the newest version goes in before this returns)."""
+        """Start following the hub (its newest version, if any, goes in before this returns).
+
+        The sender's side may come later (no rendezvous): with no version yet this returns at
+        once and the engine takes the first one pushed.
+        """
         if self.engine is None:
             s = self._scheme
-            self.engine = follow_engine(
-                self._vllm_engine,
+            self.engine = start_following(
+                VLLMEngine(self._vllm_engine, rollback=s.rollback, name="vLLM engine"),
                 s.model_id,
                 hub=s.hub,
                 namespace=s.namespace,
                 timeout=s.timeout,
-                rollback=s.rollback,
             )
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:

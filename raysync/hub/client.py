@@ -25,7 +25,7 @@ import torch
 from ray.exceptions import GetTimeoutError
 
 from raysync import _compat
-from raysync._checks import check_timeout, require_ray
+from raysync._checks import check_model_id, check_timeout, require_ray
 from raysync._protocol import (
     ACQUIRE,
     BLOCK,
@@ -44,8 +44,9 @@ from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.errors import RaySyncError, StaleWriterError, UnknownModelError
 from raysync.hub import deadline, metrics
 from raysync.hub.identity import writer_identity
-from raysync.hub.lease import Publishes, WriterLease, lease_of
+from raysync.hub.lease import LeaseMoved, Publishes, WriterLease, lease_of
 from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
+from raysync.hub.model_ids import LATEST_NONE, note_absent
 from raysync.hub.push import PushPipeline, PushRequest
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
@@ -105,7 +106,7 @@ class HubClient:
             give_up=lambda *args: _alive(me)._post(GIVE_UP, *args),
         )
         self.last_push: dict[str, Any] = {}
-        self._publishes = Publishes()
+        self._publishes, self._moved = Publishes(), LeaseMoved(name)
         self._posting: dict[str, Any] = {}  # the hub's methods bound with retries, for _post
         self._posting_to: Any = None
 
@@ -157,14 +158,13 @@ class HubClient:
     def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
         """Stamp the version from this process's block and publish it; wait only for a new layout.
 
-        A layout the hub has not accepted from this writer yet (the first push, a changed
-        structure, the push after a refusal) waits for the hub's answer, so weights that
-        do not fit a subscriber raise here; other pushes return without it and the answer
-        is read on the next push, ``wait`` or query.
+        A layout the hub has not accepted from this writer yet (first push, new structure, after a refusal
+        or a lease taken back: :class:`.LeaseMoved`) waits for the answer; others read it on the next call.
         """
         pusher = {**writer_identity(), **self.last_push}
         lease = lease_of(self.name, self.namespace, model_id)
         with lease.lock:
+            self._moved.take_back_if_moved(model_id, lease)
             version, epoch = lease.take(
                 lambda: self._acquire(model_id, pusher),
                 lambda: self._ask_ahead(model_id, pusher),
@@ -336,7 +336,7 @@ class HubClient:
             >>> v = hub.push(model, keys=["*lora*"])                # adapters only
             >>> v = hub.push(model, dtype=torch.bfloat16, delta=True)
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
@@ -350,8 +350,9 @@ class HubClient:
         bound = (self.retry_s if timeout is None else timeout) + deadline.ANSWER_GRACE_S
 
         def before() -> None:
-            # The hub's answers to earlier pushes that arrived (the oldest waited for when too many
-            # are unanswered): what the hub refused raises here.
+            # Whether the lease moved (asked now); the hub's answers to earlier pushes that arrived (the
+            # oldest waited for when too many are unanswered): what the hub refused raises here.
+            self._moved.ask(model_id, self._lease(model_id))
             with deadline.within(bound):
                 self._settle(model_id, wait=False)
             if max_lag is not None:
@@ -402,11 +403,11 @@ class HubClient:
             >>> v = hub.next_version()
             >>> assert hub.push(model) == v
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         self._settle(model_id, wait=False)
         pusher = {**writer_identity(), **self.last_push}
-        lease = self._lease(model_id)
-        with lease.lock:
+        with (lease := self._lease(model_id)).lock:
+            self._moved.check_now(model_id, lease)
             return lease.peek(lambda: self._acquire(model_id, pusher))
 
     # ------------------------------------------------------------------ wait / query
@@ -461,7 +462,7 @@ class HubClient:
             isinstance(subscribers, bool) or not isinstance(subscribers, int) or subscribers < 0
         ):
             raise ValueError(f"subscribers must be None or an integer >= 0, got {subscribers!r}")
-        _check_model_id(model_id)
+        check_model_id(model_id)
         wait_for(
             self,
             version,
@@ -477,6 +478,8 @@ class HubClient:
     def latest(self, model_id: str = "policy") -> int | None:
         """The newest version of ``model_id`` (``None`` before the first push).
 
+        For an id the hub lacks while it holds others' (a typo?), one warning names the models there.
+
         Raises:
             SyncTimeoutError: the hub did not answer within :attr:`retry_s` (60 s).
 
@@ -484,10 +487,12 @@ class HubClient:
             >>> hub.latest()
             12
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         self._settle(model_id, wait=True, raise_refused=False)
-        result: int | None = self._call("latest", model_id)
-        return result
+        newest: int | None = self._call("latest", model_id)
+        if newest is None:
+            note_absent(self.name, model_id, lambda: self._call("status"), LATEST_NONE)
+        return newest
 
     @overload
     def pull(
@@ -525,7 +530,7 @@ class HubClient:
             >>> hub.pull()["0", "weight"].shape        # a nested TensorDict
             torch.Size([16, 8])
         """
-        _check_model_id(model_id)
+        check_model_id(model_id)
         self._settle(model_id, wait=True, raise_refused=False)
         info = self._call("get", model_id, version)
         assert info is not None
@@ -578,8 +583,3 @@ def _restore_client(
     name: str, namespace: str, takeover: bool = False, transport: str = "object_store"
 ) -> HubClient:
     return HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
-
-
-def _check_model_id(model_id: Any) -> None:
-    if not isinstance(model_id, str) or not model_id:
-        raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")

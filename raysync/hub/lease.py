@@ -15,6 +15,11 @@ unique across hub restarts; a restarted trainer (a new process, even of the same
 takes a new block; and the lease's fencing epoch changes whenever the lease passes to
 another writer, so the old writer's later publishes are refused, never interleaved.
 
+A job's driver and tasks share one lease, each process under an epoch of its own: a push
+of one reads the lease's epoch from the GCS before stamping (:class:`LeaseMoved`) and
+takes the lease back if another process took it since, so it never hands out a number
+from a block whose epoch is over (a number that would never be published).
+
 Example:
     >>> lease = lease_of("raysync", "raysync", "policy")
     >>> with lease.lock:                                   # doctest: +SKIP
@@ -38,8 +43,10 @@ from raysync._checks import require_ray
 from raysync._protocol import BLOCK, Grant
 from raysync.errors import RaySyncError, StaleWriterError
 from raysync.hub import deadline
+from raysync.hub.identity import writer_identity
+from raysync.hub.persistence import lease_epoch
 
-__all__ = ["Publishes", "Refusal", "WriterLease", "lease_of"]
+__all__ = ["LeaseMoved", "Publishes", "Refusal", "WriterLease", "lease_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -267,3 +274,86 @@ class Publishes:
         refusal = self._refused.pop(model_id, None)
         if refusal is not None:
             refusal.raise_it(model_id)
+
+
+_JOB_KINDS = ("driver", "tasks")  # writers whose processes share one lease
+
+
+class LeaseMoved:
+    """Whether another process took this process's writer lease since it was granted.
+
+    A job's driver and its tasks are one writer (:mod:`raysync.hub.identity`), each process
+    stamping from a block of its own under an epoch of its own: a task that pushes takes the
+    lease (a new epoch), and the driver's later publishes under the old epoch are refused. A
+    push returns before the hub answers its publish, so the driver's next push would hand out
+    a number that is never published (refused, and said so only on the push after). A push of
+    a job's process therefore reads the lease's epoch from the hub's record in the GCS (asked
+    in a thread when the push starts, read just before stamping; about a millisecond, never
+    queued behind the hub's work): the hub writes a grant's epoch there before it replies, so
+    after another process's push returned this one reads its epoch. A newer epoch than this
+    process's means the lease moved: the push asks for it again as a process's first push does
+    (a new epoch and a block above every number granted). Fencing is unchanged: every change
+    of hands is a grant that moves the epoch on, so the other process's later publishes are
+    refused, never interleaved; a live writer outside the job (a takeover) is refused at that
+    grant, at once. An actor is one process (a restarted one starts afresh): its pushes skip this.
+
+    Example:
+        >>> moved = LeaseMoved("raysync")
+        >>> moved.ask("policy", lease)                    # doctest: +SKIP
+        >>> with lease.lock:                              # doctest: +SKIP
+        ...     moved.take_back_if_moved("policy", lease)
+    """
+
+    def __init__(self, hub: str) -> None:
+        self._hub = hub
+        self._lock = threading.Lock()
+        self._asked: dict[str, concurrent.futures.Future[int | None]] = {}  # model -> its epoch, read
+
+    def ask(self, model_id: str, lease: WriterLease) -> None:
+        """Read the lease's epoch in a thread, if this process may be one of several of its
+        writer (a job's driver or task) and holds the lease."""
+        if lease.epoch is None or writer_identity()["kind"] not in _JOB_KINDS:
+            return
+        future = _reader().submit(lease_epoch, self._hub, model_id)
+        with self._lock:
+            self._asked[model_id] = future
+
+    def check_now(self, model_id: str, lease: WriterLease) -> None:
+        """Ask and read the answer at once (hold ``lease.lock``): for a number asked in advance."""
+        self.ask(model_id, lease)
+        self.take_back_if_moved(model_id, lease)
+
+    def take_back_if_moved(self, model_id: str, lease: WriterLease) -> None:
+        """Read the epoch (hold ``lease.lock``); if another process took the lease since this one
+        got it, drop it so that this push asks for it again (a new epoch and block)."""
+        with self._lock:
+            future = self._asked.pop(model_id, None)
+        if future is None or lease.epoch is None:
+            return
+        left = deadline.left(60.0)
+        try:
+            epoch = future.result(timeout=60.0 if left is None else max(0.0, min(60.0, left)))
+        except Exception as err:  # the GCS slow or gone: the publish's own answer still says what it refused
+            logger.debug("could not read the writer lease of %r: %s", model_id, err)
+            return
+        if epoch is not None and epoch > lease.epoch:
+            logger.info(
+                "another process took the writer lease of %r (epoch %d; this process held %d): "
+                "taking it back (the next number follows every number granted)",
+                model_id,
+                epoch,
+                lease.epoch,
+            )
+            lease.lose()
+
+
+_readers: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _reader() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read leases' epochs (started on first use)."""
+    global _readers
+    with _leases_lock:
+        if _readers is None:
+            _readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="raysync-lease")
+        return _readers

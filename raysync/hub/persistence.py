@@ -22,7 +22,7 @@ from typing import Any
 from raysync import _compat
 from raysync.hub.state import Model, Subscriber
 
-__all__ = ["HubStore", "actor_alive", "forget_hub", "writer_alive"]
+__all__ = ["HubStore", "actor_alive", "forget_hub", "lease_epoch", "writer_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,24 @@ def _kv() -> Any:
         delete = staticmethod(_compat.kv_delete)
 
     return _KV
+
+
+def _model_key(hub_name: str, model_id: str) -> bytes:
+    return f"{hub_name}/model/{model_id}".encode()
+
+
+def lease_epoch(hub_name: str, model_id: str) -> int | None:
+    """The fencing epoch of ``model_id``'s writer lease as hub ``hub_name`` last wrote it (``None``: none).
+
+    A grant's record is written before the grant's reply, so a process that asks after
+    another one's grant came back reads that grant's epoch (or a later one).
+    """
+    raw = _kv().get(_model_key(hub_name, model_id), namespace=_KV_NAMESPACE)
+    try:
+        epoch = json.loads(raw)["epoch"] if raw is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
 class HubStore:
@@ -137,7 +155,7 @@ class HubStore:
             "session": model.session,
             "writer": model.writer,
         }
-        key = f"{self._name}/model/{model_id}".encode()
+        key = _model_key(self._name, model_id)
         try:
             _kv().put(key, json.dumps(record).encode(), namespace=_KV_NAMESPACE)
         except Exception:

@@ -44,6 +44,7 @@ from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
 from raysync.hub import background
 from raysync.hub.locate import call_hub
 from raysync.receivers import apply
+from raysync.receivers.first_version import note_no_version
 from raysync.receivers.membership import membership
 from raysync.receivers.target import ModuleTarget, Target, is_target
 
@@ -225,14 +226,19 @@ class Follower:
     def start(self) -> Follower:
         """Register, apply the hub's newest version, and follow in a background thread.
 
-        A weightless module (meta tensors, as torchrl sends policies to its workers)
-        waits up to ``timeout`` for a first version.
+        If the hub has no version of ``model_id`` yet (a follower may start before its
+        trainer), it returns at once holding none (:attr:`version` is ``None``), logs one
+        line naming the models the hub holds (a warning if it holds others: a typo'd id?),
+        and applies the first version pushed. A weightless module (meta tensors, as torchrl
+        sends policies to its workers) waits up to ``timeout`` for a first version instead.
 
         Raises:
             SyncTimeoutError: the module is weightless and no version came in time.
             ApplyError: the first version did not fit the module (from the hub's check).
         """
         membership().join(self)
+        if self.version is None:
+            note_no_version(self)
         module = self._module()
         if self.version is None and module is not None and _is_weightless(module):
             deadline = time.monotonic() + self.timeout

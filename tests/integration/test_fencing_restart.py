@@ -56,15 +56,12 @@ def test_one_writer_per_model_until_takeover_or_death(hub: raysync.HubClient, hu
     ray.get(new_trainer.take_over.remote())
     taken = ray.get(new_trainer.push.remote(5))  # explicit takeover: a new lease, a new block
     assert taken > 2
-    # The old writer stamps from its old block without waiting: the hub refuses that
-    # version (its lease epoch is over), and the refusal surfaces on wait or the next push.
-    stale = hub.push(small_policy(6))
-    assert 2 < stale < taken  # never a number the new writer holds
-    with pytest.raises(
-        raysync.StaleWriterError, match=r"refused version 3 .*written by actor .*takeover=True"
-    ):
-        hub.wait(stale, timeout=30)
-    with pytest.raises(PermissionError):  # then it asks for the lease again: refused at once
+    # The old writer (a job's driver) asks the hub for the newest version before it stamps: a newer
+    # one than it stamped means the lease moved on, so it asks for the lease again and is refused at
+    # once, never handing out a number from its old block (raysync.hub.lease.LeaseMoved).
+    with pytest.raises(raysync.StaleWriterError, match=r"written by actor .*takeover=True"):
+        hub.push(small_policy(6))
+    with pytest.raises(PermissionError):  # and again: refused at once
         hub.push(small_policy(6))
     assert hub.latest() == taken  # the refused version was never kept
     assert ray.get(new_trainer.push.remote(7)) == taken + 1

@@ -128,7 +128,8 @@ def _no_process_group_left() -> Iterator[None]:
 
 
 def test_the_engine_follows_every_push(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
-    engine = follow_engine(llm, "policy", hub=hub_name, label="vllm-test")
+    # start_following: an engine that starts before any push (follow_engine waits for a first one)
+    engine = start_following(VLLMEngine(llm, name="vllm-test"), "policy", hub=hub_name, label="vllm-test")
     try:
         with pytest.raises(raysync.EngineNotReadyError, match="no whole version yet"):
             engine.generate([{"prompt_token_ids": PROMPTS[0]}])  # the hub has none yet
@@ -150,7 +151,7 @@ def test_the_engine_follows_every_push(llm: Any, hub: raysync.HubClient, hub_nam
 
 
 def test_no_request_runs_during_an_update(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
-    engine = follow_engine(llm, "policy", hub=hub_name)
+    engine = start_following(VLLMEngine(llm), "policy", hub=hub_name)  # before any push
     stop = threading.Event()
     served: list[tuple[list[list[int]], int]] = []
     errors: list[BaseException] = []
@@ -187,7 +188,7 @@ def test_no_request_runs_during_an_update(llm: Any, hub: raysync.HubClient, hub_
 
 
 def test_a_keys_push_reaches_the_engine(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
-    engine = follow_engine(llm, "policy", hub=hub_name)
+    engine = start_following(VLLMEngine(llm), "policy", hub=hub_name)  # before any push
     try:
         base, other = hf_model(700), hf_model(701)
         hub.push(base, wait=True, timeout=TIMEOUT)
@@ -201,7 +202,7 @@ def test_a_keys_push_reaches_the_engine(llm: Any, hub: raysync.HubClient, hub_na
 
 
 def test_a_misfit_is_refused_naming_the_tensor(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
-    engine = follow_engine(llm, "policy", hub=hub_name)
+    engine = start_following(VLLMEngine(llm), "policy", hub=hub_name)  # before any push
     try:
         good = hf_model(300)
         v1 = hub.push(good, wait=True, timeout=TIMEOUT)
@@ -273,6 +274,41 @@ def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient,
         assert engine.version == v  # held before follow_engine returned
         tokens, version = engine_tokens(engine)
         assert version == v and tokens == hf_tokens(models[-1])
+    finally:
+        stop_soon(engine.follower)
+
+
+def test_follow_engine_waits_for_a_first_version_and_names_the_models_there(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    """``follow_engine`` returns holding a version: it waits ``timeout`` for a first one, then raises."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests._support import wait_for_condition
+
+    hub.push(hf_model(950))
+    t0 = time.monotonic()
+    with pytest.raises(
+        raysync.SyncTimeoutError, match=r"no version of model 'polcy' within 3 s \(models there: 'policy'\)"
+    ):
+        follow_engine(llm, "polcy", hub=hub_name, timeout=3)  # a typo'd model id
+    assert time.monotonic() - t0 < 3 + 30  # bounded by timeout (generous: a loaded machine)
+    # An engine that starts before its trainer returns once the first version is in.
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(follow_engine, llm, "late", hub=hub_name, timeout=TIMEOUT)
+        wait_for_condition(
+            lambda: any(row["model_id"] == "late" for row in hub.status()["subscribers"]),
+            timeout=TIMEOUT,
+            what="the engine registered",
+        )
+        assert not starting.done()  # holding nothing yet: still waiting
+        model = hf_model(951)
+        v = hub.push(model, "late")
+        engine = starting.result(timeout=TIMEOUT)
+    try:
+        assert engine.version == v
+        assert engine_tokens(engine) == (hf_tokens(model), v)
     finally:
         stop_soon(engine.follower)
 
@@ -506,7 +542,9 @@ def test_an_engine_follows_a_sharded_trainer(llm: Any, hub: raysync.HubClient, h
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     ranks = [ray.remote(num_cpus=0)(LlamaRank).remote(r, 2, port) for r in range(2)]
-    engine = follow_engine(llm, "policy", hub=hub_name, label="vllm-sharded")
+    engine = start_following(
+        VLLMEngine(llm, name="vllm-sharded"), "policy", hub=hub_name, label="vllm-sharded"
+    )
     try:
         seen = set()
         for seed in (900, 901, 902, 903):
