@@ -12,7 +12,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from raysync import _compat
 from raysync._checks import check_timeout, require_ray
 from raysync._protocol import WaitResult
-from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError
+from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError, WeightMismatchError
 from raysync.hub import deadline
 from raysync.hub.identity import writer_identity
 
@@ -53,7 +53,8 @@ def wait_for(
             require_ray("wait")
             early = _compat.call_no_start(client.actor.wait, *args)
         try:
-            client._settle(model_id, wait=True)
+            client._settle(model_id, wait=True, raise_refused=False)
+            client._publishes.raise_refused(model_id, waited=version)  # push(wait=True): its own
         except BaseException:
             if early is not None:
                 with contextlib.suppress(Exception):
@@ -99,6 +100,13 @@ def raise_for(
     Example:
         >>> raise_for(WaitResult(), "policy", 3, 30.0, need=0, failures=True)   # all there: no error
     """
+    if result.misfits:
+        rows = [r.row() for r in result.misfits]
+        names = "; ".join(f"{r['subscriber']} ({r['actor']}): {r['error']}" for r in rows[:10])
+        raise WeightMismatchError(
+            f"{len(rows)} of the {need} subscribers of {model_id!r} this wait counts on do not fit the "
+            f"model's versions, so they never apply version {version}: {names}"
+        )
     if result.laggards or (result.registered is not None and result.registered < need):
         rows = [r.row() for r in result.laggards]
         names = ", ".join(
