@@ -94,8 +94,9 @@ def early_result(ref: Any) -> WaitResult | None:
 def raise_for(
     result: WaitResult, model_id: str, version: int, timeout: float | None, *, need: int, failures: bool
 ) -> None:
-    """Raise what a wait's end means: ``SyncTimeoutError`` naming the laggards (or how many of
-    ``need`` subscribers registered), ``ApplyError`` naming the failures (with ``failures``).
+    """Raise what a wait's end means: ``WeightMismatchError`` naming the misfits ``need`` counts
+    on, ``SyncTimeoutError`` naming the laggards (or how many of ``need`` subscribers
+    registered), ``ApplyError`` naming the failures (with ``failures``).
 
     Example:
         >>> raise_for(WaitResult(), "policy", 3, 30.0, need=0, failures=True)   # all there: no error

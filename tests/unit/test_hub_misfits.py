@@ -11,7 +11,9 @@ import torch
 
 from raysync._protocol import ApplyReport, Registration, SubscriberInfo
 from raysync.core.layout import plan_layout
+from raysync.errors import WeightMismatchError
 from raysync.hub import metrics
+from raysync.hub.lease import Refusal
 from raysync.hub.state import HubState, Model, Subscriber, Waiter
 from raysync.ops import cli
 from tests.unit.test_metrics import _Recorder
@@ -132,3 +134,14 @@ def test_status_text_shows_a_misfit_and_its_reason() -> None:
     assert "misfit" in words
     reason = "weights do not match the model: shape mismatch w: pushed (4,), model (3,)"
     assert f"its model does not fit them: {reason}" in words
+
+
+def test_a_refusal_of_the_version_a_call_waits_for_is_not_called_an_earlier_push() -> None:
+    refused = Refusal(2, WeightMismatchError("weights do not match the model: shape mismatch w"))
+    with pytest.raises(WeightMismatchError, match=r"version 2 of 'policy' \(the version this call waits for"):
+        refused.raise_it("policy", waited=2)  # push(wait=True) of version 2
+    earlier = Refusal(2, WeightMismatchError("weights do not match the model: shape mismatch w"))
+    with pytest.raises(
+        WeightMismatchError, match=r"\(an earlier push that returned before the hub answered\)"
+    ):
+        earlier.raise_it("policy", waited=3)
