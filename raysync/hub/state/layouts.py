@@ -64,8 +64,10 @@ class Layouts(Leases):
         misfits). The caller drops dead ones and refuses only if a live one is left.
         """
         model = self.models.get(model_id)
+        if model is not None and model.layout is not None:
+            return []
         subs = self.subscribers(model_id)
-        if (model is not None and model.layout is not None) or not subs:
+        if not subs:
             return []
         found = self.mismatches(model_id, manifest)
         return found if sum(len(misfits) for _, misfits in found) == len(subs) else []
