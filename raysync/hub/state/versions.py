@@ -1,4 +1,4 @@
-"""The hub's versions: numbers granted and stamped, the newest ``keep`` kept, what a layout fits."""
+"""The hub's versions: numbers granted and stamped, the newest ``keep`` kept."""
 
 from __future__ import annotations
 
