@@ -80,7 +80,7 @@ def kill_until_gone(actor: Any, *, no_restart: bool = True) -> int:
 
 
 def mismatched_subscriber(hub_name: str) -> Any:
-    """A live subscriber whose model fits none of the tests' pushes (the hub refuses them)."""
+    """A live subscriber whose model fits none of the tests' pushes (a misfit: the hub hands it none)."""
 
     @raysync.synced_model("policy", hub=hub_name)
     class Mismatched:

@@ -264,14 +264,14 @@ class WeightHub(Delivery, ShardedPublish):
         (a sharded round's, :mod:`raysync.hub.sharded`) under that number, written before.
 
         Raises:
-            WeightMismatchError: it does not fit a live subscriber's model.
+            WeightMismatchError: it does not fit the layout the model's versions established
+                (the first version: it fits no live subscriber's model).
             StaleWriterError: another writer holds the model's lease (for a stamped
                 version: the lease passed on since its grant).
         """
-        if self._state.mismatches(model_id, manifest):
-            refused = await self._mismatch(model_id, manifest)
-            if refused is not None:
-                raise refused
+        refused = self._state.refusal(model_id, manifest) or await self._mismatch(model_id, manifest)
+        if refused is not None:
+            raise refused
         if version is None or epoch is None:
             await self._check_writer(model_id, pusher, takeover)
             v = self._state.stamp(model_id, manifest, refs, pusher, reserved)
@@ -303,12 +303,9 @@ class WeightHub(Delivery, ShardedPublish):
         )
 
     async def _mismatch(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
-        """The error for a version that does not fit a live subscriber's model.
-
-        Subscribers whose actor died are dropped here instead: a dead subscriber never
-        blocks a push.
-        """
-        for error, subs in self._state.mismatches(model_id, manifest):
+        """The error for a first version that fits none of the live subscribers' models (dead
+        ones are dropped instead: a dead subscriber never blocks a push)."""
+        for error, subs in self._state.first_mismatches(model_id, manifest):
             alive = await asyncio.gather(*(self._alive(sub) for sub in subs))
             for sub, ok in zip(subs, alive, strict=True):
                 if not ok:
@@ -317,8 +314,9 @@ class WeightHub(Delivery, ShardedPublish):
             if live:
                 who = f"{live[0].sub_id} ({live[0].info.class_name})"
                 error.args = (
-                    f"{error.args[0]} (against subscriber {who} of model {model_id!r}; no version was "
-                    "published and every subscriber keeps its weights)",
+                    f"{error.args[0]} (the first version of model {model_id!r} fits none of its live "
+                    f"subscribers, e.g. {who}; no version was published and every subscriber keeps "
+                    "its weights)",
                 )
                 return error
         return None
@@ -504,6 +502,8 @@ class WeightHub(Delivery, ShardedPublish):
         while True:
             laggards, failures = state.pending(model_id, version, include_pull)
             short = max(0, subscribers - state.counted(model_id, include_pull))
+            if short and len(misfits := state.misfits(model_id, include_pull)) >= short:
+                return WaitResult(tuple(laggards), tuple(failures), misfits=tuple(misfits))  # never there
             if laggards and report_missing and not state.kept_from(model_id, version):
                 return WaitResult(tuple(laggards), tuple(failures), missing=True)
             if not laggards and not short:

@@ -426,7 +426,7 @@ class HubClient:
         It waits for the subscribers registered with the hub: an actor registers once its
         ``__init__`` returned, so right after ``Collector.remote()`` there may be none yet.
         Pass ``subscribers=n`` to wait until at least ``n`` have registered too (and hold
-        the version). Subscribers whose actor died are dropped, not waited for. Pull-mode
+        the version). Subscribers whose actor died, and misfits, are not waited for. Pull-mode
         subscribers change version only when they call ``raysync_sync()``, so
         they are waited for only with ``include_pull=True``. After a hub restart
         the subscribers it knew are waited for until they check in again, and
@@ -448,8 +448,8 @@ class HubClient:
                 (or says how many of ``subscribers`` registered, and how many pull-mode ones were
                 not counted), or that the hub did not answer.
             ApplyError: some subscriber failed to apply it (it keeps its previous version).
-            StaleWriterError, WeightMismatchError: the hub refused a push of this client
-                that did not wait for its answer (see :meth:`push`).
+            StaleWriterError, WeightMismatchError: the hub refused a push of this client that
+                did not wait (see :meth:`push`); or ``subscribers`` counts misfits (never there).
             UnknownModelError: ``version`` of ``model_id`` was never pushed (a wait for it
                 could only run out).
 

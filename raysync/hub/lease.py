@@ -149,13 +149,18 @@ class Refusal:
     version: int
     error: BaseException
 
-    def raise_it(self, model_id: str) -> None:
-        """Raise the hub's error, its message saying which push it was about."""
+    def raise_it(self, model_id: str, waited: int | None = None) -> None:
+        """Raise the hub's error, its message saying which push it was about (``waited``: the
+        version the raising call waits for, such as ``push(wait=True)``'s own)."""
         err = self.error
         if isinstance(err, RaySyncError) and err.args and isinstance(err.args[0], str):
+            which = (
+                "the version this call waits for: it was not published"
+                if self.version == waited
+                else "an earlier push that returned before the hub answered"
+            )
             err.args = (
-                f"the hub refused version {self.version} of {model_id!r} (an earlier push that "
-                f"returned before the hub answered): {err.args[0]}",
+                f"the hub refused version {self.version} of {model_id!r} ({which}): {err.args[0]}",
                 *err.args[1:],
             )
         raise err
@@ -269,11 +274,12 @@ class Publishes:
             lease.confirmed = None  # the next push waits for the hub's answer
         self._refused.setdefault(model_id, Refusal(p.version, error))
 
-    def raise_refused(self, model_id: str) -> None:
-        """Raise (once) what the hub refused of ``model_id`` since the last time."""
+    def raise_refused(self, model_id: str, waited: int | None = None) -> None:
+        """Raise (once) what the hub refused of ``model_id`` since the last time (``waited``: the
+        version the asking call waits for, see :meth:`Refusal.raise_it`)."""
         refusal = self._refused.pop(model_id, None)
         if refusal is not None:
-            refusal.raise_it(model_id)
+            refusal.raise_it(model_id, waited)
 
 
 _JOB_KINDS = ("driver", "tasks")  # writers whose processes share one lease

@@ -21,7 +21,9 @@ metric                               kind      what it measures
                                                once it is gone (then dropped by Ray). Hub
 ``raysync_subscribers``              gauge     subscribers per ``state`` (``live``,
                                                ``unreachable``, ``failing``: live, but its
-                                               last apply failed). Hub
+                                               last apply failed; ``misfit``: its model
+                                               does not fit the versions, which it is not
+                                               handed). Hub
 ``raysync_modified_subscribers``     gauge     subscribers whose weights their own code
                                                changed in place since the version they
                                                applied (``raysync_modified_since()``: a
@@ -93,7 +95,7 @@ METRIC_NAMES = (
 )
 """Every metric raysync records (Prometheus shows them with Ray's ``ray_`` prefix)."""
 
-SUBSCRIBER_STATES = ("live", "unreachable", "failing")
+SUBSCRIBER_STATES = ("live", "unreachable", "failing", "misfit")
 
 _GAUGE_INTERVAL_S = 0.5  # the hub refreshes its gauges at most this often
 
@@ -164,7 +166,7 @@ def _get() -> _Metrics | None:
                     ),
                     subscribers=Gauge(
                         "raysync_subscribers",
-                        description="subscribers per state (live, unreachable, failing)",
+                        description="subscribers per state (live, unreachable, failing, misfit)",
                         tag_keys=(*model, "state"),
                     ),
                     modified=Gauge(
@@ -302,7 +304,9 @@ class HubGauges:
             if sub.state == "dead":
                 continue
             model = models.get(sub.model_id)
-            state = "failing" if sub.state == "live" and sub.last_error else sub.state
+            state = sub.state
+            if state == "live" and (sub.misfit or sub.last_error):
+                state = "misfit" if sub.misfit else "failing"
             per_model = counts.setdefault(sub.model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
             per_model[state] = per_model.get(state, 0) + 1
             if sub.modified_since is not None:

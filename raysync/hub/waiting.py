@@ -12,7 +12,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from raysync import _compat
 from raysync._checks import require_ray, wait_timeout
 from raysync._protocol import WaitResult
-from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError
+from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError, WeightMismatchError
 from raysync.hub import deadline, wait_text
 from raysync.hub.identity import writer_identity
 from raysync.hub.wait_text import Progress, WaitLabel, behind, not_counted, registered
@@ -70,7 +70,8 @@ def wait_for(
                 client.actor.wait, model_id, version, asked, include_pull, offer, need
             )
         try:
-            client._settle(model_id, wait=True)
+            client._settle(model_id, wait=True, raise_refused=False)
+            client._publishes.raise_refused(model_id, waited=version)  # push(wait=True): its own
         except BaseException:
             if early is not None:
                 with contextlib.suppress(Exception):
@@ -178,14 +179,21 @@ def raise_for(
     include_pull: bool = True,
     pull: int | None = 0,
 ) -> None:
-    """Raise what a wait's end means: ``SyncTimeoutError`` naming who is behind and why (and how
-    many of ``need`` subscribers registered; without ``include_pull``, that the ``pull`` pull-mode
-    ones were not counted: ``None``, an unknown number),
-    ``ApplyError`` naming the failures (with ``failures``).
+    """Raise what a wait's end means: ``WeightMismatchError`` naming the misfits ``need`` counts
+    on, ``SyncTimeoutError`` naming who is behind and why (and how many of ``need`` subscribers
+    registered; without ``include_pull``, that the ``pull`` pull-mode ones were not counted:
+    ``None``, an unknown number), ``ApplyError`` naming the failures (with ``failures``).
 
     Example:
         >>> raise_for(WaitResult(), "policy", 3, 30.0, need=0, failures=True)   # all there: no error
     """
+    if result.misfits:
+        rows = [r.row() for r in result.misfits]
+        names = "; ".join(f"{r['subscriber']} ({r['actor']}): {r['error']}" for r in rows[:10])
+        raise WeightMismatchError(
+            f"{len(rows)} of the {need} subscribers of {model_id!r} this wait counts on do not fit the "
+            f"model's versions, so they never apply version {version}: {names}"
+        )
     short = result.registered is not None and result.registered < need
     if result.laggards or short:
         label = label or WaitLabel(model_id, version, need)

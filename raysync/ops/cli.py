@@ -210,6 +210,7 @@ def render_status(
     from rich.table import Table
     from rich.text import Text
 
+    from raysync.ops.status_rows import row_error, row_state
     from raysync.ops.terminal_text import cell, printable  # every string from the hub: escaped text
 
     out = file or sys.stdout
@@ -264,8 +265,7 @@ def render_status(
             overflow="fold" if col in ("model", "subscriber") else "ellipsis",
         )
     for s in status.get("subscribers", []):
-        lag = s.get("lag")
-        state = str(s.get("state"))
+        lag, state, error = s.get("lag"), row_state(s), row_error(s)
         applied_age = s.get("last_apply_age_s")
         if applied_age is None and s.get("last_apply_time") is not None:
             applied_age = now - s["last_apply_time"]
@@ -280,7 +280,7 @@ def render_status(
             cell(state, "" if state == "live" else "red"),
             "-" if s.get("last_apply_s") is None else f"{s['last_apply_s'] * 1e3:.1f} ms",
             "-" if applied_age is None else f"{_age(applied_age)} ago",
-            cell("-") if not s.get("last_error") else cell(_short(s["last_error"], 60), "red"),
+            cell("-") if not error else cell(_short(error, 60), "red"),
         )
     if not status.get("subscribers"):
         subs.add_row("-", "(none)", *["-"] * 9)
@@ -295,12 +295,12 @@ def render_status(
                 "mode? call .eval() on rollout actors); the next version applied clears it",
                 markup=False,
             )
-    errors = [s for s in status.get("subscribers", []) if s.get("last_error")]
+    errors = [s for s in status.get("subscribers", []) if row_error(s)]
     if errors:
         console.print(Text("last errors", style="bold"))
         for s in errors:
             who = f"{printable(s.get('subscriber'))} ({printable(s.get('model_id'))})"
-            console.print(f"  {who}: {printable(s['last_error'])}", markup=False)
+            console.print(f"  {who}: {printable(row_error(s))}", markup=False)
 
 
 def _fmt(value: Any) -> str:

@@ -109,11 +109,16 @@ def test_every_receiver_bit_equal_and_bytes_fetched_once_per_adapter(setup: dict
 def test_refused_version_is_reported_and_previous_weights_stay(setup: dict[str, Any]) -> None:
     hub, out = setup["hub"], setup["out"]
     good = hub.latest()
-    with pytest.raises(raysync.ApplyError, match="Adapter"):
-        hub.push(small_policy(9, out=5), wait=True, timeout=TIMEOUT)  # a shape the receivers lack
+    # A shape the receivers lack does not fit the layout the model's versions established:
+    # the hub refuses it, naming the tensors, and no receiver is handed it.
+    with pytest.raises(
+        raysync.WeightMismatchError, match=r"shape mismatch 2\.bias.*no version was published"
+    ):
+        hub.push(small_policy(9, out=5), wait=True, timeout=TIMEOUT)
+    assert hub.latest() == good
     for row in _rows(hub).values():
-        assert row["applied"] == good and row["last_error"]
-        assert all(r["applied"] == good and r["error"] for r in row["receivers"])
+        assert row["applied"] == good
+        assert all(r["applied"] == good for r in row["receivers"])
     model = small_policy(4)
     version = hub.push(model, wait=True, timeout=TIMEOUT)
     for handle in setup["handles"]:

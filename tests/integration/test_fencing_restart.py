@@ -16,7 +16,6 @@ import raysync
 from tests._support import (
     assert_same_weights,
     kill_until_gone,
-    mismatched_subscriber,
     small_policy,
     wait_for_condition,
 )
@@ -155,26 +154,45 @@ def test_a_refusal_of_a_push_that_did_not_wait_surfaces_on_the_next_push(
     hub: raysync.HubClient, hub_name: str
 ) -> None:
     assert hub.push(small_policy(1)) == 1  # a new layout: this push waited for the hub's answer
-    bad = mismatched_subscriber(hub_name)
-    assert hub.push(small_policy(2)) == 2  # the same layout: returns before the hub answers
-    assert hub.latest() == 1  # a query reads the answers first: version 2 was refused
-    with pytest.raises(raysync.WeightMismatchError, match=r"refused version 2 of 'policy'.*missing keys"):
-        hub.push(small_policy(3))  # the refusal of version 2 raises here; nothing more is pushed
+    other = Trainer.remote(hub_name, True)
+    taken = ray.get(other.push.remote(2))  # takes the writer lease over
+    # The same layout, stamped from this driver's old block: returns before the hub answers.
+    assert hub.push(small_policy(3)) == 2
+    assert hub.latest() == taken  # a query reads the answers first: version 2 was refused
+    with pytest.raises(
+        raysync.StaleWriterError, match=r"refused version 2 of 'policy' \(an earlier push.*takeover=True"
+    ):
+        hub.push(small_policy(4))  # the refusal of version 2 raises here; nothing more is pushed
     # After a refusal the next push waits for the answer: refused on the push itself.
-    with pytest.raises(raysync.WeightMismatchError) as info:
-        hub.push(small_policy(3))
+    with pytest.raises(raysync.StaleWriterError) as info:
+        hub.push(small_policy(4))
     assert "refused version" not in str(info.value)
-    assert hub.latest() == 1  # neither was kept
-    ray.kill(bad)
-    v = wait_for_condition(lambda: _push_or_none(hub, 4), timeout=30, what="the dead subscriber dropped")
-    assert v == 4  # 2 and 3 were handed out (and refused): never again
-    assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(4).state_dict())
+    assert hub.latest() == taken  # neither was kept
+    ray.kill(other)
+    v = wait_for_condition(lambda: _push_or_none(hub, 5), timeout=30, what="the dead writer's lease released")
+    assert v > taken  # numbers handed out before (and refused) are never handed out again
+    assert_same_weights(hub.pull().flatten_keys(".").to_dict(), small_policy(5).state_dict())
+
+
+def test_a_push_with_wait_that_the_hub_refused_says_it_was_that_push(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    assert hub.push(small_policy(1)) == 1
+    other = Trainer.remote(hub_name, True)
+    assert isinstance(ray.get(other.push.remote(2)), int)  # takes the writer lease over
+    with pytest.raises(
+        raysync.StaleWriterError,
+        match=r"refused version 2 of 'policy' \(the version this call waits for: it was not published\)",
+    ) as info:
+        hub.push(small_policy(3), wait=True, timeout=30)  # stamped from the old block: refused
+    assert "an earlier push" not in str(info.value)
+    ray.kill(other)
 
 
 def _push_or_none(hub: raysync.HubClient, seed: int) -> int | None:
     try:
         return hub.push(small_policy(seed))
-    except raysync.WeightMismatchError:
+    except raysync.StaleWriterError:
         return None
 
 

@@ -14,7 +14,14 @@ import raysync
 from raysync import _protocol as proto
 from raysync.hub.deadline import ANSWER_GRACE_S
 from raysync.receivers import follower as follower_module
-from tests._support import CLIENT_MARGIN_S, assert_same_weights, small_policy, wait_for_condition
+from tests._support import (
+    CLIENT_MARGIN_S,
+    assert_same_weights,
+    kill_until_gone,
+    small_policy,
+    wait_for_condition,
+)
+from tests.integration.test_fencing_restart import Trainer
 from tests.integration.test_synced import make_collector
 
 
@@ -82,14 +89,17 @@ def test_load_state_dict_of_what_pull_returns(hub: raysync.HubClient) -> None:
 
 def test_a_model_id_reused_with_another_layout_is_not_offered(hub: raysync.HubClient, hub_name: str) -> None:
     """A new job, another architecture, the same model_id: its actors do not try the old job's
-    versions (nor report errors about them), and start with the new job's first push."""
+    versions (nor report errors about them), and start with the new job's first push (a new
+    writer: its first version establishes the model's layout afresh)."""
 
     def other() -> torch.nn.Module:
         torch.manual_seed(5)
         return torch.nn.Sequential(torch.nn.Linear(3, 5))
 
-    for seed in (1, 2, 3):  # "the old job"
-        old = hub.push(small_policy(seed))
+    old_trainer = Trainer.remote(hub_name, False)  # "the old job"'s trainer
+    for seed in (1, 2, 3):
+        old = ray.get(old_trainer.push.remote(seed))
+    kill_until_gone(old_trainer)  # the old job ended
     new_actors = [make_collector(hub_name, factory=other).remote() for _ in range(2)]
     evaluator = make_collector(hub_name, factory=other, mode="pull").remote()
     ray.get([a.raysync_version.remote() for a in [*new_actors, evaluator]])

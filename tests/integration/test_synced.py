@@ -168,8 +168,10 @@ def test_a_version_of_another_layout_is_not_offered_and_a_wait_says_why(
     before = ray.get(odd.weights.remote())
     row = hub.status()["subscribers"][0]
     assert row["last_error"] is None and "missing keys" in row["waiting_for"]  # not tried, so no error
-    with pytest.raises(raysync.ApplyError, match=f"failed to apply version {v}.*missing keys"):
-        hub.wait(v, timeout=10)  # it never can: said at once, not after the timeout
+    assert "missing keys" in row["misfit"]  # a misfit: its own error, not the pushes'
+    hub.wait(v, timeout=10)  # it never can apply it: not waited for
+    with pytest.raises(raysync.WeightMismatchError, match=r"never apply version \d.*missing keys"):
+        hub.wait(v, timeout=10, subscribers=1)  # a wait that counts it: said at once, not after the timeout
     assert_same_weights(ray.get(odd.weights.remote()), before)
 
 

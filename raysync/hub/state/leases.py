@@ -38,6 +38,7 @@ class Leases(StateBase):
             )
             model.writer = lease_record(pusher)
             model.epoch += 1
+            model.layout = None  # a new writer's first version establishes the layout afresh
             return None
         return current
 
@@ -63,6 +64,7 @@ class Leases(StateBase):
         )
         model.writer = lease_record(pusher)
         model.epoch += 1
+        model.layout = None  # a new writer's first version establishes the layout afresh
 
 
 def lease_record(pusher: dict[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,10 @@ class Model:
     session: str | None = None  # the process (of the writer) that holds the current epoch
     reserved: int = 0  # every number up to this one was granted or stamped (persisted before use)
     stamps: list[int] = field(default_factory=list)  # numbers of the versions published (newest kept)
+    # The established layout, ``{key: (shape, dtype)}`` of its versions: what a push is checked
+    # against (None until the first version, and again when the writer lease passes on).
+    layout: dict[str, tuple[tuple[int, ...], str]] | None = None
+    layout_hash: str | None = None  # a version's layout hash found to fit ``layout``
 
     def published(self, version: int) -> None:
         """Count a version as published (for lag in versions: numbers skip at a new writer)."""
@@ -94,6 +98,7 @@ class Subscriber:
     error_version: int | None = None  # the version last_error is about (None: not about one)
     modified_since: int | None = None  # the version it holds, if its own code changed it in place since
     state: str = "live"  # live | unreachable | restoring | dead
+    misfit: str | None = None  # why its model does not fit the model id's versions (not delivered them)
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
     via_node: bool = False  # delivered through its node's relay (set when indexed)
@@ -172,7 +177,8 @@ class Waiter:
     woken: bool = False
 
     def counts(self, sub: Subscriber) -> bool:
-        return self.include_pull or sub.waited_for
+        """Whether it waits for ``sub``: of a mode it counts, and not a misfit (which never applies)."""
+        return (self.include_pull or sub.waited_for) and sub.misfit is None
 
     def wake(self) -> None:
         self.woken = True

@@ -32,20 +32,12 @@ class Roster(Versions):
         sub.doorbell_key = reg.doorbell_key
         if reg.applied is not None and self.believable(sub, reg.applied):
             sub.applied = reg.applied
-        replaced = self.add(sub)
         newest = self.newest(reg.model_id)
+        self.judge(sub, None if newest is None else newest.manifest)  # a misfit: before waits count it
+        replaced = self.add(sub)
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return sub, replaced, None
-        why = self.misfit(sub, newest.manifest)
-        if why is not None:  # say, another job's versions under the same model_id: not offered
-            logger.info(
-                "hub %r: %s does not take %r version %d (another layout: %s); it waits for a push that fits",
-                self.name,
-                sub.sub_id,
-                reg.model_id,
-                newest.version,
-                why[:300],
-            )
+        if sub.misfit is not None:  # its model does not fit the versions: not offered (judge logged it)
             return sub, replaced, None
         sub.sent = newest.version
         return sub, replaced, newest.announce(reg.model_id)
@@ -66,8 +58,8 @@ class Roster(Versions):
         for waiter in self.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
-            elif waiter.need and waiter.counts(sub) and not waiter.pending:
-                waiter.wake()  # one more of the subscribers it waits to see: look again
+            elif waiter.need and (waiter.include_pull or sub.waited_for) and not waiter.pending:
+                waiter.wake()  # one more of the subscribers it waits to see (or a misfit): look again
         return old
 
     def remove(self, sub: Subscriber) -> Group | None:

@@ -1,4 +1,4 @@
-"""The hub's versions: numbers granted and stamped, the newest ``keep`` kept, what a layout fits."""
+"""The hub's versions: numbers granted and stamped, the newest ``keep`` kept."""
 
 from __future__ import annotations
 
@@ -11,20 +11,19 @@ from raysync._protocol import (
     Announcement,
     Grant,
 )
-from raysync.core.layout import Manifest, validate
-from raysync.errors import StaleWriterError, UnknownModelError, WeightMismatchError
-from raysync.hub.state.leases import Leases, lease_record, who
+from raysync.core.layout import Manifest
+from raysync.errors import StaleWriterError, UnknownModelError
+from raysync.hub.state.layouts import Layouts
+from raysync.hub.state.leases import lease_record, who
 from raysync.hub.state.records import Group, Model, Subscriber, Version
 
 __all__ = ["Versions"]
 
 logger = logging.getLogger(__name__)
 
-_FITS_KEPT = 4096  # (layout, schema) pairs remembered as fitting before the memo starts afresh
 
-
-class Versions(Leases):
-    """Stamping, granting, keeping and handing out versions; whether a layout fits a subscriber."""
+class Versions(Layouts):
+    """Stamping, granting, keeping and handing out versions."""
 
     round_blocks: dict[str, tuple[int, int]]  # model -> (next, last) of its sharded rounds' numbers
 
@@ -36,52 +35,6 @@ class Versions(Leases):
     def newest(self, model_id: str) -> Version | None:
         model = self.models.get(model_id)
         return model.newest if model else None
-
-    def misfit(self, sub: Subscriber, manifest: Manifest) -> str | None:
-        """Why a version's layout does not fit ``sub``'s model (``None``: it fits, or nothing to check).
-
-        Remembered per (layout, schema): a hub that kept another job's versions under the same
-        ``model_id`` checks each new subscriber once, not once per delivery.
-        """
-        if sub.schema is None:
-            return None
-        key = (manifest.layout_hash, sub.schema_key)
-        if key in self._fits:
-            return None
-        why = self._misfits.get(key)
-        if why is None:
-            try:
-                validate(manifest, sub.schema)
-            except WeightMismatchError as err:
-                why = str(err)
-            if len(self._fits) + len(self._misfits) > _FITS_KEPT:
-                self._fits.clear()
-                self._misfits.clear()
-            if why is None:
-                self._fits.add(key)
-                return None
-            self._misfits[key] = why
-        return why
-
-    def mismatches(
-        self, model_id: str, manifest: Manifest
-    ) -> list[tuple[WeightMismatchError, list[Subscriber]]]:
-        """Why a version does not fit the subscribers' models: one error per schema, with its subscribers."""
-        by_schema: dict[Any, list[Subscriber]] = {}
-        for sub in self.subscribers(model_id):
-            if sub.schema is not None and (manifest.layout_hash, sub.schema_key) not in self._fits:
-                by_schema.setdefault(sub.schema_key, []).append(sub)
-        found = []
-        for key, subs in by_schema.items():
-            try:
-                validate(manifest, subs[0].schema)  # type: ignore[arg-type]
-            except WeightMismatchError as err:
-                found.append((err, subs))
-                continue
-            if len(self._fits) > _FITS_KEPT:
-                self._fits.clear()
-            self._fits.add((manifest.layout_hash, key))  # a layout fits a schema or not, for good
-        return found
 
     def grant(self, model_id: str, count: int, pusher: dict[str, Any]) -> Grant:
         """A block of ``count`` version numbers for the lease holder (persist before replying).
@@ -146,6 +99,7 @@ class Versions(Leases):
         kept = model.versions.get(version)
         if kept is not None:
             return kept
+        before = _layout_of(model.newest)
         v = Version(version, manifest, list(refs), time.time(), pusher)
         model.versions[version] = v
         model.latest = max(model.latest, version)
@@ -154,6 +108,7 @@ class Versions(Leases):
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = v.pushed_at
         self.trim(model)
+        self._took(model_id, model, v, before)
         return v
 
     def reserve(self, model_id: str, count: int = BLOCK) -> tuple[int, bool]:
@@ -191,6 +146,7 @@ class Versions(Leases):
         than this one.
         """
         model = self.models.setdefault(model_id, Model())
+        before = _layout_of(model.newest)
         if model.session is not None:
             model.epoch += 1
             model.session = None
@@ -206,6 +162,7 @@ class Versions(Leases):
         model.bytes_pushed += manifest.total_nbytes
         model.last_push_time = time.time()
         self.trim(model)
+        self._took(model_id, model, v, before)
         return v
 
     def offer_again(
@@ -223,12 +180,21 @@ class Versions(Leases):
         writer = model.writer
         if writer is not None and writer.get("writer_id") != pusher.get("writer_id"):
             return False
-        model.versions[version] = Version(version, manifest, list(refs), time.time(), pusher)
+        before = _layout_of(model.newest)
+        v = model.versions[version] = Version(version, manifest, list(refs), time.time(), pusher)
         model.latest = version
         model.published(version)
         self.trim(model)
+        self._took(model_id, model, v, before)
         logger.info("hub %r: %r version %d offered again by its writer", self.name, model_id, version)
         return True
+
+    def _took(self, model_id: str, model: Model, v: Version, before: str | None) -> None:
+        """``v`` was kept: its tensors join the established layout; a newest version of another
+        layout than the newest before it (``before``) judges the model's subscribers again."""
+        self.establish(model, v.manifest)
+        if model.latest == v.version and v.manifest.layout_hash != before:
+            self.mark_misfits(model_id)
 
     def forget_version(self, model_id: str, version: int, why: str) -> None:
         """Stop offering a version whose bytes are gone (its pusher died)."""
@@ -314,3 +280,7 @@ class Versions(Leases):
             and self.misfit(s, newest.manifest) is None
         ]
         return newest, due
+
+
+def _layout_of(version: Version | None) -> str | None:
+    return None if version is None else version.manifest.layout_hash

@@ -46,7 +46,11 @@ class Waits(Roster):
     def pending(
         self, model_id: str, version: int, include_pull: bool = True
     ) -> tuple[list[Laggard], list[Laggard]]:
-        """Who a wait for ``version`` still waits for, and who failed it."""
+        """Who a wait for ``version`` still waits for, and who failed it.
+
+        Not a subscriber whose model does not fit the version (a misfit, see
+        :mod:`raysync.hub.state.layouts`): it is never handed it, so it is no laggard of it.
+        """
         laggards: list[Laggard] = []
         failures: list[Laggard] = []
         model = self.models.get(model_id)
@@ -56,18 +60,25 @@ class Waits(Roster):
                 continue
             if sub.applied is not None and sub.applied >= version:
                 continue
-            why = None if kept is None else self.misfit(sub, kept.manifest)
-            if why is not None:  # it is not offered a version of another layout: it cannot get there
-                row = sub.laggard()
-                failures.append(dataclasses.replace(row, error=f"WeightMismatchError: {why}"))
+            if (sub.misfit if kept is None else self.misfit(sub, kept.manifest)) is not None:
                 continue
             (failures if sub.failed >= version else laggards).append(sub.laggard())
         return laggards, failures
 
+    def misfits(self, model_id: str, include_pull: bool = False) -> list[Laggard]:
+        """The misfit subscribers of ``model_id`` a wait would count (its error: why it misfits)."""
+        return [
+            dataclasses.replace(s.laggard(), error=f"WeightMismatchError: {s.misfit}")
+            for s in self.subscribers(model_id)
+            if s.misfit is not None and (include_pull or s.waited_for)
+        ]
+
     def counted(self, model_id: str, include_pull: bool = False) -> int:
         """How many live subscribers of ``model_id`` a wait counts (push and follow; pull too with
-        ``include_pull``)."""
-        return sum(1 for s in self.subscribers(model_id) if include_pull or s.waited_for)
+        ``include_pull``; never a misfit)."""
+        return sum(
+            1 for s in self.subscribers(model_id) if (include_pull or s.waited_for) and s.misfit is None
+        )
 
     def add_waiter(self, model_id: str, waiter: Waiter) -> None:
         self.waiters.setdefault(model_id, set()).add(waiter)
@@ -107,8 +118,7 @@ class Waits(Roster):
             error = sub.last_error
             if error is not None and sub.error_version is not None and sub.error_version < latest:
                 error = None
-            newest = held.newest if held is not None else None
-            misfit = None if newest is None or sub.applied is not None else self.misfit(sub, newest.manifest)
+            misfit = sub.misfit
             subs.append(
                 {
                     "subscriber": sub.sub_id,
@@ -133,7 +143,8 @@ class Waits(Roster):
                     "last_prefetched": sub.last_prefetched,
                     "last_error": error,
                     "state": sub.state,
-                    # why it holds nothing yet: the newest version has another layout
+                    # its model does not fit the versions (it is not handed them): why
+                    "misfit": misfit,
                     "waiting_for": None if misfit is None else f"a version that fits ({misfit[:200]})",
                     "receivers": sub.receivers,
                     "placement": sub.info.placement,
