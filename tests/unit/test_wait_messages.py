@@ -31,9 +31,11 @@ class StandInHub:
         self.laggards, self.push, self.pull = laggards, push, pull
         self.slices: list[float] = []
         self._pipeline = SimpleNamespace(offer=lambda model_id: None)
-        self._publishes = SimpleNamespace(unanswered=lambda model_id: False)
+        self._publishes = SimpleNamespace(
+            unanswered=lambda model_id: False, raise_refused=lambda model_id, waited=None: None
+        )
 
-    def _settle(self, model_id: str, *, wait: bool) -> None:
+    def _settle(self, model_id: str, *, wait: bool, raise_refused: bool = True) -> None:
         pass
 
     def _call(self, method: str, *args: Any) -> Any:
