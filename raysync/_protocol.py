@@ -406,8 +406,7 @@ class WaitResult:
         failures: subscribers that failed to apply it (and keep their previous one).
         missing: the hub keeps no version that new (a restart lost it): its writer may offer it again.
         registered: how many subscribers the wait counted when it ran out (``None``: it did not).
-        misfits: subscribers whose model does not fit the versions, which a wait for a number of
-            subscribers needs (it can never end): the wait ends at once with them.
+        misfits: subscribers whose model does not fit, that ``subscribers=n`` needs: it ends at once.
     """
 
     laggards: tuple[Laggard, ...] = ()
