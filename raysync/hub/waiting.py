@@ -102,8 +102,8 @@ def wait_for(
                 continue
             registered = result.registered
             short = registered is not None and registered < need
-            if not (result.laggards or short) or left() == 0:
-                break
+            if result.misfits or not (result.laggards or short) or left() == 0:
+                break  # misfits: a wait that needs them never ends (raise_for says so at once)
             if progress.due():
                 if short and not include_pull:
                     pull = _pull_mode(client, model_id)
