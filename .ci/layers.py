@@ -18,7 +18,8 @@ LAYERS: list[set[str]] = [
     {"errors", "_checks", "_protocol", "_compat"},  # plain Python, no Ray, no torch (but _compat's uses)
     {"core"},  # torch only: layout, codec, bound model
     {"transports"},  # data paths, both sides; the doorbell
-    {"hub"},  # the hub actor, its state, delivery, relays, client, push, metrics
+    {"hub"},  # the hub and relay processes: state, delivery, relays, mailbox, metrics (no torch)
+    {"client"},  # the trainer's side: HubClient, connect, push pipeline, writer lease, waits
     {"channels"},  # per-worker links: pipe, shared memory, RPC, torch.distributed
     {"receivers"},  # @synced_model, follower, module transform
     {"torchrl"},  # the torchrl-style API and the torchrl integration
@@ -102,8 +103,64 @@ def offences(root: pathlib.Path = ROOT) -> list[str]:
     return found
 
 
+HUB_NEVER_IMPORTS = ("torch", "tensordict", "torchrl")  # the hub holds refs, never tensors
+
+
+def import_time_imports(path: pathlib.Path) -> set[str]:
+    """Every name imported when ``path`` is imported: its module body, not its functions' bodies."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                walk(node.orelse)
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out.add(node.module)
+                out.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                out.update(alias.name for alias in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                inner = getattr(node, field, None)
+                if isinstance(inner, list):
+                    walk(
+                        [n for n in inner if isinstance(n, ast.stmt)]
+                        + [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body]
+                    )
+
+    walk(tree.body)
+    return out
+
+
+def hub_offences(root: pathlib.Path = ROOT) -> list[str]:
+    """The hub's processes import neither torch (nor tensordict, torchrl) nor the trainer's side."""
+    known = modules(root)
+    direct = {name: import_time_imports(path) for name, path in known.items()}
+    found = []
+    for start in sorted(m for m in known if package(m) == "hub"):
+        seen: dict[str, str] = {start: ""}
+        todo = [start]
+        while todo:
+            name = todo.pop()
+            for dep in sorted(direct.get(name, ())):
+                if dep.split(".")[0] in HUB_NEVER_IMPORTS:
+                    chain = [name]
+                    while seen[chain[-1]]:
+                        chain.append(seen[chain[-1]])
+                    found.append(f"the hub imports {dep}: " + " <- ".join(chain))
+                elif dep in known and dep not in seen:
+                    if package(dep) == "client":
+                        found.append(f"the hub imports the trainer's side: {name} imports {dep}")
+                    seen[dep] = name
+                    todo.append(dep)
+    return sorted(set(found))
+
+
 def main() -> int:
-    found = offences()
+    found = offences() + hub_offences()
     for line in found:
         print(line)
     print(f"layers: {len(found)} offence(s) in {len(modules())} modules")

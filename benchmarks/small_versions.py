@@ -59,7 +59,7 @@ import _harness as harness
 import _scheme_rows as scheme_rows
 import raysync
 from _fanout import receiver_class
-from raysync.hub.lease import MAX_IN_FLIGHT
+from raysync.client.writer_lease import MAX_IN_FLIGHT
 
 __all__ = [
     "KIB",

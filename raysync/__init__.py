@@ -35,9 +35,9 @@ from raysync.errors import (
 from raysync.hub.settings import HubSettings
 
 if TYPE_CHECKING:
+    from raysync.client.connect import connect
+    from raysync.client.hub_client import HubClient
     from raysync.engines.vllm import VLLMEngine, follow_engine
-    from raysync.hub.client import HubClient
-    from raysync.hub.connect import connect
     from raysync.receivers.follower import Follower, follow
     from raysync.receivers.loader import WeightsLoader
     from raysync.receivers.module_transform import RayModuleTransform
@@ -50,8 +50,8 @@ _LAZY = {
     "Follower": "raysync.receivers.follower",
     "follow": "raysync.receivers.follower",
     "follow_engine": "raysync.engines.vllm",
-    "HubClient": "raysync.hub.client",
-    "connect": "raysync.hub.connect",
+    "HubClient": "raysync.client.hub_client",
+    "connect": "raysync.client.connect",
     "Incoming": "raysync.receivers.target",
     "ModuleTarget": "raysync.receivers.target",
     "RayModuleTransform": "raysync.receivers.module_transform",

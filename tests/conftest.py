@@ -14,7 +14,7 @@ import ray
 
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE
-from raysync.hub.locate import get_hub_actor
+from raysync.client.locate import get_hub_actor
 
 # Ray starts its workers at nice 15: on a 2-core machine, the test process (nice 0) then
 # starves every actor it waits for (importing torch in a new actor took 8 s instead of 2.5 s
@@ -188,7 +188,7 @@ def _hub_of_the_next_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """As a test starts, the hubs of the next tests that take one start too (see above)."""
     _start_hub_ahead(request.node)
     lost = _SettingsLost()
-    logger = logging.getLogger("raysync.hub.connect")
+    logger = logging.getLogger("raysync.client.connect")
     logger.addHandler(lost)
     try:
         yield

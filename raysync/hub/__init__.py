@@ -1,2 +1,3 @@
-"""The hub: what it knows (``state``), the actor (``actor``), what users hold (``client``),
-how a version is pushed (``push``) and what outlives a restart (``persistence``)."""
+"""The hub and relay processes, nothing else: what the hub knows (``state``), the actor
+(``actor``), how versions are handed out (``delivery``, ``relay``, ``mailbox``) and what
+outlives a restart (``persistence``). It imports no torch and nothing of ``raysync.client``."""

@@ -49,7 +49,7 @@ from raysync.hub.relay import (
     NodeDelivery,
     quiet_threaded_gets,
 )
-from raysync.hub.relays import Relays
+from raysync.hub.relay_handles import Relays
 from raysync.hub.settings import DEFAULT_DROP_SILENT_S, DEFAULT_RING_ACK_S, HubSettings
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState, Subscriber, Waiter

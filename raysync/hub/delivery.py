@@ -26,7 +26,7 @@ from raysync.hub.relay import (
     late_acks,
     notify_members,
 )
-from raysync.hub.relays import RelayLost, Relays
+from raysync.hub.relay_handles import RelayLost, Relays
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Group, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info

@@ -110,7 +110,7 @@ class HubSettings:
             *stalled* (stopped, wedged, starved of CPU): the hub delivers to its node's
             subscribers itself, ``hub.status()["stalled_relays"]`` names it, and the relay is
             used again once it answers, or replaced (killed; Ray starts it again) if it stays
-            silent for :data:`~raysync.hub.relays.REPLACE_AFTER_STALLS` times this bound.
+            silent for :data:`~raysync.hub.relay_handles.REPLACE_AFTER_STALLS` times this bound.
             At least 1, at most 600.
 
     Raises:

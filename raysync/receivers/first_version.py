@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from raysync.client.locate import call_hub
+from raysync.client.model_ids import describe_models, models_there, note_absent
 from raysync.errors import SyncTimeoutError
-from raysync.hub.locate import call_hub
-from raysync.hub.model_ids import describe_models, models_there, note_absent
 from raysync.receivers.membership import membership
 
 if TYPE_CHECKING:

@@ -38,11 +38,11 @@ from raysync import _protocol as proto
 from raysync._checks import wait_timeout
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.channels.base import DEFAULT_TIMEOUT
+from raysync.client import background
+from raysync.client.locate import call_hub
 from raysync.core.extract import module_schema
 from raysync.core.shards import TensorParallel
 from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
-from raysync.hub import background
-from raysync.hub.locate import call_hub
 from raysync.receivers import apply
 from raysync.receivers.first_version import note_no_version
 from raysync.receivers.membership import membership
@@ -120,7 +120,7 @@ class Follower:
     raise :class:`~raysync.ApplyError` naming this follower.
 
     ``ray.shutdown()`` ends the following: it waits for an apply under way (its fetch takes
-    ``timeout`` at most), then the thread stops quietly (:mod:`raysync.hub.background`).
+    ``timeout`` at most), then the thread stops quietly (:mod:`raysync.client.background`).
 
     Example:
         >>> follower = Follower(policy, "policy", label="evaluator")  # doctest: +SKIP

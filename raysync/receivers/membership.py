@@ -5,7 +5,7 @@
 for the hub while it restarts), checks in for all of them with one heartbeat call per
 hub every :data:`~raysync._protocol.HEARTBEAT_S` seconds, registers again the ones a
 restarted hub does not know, and sends their reports. Its calls into Ray hold a
-``ray.shutdown()`` off while they run (:mod:`raysync.hub.background`); after one, the
+``ray.shutdown()`` off while they run (:mod:`raysync.client.background`); after one, the
 heartbeat ends and the process's members are forgotten (a new ``ray.init()`` starts afresh).
 
 Example:
@@ -24,9 +24,9 @@ import ray
 
 from raysync import _protocol as proto
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration
+from raysync.client import background
+from raysync.client.locate import call_hub, get_hub_actor
 from raysync.errors import RayNotRunningError
-from raysync.hub import background
-from raysync.hub.locate import call_hub, get_hub_actor
 from raysync.receivers import poller
 
 __all__ = ["Member", "Membership", "membership"]
@@ -104,8 +104,8 @@ class Membership:
     def call(
         self, member: Member, method: str, *args: Any, timeout: float | None = None, thread: bool = False
     ) -> Any:
-        """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.hub.locate.call_hub`);
-        ``thread``: from a raysync thread (:mod:`raysync.hub.background`)."""
+        """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.client.locate.call_hub`);
+        ``thread``: from a raysync thread (:mod:`raysync.client.background`)."""
         stopped = background.never if thread else None
         return call_hub(self.hub(member).handle, method, *args, timeout=timeout, stopped=stopped)
 

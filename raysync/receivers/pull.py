@@ -17,9 +17,9 @@ from ray.exceptions import GetTimeoutError
 
 from raysync import _protocol as proto
 from raysync._protocol import Announcement, ApplyReport, bucket_ids
+from raysync.client.locate import call_hub_async
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
-from raysync.hub.locate import call_hub_async
 from raysync.receivers import apply
 from raysync.receivers.membership import membership
 from raysync.transports.registry import info as transport_info

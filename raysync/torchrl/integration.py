@@ -146,7 +146,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
     def client(self) -> Any:
         """The :class:`raysync.HubClient` (connected on first use)."""
         if self._client is None:
-            from raysync.hub.connect import connect
+            from raysync.client.connect import connect
 
             self._client = connect(self.hub, namespace=self.namespace)
         return self._client

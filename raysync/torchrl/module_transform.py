@@ -69,7 +69,7 @@ class RayModuleTransformSender(WeightSender):
         self._resolve_context_modules()
         limit = timeout if timeout is not None else self._scheme.timeout
         if self._modules:
-            from raysync.hub.connect import connect
+            from raysync.client.connect import connect
 
             tensors = self._prepare(weights)
             groups: dict[tuple[str, str | None, str], list[Any]] = {}

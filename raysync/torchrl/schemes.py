@@ -369,7 +369,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
 
     def _hub(self) -> Any:
         if self._hub_client is None:
-            from raysync.hub.connect import connect
+            from raysync.client.connect import connect
 
             self._hub_client = connect(self.hub or "raysync", namespace=self.namespace)
         return self._hub_client

@@ -13,8 +13,8 @@ import torch
 
 import raysync
 from raysync import _checks
-from raysync.hub import wait_text
-from raysync.hub.deadline import ANSWER_GRACE_S
+from raysync.client import wait_text
+from raysync.client.deadline import ANSWER_GRACE_S
 from tests._support import CLIENT_MARGIN_S, assert_same_weights, wait_for_condition
 
 BUCKET = 40 * 1024  # small buckets: base0 | base1 + adapters
@@ -114,7 +114,7 @@ def test_max_lag_at_its_default_timeout_names_the_busy_actor_and_logs_while_it_w
     assert (
         "Follower" in text and "holds version 1; live, no error: applying, or busy in a method call" in text
     )
-    lines = [r.getMessage() for r in caplog.records if r.name == "raysync.hub.wait_text"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "raysync.client.wait_text"]
     assert lines and all("within max_lag=1" in line and "Follower" in line for line in lines)
     assert len(lines) <= 4.0 / 1.0 + 1  # one a second at most
     assert ray.get(busy, timeout=60) == 1

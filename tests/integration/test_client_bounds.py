@@ -19,7 +19,7 @@ import ray
 import torch
 
 import raysync
-from raysync.hub.deadline import ANSWER_GRACE_S
+from raysync.client.deadline import ANSWER_GRACE_S
 from tests._support import small_policy
 
 MARGIN_S = 5.0  # the client's own scheduling on a loaded machine, beyond the bound it promises

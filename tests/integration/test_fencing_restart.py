@@ -61,7 +61,7 @@ def test_one_writer_per_model_until_takeover_or_death(hub: raysync.HubClient, hu
     assert taken > 2
     # The old writer (a job's driver) asks the hub for the newest version before it stamps: a newer
     # one than it stamped means the lease moved on, so it asks for the lease again and is refused at
-    # once, never handing out a number from its old block (raysync.hub.lease.LeaseMoved).
+    # once, never handing out a number from its old block (raysync.client.writer_lease.LeaseMoved).
     with pytest.raises(raysync.StaleWriterError, match=r"written by actor .*takeover=True"):
         hub.push(small_policy(6))
     with pytest.raises(PermissionError):  # and again: refused at once

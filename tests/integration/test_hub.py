@@ -12,7 +12,7 @@ import torch
 from ray._private.internal_api import memory_summary
 
 import raysync
-from raysync.hub.client import DEFAULT_NAMESPACE
+from raysync.client.hub_client import DEFAULT_NAMESPACE
 from tests._support import assert_same_weights, small_policy, wait_for_condition
 
 
@@ -137,7 +137,7 @@ def test_bad_arguments_are_refused_with_the_fix(
 ) -> None:
     """Refused at once: bad input is not mistaken for a call that raced ``ray.shutdown()`` (whose
     check waits up to 2 s for the shutdown to finish)."""
-    from raysync.hub import locate
+    from raysync.client import locate
 
     def not_consulted(grace_s: float = 2.0) -> bool:
         raise AssertionError("a refused argument waited for a Ray shutdown")

@@ -12,7 +12,7 @@ import torch
 
 import raysync
 from raysync import _protocol as proto
-from raysync.hub.deadline import ANSWER_GRACE_S
+from raysync.client.deadline import ANSWER_GRACE_S
 from raysync.receivers import follower as follower_module
 from tests._support import (
     CLIENT_MARGIN_S,

@@ -19,7 +19,7 @@ import ray
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE
 from raysync.hub.relay import relay_name
-from raysync.hub.relays import REPLACE_AFTER_STALLS
+from raysync.hub.relay_handles import REPLACE_AFTER_STALLS
 from raysync.hub.settings import DEFAULT_RING_ACK_S
 from tests._support import (
     assert_same_weights,
@@ -176,7 +176,7 @@ def test_settings_are_the_hubs_for_its_life(hub_name: str, caplog: pytest.LogCap
             _check_all(direct, actors, v, seed)
             assert _calls(direct) - before == 2  # one call per subscriber: no relay, no doorbell
         assert direct.status()["relays"] == {}
-        with caplog.at_level("WARNING", logger="raysync.hub.connect"):
+        with caplog.at_level("WARNING", logger="raysync.client.connect"):
             again = raysync.connect(hub_name, settings=raysync.HubSettings(relays=True))
         assert "relays=False (asked True)" in caplog.text
         assert again.settings().relays is False

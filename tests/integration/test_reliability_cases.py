@@ -21,7 +21,7 @@ import torch
 
 import raysync
 from benchmarks import soak
-from raysync.hub.deadline import ANSWER_GRACE_S
+from raysync.client.deadline import ANSWER_GRACE_S
 from tests._support import CLIENT_MARGIN_S, kill_until_gone, mismatched_subscriber, wait_for_condition
 from tests.integration.test_reliability import (
     BUCKET_BYTES,

@@ -86,7 +86,7 @@ _SCRIPT = textwrap.dedent(
             errors.append((name, type(err).__name__, str(err)))
         assert not ray.is_initialized(), name
     # What a push asks of Ray besides (the node's store size): the race above hit it in CI once
-    from raysync.hub.push import _store_capacity
+    from raysync.client.push import _store_capacity
     assert _store_capacity() is None and not ray.is_initialized(), "store capacity"
     print(json.dumps({"errors": errors, "ray_running": ray.is_initialized()}))
     """

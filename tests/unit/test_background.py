@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from raysync import _compat
+from raysync.client import background
 from raysync.errors import RayNotRunningError
-from raysync.hub import background
 from tests._support import wait_for_condition
 
 

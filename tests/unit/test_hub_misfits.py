@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from raysync._protocol import ApplyReport, Registration, SubscriberInfo
+from raysync.client.writer_lease import Refusal
 from raysync.core.layout import plan_layout
 from raysync.errors import WeightMismatchError
 from raysync.hub import metrics
-from raysync.hub.lease import Refusal
 from raysync.hub.state import HubState, Model, Subscriber, Waiter
 from raysync.ops import cli
 from tests.unit.test_metrics import _Recorder

@@ -23,15 +23,42 @@ def test_the_tree_has_no_cycle_and_no_upward_import() -> None:
     assert _layers().offences() == []
 
 
+def test_the_hub_imports_no_torch_and_nothing_of_the_trainers_side() -> None:
+    assert _layers().hub_offences() == []
+
+
+def test_the_check_finds_torch_reached_from_the_hub_and_a_hub_module_using_the_client(
+    tmp_path: pathlib.Path,
+) -> None:
+    layers = _layers()
+    tree = tmp_path / "raysync"
+    shutil.copytree(ROOT / "raysync", tree)
+    (tree / "core" / "heavy.py").write_text("import torch\n")
+    (tree / "hub" / "uses_heavy.py").write_text("from raysync.core import heavy\n")
+    (tree / "hub" / "lazy_torch.py").write_text("def f():\n    import torch\n")  # at call time only: allowed
+    (tree / "hub" / "calls_client.py").write_text(
+        "def f():\n    pass\n\nfrom raysync.client.push import push\n"
+    )
+    found = layers.hub_offences(tree)
+    assert any("the hub imports torch: raysync.core.heavy <- raysync.hub.uses_heavy" in f for f in found), (
+        found
+    )
+    assert any("raysync.hub.calls_client imports raysync.client.push" in f for f in found), found
+    assert not any("lazy_torch" in f for f in found), found
+
+
 def test_the_check_finds_an_upward_import_and_a_lazy_cycle(tmp_path: pathlib.Path) -> None:
     layers = _layers()
     tree = tmp_path / "raysync"
     shutil.copytree(ROOT / "raysync", tree)
-    (tree / "core" / "bad.py").write_text("from raysync.hub.client import HubClient\n")
+    (tree / "core" / "bad.py").write_text("from raysync.client.hub_client import HubClient\n")
     (tree / "hub" / "loop_a.py").write_text("def f():\n    from raysync.hub import loop_b\n")
     (tree / "hub" / "loop_b.py").write_text("import raysync.hub.loop_a\n")
     found = layers.offences(tree)
-    assert any("upward import: raysync.core.bad (core) imports raysync.hub.client (hub)" in f for f in found)
+    assert any(
+        "upward import: raysync.core.bad (core) imports raysync.client.hub_client (client)" in f
+        for f in found
+    )
     assert any("import cycle" in f and "raysync.hub.loop_a" in f and "raysync.hub.loop_b" in f for f in found)
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from raysync.hub import model_ids
-from raysync.hub.model_ids import LATEST_NONE, note_absent
+from raysync.client import model_ids
+from raysync.client.model_ids import LATEST_NONE, note_absent
 
 
 def _status(**latest: int | None) -> dict[str, Any]:

@@ -15,10 +15,10 @@ import pytest
 
 from raysync import _checks
 from raysync._protocol import Laggard, WaitResult
+from raysync.client import wait_text
+from raysync.client.wait_text import Progress, WaitLabel
+from raysync.client.waiting import raise_for, wait_for
 from raysync.errors import SyncTimeoutError
-from raysync.hub import wait_text
-from raysync.hub.wait_text import Progress, WaitLabel
-from raysync.hub.waiting import raise_for, wait_for
 
 BUSY = Laggard("sub-1", "Collector", 3, None, "live")
 FAILING = Laggard("sub-2", "Collector", 2, "RuntimeError: out of memory", "live")
@@ -124,7 +124,7 @@ def test_a_long_wait_logs_who_is_behind_at_most_once_per_interval(
     label = WaitLabel("policy", 5, max_lag=1)
     with caplog.at_level(logging.WARNING, logger="raysync"), pytest.raises(SyncTimeoutError):
         wait_for(hub, 5, "policy", 1.0, include_pull=False, raise_failures=False, label=label)  # type: ignore[arg-type]
-    lines = [r.getMessage() for r in caplog.records if r.name == "raysync.hub.wait_text"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "raysync.client.wait_text"]
     assert 1 <= len(lines) <= 1.0 / 0.2 + 1  # one per 0.2 s at most
     assert all("within max_lag=1" in line and "Collector sub-1 (holds version 3" in line for line in lines)
     assert max(hub.slices) <= 0.2 + 1e-6  # the hub is asked in slices of the interval

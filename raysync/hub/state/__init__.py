@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from raysync.hub.state.laggards import Waits
 from raysync.hub.state.leases import lease_record, who
 from raysync.hub.state.records import Group, Model, Subscriber, Version, Waiter
-from raysync.hub.state.waits import Waits
 
 __all__ = ["Group", "HubState", "Model", "Subscriber", "Version", "Waiter", "lease_record", "who"]
 

@@ -41,9 +41,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from raysync import _compat
 from raysync._checks import require_ray
 from raysync._protocol import BLOCK, Grant
+from raysync.client import deadline
+from raysync.client.identity import writer_identity
 from raysync.errors import RaySyncError, StaleWriterError
-from raysync.hub import deadline
-from raysync.hub.identity import writer_identity
 from raysync.hub.persistence import lease_epoch
 
 __all__ = ["LeaseMoved", "Publishes", "Refusal", "WriterLease", "lease_of"]
@@ -110,7 +110,7 @@ class WriterLease:
             return None
         require_ray("push")
         try:
-            left = deadline.left(60.0)  # the push's (raysync.hub.deadline): then acquire() says so
+            left = deadline.left(60.0)  # the push's (raysync.client.deadline): then acquire() says so
             grant: Grant = _compat.get_no_start(ref, timeout=60.0 if left is None else min(60.0, left))
             return grant
         except RayTaskError as err:
@@ -288,7 +288,7 @@ _JOB_KINDS = ("driver", "tasks")  # writers whose processes share one lease
 class LeaseMoved:
     """Whether another process took this process's writer lease since it was granted.
 
-    A job's driver and its tasks are one writer (:mod:`raysync.hub.identity`), each process
+    A job's driver and its tasks are one writer (:mod:`raysync.client.identity`), each process
     stamping from a block of its own under an epoch of its own: a task that pushes takes the
     lease (a new epoch), and the driver's later publishes under the old epoch are refused. A
     push returns before the hub answers its publish, so the driver's next push would hand out

@@ -27,15 +27,15 @@ from ray.exceptions import ObjectLostError, RayTaskError
 
 from raysync import _compat
 from raysync._checks import require_ray
+from raysync.client import deadline
+from raysync.client.identity import writer_identity
+from raysync.client.sharded_push import push_shard
 from raysync.core.codec import unpack
 from raysync.core.dtensor import is_sharded, mesh_of, mesh_rank
 from raysync.core.extract import extract_extra_state, extract_with_order
 from raysync.core.group import GroupIdentity, identify_group
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
-from raysync.hub import deadline
-from raysync.hub.identity import writer_identity
-from raysync.hub.sharded_push import push_shard
 from raysync.hub.state import Version
 from raysync.hub.state.groups import PartTaken
 from raysync.transports.base import HubTransport, Reuse, Snapshot, reuse_unchanged, transport_for
@@ -148,7 +148,7 @@ class PushPipeline:
         numbered (the client's checks that may wait or raise: ``max_lag``, earlier refusals).
         A sharded push that raises before its part reached the hub tells the hub to abandon
         that push, so the ranks' numbering stays in step whatever raised on one rank. The
-        hub's answers after ``before`` come within ``bound`` seconds (:mod:`raysync.hub.deadline`).
+        hub's answers after ``before`` come within ``bound`` seconds (:mod:`raysync.client.deadline`).
         """
         t0 = time.perf_counter()
         model_id = request.model_id

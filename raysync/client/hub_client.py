@@ -38,20 +38,21 @@ from raysync._protocol import (
     Grant,
     Publication,
 )
+from raysync.client import deadline
+from raysync.client.identity import writer_identity
+from raysync.client.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
+from raysync.client.model_ids import LATEST_NONE, note_absent
+from raysync.client.push import PushPipeline, PushRequest
+from raysync.client.waiting import wait_for, wait_within_lag
+from raysync.client.writer_lease import LeaseMoved, Publishes, WriterLease, lease_of
 from raysync.core.codec import unpack
 from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.errors import RaySyncError, StaleWriterError, UnknownModelError
-from raysync.hub import deadline, metrics
-from raysync.hub.identity import writer_identity
-from raysync.hub.lease import LeaseMoved, Publishes, WriterLease, lease_of
-from raysync.hub.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
-from raysync.hub.model_ids import LATEST_NONE, note_absent
-from raysync.hub.push import PushPipeline, PushRequest
+from raysync.hub import metrics
 from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
 from raysync.hub.state.groups import PartTaken
-from raysync.hub.waiting import wait_for, wait_within_lag
 from raysync.transports.base import check_transport
 from raysync.transports.registry import transport_class
 
@@ -125,7 +126,7 @@ class HubClient:
         return self._handle
 
     def _call(self, method: str, *args: Any) -> Any:
-        """Call the hub within the call's deadline (:mod:`raysync.hub.deadline`; ``retry_s`` outside
+        """Call the hub within the call's deadline (:mod:`raysync.client.deadline`; ``retry_s`` outside
         one); while it restarts (or after it died), find it again and retry."""
 
         def handle(fresh: bool) -> Any:

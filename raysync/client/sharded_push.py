@@ -1,6 +1,6 @@
 """One rank's push of a sharded model: lay out and put only its own pieces, hand the hub its part.
 
-:class:`~raysync.hub.push.PushPipeline` sends here a push whose weights hold ``DTensor``\\ s
+:class:`~raysync.client.push.PushPipeline` sends here a push whose weights hold ``DTensor``\\ s
 (``hub.push(model)`` on every rank of an FSDP2 or tensor-parallel trainer, unchanged).
 Nothing is gathered: the rank's local shards (views) are laid out in buckets of their own
 and put once into the object store, the only copy. The push returns the version number the

@@ -12,13 +12,13 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from raysync import _compat
 from raysync._checks import require_ray, wait_timeout
 from raysync._protocol import WaitResult
+from raysync.client import deadline, wait_text
+from raysync.client.identity import writer_identity
+from raysync.client.wait_text import Progress, WaitLabel, behind, not_counted, registered
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError, UnknownModelError, WeightMismatchError
-from raysync.hub import deadline, wait_text
-from raysync.hub.identity import writer_identity
-from raysync.hub.wait_text import Progress, WaitLabel, behind, not_counted, registered
 
 if TYPE_CHECKING:
-    from raysync.hub.client import HubClient
+    from raysync.client.hub_client import HubClient
 
 __all__ = ["early_result", "raise_for", "wait_for", "wait_within_lag"]
 
@@ -36,9 +36,9 @@ def wait_for(
 ) -> None:
     """``client``'s wait for ``version`` (:meth:`HubClient.wait <raysync.HubClient.wait>`, a push's
     ``wait=True`` and ``max_lag``): the hub's answer is waited for
-    :data:`~raysync.hub.deadline.ANSWER_GRACE_S` past ``timeout`` (``None``:
+    :data:`~raysync.client.deadline.ANSWER_GRACE_S` past ``timeout`` (``None``:
     :data:`~raysync._checks.WAIT_TIMEOUT_S`; ``inf``: no bound), then :class:`SyncTimeoutError`,
-    whatever the hub does. The hub is asked in slices of :data:`~raysync.hub.wait_text.LOG_EVERY_S`,
+    whatever the hub does. The hub is asked in slices of :data:`~raysync.client.wait_text.LOG_EVERY_S`,
     and each slice that ends short logs who is behind.
     """
     timeout = wait_timeout(timeout)
@@ -153,7 +153,7 @@ def early_result(ref: Any) -> WaitResult | None:
 
     The usual way retries through a hub restart and offers a version a restart lost;
     an early wait that met either (or arrived first after all) gives way to it, and so
-    does one the call's deadline (:mod:`raysync.hub.deadline`) ran out for.
+    does one the call's deadline (:mod:`raysync.client.deadline`) ran out for.
     """
     try:
         result: WaitResult = _compat.get_no_start(ref, timeout=deadline.left())

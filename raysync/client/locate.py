@@ -23,8 +23,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from raysync import _compat
 from raysync._checks import not_running, ray_shut_down, require_ray
 from raysync._protocol import DEFAULT_HUB, DEFAULT_KEEP, DEFAULT_NAMESPACE
+from raysync.client import background
 from raysync.errors import RaySyncError
-from raysync.hub import background
 from raysync.hub.actor import WeightHub
 from raysync.hub.settings import HubSettings
 
@@ -151,8 +151,8 @@ def call_hub(
         args: its arguments.
         timeout: seconds for the whole call, retries included (``GetTimeoutError`` after).
         retry_s: how long to keep retrying while the hub is unavailable.
-        stopped: for a call from a raysync thread (:mod:`raysync.hub.background`): its calls
-            into Ray hold a ``ray.shutdown()`` off, for :data:`~raysync.hub.background.STEP_S`
+        stopped: for a call from a raysync thread (:mod:`raysync.client.background`): its calls
+            into Ray hold a ``ray.shutdown()`` off, for :data:`~raysync.client.background.STEP_S`
             at most each, and ``stopped`` is checked between them; once it says True, the call
             returns None without the answer (a long poll that its caller's ``stop()`` should
             not have to sit out).

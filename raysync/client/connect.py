@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from raysync._protocol import DEFAULT_HUB
-from raysync.hub.client import HubClient
-from raysync.hub.locate import get_hub_actor
+from raysync.client.hub_client import HubClient
+from raysync.client.locate import get_hub_actor
 from raysync.hub.settings import HubSettings
 
 __all__ = ["connect"]
