@@ -1,9 +1,10 @@
-"""The one apply path: plan, fetch, verify, commit whole or not at all, report.
+"""The steps of the apply path: plan, fetch, verify, commit whole or not at all, report.
 
-Every receiver goes through it: ``@synced_model`` subscriptions (push, pull, the
-doorbell's thread, async actors, deferred applies), ``RayModuleTransform`` hosts,
-:class:`~raysync.Follower`, adapters (fetch and verify, then their fan-out) and the
-torchrl-style receivers in Ray actors. The steps, each a function here:
+:class:`~raysync.receivers.pipeline.Applier` runs them, in one order, for every receiver
+(``@synced_model`` subscriptions in each form, ``RayModuleTransform`` hosts,
+:class:`~raysync.Follower` and what it feeds); adapters (fetch and verify, then their
+fan-out) and the torchrl-style receivers in Ray actors call steps of their own. Each step
+is a function here:
 
 1. :func:`plan`: not newer than the version held, skip; else the target checks the
    manifest against what it holds (before any byte is fetched: the error names the
@@ -13,32 +14,26 @@ torchrl-style receivers in Ray actors. The steps, each a function here:
    their checksums (``verify``).
 3. :func:`commit`: the target takes the version whole (:meth:`Target.commit`), under
    whatever lock the receiver holds for it.
-4. :func:`applied`, :func:`failed`, :func:`skipped`: the :class:`ApplyReport` for the hub.
-
-:func:`apply_version` runs all four for receivers with nothing in between (a follower,
-a torchrl receiver in an actor); ``@synced_model`` subscriptions run them step by step
-(their fetch and their lock are apart, and an apply may wait for running methods).
+4. :func:`failed`, :func:`skipped`: the :class:`ApplyReport` for the hub (an applied
+   version's is the :class:`~raysync.receivers.pipeline.Applier`'s).
 
 Example:
-    >>> report = apply_version(target, ann.version, ann.manifest, list(ann.refs), held=3, timeout=30)
-    >>> report.applied
-    4
+    >>> needed = plan(target, ann.version, ann.manifest, ids, held=3)  # doctest: +SKIP
+    >>> fetched = fetch(ann.manifest, list(ann.refs), needed, timeout=30, target=target)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from ray.exceptions import ObjectLostError
 
-from raysync._protocol import ApplyReport, bucket_ids
+from raysync._protocol import ApplyReport
 from raysync.core.codec import verify_checksums
 from raysync.core.layout import Manifest
 from raysync.core.shards import ShardRefs, TensorParallel, reshard
@@ -51,8 +46,6 @@ from raysync.transports.store_pages import populate_store_mapping
 
 __all__ = [
     "Verify",
-    "applied",
-    "apply_version",
     "at_hand",
     "checked",
     "commit",
@@ -200,19 +193,6 @@ def commit(
     return time.perf_counter() - t0
 
 
-def applied(
-    version: int, t0: float, held: int | None, pause: float, needed: Sequence[int], manifest: Manifest
-) -> ApplyReport:
-    """The report of a version applied (``held``: the version held now)."""
-    return ApplyReport(
-        applied=held,
-        apply_s=time.perf_counter() - t0,
-        pause_s=pause,
-        buckets_fetched=len(needed),
-        bytes_fetched=nbytes(manifest, needed),
-    )
-
-
 def failed(version: int, held: int | None, error: BaseException) -> ApplyReport:
     """The report of a version not applied: the receiver keeps ``held``."""
     return ApplyReport(
@@ -228,45 +208,6 @@ def failed(version: int, held: int | None, error: BaseException) -> ApplyReport:
 def skipped(held: int | None, version: int) -> ApplyReport:
     """The report of a version not newer than the one held."""
     return ApplyReport(applied=held, skipped=version)
-
-
-def apply_version(
-    target: Target,
-    version: int,
-    manifest: Manifest,
-    refs: Sequence[Any],
-    *,
-    held: int | None,
-    timeout: float | None,
-    verify: Verify = False,
-    guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-    label: str = "receiver",
-) -> ApplyReport:
-    """Plan, fetch, verify and commit one version into ``target``; the report.
-
-    ``guard`` is entered around the commit only (the receiver's lock: readers wait for
-    the commit, not the fetch). Every failure is reported, never raised; the target then
-    holds ``held`` (or none, if a failed commit left it not :meth:`~Target.intact`).
-
-    Example:
-        >>> report = apply_version(ModuleTarget(policy), 2, manifest, refs, held=1, timeout=30)
-        >>> report.applied, report.buckets_fetched
-        (2, 1)
-    """
-    t0 = time.perf_counter()
-    ids = bucket_ids(list(refs))
-    try:
-        needed = plan(target, version, manifest, ids, held)
-        if needed is None:
-            return skipped(held, version)
-        fetched = fetch(manifest, refs, needed, timeout=timeout, verify=verify, target=target)
-        with guard():
-            pause = commit(target, version, manifest, ids, fetched)
-        del fetched
-    except Exception as err:
-        logger.warning("%s could not apply version %d: %s", label, version, err)
-        return failed(version, held if target.intact() else None, err)
-    return applied(version, t0, version, pause, needed, view(target, manifest))
 
 
 def portable(error: BaseException) -> BaseException:

@@ -43,9 +43,9 @@ from raysync.client.locate import call_hub
 from raysync.core.extract import module_schema
 from raysync.core.shards import TensorParallel
 from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
-from raysync.receivers import apply
 from raysync.receivers.first_version import note_no_version
 from raysync.receivers.membership import membership
+from raysync.receivers.pipeline import Applier
 from raysync.receivers.target import ModuleTarget, Target, is_target
 
 __all__ = ["Follower", "follow"]
@@ -180,7 +180,6 @@ class Follower:
         self.timeout = float(timeout)
         self.on_apply = on_apply
         self.non_persistent = bool(non_persistent)
-        self.version: int | None = None
         self.last_error: BaseException | None = None
         self._info = SubscriberInfo(
             mode="follow",
@@ -199,7 +198,18 @@ class Follower:
         self._pause = threading.RLock()  # held by paused(): no apply meanwhile
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._applied = threading.Condition()
+        self.applier = Applier(
+            self.target,
+            verify="if_present",
+            timeout=self.timeout,
+            label=f"{self.label} ({model_id!r})",
+            guard=self._guard,
+        )
+
+    @property
+    def version(self) -> int | None:
+        """The version its target holds whole (``None``: none yet)."""
+        return self.applier.version
 
     # ------------------------------------------------------------------ Member (see membership)
     @property
@@ -276,14 +286,14 @@ class Follower:
         """
         timeout = wait_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._applied:
+        with self.applier.held:
             while self.version is None or self.version < version:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise SyncTimeoutError(
                         f"{self.label} holds version {self.version}, not {version}, after {timeout} s"
                     )
-                self._applied.wait(left)
+                self.applier.held.wait(left)
             return self.version
 
     @contextlib.contextmanager
@@ -359,32 +369,13 @@ class Follower:
 
     def _apply(self, ann: Announcement) -> ApplyReport:
         with self._apply_lock:
-            if self.version is not None and not self.target.intact():
-                self.target.forget()  # user code re-pointed the module: take the next version whole
             with background.held("apply a version"):  # a ray.shutdown() waits for the apply
-                report = apply.apply_version(
-                    self.target,
-                    ann.version,
-                    ann.manifest,
-                    list(ann.refs),
-                    held=self.version,
-                    timeout=self.timeout,
-                    verify="if_present",
-                    guard=self._guard,
-                    label=f"{self.label} ({self.model_id!r})",
-                )
+                report = self.applier.apply(ann.version, ann.manifest, list(ann.refs))
             if report.failed is not None:
                 self.last_error = report.error
-                if report.applied is None and self.version is not None:
-                    with self._applied:
-                        self.version = None  # a commit that failed part-way: it holds nothing known
-                    self.target.forget()
                 return report
             if report.skipped is not None:
                 return report
-            with self._applied:
-                self.version = ann.version
-                self._applied.notify_all()
             self.last_error = None
         if self.on_apply is not None:
             try:

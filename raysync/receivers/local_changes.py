@@ -45,13 +45,17 @@ class LocalChanges:
     if TYPE_CHECKING:
         spec: SyncSpec
         sub_id: str
-        version: int | None
+
+        @property
+        def version(self) -> int | None: ...
 
         @property
         def bound(self) -> BoundModel | None: ...
 
         _info: Any
-        _binding_lock: threading.Lock
+
+        @property
+        def _binding_lock(self) -> threading.Lock: ...
 
     _told_modified: int | None = None  # what the hub was last told (heartbeat_report)
     _warned_modified = False

@@ -8,24 +8,22 @@ of an async actor (on the loop: the apply waits for suspended async methods). It
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
-import ray
 from ray.exceptions import GetTimeoutError
 
 from raysync import _protocol as proto
-from raysync._protocol import Announcement, ApplyReport, bucket_ids
+from raysync._protocol import Announcement, ApplyReport
 from raysync.client.locate import call_hub_async
-from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
-from raysync.receivers import apply
 from raysync.receivers.membership import membership
-from raysync.transports.registry import info as transport_info
 
 if TYPE_CHECKING:
     from raysync.receivers.membership import Member
+    from raysync.receivers.pipeline import Applier, Prepared
     from raysync.receivers.subscription import SyncSpec
     from raysync.receivers.synced import _ActorSync
 
@@ -40,21 +38,21 @@ class PullSync:
     if TYPE_CHECKING:
         spec: SyncSpec
         sync: _ActorSync
-        version: int | None
         sub_id: str
-        target: Any
+
+        @property
+        def version(self) -> int | None: ...
+
         _info: Any
         _deferred: asyncio.Task[None] | None
+
+        applier: Applier
 
         # Provided by the subscription (see raysync.receivers.subscription).
         receive: Callable[..., ApplyReport]
         receive_async: Callable[..., Awaitable[ApplyReport]]
         report: Callable[[ApplyReport], None]
-        _skipped: Callable[[int], ApplyReport]
-        _plan: Callable[..., list[int] | None]
-        _fetch: Callable[..., dict[int, Any]]
-        _commit: Callable[..., float]
-        _reply: Callable[..., ApplyReport]
+        check_binding: Callable[[], bool]
 
     def _member(self) -> Member:
         return cast("Member", self)  # the subscription this is mixed into is one
@@ -137,54 +135,29 @@ class PullSync:
         info = self._newer(timeout)
         if info is None:
             return False
-        version, manifest, refs = info.version, info.manifest, list(info.refs)
-        t0 = time.perf_counter()
+        self.check_binding()
+        step = self.applier.prepare(
+            info.version, info.manifest, list(info.refs), timeout=left_of(deadline), in_place=False
+        )
+        if isinstance(step, ApplyReport):
+            return self._synced(info.version, step)
+        lock = self.sync.async_lock
+        if not lock.try_write():
+            # Async methods are suspended mid-call: the apply waits for them on the loop.
+            self._deferred = loop.create_task(self._commit_when_free(step))
+            return False
         try:
-            if transport_info(manifest.transport).in_place:
-                raise RaySyncError(
-                    f"a version that came over {manifest.transport!r} (received in place) cannot be "
-                    "applied from a plain method of an async actor: call `await self.raysync_sync()` "
-                    "from an async method"
-                )
-            needed = self._plan(version, manifest, bucket_ids(refs))
-            if needed is None:
-                return self._synced(version, self._skipped(version))
-            fetched = self._fetch(manifest, refs, needed, left_of(deadline))
-            lock = self.sync.async_lock
-            if not lock.try_write():
-                # Async methods are suspended mid-call: the apply waits for them on the loop.
-                self._deferred = loop.create_task(
-                    self._commit_when_free(version, manifest, refs, fetched, needed, t0)
-                )
-                return False
-            try:
-                pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-            finally:
-                lock.release_write()
-            fetched_bytes = apply.nbytes(manifest, needed, self.target)
-            reply = self._reply(version, t0, None, pause, len(needed), fetched_bytes)
-        except RaySyncError:
-            raise
-        except Exception as err:
-            reply = self._reply(version, t0, err)
-        return self._synced(version, reply)
+            reply = self.applier.commit(step, guard=contextlib.nullcontext)
+        finally:
+            lock.release_write()
+        return self._synced(info.version, reply)
 
-    async def _commit_when_free(
-        self,
-        version: int,
-        manifest: Manifest,
-        refs: list[ray.ObjectRef],
-        fetched: dict[int, Any],
-        needed: list[int],
-        t0: float,
-    ) -> None:
+    async def _commit_when_free(self, step: Prepared) -> None:
         try:
             async with self.sync.async_lock.write():
-                pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-            fetched_bytes = apply.nbytes(manifest, needed, self.target)
-            reply = self._reply(version, t0, None, pause, len(needed), fetched_bytes)
+                reply = self.applier.commit(step, guard=contextlib.nullcontext)
         except Exception as err:
-            reply = self._reply(version, t0, err)
+            reply = self.applier.report(step.version, step.t0, err)
         self.report(reply)
 
 

@@ -1,7 +1,7 @@
-"""One subscription of one actor to one model: the version held, how it is applied.
+"""One subscription of one actor to one model: how its versions reach its pipeline.
 
-The steps are :mod:`raysync.receivers.apply`'s (plan, fetch with no lock, verify,
-commit under the actor's write lock) into the subscription's target: the module in
+Its :class:`~raysync.receivers.pipeline.Applier` plans, fetches with no lock, verifies
+and commits under the actor's write lock into the subscription's target: the module in
 ``self.<attr>`` (one ``copy_`` per changed bucket with ``apply="copy"``, a pointer swap
 for ``"view"``, prefetched or NIXL versions), or a :class:`~raysync.receivers.target.Target`
 held there (e.g. a :class:`~raysync.WeightsLoader`). A failed apply leaves the previous
@@ -24,9 +24,8 @@ import ray
 import torch
 
 from raysync import _protocol as proto
-from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo, bucket_ids
+from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo
 from raysync.core.bound import BoundModel
-from raysync.core.codec import require_checksums
 from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest
 from raysync.core.shards import TensorParallel
@@ -35,11 +34,10 @@ from raysync.receivers import apply
 from raysync.receivers.attr_hint import missing_module_message
 from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
+from raysync.receivers.pipeline import Applier, Prepared
 from raysync.receivers.pull import PullSync
 from raysync.receivers.target import ModuleTarget, Target, is_target
 from raysync.transports.doorbell import Segment, doorbell
-from raysync.transports.registry import info as transport_info
-from raysync.transports.registry import transport_class
 
 if TYPE_CHECKING:
     from raysync.receivers.synced import _ActorSync
@@ -70,32 +68,41 @@ class SyncSpec:
     placement: TensorParallel | None = None
 
 
-_Fetched = tuple[int, Manifest, list[ray.ObjectRef], dict[int, Any], list[int], float]
-"""A fetched version waiting for its apply: version, manifest, refs, buckets, their indices, start time."""
-
-
 class _Subscription(PullSync, LocalChanges):
     """One (actor, model_id): the version held, the binding of the module to a layout."""
 
     def __init__(self, sync: _ActorSync, spec: SyncSpec) -> None:
         self.sync = sync
         self.spec = spec
-        self.version: int | None = None
-        self.target: Target | None = None  # the module's ModuleTarget, or the Target in self.<attr>
         self.sub_id = ""
         self._info: SubscriberInfo | None = None
-        # Guards the spare buffer set (prefetch staging, NIXL receives).
-        self._stage_lock = threading.Lock()
-        self._staged: tuple[int, list[str | None], int] | None = None
+        self.applier = Applier(
+            self._resolve_target,
+            verify=spec.verify,
+            timeout=spec.fetch_timeout,
+            label=f"self.{spec.attr} ({spec.model_id!r})",
+            guard=self._write_lock,
+        )
         self._prefetching = False
-        # Held while the binding or the version changes, and while they are checked: an
-        # apply and a check from another thread (heartbeat, raysync_version) never interleave.
-        self._binding_lock = threading.Lock()
         self._deferred: asyncio.Task[None] | None = None  # an apply waiting for async methods to return
         # Threaded actors: a delivered version whose apply waits for running methods (see receive).
         self._defer_lock = threading.Lock()
-        self._pending: _Fetched | None = None
+        self._pending: Prepared | None = None
         self._applier: threading.Thread | None = None
+
+    @property
+    def version(self) -> int | None:
+        """The version held (the pipeline's)."""
+        return self.applier.version
+
+    @property
+    def target(self) -> Target | None:
+        """The module's ModuleTarget, or the Target in ``self.<attr>`` (None before first use)."""
+        return self.applier.resolved
+
+    @property
+    def _binding_lock(self) -> threading.Lock:
+        return self.applier.lock
 
     # -------------------------------------------------------------- registration
     def module(self) -> torch.nn.Module:
@@ -110,33 +117,26 @@ class _Subscription(PullSync, LocalChanges):
         return self.target.bound if isinstance(self.target, ModuleTarget) else None
 
     def _target(self) -> Target:
-        if self.target is None:
-            held = getattr(self.sync.owner, self.spec.attr, None)
-            if is_target(held):
-                assert isinstance(held, Target)
-                if self.spec.apply != "copy" or self.spec.prefetch or self.spec.placement:
-                    raise ValueError(
-                        f"@synced_model({self.spec.attr!r}): self.{self.spec.attr} is a "
-                        f"{type(held).__name__}, which takes versions through its own commit: "
-                        "apply='view', prefetch=True and placement= are for modules; drop them"
-                    )
-                self.target = held
-            else:
-                self.module()  # raises, naming the attribute, if it holds neither
-                self.target = ModuleTarget(
-                    lambda: getattr(self.sync.owner, self.spec.attr, None),
-                    view=self.spec.apply == "view",
-                    label=f"self.{self.spec.attr}",
-                    placement=self.spec.placement,
-                )
-        assert self.target is not None
-        return self.target
+        return self.applier.target
 
-    def _module_target(self, why: str) -> ModuleTarget:
-        target = self._target()
-        if not isinstance(target, ModuleTarget):
-            raise RaySyncError(f"{self.sub_id}: {why} needs self.{self.spec.attr} to be an nn.Module")
-        return target
+    def _resolve_target(self) -> Target:
+        held = getattr(self.sync.owner, self.spec.attr, None)
+        if is_target(held):
+            assert isinstance(held, Target)
+            if self.spec.apply != "copy" or self.spec.prefetch or self.spec.placement:
+                raise ValueError(
+                    f"@synced_model({self.spec.attr!r}): self.{self.spec.attr} is a "
+                    f"{type(held).__name__}, which takes versions through its own commit: "
+                    "apply='view', prefetch=True and placement= are for modules; drop them"
+                )
+            return held
+        self.module()  # raises, naming the attribute, if it holds neither
+        return ModuleTarget(
+            lambda: getattr(self.sync.owner, self.spec.attr, None),
+            view=self.spec.apply == "view",
+            label=f"self.{self.spec.attr}",
+            placement=self.spec.placement,
+        )
 
     # -------------------------------------------------------------- membership (a Member)
     @property
@@ -151,6 +151,7 @@ class _Subscription(PullSync, LocalChanges):
         """Register with the hub (waiting while it restarts) and apply its newest version."""
         actor_id = ctx.get_actor_id()
         self.sub_id = f"{actor_id}:{self.spec.model_id}"
+        self.applier.label = f"{self.sub_id} ({self.spec.model_id!r})"
         if isinstance(self._target(), ModuleTarget):
             self.warn_train_mode(type(self.sync.owner).__name__, self.module())
         self._info = SubscriberInfo(
@@ -189,22 +190,14 @@ class _Subscription(PullSync, LocalChanges):
         ``segment`` is None when a newer ring for this subscription came with it (or
         the segment is gone): nothing to do, a newer version is on its way.
         """
-        t0 = time.perf_counter()
         if segment is None:
-            return self._skipped(ring.version)
-        version, manifest = segment.version, segment.manifest
-        try:
-            needed = self._plan(version, manifest, segment.ids)
-            if needed is None:
-                return self._skipped(version)
-            target, verify = self._target(), self.spec.verify
-            fetched = apply.at_hand(target, manifest, segment.buckets, needed, verify=verify)
-            with self._write_lock():
-                pause = self._commit(version, manifest, segment.ids, fetched)
-            del fetched
-        except Exception as err:
-            return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed, self.target))
+            return apply.skipped(self.version, ring.version)
+        self.check_binding()
+        return self.applier.finish(
+            self.applier.prepare(
+                segment.version, segment.manifest, [], at_hand=segment.buckets, ids=segment.ids
+            )
+        )
 
     def registration(self) -> Registration:
         assert self._info is not None
@@ -241,13 +234,9 @@ class _Subscription(PullSync, LocalChanges):
         next apply binds the module afresh, and in push mode the hub is asked to
         deliver the newest version again.
         """
-        with self._binding_lock:
-            target = self.target
-            if target is None or target.intact():
-                return True
-            held, self.version = self.version, None
-            target.forget()
-            self._staged = None
+        forgot, held = self.applier.forget_if_torn()
+        if not forgot:
+            return True
         logger.warning(
             "%s: the parameters of self.%s were re-pointed by user code (load_state_dict(assign=True), "
             ".to(), .double(), a replaced submodule, ...): it no longer holds version %s of %r; %s",
@@ -261,76 +250,6 @@ class _Subscription(PullSync, LocalChanges):
             why = RaySyncError(f"parameters re-pointed by user code: version {held} no longer held")
             self.report(ApplyReport(reset=True, error=why))
         return False
-
-    def _plan(self, version: int, manifest: Manifest, ids: list[str | None]) -> list[int] | None:
-        """Validate before fetching; the buckets to fetch, or None if the version is not newer."""
-        self.check_binding()
-        return apply.plan(self._target(), version, manifest, ids, self.version)
-
-    def _fetch(
-        self, manifest: Manifest, refs: list[ray.ObjectRef], needed: list[int], timeout: float | None = None
-    ) -> dict[int, Any]:
-        timeout = self.spec.fetch_timeout if timeout is None else timeout
-        return apply.fetch(
-            manifest, refs, needed, timeout=timeout, verify=self.spec.verify, target=self._target()
-        )
-
-    def _commit(
-        self, version: int, manifest: Manifest, ids: list[str | None], fetched: dict[int, Any]
-    ) -> float:
-        """Apply fetched buckets; return the pause (seconds readers waited). Caller holds the write lock."""
-        t0 = time.perf_counter()
-        with self._binding_lock:
-            if self.version is not None and version <= self.version:
-                return 0.0  # a newer one got in first
-            target = self._target()
-            if not target.intact():  # re-pointed since the fetch was planned
-                self.version = None
-                target.forget()
-            try:
-                apply.commit(target, version, manifest, ids, fetched)
-            except BaseException:
-                if not target.intact():  # a commit that failed part-way: it holds nothing known
-                    self.version = None
-                    target.forget()
-                raise
-            self.version = version
-        return time.perf_counter() - t0
-
-    def _reply(
-        self,
-        version: int,
-        t0: float,
-        error: BaseException | None,
-        pause: float = 0.0,
-        fetched: int = 0,
-        fetched_bytes: int = 0,
-    ) -> ApplyReport:
-        elapsed = time.perf_counter() - t0
-        if error is None:
-            logger.debug(
-                "%s applied %r version %d in %.4f s (pause %.4f s)",
-                *(self.sub_id, self.spec.model_id, version, elapsed, pause),
-            )
-            return ApplyReport(
-                applied=self.version,
-                apply_s=elapsed,
-                pause_s=pause,
-                buckets_fetched=fetched,
-                bytes_fetched=fetched_bytes,
-            )
-        logger.warning(
-            "%s failed to apply %r version %d, keeps version %s: %s",
-            self.sub_id,
-            self.spec.model_id,
-            version,
-            self.version,
-            error,
-        )
-        return apply.failed(version, self.version, error)
-
-    def _skipped(self, version: int) -> ApplyReport:
-        return apply.skipped(self.version, version)
 
     def receive(
         self,
@@ -348,44 +267,34 @@ class _Subscription(PullSync, LocalChanges):
         thread once they end (reported to the hub then), so the delivery call does
         not hold one of the actor's concurrency slots meanwhile.
         """
-        t0 = time.perf_counter()
-        if transport_info(manifest.transport).in_place:
-            return self._receive_in_place(version, manifest, refs, t0)
+        self.check_binding()
+        if self.spec.prefetch:
+            swapped = self.swap_if_staged(version)
+            if swapped is not None:
+                return swapped
+            if defer and self._prefetching and self.applier.stages(manifest):
+                # The prefetcher stages it and swaps it in between method calls (and reports
+                # then): the hub's call must not fetch it a second time meanwhile.
+                return ApplyReport(applied=self.version, deferred=version)
+        step = self.applier.prepare(version, manifest, refs, timeout=fetch_timeout)
+        if isinstance(step, ApplyReport):
+            return step
+        lock = self.sync.lock
+        if not defer or self.sync.is_async or lock.held():
+            return self.applier.commit(step)
+        if not lock.try_write():
+            self._defer(step)
+            return ApplyReport(applied=self.version, deferred=version)
         try:
-            if self.spec.prefetch:
-                swapped = self.swap_if_staged(version)
-                if swapped is not None:
-                    return swapped
-                if defer and self._prefetching and self._stages(manifest):
-                    # The prefetcher stages it and swaps it in between method calls (and reports
-                    # then): the hub's call must not fetch it a second time meanwhile.
-                    return ApplyReport(applied=self.version, deferred=version)
-            needed = self._plan(version, manifest, bucket_ids(refs))
-            if needed is None:
-                return self._skipped(version)
-            fetched = self._fetch(manifest, refs, needed, fetch_timeout)
-            lock = self.sync.lock
-            if defer and not self.sync.is_async and not lock.held():
-                if not lock.try_write():
-                    self._defer((version, manifest, refs, fetched, needed, t0))
-                    return ApplyReport(applied=self.version, deferred=version)
-                try:
-                    pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-                finally:
-                    lock.release_write()
-            else:
-                with self._write_lock():
-                    pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-            del fetched
-        except Exception as err:
-            return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed, self.target))
+            return self.applier.commit(step, guard=contextlib.nullcontext)
+        finally:
+            lock.release_write()
 
-    def _defer(self, item: _Fetched) -> None:
+    def _defer(self, step: Prepared) -> None:
         """Hand an apply to the applier thread (the newest deferred version wins)."""
         with self._defer_lock:
-            if self._pending is None or item[0] > self._pending[0]:
-                self._pending = item
+            if self._pending is None or step.version > self._pending.version:
+                self._pending = step
             if self._applier is None:
                 self._applier = threading.Thread(
                     target=self._apply_deferred, name=f"raysync-apply-{self.spec.model_id}", daemon=True
@@ -395,20 +304,11 @@ class _Subscription(PullSync, LocalChanges):
     def _apply_deferred(self) -> None:
         while True:
             with self._defer_lock:
-                item, self._pending = self._pending, None
-                if item is None:
+                step, self._pending = self._pending, None
+                if step is None:
                     self._applier = None
                     return
-            version, manifest, refs, fetched, needed, t0 = item
-            try:
-                with self.sync.lock.write():
-                    pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-                fetched_bytes = apply.nbytes(manifest, needed, self.target)
-                reply = self._reply(version, t0, None, pause, len(needed), fetched_bytes)
-            except Exception as err:
-                reply = self._reply(version, t0, err)
-            del item, fetched
-            self.report(reply)
+            self.report(self.applier.commit(step, guard=self.sync.lock.write))
 
     async def receive_async(
         self,
@@ -419,62 +319,11 @@ class _Subscription(PullSync, LocalChanges):
         fetch_timeout: float | None = None,
     ) -> ApplyReport:
         """Same as :meth:`receive` for async actors: waits without blocking the event loop."""
-        t0 = time.perf_counter()
         self.sync.loop = asyncio.get_running_loop()
-        if transport_info(manifest.transport).in_place:
-            return await asyncio.to_thread(self._receive_in_place, version, manifest, refs, t0)
-        try:
-            needed = self._plan(version, manifest, bucket_ids(refs))
-            if needed is None:
-                return self._skipped(version)
-            timeout = self.spec.fetch_timeout if fetch_timeout is None else fetch_timeout
-            verify = self.spec.verify
-            fetched = await apply.fetch_async(
-                manifest, refs, needed, timeout=timeout, verify=verify, target=self._target()
-            )
-            async with self.sync.async_lock.write():
-                pause = self._commit(version, manifest, bucket_ids(refs), fetched)
-            del fetched
-        except Exception as err:
-            return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, len(needed), apply.nbytes(manifest, needed, self.target))
-
-    def _receive_in_place(
-        self, version: int, manifest: Manifest, refs: list[ray.ObjectRef], t0: float
-    ) -> ApplyReport:
-        """A path that receives in place (NIXL): into the spare buffer set, then swapped in under
-        the write lock."""
-        try:
-            if self.spec.apply != "copy":
-                raise RaySyncError(
-                    f"{self.sub_id}: apply={self.spec.apply!r} needs the object store; this version came "
-                    f"over {manifest.transport!r} (push with transport='object_store' or use apply='copy')"
-                )
-            target = self._module_target(f"a version that came over {manifest.transport!r}")
-            self.check_binding()
-            if self.spec.verify:
-                require_checksums(manifest)  # such versions carry none: refused, not taken unchecked
-            with self._stage_lock:
-                if self.version is not None and version <= self.version:
-                    return self._skipped(version)
-                bound = target.binding(manifest)
-                if bound is None:
-                    target.check(manifest)
-                    with self._write_lock(), self._binding_lock:
-                        bound = target.bind(manifest)
-                ids = bucket_ids(refs)
-                nbytes = transport_class(manifest.transport).receive_into(
-                    bound, refs, ids, timeout=self.spec.fetch_timeout, extra_state=manifest.extra_state
-                )
-                with self._write_lock(), self._binding_lock:
-                    t1 = time.perf_counter()
-                    if target.bound is bound and (self.version is None or version > self.version):
-                        bound.swap()  # re-points every parameter: whole whatever they pointed at
-                        self.version = version
-                    pause = time.perf_counter() - t1
-        except Exception as err:
-            return self._reply(version, t0, err)
-        return self._reply(version, t0, None, pause, 0, nbytes)
+        self.check_binding()
+        return await self.applier.apply_async(
+            version, manifest, refs, guard=self.sync.async_lock.write, timeout=fetch_timeout
+        )
 
     @contextlib.contextmanager
     def _write_lock(self) -> Iterator[None]:
@@ -528,54 +377,23 @@ class _Subscription(PullSync, LocalChanges):
                 continue
             if info is None:
                 continue
-            version, manifest, refs = info.version, info.manifest, list(info.refs)
-            known = max(known, version)
-            if transport_info(manifest.transport).in_place:
-                continue  # received straight into the spare set anyway
+            known = max(known, info.version)
             try:
-                with self._stage_lock:
-                    target = self.target
-                    bound = target.binding(manifest) if isinstance(target, ModuleTarget) else None
-                    if bound is None or (self.version is not None and version <= self.version):
-                        continue  # first version or a new layout: the normal path binds it
-                    ids = bucket_ids(refs)
-                    needed = bound.needed(ids, staging=True)
-                    fetched = self._fetch(manifest, refs, needed)
-                    bound.stage(fetched, ids, extra_state=manifest.extra_state)
-                    self._staged = (version, ids, sum(manifest.bucket_nbytes[b] for b in needed))
-                    del fetched
-                    if self.spec.mode == "push":
+                with self.applier.stage_lock:
+                    staged = self.applier.stage(info.version, info.manifest, list(info.refs))
+                    if staged and self.spec.mode == "push":
                         # The write lock is granted between method calls: that is the safe point.
-                        reply = self._swap_staged()
+                        reply = self.applier.swap_staged()
                         if reply is not None:
                             self.report(reply)
             except Exception as err:
                 logger.warning(
-                    "%s could not prefetch %r version %d: %s", self.sub_id, self.spec.model_id, version, err
+                    "%s could not prefetch %r version %d: %s",
+                    self.sub_id,
+                    self.spec.model_id,
+                    info.version,
+                    err,
                 )
-
-    def _swap_staged(self) -> ApplyReport | None:
-        """Make the staged version current by re-pointing (no copy). Caller holds the stage lock."""
-        staged, bound = self._staged, self.bound
-        if staged is None or bound is None or (self.version is not None and staged[0] <= self.version):
-            return None
-        with self._write_lock(), self._binding_lock:
-            if self.bound is not bound or not bound.intact():
-                self._staged = None  # re-pointed by user code: the normal path binds afresh
-                return None
-            t0 = time.perf_counter()
-            bound.swap()
-            self.version = staged[0]
-            pause = time.perf_counter() - t0
-        self._staged = None
-        return ApplyReport(
-            applied=self.version, apply_s=pause, pause_s=pause, prefetched=True, bytes_fetched=staged[2]
-        )
-
-    def _stages(self, manifest: Manifest) -> bool:
-        """Whether the prefetcher takes this version (a layout it is bound to; not the first)."""
-        target = self.target
-        return isinstance(target, ModuleTarget) and target.binding(manifest) is not None
 
     def swap_if_staged(self, version: int) -> ApplyReport | None:
         """Before fetching ``version`` the slow way: take it from the prefetcher if it has it.
@@ -584,12 +402,12 @@ class _Subscription(PullSync, LocalChanges):
         """
         # Inside a user method (raysync_sync) the prefetcher may be waiting for our read to
         # end: never block on it from there.
-        if not self._stage_lock.acquire(blocking=not self.sync.lock.held()):
+        if not self.applier.stage_lock.acquire(blocking=not self.sync.lock.held()):
             return None
         try:
-            reply = self._swap_staged()
+            reply = self.applier.swap_staged()
         finally:
-            self._stage_lock.release()
+            self.applier.stage_lock.release()
         if self.version is not None and self.version >= version:
-            return reply or self._skipped(version)
+            return reply or apply.skipped(self.version, version)
         return None
