@@ -21,7 +21,7 @@ import hashlib
 import logging
 import math
 import pickle
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -368,8 +368,30 @@ def cast_floating(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> di
     return {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
 
 
-def validate(manifest: Manifest, model_schema: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
-    """Check a version against a model's ``{key: (shape, dtype)}``; report every problem at once.
+def validate(
+    manifest: Manifest,
+    model_schema: Mapping[str, tuple[tuple[int, ...], str | None]] | None,
+    *,
+    who: str = "the model",
+    partial: bool = False,
+    accepts: Callable[[str, tuple[int, ...], torch.dtype], bool] | None = None,
+    floating: bool = False,
+    extra_state: bool = True,
+) -> None:
+    """Check a version against what a receiver holds; report every problem at once.
+
+    The one mismatch check: a module (its ``{key: (shape, dtype)}``), a
+    :class:`~raysync.WeightsLoader` and a vLLM engine (``partial``, with their own rules).
+
+    Args:
+        manifest: the version.
+        model_schema: ``{key: (shape, dtype name, or None for any)}``; ``None``: any key.
+        who: the receiver, as the message names it.
+        partial: it takes versions of some of its keys (a loader, an engine): keys it has
+            that a version lacks are not missing; keys it does not have are "unknown".
+        accepts: ``(name, shape, dtype) -> bool``; the keys it refuses are listed.
+        floating: every tensor must be floating point (an engine's loader casts it).
+        extra_state: whether it takes ``get_extra_state()`` objects (modules do).
 
     Raises:
         WeightMismatchError: listing missing, unexpected, mis-shaped and mis-typed keys.
@@ -382,31 +404,44 @@ def validate(manifest: Manifest, model_schema: Mapping[str, tuple[tuple[int, ...
         raysync.errors.WeightMismatchError: weights do not match the model: shape mismatch w: ...
     """
     pushed = manifest.schema()
-    missing = sorted(set(model_schema) - set(pushed))
-    unexpected = sorted(set(pushed) - set(model_schema))
-    shapes = {
-        k: (pushed[k][0], tuple(model_schema[k][0]))
-        for k in sorted(set(pushed) & set(model_schema))
-        if tuple(pushed[k][0]) != tuple(model_schema[k][0])
+    held = pushed if model_schema is None else model_schema
+    missing = [] if partial else sorted(set(held) - set(pushed))
+    unexpected = sorted(set(pushed) - set(held))
+    both = sorted(set(pushed) & set(held))
+    shapes = {k: (pushed[k][0], tuple(held[k][0])) for k in both if tuple(pushed[k][0]) != tuple(held[k][0])}
+    dtypes: dict[str, tuple[Any, Any]] = {
+        k: (pushed[k][1], held[k][1]) for k in both if held[k][1] not in (None, pushed[k][1])
     }
-    dtypes = {
-        k: (pushed[k][1], model_schema[k][1])
-        for k in sorted(set(pushed) & set(model_schema))
-        if pushed[k][1] != model_schema[k][1]
-    }
-    if not (missing or unexpected or shapes or dtypes):
+    if floating:
+        dtypes.update(
+            {
+                k: (d, "a floating dtype")
+                for k, (_, d) in pushed.items()
+                if not _dtype_from_name(d).is_floating_point
+            }
+        )
+    refused = [
+        k for k, (shape, d) in pushed.items() if accepts and not accepts(k, shape, _dtype_from_name(d))
+    ]
+    extra = [] if extra_state else [k for k, _ in manifest.extra_state]
+    if not (missing or unexpected or shapes or dtypes or refused or extra):
         return
-    parts = []
-    if missing:
-        parts.append(f"missing keys {_short(missing)}")
+    want = "expected" if partial else "model"
+    parts = [f"missing keys {_short(missing)}"] if missing else []
     if unexpected:
-        parts.append(f"unexpected keys {_short(unexpected)}")
-    parts += [f"shape mismatch {k}: pushed {a}, model {b}" for k, (a, b) in list(shapes.items())[:10]]
-    parts += [f"dtype mismatch {k}: pushed {a}, model {b}" for k, (a, b) in list(dtypes.items())[:10]]
+        parts.append(f"{'unknown' if partial else 'unexpected'} keys {_short(unexpected)}")
+    if refused:
+        parts.append(f"refused by expected() {_short(refused)}")
+    if extra:
+        parts.append(
+            f"extra state for {_short(extra)} (get_extra_state() objects), which only a module takes"
+        )
+    parts += [f"shape mismatch {k}: pushed {a}, {want} {b}" for k, (a, b) in list(shapes.items())[:10]]
+    parts += [f"dtype mismatch {k}: pushed {a}, {want} {b}" for k, (a, b) in list(dtypes.items())[:10]]
     raise WeightMismatchError(
-        "weights do not match the model: " + "; ".join(parts),
+        f"weights do not match {who}: " + "; ".join(parts),
         missing=missing,
-        unexpected=unexpected,
+        unexpected=unexpected + refused + extra,
         shape_mismatch=shapes,
         dtype_mismatch=dtypes,
     )

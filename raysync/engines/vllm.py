@@ -84,8 +84,8 @@ import torch
 
 from raysync import _protocol as proto
 from raysync.channels.base import DEFAULT_TIMEOUT
-from raysync.core.layout import Manifest, _short
-from raysync.errors import EngineNotReadyError, RaySyncError, SyncTimeoutError, WeightMismatchError
+from raysync.core.layout import Manifest, validate
+from raysync.errors import EngineNotReadyError, RaySyncError, SyncTimeoutError
 from raysync.receivers.first_version import wait_for_first
 from raysync.receivers.follower import Follower
 from raysync.receivers.target import Incoming
@@ -227,30 +227,8 @@ class VLLMEngine:
     # ------------------------------------------------------------------ Target
     def check(self, manifest: Manifest) -> None:
         """Refuse a version the engine does not take, naming every tensor that does not fit."""
-        unknown: list[str] = []
-        shapes: dict[str, tuple[Any, Any]] = {}
-        dtypes: dict[str, tuple[Any, Any]] = {}
-        for e in manifest.entries:
-            want = self._schema.get(e.key)
-            if want is None:
-                unknown.append(e.key)
-            elif tuple(e.shape) != want:
-                shapes[e.key] = (tuple(e.shape), want)
-            if not e.torch_dtype.is_floating_point:
-                dtypes[e.key] = (e.dtype, "a floating dtype")
-        if manifest.extra_state:
-            unknown += [k for k, _ in manifest.extra_state]
-        if not (unknown or shapes or dtypes):
-            return
-        parts = [f"unknown {_short(unknown)}"] if unknown else []
-        parts += [f"shape mismatch {k}: pushed {a}, expected {b}" for k, (a, b) in list(shapes.items())[:10]]
-        parts += [f"dtype mismatch {k}: pushed {a}, expected {b}" for k, (a, b) in list(dtypes.items())[:10]]
-        raise WeightMismatchError(
-            f"weights do not fit {self.name}: " + "; ".join(parts),
-            unexpected=unknown,
-            shape_mismatch=shapes,
-            dtype_mismatch=dtypes,
-        )
+        schema = {k: (shape, None) for k, shape in self._schema.items()}
+        validate(manifest, schema, who=self.name, partial=True, floating=True, extra_state=False)
 
     def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
         """Every bucket: each version goes in whole (see the module's notes).

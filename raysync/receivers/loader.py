@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from raysync.core.layout import Manifest, _dtype_name, _short
+from raysync.core.layout import Manifest, _dtype_name, validate
 from raysync.core.shards import TensorParallel
 from raysync.errors import WeightMismatchError
 from raysync.receivers.target import Incoming
@@ -115,44 +115,8 @@ class WeightsLoader:
     # ------------------------------------------------------------------ Target
     def check(self, manifest: Manifest) -> None:
         """Refuse a version this loader does not take, naming every tensor that does not fit."""
-        if manifest.extra_state:
-            keys = [k for k, _ in manifest.extra_state]
-            raise WeightMismatchError(
-                f"{self.name}: the version carries extra state for {_short(keys)} (get_extra_state() "
-                "objects), which only a module takes, not a loader of (name, tensor) pairs",
-                unexpected=keys,
-            )
-        unexpected: list[str] = []
-        shapes: dict[str, tuple[Any, Any]] = {}
-        dtypes: dict[str, tuple[Any, Any]] = {}
-        for e in manifest.entries:
-            if self._accepts is not None:
-                if not self._accepts(e.key, tuple(e.shape), e.torch_dtype):
-                    unexpected.append(e.key)
-                continue
-            if self._schema is None:
-                continue
-            want = self._schema.get(e.key)
-            if want is None:
-                unexpected.append(e.key)
-                continue
-            if tuple(e.shape) != want[0]:
-                shapes[e.key] = (tuple(e.shape), want[0])
-            if e.dtype != want[1]:
-                dtypes[e.key] = (e.dtype, want[1])
-        if not (unexpected or shapes or dtypes):
-            return
-        parts = []
-        if unexpected:
-            why = "refused by expected()" if self._accepts is not None else "unknown"
-            parts.append(f"{why} {_short(unexpected)}")
-        parts += [f"shape mismatch {k}: pushed {a}, expected {b}" for k, (a, b) in list(shapes.items())[:10]]
-        parts += [f"dtype mismatch {k}: pushed {a}, expected {b}" for k, (a, b) in list(dtypes.items())[:10]]
-        raise WeightMismatchError(
-            f"weights do not match {self.name}: " + "; ".join(parts),
-            unexpected=unexpected,
-            shape_mismatch=shapes,
-            dtype_mismatch=dtypes,
+        validate(
+            manifest, self._schema, who=str(self.name), partial=True, accepts=self._accepts, extra_state=False
         )
 
     def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
