@@ -8,7 +8,7 @@ import torch
 import raysync
 from raysync.core.codec import pack
 from raysync.core.extract import extract_tensors
-from raysync.core.layout import plan_layout
+from raysync.core.layout import plan_layout, validate
 from raysync.receivers import apply
 from raysync.receivers.target import Incoming, ModuleTarget, Target, is_target
 from tests._support import assert_same_weights, small_policy
@@ -99,3 +99,21 @@ def test_incoming_hands_out_read_only_views_and_byte_ranges() -> None:
     with pytest.raises(raysync.ReadOnlyWeightsError):
         t.add_(1)
     assert incoming.raw("0.bias").nbytes == tensors["0.bias"].numel() * 4
+
+
+def test_one_checker_names_every_misfit_of_a_loader_and_an_engine_at_once() -> None:
+    """A loader's or an engine's check lists every misfit of a version in one error, as a module's does."""
+    pushed = {"w": torch.zeros(3), "n": torch.zeros(2, dtype=torch.int64), "extra": torch.zeros(1)}
+    manifest = plan_layout(pushed)
+    held = {"w": ((4,), None), "n": ((2,), None), "unpushed": ((1,), None)}  # an engine's: shapes only
+    with pytest.raises(raysync.WeightMismatchError) as info:
+        validate(manifest, held, who="the engine", partial=True, floating=True, extra_state=False)
+    err = info.value
+    assert "weights do not match the engine" in str(err)
+    assert err.unexpected == ["extra"] and err.missing == []  # a partial receiver misses nothing
+    assert err.shape_mismatch == {"w": ((3,), (4,))}
+    assert err.dtype_mismatch == {"n": ("int64", "a floating dtype")}
+    loader = raysync.WeightsLoader(lambda weights: None, expected={"w": torch.zeros(4)}, name="engine")
+    with pytest.raises(raysync.WeightMismatchError) as both:
+        loader.check(manifest)
+    assert set(both.value.unexpected) == {"n", "extra"} and set(both.value.shape_mismatch) == {"w"}
