@@ -1,24 +1,15 @@
 """One receiver's pipeline: :class:`Applier` owns the target, the version held and its guard.
 
-Every receiver applies versions through one :class:`Applier`: ``@synced_model``
-subscriptions (push, pull, the doorbell's thread, async actors, deferred applies),
-``RayModuleTransform`` hosts (one of those), :class:`~raysync.Follower` and what it feeds
-(a :class:`~raysync.WeightsLoader`, a vLLM engine). The steps are
-:mod:`raysync.receivers.apply`'s, in one order:
-
-1. :meth:`Applier.prepare`: plan (not newer than the version held: skipped; a misfit is
-   refused before any byte is fetched), fetch the buckets the target lacks (from the
-   version's data path, or from buckets at hand: a doorbell segment), verify them.
-2. :meth:`Applier.commit`: under the receiver's guard (its write lock) and the binding
-   lock, the target takes the version whole; the version held moves; the report.
-
-:meth:`Applier.apply` runs both; receivers whose commit must wait (a threaded actor's
-running methods, an async actor's loop) run them apart, handing on the
-:class:`Prepared` version. What a data path or a target can do is the pipeline's
-business, not the receiver's: a version over a path that receives in place (NIXL) goes
-into the module's spare buffer set and is swapped in (:meth:`Applier.receive_in_place`,
-taken by :meth:`prepare`), and a prefetcher's staged copy (:meth:`Applier.stage`) is
-swapped in the same way (:meth:`Applier.swap_staged`).
+Every receiver applies versions through one: ``@synced_model`` subscriptions (push, pull,
+doorbell, async, deferred; ``RayModuleTransform`` hosts are one), :class:`~raysync.Follower`
+and what it feeds (a :class:`~raysync.WeightsLoader`, a vLLM engine). The steps are
+:mod:`raysync.receivers.apply`'s, in one order: :meth:`Applier.prepare` plans (a misfit is
+refused before any byte is fetched), fetches what the target lacks (or takes it from
+buckets at hand: a doorbell segment) and verifies; :meth:`Applier.commit` has the target
+take it whole under the receiver's guard and reports. Receivers whose commit must wait (a
+threaded actor's running methods, an async actor's loop) hand on the :class:`Prepared`
+version. A version over a data path that receives in place (NIXL) and a prefetcher's
+staged copy are swapped into the module's spare buffer set here, never by a receiver.
 
 Example:
     >>> applier = Applier(ModuleTarget(policy), verify=False, timeout=30, label="evaluator")
@@ -48,7 +39,7 @@ from raysync.receivers.target import ModuleTarget, Target
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
 
-__all__ = ["Applier", "Prepared", "apply_version"]
+__all__ = ["Applier", "Prepared"]
 
 logger = logging.getLogger(__name__)
 
@@ -393,26 +384,3 @@ class Applier:
             prefetched=True,
             bytes_fetched=staged[1],
         )
-
-
-def apply_version(
-    target: Target,
-    version: int,
-    manifest: Manifest,
-    refs: list[Any],
-    *,
-    held: int | None,
-    timeout: float | None,
-    verify: Verify = False,
-    guard: Guard = contextlib.nullcontext,
-    label: str = "receiver",
-) -> ApplyReport:
-    """One version into ``target`` through a one-off :class:`Applier` holding ``held``; the report.
-
-    Example:
-        >>> apply_version(target, 2, manifest, refs, held=1, timeout=30).applied  # doctest: +SKIP
-        2
-    """
-    applier = Applier(target, verify=verify, timeout=timeout, label=label, guard=guard)
-    applier.version = held
-    return applier.apply(version, manifest, refs)
