@@ -144,18 +144,18 @@ class Applier:
         timeout: float | None = None,
         at_hand: list[Any] | None = None,
         ids: list[str | None] | None = None,
-        in_place: bool = True,
+        on_loop: bool = False,
     ) -> Prepared | ApplyReport:
         """Plan, fetch and verify ``version``: what :meth:`commit` takes, or the report if it ends here.
 
         ``at_hand``: the version's whole buckets, already here (a doorbell segment; ``ids``
         then names them). A version over a data path that receives in place is received,
-        swapped in and reported here (:meth:`receive_in_place`); with ``in_place=False`` (on
-        an event loop, whose lock its swap cannot take) it is refused.
+        swapped in and reported here (:meth:`receive_in_place`), or, with ``on_loop`` (called on
+        an async actor's event loop, whose lock that swap cannot take from here), refused.
         """
         t0 = time.perf_counter()
         if at_hand is None and transport_info(manifest.transport).in_place:
-            if in_place:
+            if not on_loop:
                 return self.receive_in_place(version, manifest, refs, t0)
             why = (
                 f"a version that came over {manifest.transport!r} (received in place) cannot be applied "

@@ -137,7 +137,7 @@ class PullSync:
             return False
         self.check_binding()
         step = self.applier.prepare(
-            info.version, info.manifest, list(info.refs), timeout=left_of(deadline), in_place=False
+            info.version, info.manifest, list(info.refs), timeout=left_of(deadline), on_loop=True
         )
         if isinstance(step, ApplyReport):
             return self._synced(info.version, step)
