@@ -328,28 +328,29 @@ def _record_versions(actor: Any) -> None:
     (rung, called, a prefetched swap): observed in its process, on the version it says it holds."""
 
     def record(self: Any) -> None:
-        sub = self.__dict__["_raysync_actor_sync"].subs["policy"]
+        applier = self.__dict__["_raysync_actor_sync"].subs["policy"].applier  # holds its version
+        held = type(applier).version
 
-        class Recording(type(sub)):  # type: ignore[misc]
+        class Recording(type(applier)):  # type: ignore[misc]
             @property
             def version(self) -> int | None:
-                return self.__dict__["held"]
+                return held.fget(self)
 
             @version.setter
             def version(self, version: int | None) -> None:
-                if version is not None and version != self.__dict__["held"]:
+                if version is not None and version != held.fget(self):
                     self.__dict__["taken"].append(version)
-                self.__dict__["held"] = version
+                held.fset(self, version)
 
-        sub.__dict__.update(held=sub.__dict__.pop("version"), taken=[])
-        sub.__class__ = Recording
+        applier.__dict__["taken"] = []
+        applier.__class__ = Recording
 
     ray.get(actor.__ray_call__.remote(record), timeout=60)
 
 
 def _taken(actor: Any) -> list[int]:
     def taken(self: Any) -> list[int]:
-        return list(self.__dict__["_raysync_actor_sync"].subs["policy"].__dict__["taken"])
+        return list(self.__dict__["_raysync_actor_sync"].subs["policy"].applier.__dict__["taken"])
 
     found: list[int] = ray.get(actor.__ray_call__.remote(taken), timeout=60)
     return found
