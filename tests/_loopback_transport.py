@@ -61,14 +61,3 @@ class LoopbackTransport:
         flipped = ray.get([refs[b] for b in needed], timeout=timeout)
         FETCHES.extend(needed)
         return [_flip(bucket) for bucket in flipped]
-
-    @staticmethod
-    def receive_into(
-        bound: Any,
-        refs: Sequence[Any],
-        ids: Sequence[str | None],
-        *,
-        timeout: float,
-        extra_state: Sequence[tuple[str, bytes]] = (),
-    ) -> int:
-        raise NotImplementedError("fetched, then copied in")

@@ -54,6 +54,7 @@ from raysync.hub.settings import HubSettings
 from raysync.hub.state import Version
 from raysync.hub.state.groups import PartTaken
 from raysync.transports.base import check_transport
+from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
 
 if TYPE_CHECKING:
@@ -341,10 +342,10 @@ class HubClient:
         check_timeout(timeout)
         transport = transport or self.transport
         check_transport(transport)
-        if transport == "sharded":
+        if not transport_info(transport).pushable:
             raise ValueError(
-                "transport='sharded' is what the hub names a sharded trainer's versions: push DTensor "
-                "weights from every rank over the object store (the default) instead"
+                f"transport={transport!r} is what the hub names a sharded trainer's versions: push "
+                "DTensor weights from every rank over the object store (the default) instead"
             )
         if max_lag is not None and (not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1):
             raise ValueError(f"max_lag must be an integer >= 1 (versions), got {max_lag!r}")

@@ -38,7 +38,7 @@ from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, p
 from raysync.errors import InvalidWeightsError
 from raysync.hub.state import Version
 from raysync.hub.state.groups import PartTaken
-from raysync.transports.base import HubTransport, Reuse, Snapshot, reuse_unchanged, transport_for
+from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged, transport_for
 from raysync.transports.registry import transport_class
 
 __all__ = ["Offer", "PushPipeline", "PushRequest", "Pushed"]
@@ -128,7 +128,7 @@ class PushPipeline:
         self._shard_last: dict[str, Snapshot] = {}  # this rank's last sharded push (keys= fills from it)
         self._previous_of = previous
         self._lost = lost
-        self._transports: dict[str, HubTransport] = {}
+        self._transports: dict[str, Transport] = {}
         self._layouts: dict[tuple[Any, ...], Manifest] = {}
         self._separate: dict[str, frozenset[str]] = {}
         self.last: dict[str, Version] = {}  # the newest version this client pushed, per model
@@ -181,7 +181,7 @@ class PushPipeline:
         request: PushRequest,
         raw: dict[str, torch.Tensor],
         writer: dict[str, Any],
-        transport: HubTransport,
+        transport: Transport,
         t0: float,
         order: list[str],
     ) -> Pushed:
@@ -208,7 +208,7 @@ class PushPipeline:
         manifest = self._layout(tensors, request.bucket_bytes, self._separate.get(model_id, frozenset()))
         manifest = manifest.with_extra_state(extract_extra_state(request.weights))  # get_extra_state()
         manifest = manifest.with_order(order)  # the weights' own key order, for pull(state_dict=True)
-        if transport.name == "object_store":
+        if transport.info.object_store:
             _check_capacity(model_id, manifest)
         reuse: Reuse | None = None
         if prev is not None and prev_buckets is not None:
@@ -284,7 +284,7 @@ class PushPipeline:
         request: PushRequest,
         tensors: dict[str, Any],
         writer: dict[str, Any],
-        transport: HubTransport,
+        transport: Transport,
         ticket: _Ticket,
     ) -> Pushed:
         assert self._contribute is not None

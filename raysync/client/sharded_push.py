@@ -27,6 +27,7 @@ from raysync.core.layout import Manifest, plan_layout, schema_of
 from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError
 from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged, transport_for
+from raysync.transports.registry import DEFAULT, info
 
 __all__ = ["Contribute", "push_shard"]
 
@@ -68,9 +69,10 @@ def push_shard(
     """
     t0 = time.perf_counter()
     model_id = request.model_id
-    if request.transport != "object_store":
+    if not info(request.transport).rank_pieces:
         raise ValueError(
-            "a sharded push (DTensor weights) sends versions over the object store: drop transport="
+            f"a sharded push (DTensor weights) cannot go over transport={request.transport!r} (its "
+            "ranks cannot each put their own pieces there): drop transport= (the object store)"
         )
     part = local_part(tensors)
     local = part.tensors
@@ -93,7 +95,7 @@ def push_shard(
     manifest = plan_layout(local, bucket_bytes=request.bucket_bytes, separate=separate & local.keys())
     if part.rank == 0:
         manifest = manifest.with_extra_state(extract_extra_state(request.weights))
-    store = transport if transport is not None else transport_for("object_store")
+    store = transport if transport is not None else transport_for(DEFAULT)
     reuse = None
     if selected is not None or request.delta:
         local, reuse = _from_previous(model_id, local, manifest, selected, request.delta, previous, store)

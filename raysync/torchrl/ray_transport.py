@@ -42,6 +42,8 @@ from raysync.core.codec import pack
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest, plan_layout
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
+from raysync.transports.registry import check_transport
+from raysync.transports.registry import info as transport_info
 from raysync.transports.store_pages import populate_store_mapping
 
 __all__ = ["RayActorTransport", "RayTransport", "RayVersion", "apply_in_actor", "put_version"]
@@ -126,7 +128,8 @@ class RayTransport:
         timeout: float = DEFAULT_TIMEOUT,
         model_path: str | None = None,
     ) -> None:
-        if tensor_transport != "object_store":
+        check_transport(tensor_transport)
+        if not transport_info(tensor_transport).object_store or not transport_info(tensor_transport).pushable:
             raise ValueError(
                 f"tensor_transport={tensor_transport!r} is not supported by the schemes layer; use "
                 "'object_store', or raysync.connect(transport='nixl') and @synced_model receivers"

@@ -21,7 +21,7 @@ from raysync.transports.registry import TransportInfo
 
 __all__ = [
     "TRANSPORTS",
-    "HubTransport",
+    "ReceivesInPlace",
     "Reuse",
     "Snapshot",
     "Transport",
@@ -118,6 +118,15 @@ class Transport(Protocol):
         copy from (each a list of uint8 arrays)."""
         ...
 
+
+class ReceivesInPlace(Protocol):
+    """What a data path whose ``info.in_place`` is true adds: the receiver's side that receives
+    straight into a receiver's spare buffers (NIXL). Paths that fetch buckets do not have it.
+
+    Example:
+        >>> nbytes = transport_class("nixl").receive_into(bound, refs, ids, timeout=30)  # doctest: +SKIP
+    """
+
     @staticmethod
     def receive_into(
         bound: Any,
@@ -131,10 +140,6 @@ class Transport(Protocol):
         buffers of ``bound`` (a :class:`~raysync.core.bound.BoundModel`), which the caller swaps in;
         the bytes received."""
         ...
-
-
-HubTransport = Transport
-"""The name this interface had when it was the trainer's side only."""
 
 
 def check_transport(transport: Any) -> None:

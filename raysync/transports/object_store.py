@@ -104,16 +104,3 @@ class ObjectStoreTransport:
     async def fetch_async(manifest: Manifest, refs: Sequence[Any], needed: Sequence[int]) -> list[Any]:
         """:meth:`fetch` on an event loop (an async actor's): awaits the refs, no thread."""
         return list(await asyncio.gather(*[refs[b] for b in needed]))
-
-    @staticmethod
-    def receive_into(
-        bound: Any,
-        refs: Sequence[Any],
-        ids: Sequence[str | None],
-        *,
-        timeout: float,
-        extra_state: Sequence[tuple[str, bytes]] = (),
-    ) -> int:
-        raise NotImplementedError(
-            "object-store versions are fetched, then copied in (info.in_place is False)"
-        )

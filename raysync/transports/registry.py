@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BUILTIN", "TransportInfo", "check_transport", "info", "transport_class"]
+__all__ = ["BUILTIN", "DEFAULT", "TransportInfo", "check_transport", "info", "transport_class"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,11 @@ class TransportInfo:
         in_place: receivers receive straight into their spare buffers (then swap), instead of
             fetching buckets and copying them in.
         checksummed: versions carry checksums when asked (``push(checksum=True)``).
+        pushable: a pusher may name it (``hub.push(transport=...)``); ``sharded`` is the name the
+            hub gives a sharded trainer's versions, never a pusher's.
+        object_store: the bytes live in Ray's object store: a push is checked against its
+            capacity first, and refs may travel in any Ray call (the schemes layer's path).
+        rank_pieces: a sharded trainer's ranks may each put their own pieces over it.
     """
 
     name: str
@@ -47,12 +52,15 @@ class TransportInfo:
     node_shared: bool = False
     in_place: bool = False
     checksummed: bool = True
+    pushable: bool = True
+    object_store: bool = False
+    rank_pieces: bool = False
 
 
 BUILTIN: dict[str, tuple[str, TransportInfo]] = {
     "object_store": (
         "raysync.transports.object_store:ObjectStoreTransport",
-        TransportInfo("object_store", node_shared=True),
+        TransportInfo("object_store", node_shared=True, object_store=True, rank_pieces=True),
     ),
     "nixl": (
         "raysync.transports.nixl:NixlTransport",
@@ -63,10 +71,13 @@ BUILTIN: dict[str, tuple[str, TransportInfo]] = {
     # Checksums are the ranks' own, one per rank bucket (ShardMap.checksums).
     "sharded": (
         "raysync.transports.sharded:ShardedTransport",
-        TransportInfo("sharded", partial=False),
+        TransportInfo("sharded", partial=False, pushable=False, object_store=True),
     ),
 }
 """The data paths raysync ships: name -> (``module:Class``, what it allows)."""
+
+DEFAULT = "object_store"
+"""The data path a push takes unless told otherwise (and every sharded push)."""
 
 _CLASSES: dict[str, Any] = {}
 _LOCK = threading.Lock()
@@ -108,6 +119,16 @@ def transport_class(name: str) -> Any:
         raise ValueError(f"no data path {name!r}: {err}") from err
     if getattr(cls, "name", name) != name and name not in BUILTIN:
         raise ValueError(f"{name!r} names a class whose name is {cls.name!r}; set name = {name!r} on it")
+    declared = getattr(cls, "info", None)
+    if (
+        isinstance(declared, TransportInfo)
+        and declared.in_place
+        and not callable(getattr(cls, "receive_into", None))
+    ):
+        raise ValueError(
+            f"data path {name!r} says info.in_place=True but has no receive_into(bound, refs, ids, "
+            "*, timeout, extra_state): add it, or set in_place=False so receivers fetch its buckets"
+        )
     with _LOCK:
         _CLASSES[name] = cls
     return cls

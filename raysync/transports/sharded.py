@@ -75,17 +75,6 @@ class ShardedTransport:
         arrays = dict(zip(order, got, strict=True))
         return [Assembly(manifest, b, arrays) for b in needed]
 
-    @staticmethod
-    def receive_into(
-        bound: Any,
-        refs: Sequence[Any],
-        ids: Sequence[str | None],
-        *,
-        timeout: float,
-        extra_state: Sequence[tuple[str, bytes]] = (),
-    ) -> int:
-        raise NotImplementedError("sharded versions are fetched and assembled, then copied in")
-
 
 class Assembly(Sequence[np.ndarray]):
     """One whole-tensor bucket of a sharded version, assembled when first read.
