@@ -22,11 +22,18 @@ def _cases(tmp_path: Path) -> tuple[list[tuple[str, int, int, tuple[bool, bool]]
     path.write_bytes(bytes(8192))
     with open(path, "rb") as f:
         read_only = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # as a doorbell's sealed segment
-    private = np.zeros(1 << 20, dtype=np.uint8)
+    # Private, writable memory of a mapping of its own: a file's copy-on-write pages. (Anonymous
+    # private memory, numpy's, merges with the mappings beside it as other threads map theirs, so
+    # its bounds could change between the two reads and the comparison would be a race.)
+    backing = tmp_path / "private"
+    backing.write_bytes(bytes(1 << 20))
+    with open(backing, "r+b") as f:
+        private = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    private[:4] = b"cow!"  # written: its own pages now, as malloc'd memory is
     return [
         ("shared", np.frombuffer(shared, np.uint8).ctypes.data + 4096, 1024, (True, True)),
         ("read-only", np.frombuffer(read_only, np.uint8).ctypes.data, 8192, (False, True)),
-        ("private", private.ctypes.data, private.nbytes, (True, False)),
+        ("private", np.frombuffer(private, np.uint8).ctypes.data, 1 << 20, (True, False)),
     ], [shared, read_only, private]
 
 
