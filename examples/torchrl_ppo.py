@@ -10,7 +10,7 @@ differs: every worker acted with exactly the weights it reports.
 
 Run it with ``make demo-torchrl`` (or ``python examples/torchrl_ppo.py``); on 2 CPU
 cores it reaches a mean episode length above 200 in about two minutes and writes the
-reward curve to ``torchrl_ppo_reward.png``.
+reward curve to ``docs/img/torchrl_ppo_reward.png`` (the README's figure; ``--plot PATH`` for another).
 
 Usage:
     python examples/torchrl_ppo.py [--frames 200000] [--target 200] [--workers 2] [--check]
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import pathlib
 import sys
 import time
 import uuid
@@ -37,6 +38,9 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 from raysync.torchrl.integration import HubWeightSyncScheme
+
+DEFAULT_PLOT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "img" / "torchrl_ppo_reward.png"
+"""Where the reward curve goes: the README's figure, not the directory the script runs in."""
 
 
 def make_env() -> TransformedEnv:
@@ -101,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="torchrl worker processes")
     parser.add_argument("--target", type=float, default=200.0, help="stop at this mean episode length")
     parser.add_argument("--check", action="store_true", help="replay every batch with its stamped version")
-    parser.add_argument("--plot", default="torchrl_ppo_reward.png", help="reward-curve PNG ('' for none)")
+    parser.add_argument(
+        "--plot",
+        default=str(DEFAULT_PLOT),
+        help="reward-curve PNG (default: the README's figure; '' for none)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

@@ -32,3 +32,15 @@ def test_ppo_example_workers_act_with_the_version_on_their_batch(
     assert match is not None, out
     assert (int(match[1]), int(match[2])) == (2 * 4, 0)
     assert len(re.findall(r"iteration +\d+ +frames", out)) == 4
+
+
+def test_the_reward_curve_goes_where_the_readme_shows_it_not_into_the_working_directory() -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import torchrl_ppo
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    root = EXAMPLES.parent
+    shown = re.search(r"!\[reward curve\]\(([^)]+)\)", (root / "README.md").read_text())
+    assert shown is not None
+    assert torchrl_ppo.DEFAULT_PLOT == root / shown[1]  # whatever directory `make` or a user runs it from
