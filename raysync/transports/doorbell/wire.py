@@ -32,11 +32,31 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import struct
 from collections.abc import Sequence
 from typing import Any
 
 from raysync._protocol import ApplyReport, RelayAck, RelayReply, Ring
+from raysync.transports.doorbell.fields import (
+    ACK,
+    I64,
+    MAX_BUCKETS,
+    MAX_DIMS,
+    MAX_ENTRIES,
+    MAX_ERROR,
+    MAX_SUBS,
+    NONE_I64,
+    RING,
+    ROW,
+    SEG,
+    U8,
+    U16,
+    U32,
+    U64,
+    WIRE_VERSION,
+    Reader,
+    WireError,
+    Writer,
+)
 
 __all__ = [
     "KEY_BYTES",
@@ -54,27 +74,12 @@ __all__ = [
     "mac",
 ]
 
-WIRE_VERSION = 1
-"""Bumped whenever a layout changes: a record of another version is refused, never guessed at."""
 
 KEY_BYTES = 32
 MAC_BYTES = 32
 MAX_MESSAGE = 64 * 1024
 """The largest ring or ack accepted (a ring is split to stay below it)."""
 
-_MAX_STR = 4096
-_MAX_SUBS = 2048
-_MAX_ENTRIES = 1 << 20
-_MAX_BUCKETS = 1 << 16
-_MAX_DIMS = 64
-_MAX_ERROR = 1000
-_NONE_I64 = -(1 << 63)
-
-_RING = struct.Struct("<4sHHQqQQQH")
-_ACK = struct.Struct("<4sHHQq")
-_SEG = struct.Struct("<4sHHq")
-_U8, _U16, _U32, _U64, _I64, _F64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q", "<q", "<d"))
-_ROW = struct.Struct("<ddqq")
 
 _OUTCOMES = ("ok", "died", "unreachable", "failed", "unknown")
 
@@ -93,10 +98,6 @@ _FLOAT_FIELDS = ("apply_s", "pause_s")
 _BOOL_FIELDS = ("reset", "timed_out", "prefetched")
 
 
-class WireError(ValueError):
-    """A record that is not one of ours (wrong magic, version, length, field or MAC)."""
-
-
 def mac(key: bytes, data: bytes | memoryview) -> bytes:
     """The MAC of ``data`` under ``key`` (keyed BLAKE2b, 32 bytes).
 
@@ -105,30 +106,6 @@ def mac(key: bytes, data: bytes | memoryview) -> bytes:
         32
     """
     return hashlib.blake2b(data, key=key, digest_size=MAC_BYTES).digest()
-
-
-# ---------------------------------------------------------------------------- writing
-class _Out:
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-
-    def put(self, s: struct.Struct, *values: Any) -> None:
-        self.parts.append(s.pack(*values))
-
-    def text(self, value: str, limit: int = _MAX_STR) -> None:
-        raw = value.encode("utf-8")
-        if len(raw) > limit:
-            raise WireError(f"a string of {len(raw)} bytes is over the wire's limit of {limit}")
-        self.parts.append(_U16.pack(len(raw)) + raw)
-
-    def opt_int(self, value: int | None) -> None:
-        self.parts.append(_I64.pack(_NONE_I64 if value is None else value))
-
-    def opt_float(self, value: float | None) -> None:
-        self.parts.append(_F64.pack(math.nan if value is None else value))
-
-    def bytes(self) -> bytes:
-        return b"".join(self.parts)
 
 
 def _sealed(key: bytes, body: bytes) -> bytes:
@@ -144,11 +121,11 @@ def encode_ring(key: bytes, ring: Ring) -> bytes:
     Raises:
         WireError: a field is over its limit (the caller splits or calls the Ray way).
     """
-    if len(ring.sub_ids) > _MAX_SUBS:
-        raise WireError(f"{len(ring.sub_ids)} subscriptions in one ring, over {_MAX_SUBS}")
-    out = _Out()
+    if len(ring.sub_ids) > MAX_SUBS:
+        raise WireError(f"{len(ring.sub_ids)} subscriptions in one ring, over {MAX_SUBS}")
+    out = Writer()
     out.put(
-        _RING,
+        RING,
         b"RSRG",
         WIRE_VERSION,
         0,
@@ -168,33 +145,33 @@ def encode_ring(key: bytes, ring: Ring) -> bytes:
 def encode_ack(key: bytes, token: int, version: int, reply: RelayReply) -> bytes:
     """A subscriber process's acks of one ring (``reply`` as :func:`~raysync._protocol.compact`
     makes it), MAC'd with its doorbell ``key``."""
-    out = _Out()
-    out.put(_ACK, b"RSAK", WIRE_VERSION, 0, token, version)
-    out.put(_U16, len(reply.applied))
+    out = Writer()
+    out.put(ACK, b"RSAK", WIRE_VERSION, 0, token, version)
+    out.put(U16, len(reply.applied))
     for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
         out.text(sub_id)
         out.parts.append(
-            _ROW.pack(
+            ROW.pack(
                 math.nan if apply_s is None else apply_s,
                 math.nan if pause_s is None else pause_s,
-                _NONE_I64 if buckets is None else buckets,
-                _NONE_I64 if nbytes is None else nbytes,
+                NONE_I64 if buckets is None else buckets,
+                NONE_I64 if nbytes is None else nbytes,
             )
         )
-    out.put(_U16, len(reply.acks))
+    out.put(U16, len(reply.acks))
     for ack in reply.acks:
         out.text(ack.sub_id)
-        out.put(_U8, _OUTCOMES.index(ack.outcome))
-        out.text(_error_text(ack.error), _MAX_ERROR * 2)
+        out.put(U8, _OUTCOMES.index(ack.outcome))
+        out.text(_error_text(ack.error), MAX_ERROR * 2)
         report = ack.report
-        out.put(_U8, report is not None)
+        out.put(U8, report is not None)
         if report is not None:
             for name in _INT_FIELDS:
                 out.opt_int(getattr(report, name))
             for name in _FLOAT_FIELDS:
                 out.opt_float(getattr(report, name))
-            out.put(_U8, sum(1 << i for i, name in enumerate(_BOOL_FIELDS) if getattr(report, name)))
-            out.text(_error_text(report.error), _MAX_ERROR * 2)
+            out.put(U8, sum(1 << i for i, name in enumerate(_BOOL_FIELDS) if getattr(report, name)))
+            out.text(_error_text(report.error), MAX_ERROR * 2)
     return _sealed(key, out.bytes())
 
 
@@ -202,91 +179,22 @@ def _error_text(err: BaseException | None) -> str:
     if err is None:
         return ""
     text = f"{type(err).__name__}: {err}"
-    return text.encode("utf-8")[:_MAX_ERROR].decode("utf-8", "ignore")
+    return text.encode("utf-8")[:MAX_ERROR].decode("utf-8", "ignore")
 
 
-# ---------------------------------------------------------------------------- reading
-class _In:
-    def __init__(self, data: bytes | memoryview, end: int | None = None) -> None:
-        self.data = memoryview(data)
-        self.pos = 0
-        self.end = len(self.data) if end is None else end
-
-    def take(self, s: struct.Struct) -> tuple[Any, ...]:
-        if self.pos + s.size > self.end:
-            raise WireError("record ends early")
-        values = s.unpack_from(self.data, self.pos)
-        self.pos += s.size
-        return values
-
-    def one(self, s: struct.Struct) -> Any:
-        return self.take(s)[0]
-
-    def count(self, s: struct.Struct, limit: int, what: str) -> int:
-        n = int(self.one(s))
-        if n > limit:
-            raise WireError(f"{n} {what}, over the limit of {limit}")
-        return n
-
-    def text(self, limit: int = _MAX_STR, *, nonempty: bool = False) -> str:
-        n = self.one(_U16)
-        if n > limit or self.pos + n > self.end:
-            raise WireError("string over its limit or past the record's end")
-        raw = bytes(self.data[self.pos : self.pos + n])
-        self.pos += n
-        try:
-            value = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise WireError("string is not UTF-8") from err
-        if nonempty and not value:
-            raise WireError("empty string where one is required")
-        return value
-
-    def u64s(self, n: int) -> list[int]:
-        """``n`` unsigned 64-bit numbers in one read."""
-        s = struct.Struct(f"<{n}Q")
-        return list(self.take(s))
-
-    def non_negative(self, s: struct.Struct) -> int:
-        value = int(self.one(s))
-        if value < 0:
-            raise WireError(f"negative value {value} where none may be")
-        return value
-
-    def opt_int(self) -> int | None:
-        value = int(self.one(_I64))
-        if value == _NONE_I64:
-            return None
-        if value < 0:
-            raise WireError(f"negative value {value} where none may be")
-        return value
-
-    def opt_float(self) -> float | None:
-        value = float(self.one(_F64))
-        if math.isnan(value):
-            return None
-        if math.isinf(value) or value < 0:
-            raise WireError(f"duration {value} is not a finite non-negative number")
-        return value
-
-    def done(self) -> None:
-        if self.pos != self.end:
-            raise WireError(f"{self.end - self.pos} unexpected bytes after the record")
-
-
-def _opened(key: bytes, data: bytes | memoryview, magic: bytes) -> _In:
+def _opened(key: bytes, data: bytes | memoryview, magic: bytes) -> Reader:
     """Check length, magic, wire version and MAC; a reader over the body."""
     if not MAC_BYTES + 8 <= len(data) <= MAX_MESSAGE:
         raise WireError(f"a record of {len(data)} bytes")
     view = memoryview(data)
     if bytes(view[:4]) != magic:
         raise WireError("not a raysync record of this kind")
-    if _U16.unpack_from(view, 4)[0] != WIRE_VERSION:
-        raise WireError(f"wire version {_U16.unpack_from(view, 4)[0]}, this process speaks {WIRE_VERSION}")
+    if U16.unpack_from(view, 4)[0] != WIRE_VERSION:
+        raise WireError(f"wire version {U16.unpack_from(view, 4)[0]}, this process speaks {WIRE_VERSION}")
     body = view[:-MAC_BYTES]
     if not hmac.compare_digest(mac(key, body), bytes(view[-MAC_BYTES:])):
         raise WireError("bad MAC: not sent by a holder of this doorbell's key")
-    return _In(body)
+    return Reader(body)
 
 
 def decode_ring(key: bytes, data: bytes | memoryview) -> Ring:
@@ -296,8 +204,8 @@ def decode_ring(key: bytes, data: bytes | memoryview) -> Ring:
         WireError: anything that is not a well-formed ring MAC'd with ``key``.
     """
     r = _opened(key, data, b"RSRG")
-    _, _, flags, token, version, size, inode, device, n = r.take(_RING)
-    if flags != 0 or version < 0 or n == 0 or n > _MAX_SUBS:
+    _, _, flags, token, version, size, inode, device, n = r.take(RING)
+    if flags != 0 or version < 0 or n == 0 or n > MAX_SUBS:
         raise WireError("ring fields out of range")
     model_id = r.text(nonempty=True)
     sub_ids = tuple(r.text(nonempty=True) for _ in range(n))
@@ -311,9 +219,9 @@ def ack_token(data: bytes | memoryview) -> int:
     Raises:
         WireError: not an ack.
     """
-    if len(data) < _ACK.size + MAC_BYTES or bytes(data[:4]) != b"RSAK":
+    if len(data) < ACK.size + MAC_BYTES or bytes(data[:4]) != b"RSAK":
         raise WireError("not a raysync ack")
-    return int(_ACK.unpack_from(data, 0)[3])
+    return int(ACK.unpack_from(data, 0)[3])
 
 
 def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayReply]:
@@ -325,13 +233,13 @@ def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayRep
         WireError: anything that is not a well-formed ack MAC'd with ``key``.
     """
     r = _opened(key, data, b"RSAK")
-    _, _, flags, token, version = r.take(_ACK)
+    _, _, flags, token, version = r.take(ACK)
     if flags != 0 or version < 0:
         raise WireError("ack fields out of range")
     rows = []
-    for _ in range(r.count(_U16, _MAX_SUBS, "rows")):
+    for _ in range(r.count(U16, MAX_SUBS, "rows")):
         sub_id = r.text(nonempty=True)
-        apply_s, pause_s, buckets, nbytes = r.take(_ROW)
+        apply_s, pause_s, buckets, nbytes = r.take(ROW)
         rows.append(
             (
                 sub_id,
@@ -342,21 +250,21 @@ def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayRep
             )
         )
     acks = []
-    for _ in range(r.count(_U16, _MAX_SUBS, "acks")):
+    for _ in range(r.count(U16, MAX_SUBS, "acks")):
         sub_id = r.text(nonempty=True)
-        outcome = r.one(_U8)
+        outcome = r.one(U8)
         if outcome >= len(_OUTCOMES):
             raise WireError(f"unknown outcome {outcome}")
-        error = _error(r.text(_MAX_ERROR * 2))
+        error = _error(r.text(MAX_ERROR * 2))
         report = None
-        if r.one(_U8):
+        if r.one(U8):
             fields: dict[str, Any] = {name: r.opt_int() for name in _INT_FIELDS}
             fields.update({name: r.opt_float() for name in _FLOAT_FIELDS})
-            bits = r.one(_U8)
+            bits = r.one(U8)
             if bits >> len(_BOOL_FIELDS):
                 raise WireError("unknown report flags")
             fields.update({name: bool(bits >> i & 1) for i, name in enumerate(_BOOL_FIELDS)})
-            fields["error"] = _error(r.text(_MAX_ERROR * 2))
+            fields["error"] = _error(r.text(MAX_ERROR * 2))
             report = ApplyReport(**fields)
         acks.append(RelayAck(sub_id, report, _OUTCOMES[outcome], error))
     r.done()
@@ -372,7 +280,7 @@ def _duration(value: float) -> float | None:
 
 
 def _opt_count(value: int) -> int | None:
-    if value == _NONE_I64:
+    if value == NONE_I64:
         return None
     if value < 0:
         raise WireError(f"negative count {value}")
@@ -394,21 +302,21 @@ def _layout_blob(manifest: Any) -> bytes:
     key = (manifest.layout_hash, manifest.transport)
     blob = _encoded_layouts.get(key)
     if blob is None:
-        out = _Out()
-        out.put(_U32, len(manifest.entries))
+        out = Writer()
+        out.put(U32, len(manifest.entries))
         for e in manifest.entries:
             out.text(e.key)
-            out.put(_U8, len(e.shape))
+            out.put(U8, len(e.shape))
             for d in e.shape:
-                out.put(_I64, d)
+                out.put(I64, d)
             out.text(e.dtype, 64)
-            out.put(_U32, e.bucket)
-            out.put(_U32, e.index)
-            out.put(_U64, e.offset)
-            out.put(_U64, e.nbytes)
-        out.put(_U32, len(manifest.bucket_nbytes))
+            out.put(U32, e.bucket)
+            out.put(U32, e.index)
+            out.put(U64, e.offset)
+            out.put(U64, e.nbytes)
+        out.put(U32, len(manifest.bucket_nbytes))
         for n in manifest.bucket_nbytes:
-            out.put(_U64, n)
+            out.put(U64, n)
         out.text(manifest.layout_hash, 256)
         out.text(manifest.transport, 64)
         blob = out.bytes()
@@ -425,17 +333,17 @@ def _read_layout(blob: bytes) -> tuple[Any, ...]:
         return known
     from raysync.core.layout import TensorEntry  # torch-free
 
-    r = _In(blob)
+    r = Reader(blob)
     entries = []
-    for _ in range(r.count(_U32, _MAX_ENTRIES, "entries")):
+    for _ in range(r.count(U32, MAX_ENTRIES, "entries")):
         key = r.text(nonempty=True)
-        ndim = r.count(_U8, _MAX_DIMS, "dimensions")
-        shape = tuple(r.non_negative(_I64) for _ in range(ndim))
+        ndim = r.count(U8, MAX_DIMS, "dimensions")
+        shape = tuple(r.non_negative(I64) for _ in range(ndim))
         dtype = r.text(64, nonempty=True)
-        bucket, index = r.one(_U32), r.one(_U32)
-        offset, nbytes = r.one(_U64), r.one(_U64)
+        bucket, index = r.one(U32), r.one(U32)
+        offset, nbytes = r.one(U64), r.one(U64)
         entries.append(TensorEntry(key, shape, dtype, bucket, index, offset, nbytes))
-    bucket_nbytes = tuple(r.one(_U64) for _ in range(r.count(_U32, _MAX_BUCKETS, "buckets")))
+    bucket_nbytes = tuple(r.one(U64) for _ in range(r.count(U32, MAX_BUCKETS, "buckets")))
     layout_hash = r.text(256, nonempty=True)
     transport = r.text(64, nonempty=True)
     r.done()
@@ -462,29 +370,29 @@ def encode_segment_header(
     """
     if manifest.extra_state:
         raise WireError("a version with extra state (pickled objects) does not go by doorbell")
-    out = _Out()
-    out.put(_SEG, b"RSSG", WIRE_VERSION, 0, version)
+    out = Writer()
+    out.put(SEG, b"RSSG", WIRE_VERSION, 0, version)
     out.text(model_id)
     blob = _layout_blob(manifest)
-    out.put(_U32, len(blob))
+    out.put(U32, len(blob))
     out.parts.append(blob)
-    out.put(_U8, manifest.checksums is not None)
+    out.put(U8, manifest.checksums is not None)
     if manifest.checksums is not None:
-        out.put(_U32, len(manifest.checksums))
+        out.put(U32, len(manifest.checksums))
         for c in manifest.checksums:
-            out.put(_U32, c)
-    out.put(_U32, len(ids))
+            out.put(U32, c)
+    out.put(U32, len(ids))
     for i in ids:
-        out.put(_U8, i is not None)
+        out.put(U8, i is not None)
         if i is not None:
             out.text(i, 256)
-    out.put(_U32, len(sizes))
+    out.put(U32, len(sizes))
     for arrays in sizes:
-        out.put(_U32, len(arrays))
+        out.put(U32, len(arrays))
         for n in arrays:
-            out.put(_U64, n)
+            out.put(U64, n)
     body = out.bytes()
-    return _U64.pack(len(body)) + body
+    return U64.pack(len(body)) + body
 
 
 def decode_segment_header(
@@ -503,29 +411,29 @@ def decode_segment_header(
     view = memoryview(data)
     if len(view) < 8:
         raise WireError("segment shorter than its header's length")
-    length = _U64.unpack_from(view, 0)[0]
+    length = U64.unpack_from(view, 0)[0]
     if length > file_size - 8 or length > len(view) - 8:
         raise WireError("segment header longer than the segment")
-    r = _In(view[8 : 8 + length])
-    magic, wire, flags, version = r.take(_SEG)
+    r = Reader(view[8 : 8 + length])
+    magic, wire, flags, version = r.take(SEG)
     if magic != b"RSSG" or wire != WIRE_VERSION or flags != 0 or version < 0:
         raise WireError("not a raysync segment of this wire version")
     model_id = r.text(nonempty=True)
-    n = r.one(_U32)
+    n = r.one(U32)
     if r.pos + n > r.end:
         raise WireError("layout past the header's end")
     blob = bytes(r.data[r.pos : r.pos + n])
     r.pos += n
     entries, bucket_nbytes, layout_hash, transport = _read_layout(blob)
     checksums = None
-    if r.one(_U8):
-        checksums = tuple(r.one(_U32) for _ in range(r.count(_U32, _MAX_BUCKETS, "checksums")))
+    if r.one(U8):
+        checksums = tuple(r.one(U32) for _ in range(r.count(U32, MAX_BUCKETS, "checksums")))
     ids: list[str | None] = []
-    for _ in range(r.count(_U32, _MAX_BUCKETS, "bucket ids")):
-        ids.append(r.text(256) if r.one(_U8) else None)
+    for _ in range(r.count(U32, MAX_BUCKETS, "bucket ids")):
+        ids.append(r.text(256) if r.one(U8) else None)
     sizes: list[list[int]] = []
-    for _ in range(r.count(_U32, _MAX_BUCKETS, "buckets")):
-        sizes.append(r.u64s(r.count(_U32, _MAX_ENTRIES, "arrays")))
+    for _ in range(r.count(U32, MAX_BUCKETS, "buckets")):
+        sizes.append(r.u64s(r.count(U32, MAX_ENTRIES, "arrays")))
     r.done()
     nb = len(bucket_nbytes)
     if len(ids) != nb or len(sizes) != nb or (checksums is not None and len(checksums) != nb):
