@@ -29,7 +29,7 @@ import torch
 
 import _harness as harness
 import raysync
-from raysync.core.shards import reshard
+from raysync.core.placement import reshard
 from sharded_push import Writer, _model, _port
 
 

@@ -17,7 +17,7 @@ Example:
 from typing import TYPE_CHECKING, Any
 
 from raysync.core.layout import Manifest, TensorEntry
-from raysync.core.shards import TensorParallel
+from raysync.core.placement import TensorParallel
 from raysync.errors import (
     AmbiguousModelError,
     ApplyError,

@@ -36,7 +36,8 @@ from ray.exceptions import ObjectLostError
 from raysync._protocol import ApplyReport
 from raysync.core.codec import verify_checksums
 from raysync.core.layout import Manifest
-from raysync.core.shards import ShardRefs, TensorParallel, reshard
+from raysync.core.placement import TensorParallel, reshard
+from raysync.core.shards import ShardRefs
 from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
 from raysync.transports.registry import info as transport_info
@@ -71,10 +72,10 @@ a version carries; ``False``: do not verify."""
 def view(target: Target | None, manifest: Manifest) -> Manifest:
     """The version as ``target`` takes it: its own parts of a sharded version, or all of it.
 
-    A target with a ``placement`` attribute (a :class:`~raysync.core.shards.TensorParallel`,
+    A target with a ``placement`` attribute (a :class:`~raysync.core.placement.TensorParallel`,
     e.g. ``WeightsLoader(..., placement=...)``) takes, of a sharded trainer's version or of
     one writer's (over a data path that hands out buckets, such as the object store), only
-    its parts of each tensor (:func:`~raysync.core.shards.reshard`): checked, fetched and
+    its parts of each tensor (:func:`~raysync.core.placement.reshard`): checked, fetched and
     committed as such. Every other version and target: ``manifest`` itself.
 
     Example:

@@ -41,7 +41,7 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.client import background
 from raysync.client.locate import call_hub
 from raysync.core.extract import module_schema
-from raysync.core.shards import TensorParallel
+from raysync.core.placement import TensorParallel
 from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
 from raysync.receivers.first_version import note_no_version
 from raysync.receivers.membership import membership

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from raysync.core.layout import Manifest, _dtype_name, validate
-from raysync.core.shards import TensorParallel
+from raysync.core.placement import TensorParallel
 from raysync.errors import WeightMismatchError
 from raysync.receivers.target import Incoming
 

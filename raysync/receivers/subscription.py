@@ -28,7 +28,7 @@ from raysync._protocol import Announcement, ApplyReport, Registration, Ring, Sub
 from raysync.core.bound import BoundModel
 from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest
-from raysync.core.shards import TensorParallel
+from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, UnknownModelError
 from raysync.receivers import apply
 from raysync.receivers.attr_hint import missing_module_message

@@ -33,7 +33,7 @@ import ray
 
 from raysync._checks import check_timeout
 from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
-from raysync.core.shards import TensorParallel
+from raysync.core.placement import TensorParallel
 from raysync.errors import AmbiguousModelError, RaySyncError
 from raysync.receivers.attr_hint import missing_attr
 from raysync.receivers.locks import AsyncRWLock, RWLock

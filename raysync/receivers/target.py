@@ -29,7 +29,7 @@ from raysync.core.bound import BoundModel
 from raysync.core.codec import tensor_of
 from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest, TensorEntry, validate
-from raysync.core.shards import TensorParallel
+from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, WeightMismatchError
 
 __all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "is_target"]

@@ -19,7 +19,8 @@ from raysync.core.bound import BoundModel
 from raysync.core.codec import allocate, pack, unpack, views, write
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest, plan_layout
-from raysync.core.shards import ShardPart, ShardPiece, TensorParallel, TensorSpec, merge
+from raysync.core.placement import TensorParallel
+from raysync.core.shards import ShardPart, ShardPiece, TensorSpec, merge
 from raysync.receivers import apply
 from raysync.receivers.target import ModuleTarget
 from raysync.transports.sharded import Assembly

@@ -21,15 +21,8 @@ from raysync.core.assembly import Spares, assemble, bucket_plan, fill
 from raysync.core.codec import bucket_checksums, copy_into, pack, unpack
 from raysync.core.kept import Kept
 from raysync.core.layout import Manifest, plan_layout
-from raysync.core.shards import (
-    ShardPart,
-    ShardPiece,
-    TensorParallel,
-    TensorSpec,
-    merge,
-    one_writer,
-    reshard,
-)
+from raysync.core.placement import TensorParallel, one_writer, reshard
+from raysync.core.shards import ShardPart, ShardPiece, TensorSpec, merge
 from raysync.errors import ChecksumError, InvalidWeightsError, WeightMismatchError
 from raysync.receivers import apply
 from raysync.receivers.target import ModuleTarget
