@@ -21,6 +21,14 @@ from raysync.channels.pipe import SnapshotPool
 from raysync.errors import (
     SyncTimeoutError,
 )
+from raysync.torchrl.collector_context import (
+    NoOpTransport,
+    first_given,
+    is_per_worker,
+    maybe_resolve,
+    policy_of,
+    weak_ref,
+)
 from raysync.torchrl.receiver import _RECEIVERS, _RECEIVERS_LOCK, WeightReceiver
 from raysync.torchrl.registration import register_with_torchrl, set_scheme_base
 from raysync.torchrl.sender import WeightSender
@@ -30,38 +38,6 @@ __all__ = ["WeightSyncScheme", "register_with_torchrl"]
 
 
 # ---------------------------------------------------------------------- no-op transport
-class _NoOpTransport:
-    """The transport of :class:`NoWeightSyncScheme`: accepts everything, moves nothing."""
-
-    timeout = DEFAULT_TIMEOUT
-
-    def send_weights(self, *args: Any) -> None:
-        """Do nothing."""
-
-    def send_weights_async(self, *args: Any) -> None:
-        """Do nothing."""
-
-    def wait_ack(self, timeout: float | None = None) -> None:
-        """Do nothing."""
-
-    def receive_weights(self, timeout: float | None = 1.0, **kwargs: Any) -> Any:
-        """Nothing ever arrives."""
-        return None
-
-    def send_ack(self, message: str = "updated") -> None:
-        """Do nothing."""
-
-    def check_connection(self) -> bool:
-        """Always connected."""
-        return True
-
-    def setup_connection_and_weights_on_sender(self) -> None:
-        """Do nothing."""
-
-    def setup_connection_and_weights_on_receiver(self, **kwargs: Any) -> None:
-        """Do nothing."""
-
-
 class WeightSyncScheme:
     """How to synchronise ONE model across workers: configuration plus, once initialised, runtime state.
 
@@ -214,7 +190,7 @@ class WeightSyncScheme:
         if self._receiver is not None:
             self._receiver._register_model(model)
             return
-        self._source_ref = _ref(model)
+        self._source_ref = weak_ref(model)
         if self._sender is not None:
             self._sender._source_model = model
 
@@ -308,13 +284,13 @@ class WeightSyncScheme:
         if context is not None:
             self._context_ref = weakref.ref(context)
             sender._context_ref = self._context_ref
-        source = _first_given(kwargs, ("model", "source_model", "weights"))
+        source = first_given(kwargs, ("model", "source_model", "weights"))
         params_map = kwargs.get("params_map")
         if source is None and params_map:  # torchrl's {worker_idx: weights}: the same weights each
             source = params_map[min(params_map)]
         sender._source_model = source
         if source is not None:
-            self._source_ref = _ref(source)
+            self._source_ref = weak_ref(source)
         self._model_id = model_id
         self._sender = sender
         for idx, endpoint in enumerate(self._sender_endpoints(context, kwargs)):
@@ -348,7 +324,7 @@ class WeightSyncScheme:
             if hasattr(context, "get_model"):
                 model = context.get_model(model_id)
             else:
-                model = _maybe_resolve(context, model_id)
+                model = maybe_resolve(context, model_id)
         receiver._register_model(model if model is not None else model_id)
         self._check_receiver_model(model)
         endpoint = self._worker_endpoint(context, kwargs)
@@ -394,9 +370,9 @@ class WeightSyncScheme:
         if weights is None:
             if context is None:
                 return None
-            found = _maybe_resolve(context, model_id)
+            found = maybe_resolve(context, model_id)
             if found is None and model_id == "policy":
-                found = _policy_of(context)
+                found = policy_of(context)
             return found
         if isinstance(weights, str):
             if context is None:
@@ -418,7 +394,7 @@ class WeightSyncScheme:
         sender = self.get_sender()
         if sender._pending is not None:
             sender.wait_async()  # the acks of the previous (async or initial) send
-        if _is_per_worker(weights):
+        if is_per_worker(weights):
             for idx, worker_weights in sorted(weights.items()):
                 sender.send(worker_weights, idx)
             return
@@ -465,7 +441,7 @@ class WeightSyncScheme:
 
     def _connect_receiver(self) -> None:
         receiver = self.get_receiver()
-        if receiver.transport is None or isinstance(receiver.transport, _NoOpTransport):
+        if receiver.transport is None or isinstance(receiver.transport, NoOpTransport):
             return
         if not receiver.receive(timeout=self.timeout):
             if receiver.last_error is not None:
@@ -487,60 +463,11 @@ class WeightSyncScheme:
 _BACKEND_ALIASES = {"direct": "none", "thread": "shared", "multiprocessing": "process", "mp": "process"}
 
 
-def _ref(obj: Any) -> Any:
-    """A weak reference where the object allows one, else a strong one behind the same call."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
-
-
-def _first_given(kwargs: dict[str, Any], names: Sequence[str]) -> Any:
-    for name in names:
-        if kwargs.get(name) is not None:
-            return kwargs[name]
-    return None
-
-
-def _maybe_resolve(context: Any, path: str) -> Any:
-    try:
-        return resolve_model(context, path)
-    except (KeyError, ValueError):
-        return None
-
-
-def _policy_of(context: Any, *, from_factory: bool = False) -> Any:
-    """torchrl's fallbacks for a collector's policy: its fallback policy; or (for the first
-    version only) a policy made by its first ``policy_factory``."""
-    fallback = getattr(context, "_fallback_policy", None)
-    if isinstance(fallback, torch.nn.Module):
-        return fallback
-    factories = getattr(context, "policy_factory", None)
-    if from_factory and isinstance(factories, Sequence) and factories and callable(factories[0]):
-        made = factories[0]()
-        return made if isinstance(made, torch.nn.Module) else None
-    return None
-
-
-def _is_per_worker(weights: Any) -> bool:
-    return isinstance(weights, dict) and bool(weights) and all(isinstance(k, int) for k in weights)
-
-
 def _all_subclasses(cls: type[WeightSyncScheme]) -> Iterator[type[WeightSyncScheme]]:
     sub: type[WeightSyncScheme]
     for sub in cls.__subclasses__():
         yield sub
         yield from _all_subclasses(sub)
-
-
-def _endpoints(context: Any, kwargs: dict[str, Any], names: Sequence[str], what: str) -> list[Any]:
-    for name in names:
-        value = kwargs.get(name)
-        if value is None and context is not None:
-            value = getattr(context, name, None)
-        if value is not None:
-            return list(value)
-    raise ValueError(f"{what} needs {' or '.join(names)}, as a keyword or an attribute of the context")
 
 
 set_scheme_base(WeightSyncScheme)  # what register_with_torchrl registers with torchrl's ABC

@@ -22,13 +22,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -40,6 +39,7 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import _module_tensors, extract_extra_state, extract_tensors, non_persistent_buffers
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.receivers.follower import Follower
+from raysync.torchrl.collector_context import key_renaming
 from raysync.torchrl.first_version import wait_for_first_version
 from raysync.torchrl.strategy import _target_for, resolve_model, split_extra_state
 
@@ -290,7 +290,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         no renaming fits (validation then names what differs)."""
         own = _module_tensors(model, keep_vars=True, non_persistent=True)
         buffers = set(non_persistent_buffers(model))
-        rename = _renaming(set(tensors), [set(own), set(own) - buffers])
+        rename = key_renaming(set(tensors), [set(own), set(own) - buffers])
         if rename is None:
             return tensors, extra
         tensors = {rename(k): v for k, v in tensors.items()}
@@ -469,37 +469,3 @@ def _join_cluster(address: str | None) -> None:
 def _dotted(weights: Any) -> dict[str, torch.Tensor]:
     """``weights``' tensors by dotted key (TensorDict's tuple keys joined)."""
     return {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(weights).items()}
-
-
-def _renaming(keys: set[str], targets: Sequence[set[str]]) -> Callable[[str], str] | None:
-    """How to rename ``keys`` into one of ``targets``: a wrapper's prefix added or dropped
-    (a TensorDictModule around the trained module); ``None`` when none fits."""
-    for target in targets:
-        if keys == target:
-            return _same
-    if not keys:
-        return None
-    probe = min(keys)  # any renaming that fits maps this key onto a target key
-    for target in targets:
-        for key in sorted(target):
-            if key.endswith("." + probe):
-                prefix = key[: -len(probe)]
-                if {prefix + k for k in keys} == target:
-                    return functools.partial(_add_prefix, prefix)
-            if probe.endswith("." + key):
-                prefix = probe[: -len(key)]
-                if all(k.startswith(prefix) for k in keys) and {k[len(prefix) :] for k in keys} == target:
-                    return functools.partial(_drop_prefix, prefix)
-    return None
-
-
-def _same(key: str) -> str:
-    return key
-
-
-def _add_prefix(prefix: str, key: str) -> str:
-    return prefix + key
-
-
-def _drop_prefix(prefix: str, key: str) -> str:
-    return key.removeprefix(prefix)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 from collections.abc import Mapping, Sequence
@@ -13,20 +12,15 @@ import torch
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.channels.pipe import MPTransport, SnapshotPool
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
-from raysync.torchrl.base import WeightSyncScheme, _endpoints, _NoOpTransport, _policy_of
+from raysync.torchrl.base import WeightSyncScheme
+from raysync.torchrl.collector_context import endpoints, is_weightless, policy_of
+from raysync.torchrl.no_sync import NoWeightSyncScheme
 from raysync.torchrl.receiver import BackgroundReceiver
 from raysync.torchrl.sender import WeightSender
 from raysync.torchrl.strategy import ExtractAs, SharedMemTransport
 
 if TYPE_CHECKING:
     from raysync.torchrl.ray_transport import RayTransport
-
-
-def _is_weightless(model: Any) -> bool:
-    """Whether ``model`` is a module with weights on the meta device (torchrl's stateless policy)."""
-    if not isinstance(model, torch.nn.Module):
-        return False
-    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 __all__ = [
@@ -169,7 +163,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
                     # weights): those are its first weights, later sends name the workers
                     self.per_worker_weights = True
                 else:
-                    weights = _policy_of(context, from_factory=True)
+                    weights = policy_of(context, from_factory=True)
         if weights is not None:
             sender.send_async(weights)
         for end in self._worker_ends.values():
@@ -182,7 +176,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
             super()._connect_receiver()
             return
         model = receiver.model
-        if _is_weightless(model):  # torchrl sent a meta policy: it needs a version before it acts
+        if is_weightless(model):  # torchrl sent a meta policy: it needs a version before it acts
             super()._connect_receiver()
         receiver._install_guard()
         self._background = BackgroundReceiver(
@@ -232,71 +226,6 @@ class SharedMemWeightSyncScheme(MultiProcessWeightSyncScheme):
     ) -> None:
         super().__init__(strategy, sync, timeout=timeout)
         self.per_worker_weights = bool(per_worker_weights)
-
-
-class _NoOpSender(WeightSender):
-    """The sender of :class:`NoWeightSyncScheme`: every send does nothing (the reference's no-op sender)."""
-
-    def send(
-        self,
-        weights: Any = None,
-        worker_ids: int | Sequence[int] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> None:
-        """Do nothing (no workers, no weights needed)."""
-
-    def send_async(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
-        """Do nothing."""
-
-    def wait_async(self, timeout: float | None = None) -> None:
-        """Do nothing: no send is ever pending."""
-
-
-class NoWeightSyncScheme(WeightSyncScheme):
-    """Weight synchronisation switched off: sends do nothing, nothing is ever received.
-
-    As torchrl's: with any collector, ``update_policy_weights_()`` does nothing.
-    Its sender (``get_sender()``) does nothing either, as the reference's:
-    ``send``, ``send_async``, ``wait_async`` and ``update_weights`` return at
-    once, with or without weights or workers.
-    A worker handed a weightless (meta) policy (a multi-process collector given
-    ``policy=``) is refused with a clear error at start-up: pass ``policy_factory=``.
-
-    Example:
-        >>> scheme = NoWeightSyncScheme()
-        >>> scheme.init_on_sender(model_id="policy")
-        >>> scheme.send({"w": torch.ones(1)})   # nothing happens
-        >>> scheme.get_sender().send()          # nor here
-    """
-
-    backend = "none"
-
-    def create_sender(self) -> WeightSender:
-        """A sender whose sends do nothing."""
-        return _NoOpSender(self)
-
-    def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> _NoOpTransport:
-        """A transport that moves nothing."""
-        return _NoOpTransport()
-
-    def send(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
-        """Do nothing."""
-
-    def _connect_sender(self, weights: Any) -> None:
-        """Nothing to send."""
-
-    def _worker_endpoint(self, context: Any, kwargs: dict[str, Any]) -> Any:
-        return _NoOpTransport()
-
-    def _check_receiver_model(self, model: Any) -> None:
-        if _is_weightless(model):
-            raise ValueError(
-                "NoWeightSyncScheme cannot fill the weightless (meta) policy a multi-process collector "
-                "sends its workers when given policy=: pass policy_factory= so that each worker builds "
-                "its own policy, or use a scheme that syncs (MultiProcessWeightSyncScheme, "
-                "SharedMemWeightSyncScheme)"
-            )
 
 
 class RayWeightSyncScheme(WeightSyncScheme):
@@ -360,7 +289,7 @@ class RayWeightSyncScheme(WeightSyncScheme):
     def _sender_endpoints(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
         if self.hub is not None:
             return []
-        return _endpoints(context, kwargs, ("remote_collectors", "actors", "actor_refs"), type(self).__name__)
+        return endpoints(context, kwargs, ("remote_collectors", "actors", "actor_refs"), type(self).__name__)
 
     def _payload(self, sender: WeightSender, tensors: dict[str, torch.Tensor]) -> Any:
         from raysync.torchrl.ray_transport import put_version
@@ -449,7 +378,7 @@ class RPCWeightSyncScheme(WeightSyncScheme):
         return cls(pipe_or_context, **options)
 
     def _sender_endpoints(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
-        return _endpoints(context, kwargs, ("endpoints", "transports"), type(self).__name__)
+        return endpoints(context, kwargs, ("endpoints", "transports"), type(self).__name__)
 
     def _worker_endpoint(self, context: Any, kwargs: dict[str, Any]) -> Any:
         endpoint = kwargs.get("endpoint", kwargs.get("transport"))
