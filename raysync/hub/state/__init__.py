@@ -14,32 +14,106 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 from raysync.hub.state.laggards import Waits
-from raysync.hub.state.leases import lease_record, who
-from raysync.hub.state.records import Group, Model, Subscriber, Version, Waiter
+from raysync.hub.state.layouts import Layouts
+from raysync.hub.state.leases import Leases, lease_record, who
+from raysync.hub.state.records import Group, Model, Subscriber, Tables, Version, Waiter
+from raysync.hub.state.roster import Roster
+from raysync.hub.state.versions import Versions
 
 __all__ = ["Group", "HubState", "Model", "Subscriber", "Version", "Waiter", "lease_record", "who"]
 
 
-class HubState(Waits):
-    """The hub's rules over its models, subscribers and waits.
+class HubState:
+    """The hub's rules over its models, subscribers and waits: five parts over one set of tables.
 
-    Indexes keep every event O(1) in the number of subscribers of other models:
-    by model, by batch group, and the waits of each model.
+    Each part is a plain field: ``tables`` (what the hub knows, :class:`Tables`), ``leases``
+    (who may write), ``layouts`` (what fits a model id), ``versions`` (numbers and kept
+    versions), ``roster`` (subscribers) and ``waits`` (who a wait waits for, status). The
+    hub calls their methods through the names below, one per method it uses.
     """
 
     def __init__(self, name: str, keep: int, *, relay: bool = False) -> None:
-        self.name = name
-        self.keep = max(1, int(keep))
-        self.relay = relay  # deliver push subscriptions through one relay per node
-        self.delivery_calls = 0  # Ray calls the hub made to hand out versions (relays and subscribers)
-        self.models: dict[str, Model] = {}
-        self.subs: dict[str, Subscriber] = {}
-        self.by_model: dict[str, dict[str, Subscriber]] = {}
-        self.groups: dict[str, Group] = {}
-        self.waiters: dict[str, set[Waiter]] = {}
-        self.round_blocks: dict[str, tuple[int, int]] = {}  # numbers reserved for sharded rounds
-        self._fits: set[tuple[str, Any]] = set()  # (layout hash, schema key) found to fit
-        self._misfits: dict[tuple[str, Any], str] = {}  # (layout hash, schema key) -> why it does not
+        self.tables = Tables(name, max(1, int(keep)), relay)
+        self.leases = Leases(self.tables)
+        self.layouts = Layouts(self.tables)
+        self.versions = Versions(self.tables, self.layouts)
+        self.roster = Roster(self.tables, self.versions, self.layouts)
+        self.waits = Waits(self.tables, self.layouts)
+        # The tables' indexes (the same dicts, never replaced).
+        self.models, self.subs, self.groups = self.tables.models, self.tables.subs, self.tables.groups
+        self.waiters, self.subscribers = self.tables.waiters, self.tables.subscribers
+        # Writer leases.
+        leases = self.leases
+        self.writer_to_check, self.refuse_writer, self.hand_over = (
+            leases.writer_to_check,
+            leases.refuse_writer,
+            leases.hand_over,
+        )
+        # Layouts.
+        layouts = self.layouts
+        self.refusal, self.first_mismatches, self.mismatches = (
+            layouts.refusal,
+            layouts.first_mismatches,
+            layouts.mismatches,
+        )
+        # Versions.
+        versions = self.versions
+        self.latest, self.newest, self.get, self.grant = (
+            versions.latest,
+            versions.newest,
+            versions.get,
+            versions.grant,
+        )
+        self.accept, self.reserve, self.stamp = versions.accept, versions.reserve, versions.stamp
+        self.offer_again, self.forget_version = versions.offer_again, versions.forget_version
+        self.raise_keep, self.due, self.due_in_group = (
+            versions.raise_keep,
+            versions.due,
+            versions.due_in_group,
+        )
+        # Subscribers.
+        roster = self.roster
+        self.register, self.add, self.remove, self.drop = (
+            roster.register,
+            roster.add,
+            roster.remove,
+            roster.drop,
+        )
+        self.record, self.record_applied, self.stale = roster.record, roster.record_applied, roster.stale
+        self.delivery_failed, self.unreachable = roster.delivery_failed, roster.unreachable
+        # Waits and status.
+        waits = self.waits
+        self.check_waitable, self.kept_from, self.pending = (
+            waits.check_waitable,
+            waits.kept_from,
+            waits.pending,
+        )
+        self.misfits, self.counted, self.status = waits.misfits, waits.counted, waits.status
+        self.add_waiter, self.remove_waiter = waits.add_waiter, waits.remove_waiter
+
+    @property
+    def name(self) -> str:
+        return self.tables.name
+
+    @property
+    def keep(self) -> int:
+        """Versions kept per model (raised by a client that asks for more, never lowered)."""
+        return self.tables.keep
+
+    @keep.setter
+    def keep(self, keep: int) -> None:
+        self.tables.keep = keep
+
+    @property
+    def relay(self) -> bool:
+        return self.tables.relay
+
+    @property
+    def delivery_calls(self) -> int:
+        """Ray calls the hub made to hand out versions (relays and subscribers)."""
+        return self.tables.delivery_calls
+
+    @delivery_calls.setter
+    def delivery_calls(self, calls: int) -> None:
+        self.tables.delivery_calls = calls

@@ -10,14 +10,18 @@ from raysync._protocol import (
     Laggard,
 )
 from raysync.errors import UnknownModelError
-from raysync.hub.state.records import Waiter
-from raysync.hub.state.roster import Roster
+from raysync.hub.state.layouts import Layouts
+from raysync.hub.state.records import Tables, Waiter
 
 __all__ = ["Waits"]
 
 
-class Waits(Roster):
+class Waits:
     """Waits for versions (and registrations), and ``status()``."""
+
+    def __init__(self, tables: Tables, layouts: Layouts) -> None:
+        self.tables = tables
+        self.layouts = layouts  # whether a subscriber fits the version a wait is for
 
     # ------------------------------------------------------------------ waits
     def check_waitable(self, model_id: str, version: int, *, granted: bool = True) -> bool:
@@ -27,20 +31,20 @@ class Waits(Roster):
         yet (its publish is on its way, or was refused) is waitable with ``granted``; the
         caller gives the publish a moment, then asks again with ``granted=False``.
         """
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         limit = (model.issued if granted else model.latest) if model is not None else 0
         if model is None or version > limit:
             raise UnknownModelError(
-                f"version {version} of model {model_id!r} was never pushed on hub {self.name!r} "
+                f"version {version} of model {model_id!r} was never pushed on hub {self.tables.name!r} "
                 f"(newest pushed: {model.latest if model and model.latest else None}; models here: "
-                f"{sorted(self.models)}); wait for a version push() returned (a refused push's "
+                f"{sorted(self.tables.models)}); wait for a version push() returned (a refused push's "
                 "number is never pushed)"
             )
         return version <= model.latest
 
     def kept_from(self, model_id: str, version: int) -> bool:
         """Whether a version this new or newer is kept."""
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         return model is not None and any(v >= version for v in model.versions)
 
     def pending(
@@ -53,14 +57,14 @@ class Waits(Roster):
         """
         laggards: list[Laggard] = []
         failures: list[Laggard] = []
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         kept = model.versions.get(version) if model is not None else None
-        for sub in self.subscribers(model_id):
+        for sub in self.tables.subscribers(model_id):
             if not (include_pull or sub.waited_for):
                 continue
             if sub.applied is not None and sub.applied >= version:
                 continue
-            if (sub.misfit if kept is None else self.misfit(sub, kept.manifest)) is not None:
+            if (sub.misfit if kept is None else self.layouts.misfit(sub, kept.manifest)) is not None:
                 continue
             (failures if sub.failed >= version else laggards).append(sub.laggard())
         return laggards, failures
@@ -69,7 +73,7 @@ class Waits(Roster):
         """The misfit subscribers of ``model_id`` a wait would count (its error: why it misfits)."""
         return [
             dataclasses.replace(s.laggard(), error=f"WeightMismatchError: {s.misfit}")
-            for s in self.subscribers(model_id)
+            for s in self.tables.subscribers(model_id)
             if s.misfit is not None and (include_pull or s.waited_for)
         ]
 
@@ -77,25 +81,27 @@ class Waits(Roster):
         """How many live subscribers of ``model_id`` a wait counts (push and follow; pull too with
         ``include_pull``; never a misfit)."""
         return sum(
-            1 for s in self.subscribers(model_id) if (include_pull or s.waited_for) and s.misfit is None
+            1
+            for s in self.tables.subscribers(model_id)
+            if (include_pull or s.waited_for) and s.misfit is None
         )
 
     def add_waiter(self, model_id: str, waiter: Waiter) -> None:
-        self.waiters.setdefault(model_id, set()).add(waiter)
+        self.tables.waiters.setdefault(model_id, set()).add(waiter)
 
     def remove_waiter(self, model_id: str, waiter: Waiter) -> None:
-        waiters = self.waiters.get(model_id)
+        waiters = self.tables.waiters.get(model_id)
         if waiters is not None:
             waiters.discard(waiter)
             if not waiters:
-                del self.waiters[model_id]
+                del self.tables.waiters[model_id]
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
         """Models (versions kept, bytes, last push) and subscribers (applied, lag, errors), as plain data."""
         now = time.time()
         models = {}
-        for model_id, model in sorted(self.models.items()):
+        for model_id, model in sorted(self.tables.models.items()):
             newest = model.newest
             models[model_id] = {
                 "latest": model.latest or None,
@@ -110,8 +116,8 @@ class Waits(Roster):
                 "writer": model.writer,
             }
         subs = []
-        for sub in sorted(self.subs.values(), key=lambda s: (s.model_id, s.sub_id)):
-            held = self.models.get(sub.model_id)
+        for sub in sorted(self.tables.subs.values(), key=lambda s: (s.model_id, s.sub_id)):
+            held = self.tables.models.get(sub.model_id)
             latest = held.latest if held is not None else 0
             # An error about a version older than the newest belongs to a superseded version:
             # the subscriber moves on with the next one (or its next pull), so status drops it.
@@ -151,13 +157,13 @@ class Waits(Roster):
                 }
             )
         delivery = {
-            "relay": self.relay,
-            "calls": self.delivery_calls,
-            "nodes": sorted({g.node_id for g in self.groups.values() if g.node_id is not None}),
+            "relay": self.tables.relay,
+            "calls": self.tables.delivery_calls,
+            "nodes": sorted({g.node_id for g in self.tables.groups.values() if g.node_id is not None}),
         }
         return {
-            "hub": self.name,
-            "keep": self.keep,
+            "hub": self.tables.name,
+            "keep": self.tables.keep,
             "models": models,
             "subscribers": subs,
             "delivery": delivery,

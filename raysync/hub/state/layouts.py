@@ -7,7 +7,7 @@ the reason), is not handed versions it cannot apply, and no wait waits for it.
 
 Example:
     >>> state.refusal("policy", manifest)     # None: it fits what "policy" established
-    >>> state.mark_misfits("policy")          # the subscribers newly found not to fit
+    >>> state.layouts.mark_misfits("policy")  # the subscribers newly found not to fit
     []
 """
 
@@ -18,8 +18,7 @@ from typing import Any
 
 from raysync.core.layout import Manifest, validate
 from raysync.errors import WeightMismatchError
-from raysync.hub.state.leases import Leases
-from raysync.hub.state.records import Model, Subscriber
+from raysync.hub.state.records import Model, Subscriber, Tables
 
 __all__ = ["Layouts"]
 
@@ -28,8 +27,13 @@ logger = logging.getLogger(__name__)
 _FITS_KEPT = 4096  # (layout, schema) pairs remembered as fitting before the memo starts afresh
 
 
-class Layouts(Leases):
+class Layouts:
     """The established layout of each model id, and which subscribers fit its versions."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
+        self._fits: set[tuple[str, Any]] = set()  # (layout hash, schema key) found to fit
+        self._misfits: dict[tuple[str, Any], str] = {}  # (layout hash, schema key) -> why it does not
 
     # ------------------------------------------------------------------ pushes
     def refusal(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
@@ -39,7 +43,7 @@ class Layouts(Leases):
         ``keys=`` push fits: its version holds every tensor, the others as before). Nothing
         is established before the first version (see :meth:`first_mismatches`).
         """
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         if model is None or model.layout is None or manifest.layout_hash == model.layout_hash:
             return None  # the same hash: the same keys, shapes and dtypes (no check per push)
         try:
@@ -63,10 +67,10 @@ class Layouts(Leases):
         subscriber, or when it fits one (then it establishes the layout and the others are
         misfits). The caller drops dead ones and refuses only if a live one is left.
         """
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         if model is not None and model.layout is not None:
             return []
-        subs = self.subscribers(model_id)
+        subs = self.tables.subscribers(model_id)
         if not subs:
             return []
         found = self.mismatches(model_id, manifest)
@@ -109,7 +113,7 @@ class Layouts(Leases):
     ) -> list[tuple[WeightMismatchError, list[Subscriber]]]:
         """Why a version does not fit the subscribers' models: one error per schema, with its subscribers."""
         by_schema: dict[Any, list[Subscriber]] = {}
-        for sub in self.subscribers(model_id):
+        for sub in self.tables.subscribers(model_id):
             if sub.schema is not None and (manifest.layout_hash, sub.schema_key) not in self._fits:
                 by_schema.setdefault(sub.schema_key, []).append(sub)
         found = []
@@ -135,20 +139,23 @@ class Layouts(Leases):
         if why is None or was is not None:
             if why is None and was is not None:
                 logger.info(
-                    "hub %r: subscriber %s of %r fits its versions now", self.name, sub.sub_id, sub.model_id
+                    "hub %r: subscriber %s of %r fits its versions now",
+                    self.tables.name,
+                    sub.sub_id,
+                    sub.model_id,
                 )
             return False
         logger.warning(
             "hub %r: subscriber %s (%s) of %r does not fit the model's versions and is not handed "
             "them; pushes go on for the others, waits do not wait for it (re-create it with the "
             "right model): %s",
-            self.name,
+            self.tables.name,
             sub.sub_id,
             sub.info.class_name,
             sub.model_id,
             why[:500],
         )
-        for waiter in self.waiters.get(sub.model_id, ()):
+        for waiter in self.tables.waiters.get(sub.model_id, ()):
             if sub.sub_id in waiter.pending:
                 waiter.pending.discard(sub.sub_id)
                 if not waiter.pending:
@@ -160,7 +167,7 @@ class Layouts(Leases):
 
         Called when the newest version's layout changed (the first version, a new writer's).
         """
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         newest = model.newest if model is not None else None
         manifest = newest.manifest if newest is not None else None
-        return [sub for sub in self.subscribers(model_id) if self.judge(sub, manifest)]
+        return [sub for sub in self.tables.subscribers(model_id) if self.judge(sub, manifest)]

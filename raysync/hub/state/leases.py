@@ -7,20 +7,23 @@ import time
 from typing import Any
 
 from raysync.errors import StaleWriterError
-from raysync.hub.state.records import Model, StateBase
+from raysync.hub.state.records import Model, Tables
 
 __all__ = ["Leases", "lease_record", "who"]
 
 logger = logging.getLogger(__name__)
 
 
-class Leases(StateBase):
+class Leases:
     """Who may publish a model: the first writer, until it dies or another takes over."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
 
     def writer_to_check(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> dict[str, Any] | None:
         """One writer per model: None if ``pusher`` may publish; else the lease holder whose
         liveness decides (see :meth:`refuse_writer` and :meth:`hand_over`)."""
-        model = self.models.setdefault(model_id, Model())
+        model = self.tables.models.setdefault(model_id, Model())
         me, current = pusher.get("writer_id"), model.writer
         if me is None or current is None or current.get("writer_id") == me:
             if me is not None and current is None:
@@ -30,7 +33,7 @@ class Leases(StateBase):
         if takeover:
             logger.warning(
                 "hub %r: %s took over model %r (at version %d) from %s",
-                self.name,
+                self.tables.name,
                 who(pusher),
                 model_id,
                 model.latest,
@@ -53,10 +56,10 @@ class Leases(StateBase):
 
     def hand_over(self, model_id: str, current: dict[str, Any], pusher: dict[str, Any]) -> None:
         """The lease holder is gone: ``pusher`` takes the lease."""
-        model = self.models[model_id]
+        model = self.tables.models[model_id]
         logger.info(
             "hub %r: writer %s of %r is gone; %s takes over at version %d",
-            self.name,
+            self.tables.name,
             who(current),
             model_id,
             who(pusher),

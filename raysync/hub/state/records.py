@@ -1,4 +1,4 @@
-"""The hub's records: a kept version, a model, a subscription, a wait, a delivery group (plain data)."""
+"""The hub's records: a kept version, a model, a subscription, a wait, a group, the tables (plain data)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from raysync._protocol import (
 )
 from raysync.core.layout import Manifest
 
-__all__ = ["Group", "Model", "StateBase", "Subscriber", "Version", "Waiter"]
+__all__ = ["Group", "Model", "Subscriber", "Tables", "Version", "Waiter"]
 
 _STAMPS_KEPT = 100_000  # published version numbers remembered per model (lag counts versions)
 
@@ -204,20 +204,23 @@ class Group:
                 sub.sent = 0
 
 
-class StateBase:
-    """What every part of :class:`~raysync.hub.state.HubState` keeps (set in its ``__init__``)."""
+@dataclass(eq=False)
+class Tables:
+    """What the hub knows, shared by the parts of :class:`~raysync.hub.state.HubState` (plain data).
+
+    Indexes keep every event O(1) in the number of subscribers of other models: by model,
+    by delivery group, and the waits of each model.
+    """
 
     name: str
     keep: int
-    relay: bool
-    delivery_calls: int
-    models: dict[str, Model]
-    subs: dict[str, Subscriber]
-    by_model: dict[str, dict[str, Subscriber]]
-    groups: dict[str, Group]
-    waiters: dict[str, set[Waiter]]
-    _fits: set[tuple[str, Any]]
-    _misfits: dict[tuple[str, Any], str]
+    relay: bool = False  # deliver push subscriptions through one relay per node
+    delivery_calls: int = 0  # Ray calls the hub made to hand out versions (relays and subscribers)
+    models: dict[str, Model] = field(default_factory=dict)
+    subs: dict[str, Subscriber] = field(default_factory=dict)
+    by_model: dict[str, dict[str, Subscriber]] = field(default_factory=dict)
+    groups: dict[str, Group] = field(default_factory=dict)
+    waiters: dict[str, set[Waiter]] = field(default_factory=dict)
 
     def subscribers(self, model_id: str) -> list[Subscriber]:
         """The model's subscribers that are not dead."""

@@ -10,7 +10,8 @@ from raysync._protocol import (
     ApplyReport,
     Registration,
 )
-from raysync.hub.state.records import Group, Subscriber
+from raysync.hub.state.layouts import Layouts
+from raysync.hub.state.records import Group, Subscriber, Tables
 from raysync.hub.state.versions import Versions
 
 __all__ = ["Roster"]
@@ -18,8 +19,13 @@ __all__ = ["Roster"]
 logger = logging.getLogger(__name__)
 
 
-class Roster(Versions):
+class Roster:
     """Registrations, reports and drops, indexed by model and by delivery group."""
+
+    def __init__(self, tables: Tables, versions: Versions, layouts: Layouts) -> None:
+        self.tables = tables
+        self.versions = versions  # the newest version a registration applies; versions found lost
+        self.layouts = layouts  # whether a new subscriber fits its model's versions
 
     # ------------------------------------------------------------------ subscribers
     def register(self, reg: Registration) -> tuple[Subscriber, Subscriber | None, Announcement | None]:
@@ -32,8 +38,10 @@ class Roster(Versions):
         sub.doorbell_key = reg.doorbell_key
         if reg.applied is not None and self.believable(sub, reg.applied):
             sub.applied = reg.applied
-        newest = self.newest(reg.model_id)
-        self.judge(sub, None if newest is None else newest.manifest)  # a misfit: before waits count it
+        newest = self.versions.newest(reg.model_id)
+        self.layouts.judge(
+            sub, None if newest is None else newest.manifest
+        )  # a misfit: before waits count it
         replaced = self.add(sub)
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return sub, replaced, None
@@ -44,18 +52,18 @@ class Roster(Versions):
 
     def add(self, sub: Subscriber) -> Subscriber | None:
         """Index a subscription; returns the one of the same id it replaces (now removed)."""
-        old = self.subs.get(sub.sub_id)
+        old = self.tables.subs.get(sub.sub_id)
         if old is not None:
             self.remove(old)
-        self.subs[sub.sub_id] = sub
-        self.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
-        sub.via_node = self.relay and sub.mode == "push" and bool(sub.info.node_id)
+        self.tables.subs[sub.sub_id] = sub
+        self.tables.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
+        sub.via_node = self.tables.relay and sub.mode == "push" and bool(sub.info.node_id)
         if sub.group is not None:
             node = sub.info.node_id if sub.via_node else None
-            group = self.groups.setdefault(sub.group, Group(node_id=node))
+            group = self.tables.groups.setdefault(sub.group, Group(node_id=node))
             group.members[sub.sub_id] = sub
             group.known.discard(sub.sub_id)  # a new registration may carry a new doorbell
-        for waiter in self.waiters.get(sub.model_id, ()):
+        for waiter in self.tables.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
             elif waiter.need and (waiter.include_pull or sub.waited_for) and not waiter.pending:
@@ -64,22 +72,22 @@ class Roster(Versions):
 
     def remove(self, sub: Subscriber) -> Group | None:
         """Forget a subscription (indexes and the waits that waited for it); its emptied group, if any."""
-        if self.subs.get(sub.sub_id) is sub:
-            del self.subs[sub.sub_id]
-        members = self.by_model.get(sub.model_id)
+        if self.tables.subs.get(sub.sub_id) is sub:
+            del self.tables.subs[sub.sub_id]
+        members = self.tables.by_model.get(sub.model_id)
         if members is not None and members.get(sub.sub_id) is sub:
             del members[sub.sub_id]
             if not members:
-                del self.by_model[sub.model_id]
+                del self.tables.by_model[sub.model_id]
         emptied = None
         key = sub.group
-        group = self.groups.get(key) if key is not None else None
+        group = self.tables.groups.get(key) if key is not None else None
         if group is not None and group.members.get(sub.sub_id) is sub:
             del group.members[sub.sub_id]
             group.known.discard(sub.sub_id)
             if not group.members:
-                emptied = self.groups.pop(key)  # type: ignore[arg-type]
-        for waiter in self.waiters.get(sub.model_id, ()):
+                emptied = self.tables.groups.pop(key)  # type: ignore[arg-type]
+        for waiter in self.tables.waiters.get(sub.model_id, ()):
             waiter.pending.discard(sub.sub_id)
             if not waiter.pending:
                 waiter.wake()
@@ -91,7 +99,7 @@ class Roster(Versions):
         sub.state = "dead"
         logger.warning(
             "hub %r dropped subscriber %s of %r (at version %s): %s",
-            self.name,
+            self.tables.name,
             sub.sub_id,
             sub.model_id,
             sub.applied,
@@ -101,7 +109,7 @@ class Roster(Versions):
 
     def settle(self, sub: Subscriber) -> None:
         """Tell the waits on ``sub``'s model that it holds (or failed) what they wait for."""
-        for waiter in self.waiters.get(sub.model_id, ()):
+        for waiter in self.tables.waiters.get(sub.model_id, ()):
             if sub.sub_id in waiter.pending and sub.settled(waiter.version):
                 waiter.pending.discard(sub.sub_id)
                 if not waiter.pending:
@@ -111,7 +119,9 @@ class Roster(Versions):
         """What a subscriber said after it was handed a version (or on its own)."""
         sub.last_seen = time.monotonic()
         if report.lost is not None:
-            self.forget_version(sub.model_id, report.lost, f"subscriber {sub.sub_id} could not fetch it")
+            self.versions.forget_version(
+                sub.model_id, report.lost, f"subscriber {sub.sub_id} could not fetch it"
+            )
         if report.reset:
             sub.applied, sub.sent, sub.failed, sub.modified_since = None, 0, 0, None
             sub.last_error = report.error_text()
@@ -179,7 +189,7 @@ class Roster(Versions):
         issued (forged, or of another hub's numbering) is refused, logged, and shown as the
         subscriber's error; what it held before stands.
         """
-        model = self.models.get(sub.model_id)
+        model = self.tables.models.get(sub.model_id)
         issued = model.issued if model is not None else 0
         if version <= issued:
             return True
@@ -187,7 +197,7 @@ class Roster(Versions):
             f"RaySyncError: reported holding version {version} of {sub.model_id!r}, which this hub never "
             f"issued (newest issued: {issued or None}); report ignored"
         )
-        logger.error("hub %r: subscriber %s %s", self.name, sub.sub_id, sub.last_error)
+        logger.error("hub %r: subscriber %s %s", self.tables.name, sub.sub_id, sub.last_error)
         return False
 
     def delivery_failed(self, sub: Subscriber, version: int, error: BaseException) -> None:
@@ -205,4 +215,4 @@ class Roster(Versions):
 
     def stale(self, before: float) -> list[Subscriber]:
         """Subscribers not heard from since ``before`` (monotonic seconds)."""
-        return [s for s in self.subs.values() if s.last_seen < before]
+        return [s for s in self.tables.subs.values() if s.last_seen < before]

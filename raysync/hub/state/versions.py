@@ -15,25 +15,28 @@ from raysync.core.layout import Manifest
 from raysync.errors import StaleWriterError, UnknownModelError
 from raysync.hub.state.layouts import Layouts
 from raysync.hub.state.leases import lease_record, who
-from raysync.hub.state.records import Group, Model, Subscriber, Version
+from raysync.hub.state.records import Group, Model, Subscriber, Tables, Version
 
 __all__ = ["Versions"]
 
 logger = logging.getLogger(__name__)
 
 
-class Versions(Layouts):
+class Versions:
     """Stamping, granting, keeping and handing out versions."""
 
-    round_blocks: dict[str, tuple[int, int]]  # model -> (next, last) of its sharded rounds' numbers
+    def __init__(self, tables: Tables, layouts: Layouts) -> None:
+        self.tables = tables
+        self.layouts = layouts  # a kept version establishes its model's layout, judges its subscribers
+        self.round_blocks: dict[str, tuple[int, int]] = {}  # model -> (next, last) of its rounds' numbers
 
     # ------------------------------------------------------------------ versions
     def latest(self, model_id: str) -> int | None:
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         return model.latest if model and model.latest else None
 
     def newest(self, model_id: str) -> Version | None:
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         return model.newest if model else None
 
     def grant(self, model_id: str, count: int, pusher: dict[str, Any]) -> Grant:
@@ -43,7 +46,7 @@ class Versions(Layouts):
         trainer, another task of a job) gets a new epoch: the other process's later
         publishes are refused, never interleaved with this one's.
         """
-        model = self.models.setdefault(model_id, Model())
+        model = self.tables.models.setdefault(model_id, Model())
         session = pusher.get("session")
         if session != model.session:
             model.epoch += 1
@@ -73,7 +76,7 @@ class Versions(Layouts):
             StaleWriterError: the lease passed to another writer (older ``epoch``), or
                 ``version`` was never granted.
         """
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         if model is not None and epoch != model.epoch and model.writer is not None:
             same = model.writer.get("writer_id") == pusher.get("writer_id")
             if same:
@@ -120,7 +123,7 @@ class Versions(Layouts):
         ends when any other number is issued (a single writer's grant, a hub stamp), and a
         hub restart skips what was left of it.
         """
-        model = self.models.setdefault(model_id, Model())
+        model = self.tables.models.setdefault(model_id, Model())
         block = self.round_blocks.get(model_id)
         if block is not None and block[1] == model.reserved and model.latest < block[0] <= block[1]:
             self.round_blocks[model_id] = (block[0] + 1, block[1])
@@ -145,7 +148,7 @@ class Versions(Layouts):
         before it (a new epoch): a writer stamping from one would publish versions older
         than this one.
         """
-        model = self.models.setdefault(model_id, Model())
+        model = self.tables.models.setdefault(model_id, Model())
         before = _layout_of(model.newest)
         if model.session is not None:
             model.epoch += 1
@@ -174,7 +177,7 @@ class Versions(Layouts):
         knows the newest of a moment before it died) and not newer than it ever issued,
         when nothing of it is kept, and only from the lease holder.
         """
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         if model is None or not model.latest <= version <= model.issued or version in model.versions:
             return False
         writer = model.writer
@@ -186,49 +189,51 @@ class Versions(Layouts):
         model.published(version)
         self.trim(model)
         self._took(model_id, model, v, before)
-        logger.info("hub %r: %r version %d offered again by its writer", self.name, model_id, version)
+        logger.info("hub %r: %r version %d offered again by its writer", self.tables.name, model_id, version)
         return True
 
     def _took(self, model_id: str, model: Model, v: Version, before: str | None) -> None:
         """``v`` was kept: its tensors join the established layout; a newest version of another
         layout than the newest before it (``before``) judges the model's subscribers again."""
-        self.establish(model, v.manifest)
+        self.layouts.establish(model, v.manifest)
         if model.latest == v.version and v.manifest.layout_hash != before:
-            self.mark_misfits(model_id)
+            self.layouts.mark_misfits(model_id)
 
     def forget_version(self, model_id: str, version: int, why: str) -> None:
         """Stop offering a version whose bytes are gone (its pusher died)."""
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         if model is not None and model.versions.pop(version, None) is not None:
             logger.warning(
                 "hub %r: version %d of %r is lost (%s; the process that pushed it died); the next push "
                 "brings subscribers forward",
-                self.name,
+                self.tables.name,
                 version,
                 model_id,
                 why,
             )
 
     def trim(self, model: Model) -> None:
-        for v in sorted(model.versions)[: -self.keep]:
+        for v in sorted(model.versions)[: -self.tables.keep]:
             del model.versions[v]  # drops the hub's borrow of that version's objects
 
     def raise_keep(self, keep: int | None) -> bool:
         """Keep at least ``keep`` versions per model; never fewer than another client asked. Changed?"""
-        if keep is None or keep == self.keep:
+        if keep is None or keep == self.tables.keep:
             return False
-        if keep < self.keep:
+        if keep < self.tables.keep:
             logger.warning(
                 "hub %r: a client asked for keep=%d; it keeps %d versions per model, as another client "
                 "asked (a hub never lowers keep under a client that relies on it)",
-                self.name,
+                self.tables.name,
                 keep,
-                self.keep,
+                self.tables.keep,
             )
             return False
-        logger.info("hub %r now keeps %d versions per model (was %d)", self.name, keep, self.keep)
-        self.keep = int(keep)
-        for model in self.models.values():
+        logger.info(
+            "hub %r now keeps %d versions per model (was %d)", self.tables.name, keep, self.tables.keep
+        )
+        self.tables.keep = int(keep)
+        for model in self.tables.models.values():
             self.trim(model)
         return True
 
@@ -240,11 +245,11 @@ class Versions(Layouts):
         Raises:
             UnknownModelError: nothing kept of ``model_id``, or not ``version``.
         """
-        model = self.models.get(model_id)
+        model = self.tables.models.get(model_id)
         if model is None or not model.versions:
             raise UnknownModelError(
-                f"no version of model {model_id!r} on hub {self.name!r}; models here: "
-                f"{sorted(self.models)}. Push one first with hub.push(model, model_id={model_id!r})"
+                f"no version of model {model_id!r} on hub {self.tables.name!r}; models here: "
+                f"{sorted(self.tables.models)}. Push one first with hub.push(model, model_id={model_id!r})"
             )
         v = model.versions.get(version if version is not None else model.latest)
         if v is None:
@@ -261,7 +266,7 @@ class Versions(Layouts):
         newest = self.newest(sub.model_id)
         if sub.state == "dead" or newest is None or newest.version <= max(sub.applied or 0, sub.sent):
             return None
-        if self.misfit(sub, newest.manifest) is not None:
+        if self.layouts.misfit(sub, newest.manifest) is not None:
             return None  # another layout (kept from another job): it waits for one that fits
         return newest
 
@@ -277,7 +282,7 @@ class Versions(Layouts):
             and s.reachable
             and not s.relay_pending
             and newest.version > max(s.applied or 0, s.sent)
-            and self.misfit(s, newest.manifest) is None
+            and self.layouts.misfit(s, newest.manifest) is None
         ]
         return newest, due
 
