@@ -218,10 +218,21 @@ def head() -> Iterator[Head]:
         shutil.rmtree(started.temp_dir, ignore_errors=True)
 
 
-def _ray(head: Head, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _python(head: Head, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """This venv's python with ``args``, as a client of the head (its env: PATH, token auth)."""
     return subprocess.run(
-        [*RAY, *args], cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=head.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
+
+
+def _ray(head: Head, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return _python(head, *RAY[1:], *args, timeout=timeout)
 
 
 def _said(result: subprocess.CompletedProcess[str]) -> str:
@@ -468,14 +479,8 @@ def test_a_trainers_push_timings_and_bytes_reach_the_heads_export(job: Job) -> N
     """A trainer's pushes are timed and counted in its own process's series, which reach the
     head's Prometheus export while it runs (it waits until they did, within 90 s)."""
     pushes = 3
-    result = subprocess.run(
-        [sys.executable, "-c", _TIMED_TRAINER, job.head.gcs_address, job.head.metrics_url, str(pushes)],
-        cwd=ROOT,
-        env=job.head.env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    result = _python(
+        job.head, "-c", _TIMED_TRAINER, job.head.gcs_address, job.head.metrics_url, str(pushes), timeout=240
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     seen = json.loads(result.stdout.split("SEEN", 1)[1].strip())
@@ -485,25 +490,18 @@ def test_a_trainers_push_timings_and_bytes_reach_the_heads_export(job: Job) -> N
 
 
 def test_status_command_reads_the_jobs_hub_from_another_process(job: Job) -> None:
-    result = subprocess.run(
-        # --timeout: connecting as a driver on a loaded machine may take more than the default 30 s
-        [
-            sys.executable,
-            "-m",
-            "raysync",
-            "status",
-            "--address",
-            job.head.gcs_address,
-            "--json",
-            "--timeout",
-            "120",
-        ],
-        cwd=ROOT,
-        env=job.head.env,
-        capture_output=True,
-        text=True,
+    # --timeout: connecting as a driver on a loaded machine may take more than the default 30 s
+    result = _python(
+        job.head,
+        "-m",
+        "raysync",
+        "status",
+        "--address",
+        job.head.gcs_address,
+        "--json",
+        "--timeout",
+        "120",
         timeout=240,
-        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     status = json.loads(result.stdout)
