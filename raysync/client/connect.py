@@ -70,7 +70,7 @@ def connect(
     client = HubClient(name, namespace=namespace, takeover=takeover, transport=transport)
     # a new hub: `keep` and `settings`
     client._handle = get_hub_actor(name, namespace, keep=keep, settings=settings, start_ray=True)
-    client._call("configure", keep)  # waits through a hub restart, as every call does
+    client._calls.configure(keep)  # waits through a hub restart, as every call does
     if settings is not None:
         differs = settings.differs(client.settings())
         if differs:

@@ -9,7 +9,7 @@ guarantee. Blocks nest: a call made inside another keeps the earlier deadline of
 
 Example:
     >>> with within(3.0):          # doctest: +SKIP
-    ...     client._call("latest", "policy")   # SyncTimeoutError after 3 s without an answer
+    ...     client._calls.latest("policy")   # SyncTimeoutError after 3 s without an answer
 """
 
 from __future__ import annotations

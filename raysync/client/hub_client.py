@@ -26,33 +26,20 @@ from ray.exceptions import GetTimeoutError
 
 from raysync import _compat
 from raysync._checks import check_model_id, check_timeout, require_ray
-from raysync._protocol import (
-    ACQUIRE,
-    BLOCK,
-    CONTRIBUTE,
-    DEFAULT_HUB,
-    DEFAULT_NAMESPACE,
-    GIVE_UP,
-    PUBLISH,
-    PUBLISH_STAMPED,
-    Grant,
-    Publication,
-)
+from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE
 from raysync.client import deadline
+from raysync.client.hub_calls import HubCalls
 from raysync.client.identity import writer_identity
 from raysync.client.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
 from raysync.client.model_ids import LATEST_NONE, note_absent
-from raysync.client.push import PushPipeline, PushRequest
+from raysync.client.push import PushRequest
 from raysync.client.waiting import wait_for, wait_within_lag
-from raysync.client.writer_lease import LeaseMoved, Publishes, WriterLease, lease_of
+from raysync.client.writer import Writer
 from raysync.core.codec import unpack
 from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
-from raysync.errors import RaySyncError, StaleWriterError, UnknownModelError
 from raysync.hub import metrics
 from raysync.hub.settings import HubSettings
-from raysync.hub.state import Version
-from raysync.hub.state.groups import PartTaken
 from raysync.transports.base import check_transport
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
@@ -97,18 +84,8 @@ class HubClient:
         self.takeover = takeover
         self.retry_s = RETRY_S
         self._handle: Any = None
-        # The pipeline calls back through a weak reference: no cycle, so the version it keeps
-        # leaves the object store as soon as the client is dropped (not at the next GC).
         me = weakref.ref(self)
-        self._pipeline = PushPipeline(
-            lambda *args: _alive(me)._publish(*args),
-            previous=lambda model_id: _alive(me)._hub_newest(model_id),
-            lost=lambda model_id, version: _alive(me)._lost(model_id, version),
-            contribute=lambda *args: _alive(me)._contribute(*args),
-            give_up=lambda *args: _alive(me)._post(GIVE_UP, *args),
-        )
-        self.last_push: dict[str, Any] = {}
-        self._publishes, self._moved = Publishes(), LeaseMoved(name)
+        self._writer = Writer(name, self.namespace, takeover=takeover, calls=lambda: _alive(me)._calls)
         self._posting: dict[str, Any] = {}  # the hub's methods bound with retries, for _post
         self._posting_to: Any = None
 
@@ -157,87 +134,15 @@ class HubClient:
         # Never Ray's auto-init: a push racing ray.shutdown() fails instead of starting a new Ray.
         return _compat.call_no_start(bound, *args, max_task_retries=_POST_RETRIES)
 
-    def _publish(self, model_id: str, manifest: Any, refs: list[Any]) -> int:
-        """Stamp the version from this process's block and publish it; wait only for a new layout.
+    @property
+    def _calls(self) -> HubCalls:
+        """The hub's methods, called within this client's deadlines (:meth:`_call`, :meth:`_post`)."""
+        return HubCalls(self._call, self._post)
 
-        A layout the hub has not accepted from this writer yet (first push, new structure, after a refusal
-        or a lease taken back: :class:`.LeaseMoved`) waits for the answer; others read it on the next call.
-        """
-        pusher = {**writer_identity(), **self.last_push}
-        lease = lease_of(self.name, self.namespace, model_id)
-        with lease.lock:
-            self._moved.take_back_if_moved(model_id, lease)
-            version, epoch = lease.take(
-                lambda: self._acquire(model_id, pusher),
-                lambda: self._ask_ahead(model_id, pusher),
-            )
-            if lease.confirmed == manifest.layout_hash:
-                pub = Publication(model_id, manifest, tuple(refs), pusher, version, epoch)
-                # Submitted here, before the push returns (a thread of its own would save the
-                # trainer ~0.5 ms, but then a process the trainer told about the version could
-                # ask the hub before the publish was even sent).
-                self._publishes.add(model_id, version, epoch, self._post(PUBLISH_STAMPED, pub))
-                return version
-            args = (model_id, manifest, refs, pusher, self.takeover, version, epoch)
-            try:
-                self._call(PUBLISH, *args)
-            except StaleWriterError:
-                lease.lose()
-                raise
-            lease.confirmed = manifest.layout_hash
-            self._publishes.sent(model_id, version, epoch)
-        return version
-
-    def _contribute(self, model_id: str, part: Any, refs: list[Any], pusher: Any, *args: Any) -> PartTaken:
-        """A rank's part of a sharded push (hub/sharded.py; ``args``: timeout, settle, previous)."""
-        taken: PartTaken = self._call(CONTRIBUTE, model_id, part, refs, pusher, self.takeover, *args)
-        return taken
-
-    def _ask_ahead(self, model_id: str, pusher: dict[str, Any]) -> Any:
-        """Ask for the next block of numbers without waiting."""
-        return self._post(ACQUIRE, model_id, pusher, self.takeover, BLOCK)
-
-    def _acquire(self, model_id: str, pusher: dict[str, Any]) -> Grant:
-        grant: Grant = self._call(ACQUIRE, model_id, pusher, self.takeover, BLOCK)
-        return grant
-
-    def _lease(self, model_id: str) -> WriterLease:
-        return lease_of(self.name, self.namespace, model_id)
-
-    def _settle(self, model_id: str, *, wait: bool, raise_refused: bool = True) -> None:
-        """Read the hub's answers to this client's publishes of ``model_id`` (see :meth:`push`).
-
-        Offers the newest version again if a hub restart swallowed its publish, and
-        raises (with ``raise_refused``) what the hub refused since the last time.
-        """
-        lease = self._lease(model_id)
-        swallowed = self._publishes.settle(model_id, lease, wait=wait, timeout=deadline.left(60.0))
-        mine = self._pipeline.last.get(model_id)
-        sent = self._publishes.epochs.get(model_id)
-        if swallowed is not None and mine is not None and sent is not None and sent[0] == mine.version:
-            logger.info("a hub restart swallowed version %d of %r: offering it again", swallowed, model_id)
-            args = (model_id, mine.manifest, mine.refs, mine.pusher, self.takeover, mine.version, sent[1])
-            try:
-                self._call(PUBLISH, *args)
-            except RaySyncError as err:
-                self._publishes.keep_refusal(model_id, self._lease(model_id), mine.version, sent[1], err)
-        if raise_refused:
-            self._publishes.raise_refused(model_id)
-
-    def _settle_all(self) -> None:
-        """Before a query: this client's publishes have reached the hub (refusals are kept for later)."""
-        for model_id in self._publishes.models():
-            self._settle(model_id, wait=True, raise_refused=False)
-
-    def _hub_newest(self, model_id: str) -> Version | None:
-        try:
-            info = self._call("get", model_id)
-        except UnknownModelError:
-            return None
-        return None if info is None else Version(info.version, info.manifest, list(info.refs), 0.0, {})
-
-    def _lost(self, model_id: str, version: int) -> None:
-        self._call("lost", model_id, version)
+    @property
+    def last_push(self) -> dict[str, Any]:
+        """What this client's last push did: its transport's figures (bytes and buckets put, ...)."""
+        return self._writer.last_push
 
     # ------------------------------------------------------------------ push
     @needs_ray
@@ -354,9 +259,9 @@ class HubClient:
         def before() -> None:
             # Whether the lease moved (asked now); the hub's answers to earlier pushes that arrived (the
             # oldest waited for when too many are unanswered): what the hub refused raises here.
-            self._moved.ask(model_id, self._lease(model_id))
+            self._writer.moved.ask(model_id, self._writer.lease(model_id))
             with deadline.within(bound):
-                self._settle(model_id, wait=False)
+                self._writer.settle(model_id, wait=False)
             if max_lag is not None:
                 wait_within_lag(self, model_id, max_lag, timeout, include_pull=include_pull)
 
@@ -372,9 +277,9 @@ class HubClient:
             transport,
             group_timeout=60.0 if timeout is None else timeout,
         )
-        self.last_push = {"model_id": model_id}
-        pushed = self._pipeline.push(request, writer=writer_identity(), before=before, bound=bound)
-        self.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
+        self._writer.last_push = {"model_id": model_id}
+        pushed = self._writer.pipeline.push(request, writer=writer_identity(), before=before, bound=bound)
+        self._writer.last_push = {k: v for k, v in pushed.stats.items() if k not in ("seconds", "bytes")}
         metrics.record_push(
             self.name,
             model_id,
@@ -406,11 +311,7 @@ class HubClient:
             >>> assert hub.push(model) == v
         """
         check_model_id(model_id)
-        self._settle(model_id, wait=False)
-        pusher = {**writer_identity(), **self.last_push}
-        with (lease := self._lease(model_id)).lock:
-            self._moved.check_now(model_id, lease)
-            return lease.peek(lambda: self._acquire(model_id, pusher))
+        return self._writer.next_version(model_id)
 
     # ------------------------------------------------------------------ wait / query
     @needs_ray
@@ -490,10 +391,10 @@ class HubClient:
             12
         """
         check_model_id(model_id)
-        self._settle(model_id, wait=True, raise_refused=False)
-        newest: int | None = self._call("latest", model_id)
+        self._writer.settle(model_id, wait=True, raise_refused=False)
+        newest = self._calls.latest(model_id)
         if newest is None:
-            note_absent(self.name, model_id, lambda: self._call("status"), LATEST_NONE)
+            note_absent(self.name, model_id, self._calls.status, LATEST_NONE)
         return newest
 
     @overload
@@ -533,8 +434,8 @@ class HubClient:
             torch.Size([16, 8])
         """
         check_model_id(model_id)
-        self._settle(model_id, wait=True, raise_refused=False)
-        info = self._call("get", model_id, version)
+        self._writer.settle(model_id, wait=True, raise_refused=False)
+        info = self._calls.get(model_id, version)
         assert info is not None
         buckets = transport_class(info.manifest.transport).fetch(
             info.manifest, list(info.refs), range(info.manifest.num_buckets), timeout=None
@@ -555,9 +456,8 @@ class HubClient:
             >>> hub.status()["subscribers"][0]["lag"]
             0
         """
-        self._settle_all()
-        result: dict[str, Any] = self._call("status")
-        return result
+        self._writer.settle_all()
+        return self._calls.status()
 
     @needs_ray
     @deadline.bounded
@@ -568,8 +468,7 @@ class HubClient:
             >>> hub.settings().doorbell_bytes
             8388608
         """
-        result: HubSettings = self._call("settings")
-        return result
+        return self._calls.settings()
 
 
 _POST_RETRIES = 10  # hub restarts a call sent without waiting goes through before it fails
@@ -577,7 +476,7 @@ _POST_RETRIES = 10  # hub restarts a call sent without waiting goes through befo
 
 def _alive(ref: weakref.ReferenceType[HubClient]) -> HubClient:
     client = ref()
-    assert client is not None, "a HubClient's pipeline outlived it"
+    assert client is not None, "a HubClient's writer outlived it"
     return client
 
 

@@ -76,13 +76,15 @@ class PushRequest:
 
 @dataclass(frozen=True)
 class Offer:
-    """What a writer offers a hub whose restart lost its newest version: the hub's method and its args.
+    """What a writer offers a hub whose restart lost its newest version (:meth:`.HubCalls.offer`).
 
-    ``version`` is the version offered; ``args`` go to ``method`` before the writer's identity.
+    ``version`` is the version offered; ``part``: a sharded rank's part of it (the hub's
+    ``restore_part``), else a whole version (``restore``); ``args`` go to that call before the
+    writer's identity.
     """
 
     version: int
-    method: str
+    part: bool
     args: tuple[Any, ...]
 
 
@@ -316,7 +318,7 @@ class PushPipeline:
             else:
                 self._shard_unsettled[model_id] = version
             offered = (model_id, version, part, list(refs))
-            self._shard_offer[model_id] = Offer(version, "restore_part", offered)
+            self._shard_offer[model_id] = Offer(version, True, offered)
             return version
 
         version, stats, snap = push_shard(
@@ -348,7 +350,7 @@ class PushPipeline:
             return shard
         if mine is None:
             return None
-        return Offer(mine.version, "restore", (model_id, mine.version, mine.manifest, mine.refs))
+        return Offer(mine.version, False, (model_id, mine.version, mine.manifest, mine.refs))
 
     def _tensors(self, request: PushRequest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if request.dtype is not None:

@@ -10,7 +10,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
 from raysync import _compat
-from raysync._checks import require_ray, wait_timeout
+from raysync._checks import wait_timeout
 from raysync._protocol import WaitResult
 from raysync.client import deadline, wait_text
 from raysync.client.identity import writer_identity
@@ -57,21 +57,19 @@ def wait_for(
 
     pull: int | None = 0
     with deadline.within(None if timeout is None else timeout + deadline.ANSWER_GRACE_S):
-        mine = client._pipeline.offer(model_id)
+        writer, calls = client._writer, client._calls
+        mine = writer.pipeline.offer(model_id)
         offer = mine is not None and mine.version >= version
         # With publishes unanswered (a push just returned), send the wait at once instead of
         # after their answers: the hub keeps a stamped version before its publish awaits
         # anything and starts one caller's calls in order, so the wait finds it (one round
         # trip less). A refusal among the answers still raises first.
         early, asked, sent = None, slice_s(), time.monotonic()
-        if client._publishes.unanswered(model_id):
-            require_ray("wait")
-            early = _compat.call_no_start(
-                client.actor.wait, model_id, version, asked, include_pull, offer, need
-            )
+        if writer.publishes.unanswered(model_id):
+            early = calls.post_wait(model_id, version, asked, include_pull, offer, need)
         try:
-            client._settle(model_id, wait=True, raise_refused=False)
-            client._publishes.raise_refused(model_id, waited=version)  # push(wait=True): its own
+            writer.settle(model_id, wait=True, raise_refused=False)
+            writer.publishes.raise_refused(model_id, waited=version)  # push(wait=True): its own
         except BaseException:
             if early is not None:
                 with contextlib.suppress(Exception):
@@ -85,7 +83,7 @@ def wait_for(
                         early, result = None, early_result(early)
                     if result is None:
                         asked, sent = slice_s(), time.monotonic()
-                        result = client._call("wait", model_id, version, asked, include_pull, offer, need)
+                        result = calls.wait(model_id, version, asked, include_pull, offer, need)
                 except SyncTimeoutError as err:
                     if time.monotonic() - sent < asked:
                         raise  # before its slice ended: why a sharded round will never be published
@@ -97,7 +95,7 @@ def wait_for(
             if result.missing and mine is not None:
                 # The hub restarted and lost the version: offer ours again (a sharded rank: its part;
                 # the hub keeps the version once every rank offered), then wait as usual.
-                client._call(mine.method, *mine.args, writer_identity())
+                calls.offer(mine, writer_identity())
                 offer, result = False, None
                 continue
             registered = result.registered
@@ -142,7 +140,7 @@ def wait_within_lag(
 def _pull_mode(client: HubClient, model_id: str) -> int | None:
     """How many pull-mode subscribers of ``model_id`` are registered (``None``: the hub did not say)."""
     try:
-        status = client._call("status")
+        status = client._calls.status()
     except Exception:  # only for a message: the wait's own answer is what counts
         return None
     return sum(1 for s in status["subscribers"] if s["model_id"] == model_id and s["mode"] == "pull")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from raysync.client.locate import call_hub
+from raysync.client.hub_calls import calls_to
 from raysync.client.model_ids import describe_models, models_there, note_absent
 from raysync.errors import SyncTimeoutError
 from raysync.receivers.membership import membership
@@ -31,8 +31,7 @@ FOLLOWING = "following it until one is pushed"
 
 
 def _status(follower: Follower) -> dict[str, Any]:
-    status: dict[str, Any] = call_hub(membership().hub(follower).handle, "status", timeout=5.0)
-    return status
+    return calls_to(membership().hub(follower).handle, timeout=5.0).status()
 
 
 def note_no_version(follower: Follower) -> None:

@@ -39,7 +39,7 @@ from raysync._checks import wait_timeout
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.client import background
-from raysync.client.locate import call_hub
+from raysync.client.hub_calls import calls_to
 from raysync.core.extract import module_schema
 from raysync.core.placement import TensorParallel
 from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
@@ -260,8 +260,8 @@ class Follower:
                         f"had no version of {self.model_id!r} within {self.timeout:.0f} s"
                         + (f" (last error: {self.last_error!r})" if self.last_error else "")
                     )
-                newest = call_hub(
-                    membership().hub(self).handle, proto.WAIT_NEWER, self.model_id, 0, min(left, _POLL_S)
+                newest = calls_to(membership().hub(self).handle).wait_newer(
+                    self.model_id, 0, min(left, _POLL_S)
                 )
                 if newest is not None:
                     self._take(newest)
@@ -327,8 +327,8 @@ class Follower:
             if waiting and failed > after:  # only a newer version, until the back-off ends
                 after, wait_s = failed, backoff
             try:
-                newest = call_hub(
-                    hub.handle, proto.WAIT_NEWER, self.model_id, after, wait_s, stopped=self._stop.is_set
+                newest = calls_to(hub.handle, stopped=self._stop.is_set).wait_newer(
+                    self.model_id, after, wait_s
                 )
             except RayNotRunningError:
                 raise

@@ -25,7 +25,8 @@ import ray
 from raysync import _protocol as proto
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration
 from raysync.client import background
-from raysync.client.locate import call_hub, get_hub_actor
+from raysync.client.hub_calls import HubCalls, calls_to
+from raysync.client.locate import get_hub_actor
 from raysync.errors import RayNotRunningError
 from raysync.receivers import poller
 
@@ -101,13 +102,13 @@ class Membership:
                 self._hubs[key] = _Hub(*key)
             return self._hubs[key]
 
-    def call(
-        self, member: Member, method: str, *args: Any, timeout: float | None = None, thread: bool = False
-    ) -> Any:
-        """Call ``member``'s hub, waiting while it restarts (see :func:`~raysync.client.locate.call_hub`);
-        ``thread``: from a raysync thread (:mod:`raysync.client.background`)."""
-        stopped = background.never if thread else None
-        return call_hub(self.hub(member).handle, method, *args, timeout=timeout, stopped=stopped)
+    def calls(self, member: Member, *, timeout: float | None = None, thread: bool = False) -> HubCalls:
+        """``member``'s hub's methods, each waiting while it restarts (see
+        :func:`~raysync.client.locate.call_hub`); ``thread``: from a raysync thread
+        (:mod:`raysync.client.background`)."""
+        return calls_to(
+            self.hub(member).handle, timeout=timeout, stopped=background.never if thread else None
+        )
 
     def serve(self, member: Member, owner: Any) -> None:
         """Answer the calls ``member``'s hub (and its node's relay) queue for this actor with
@@ -128,14 +129,14 @@ class Membership:
                     target=self._heartbeat_loop, args=(session,), name="raysync-heartbeat", daemon=True
                 )
                 self._thread.start()
-        newest = self.call(member, proto.REGISTER, member.registration())
+        newest = self.calls(member).register(member.registration())
         member.start_from(newest)
 
     def leave(self, member: Member, *, timeout: float = 10.0) -> None:
         with self._lock:
             self._members.pop(member.sub_id, None)
         try:
-            self.call(member, proto.UNREGISTER, member.sub_id, timeout=timeout)
+            self.calls(member, timeout=timeout).unregister(member.sub_id)
         except Exception as err:  # the hub restarting or gone: it drops the subscriber anyway
             logger.debug("%s could not unregister: %s", member.sub_id, err)
 
@@ -143,7 +144,7 @@ class Membership:
         """Tell the hub what ``member`` applied on its own (fire and forget; not after ``ray.shutdown()``)."""
         try:
             with background.held("report to the hub"):
-                getattr(self.hub(member).handle(), proto.REPORT).remote(member.sub_id, report)
+                self.calls(member).post_report(member.sub_id, report)
         except RayNotRunningError:
             logger.debug("%s: Ray was shut down; report not sent", member.sub_id)
 
@@ -177,7 +178,7 @@ class Membership:
         hub = self.hub(members[0])
         try:
             with background.held("check in with the hub"):
-                ref = getattr(hub.handle(), proto.HEARTBEAT).remote([m.sub_id for m in members])
+                ref = calls_to(hub.handle).post_heartbeat([m.sub_id for m in members])
             unknown = set(background.get(ref, timeout=proto.HEARTBEAT_S * 5))
         except ray.exceptions.ActorDiedError:  # killed for good: follow a new hub of that name, if any
             with background.held("find the hub"):
@@ -198,7 +199,7 @@ class Membership:
                 hub.name,
             )
             try:
-                member.start_from(self.call(member, proto.REGISTER, member.registration(), thread=True))
+                member.start_from(self.calls(member, thread=True).register(member.registration()))
             except RayNotRunningError:
                 raise
             except Exception as err:

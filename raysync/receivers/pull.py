@@ -60,8 +60,10 @@ class PullSync:
     def _newer(self, timeout: float | None) -> Announcement | None:
         bound = _HUB_QUERY_S if timeout is None else timeout
         try:
-            info: Announcement | None = membership().call(
-                self._member(), proto.GET, self.spec.model_id, None, self.version or 0, timeout=bound
+            info = (
+                membership()
+                .calls(self._member(), timeout=bound)
+                .get(self.spec.model_id, None, self.version or 0)
             )
         except GetTimeoutError:
             raise self._hub_timeout(timeout) from None

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import ray
 import torch
 
-from raysync import _protocol as proto
 from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo
 from raysync.core.bound import BoundModel
 from raysync.core.extract import module_schema
@@ -365,7 +364,7 @@ class _Subscription(PullSync, LocalChanges):
         known = self.version or 0
         while True:
             try:
-                info = membership().call(self, proto.WAIT_NEWER, self.spec.model_id, known, 30.0, timeout=90)
+                info = membership().calls(self, timeout=90).wait_newer(self.spec.model_id, known, 30.0)
             except UnknownModelError:  # a restarted hub that kept nothing yet
                 time.sleep(1.0)
                 continue

@@ -16,6 +16,7 @@ import pytest
 from raysync import _checks
 from raysync._protocol import Laggard, WaitResult
 from raysync.client import wait_text
+from raysync.client.hub_calls import HubCalls
 from raysync.client.wait_text import Progress, WaitLabel
 from raysync.client.waiting import raise_for, wait_for
 from raysync.errors import SyncTimeoutError
@@ -30,13 +31,18 @@ class StandInHub:
     def __init__(self, laggards: tuple[Laggard, ...] = (), *, push: int = 1, pull: int = 0) -> None:
         self.laggards, self.push, self.pull = laggards, push, pull
         self.slices: list[float] = []
-        self._pipeline = SimpleNamespace(offer=lambda model_id: None)
-        self._publishes = SimpleNamespace(
+        publishes = SimpleNamespace(
             unanswered=lambda model_id: False, raise_refused=lambda model_id, waited=None: None
         )
+        self._writer = SimpleNamespace(
+            pipeline=SimpleNamespace(offer=lambda model_id: None),
+            publishes=publishes,
+            settle=lambda model_id, *, wait, raise_refused=True: None,
+        )
 
-    def _settle(self, model_id: str, *, wait: bool, raise_refused: bool = True) -> None:
-        pass
+    @property
+    def _calls(self) -> HubCalls:
+        return HubCalls(self._call)
 
     def _call(self, method: str, *args: Any) -> Any:
         if method == "status":
