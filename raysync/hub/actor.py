@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -36,30 +35,29 @@ from raysync._protocol import (
     PollReply,
     Publication,
     Registration,
+    RelayReply,
     WaitResult,
 )
 from raysync.core.layout import Manifest
+from raysync.core.shards import ShardPart
 from raysync.errors import WeightMismatchError
 from raysync.hub import metrics
 from raysync.hub.delivery import Delivery
+from raysync.hub.liveness import Liveness
 from raysync.hub.mailbox import Mailboxes
-from raysync.hub.persistence import HubStore, actor_alive, job_alive, writer_alive
+from raysync.hub.persistence import HubStore, actor_alive, writer_alive
 from raysync.hub.priority import control_plane_priority, freeze_startup_objects
-from raysync.hub.relay import (
-    NodeDelivery,
-    quiet_threaded_gets,
-)
+from raysync.hub.relay import quiet_threaded_gets
 from raysync.hub.relay_handles import Relays
-from raysync.hub.settings import DEFAULT_DROP_SILENT_S, DEFAULT_RING_ACK_S, HubSettings
+from raysync.hub.settings import HubSettings
 from raysync.hub.sharded import ShardedPublish
-from raysync.hub.state import HubState, Subscriber, Waiter
+from raysync.hub.state import HubState, Subscriber
+from raysync.hub.state.groups import PartTaken
+from raysync.hub.version_waits import VersionWaits
 
 __all__ = ["WeightHub"]
 
 logger = logging.getLogger(__name__)
-
-_PUBLISH_GRACE_S = 2.0  # a wait for a granted, unpublished number gives its publish this long
-_REAP_INTERVAL_S = 1.0  # how often a waiting hub checks that laggards are still alive
 
 
 def _actor_id() -> str:
@@ -67,7 +65,7 @@ def _actor_id() -> str:
 
 
 @ray.remote(num_cpus=0)
-class WeightHub(Delivery, ShardedPublish):
+class WeightHub:
     """The hub actor. Reach it through :func:`raysync.connect`; its methods are the protocol's."""
 
     def __init__(
@@ -80,28 +78,34 @@ class WeightHub(Delivery, ShardedPublish):
         self._state = HubState(name, keep, relay=bool(self._settings.relays))
         # Calls to subscribers' actors, collected by their processes' polls (hub/mailbox.py).
         self._mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
-        self._loops = {}
-        self._init_rounds()  # sharded writers' parts of the versions being pushed (hub/sharded.py)
         # One relay per node; when one comes up, open polls end so that its node's processes poll it.
         self._relays = Relays(name, _actor_id(), self._settings, on_ready=self._mail.wake)
-        # The hub's own node needs no relay: the hub rings its doorbells and calls the rest itself.
-        self._here_node = ray.get_runtime_context().get_node_id()
-        self._here = (
-            NodeDelivery(
-                self._here_node,
-                self._late_here,
-                self._settings.doorbell_bytes or 0,
-                self._mail,
-                self._settings.ring_ack_s or DEFAULT_RING_ACK_S,
-            )
-            if self._settings.relays and self._settings.rings_own_node
-            else None
-        )
         self._store = HubStore(name)
-        self._cond: asyncio.Condition | None = None  # wakes long polls (wait_newer) on publish
         self._started = time.time()
         self._gauges = metrics.HubGauges(name)
-        self._sweeper: asyncio.Task[None] | None = None
+        # The delivery loops (hub/delivery.py) and sharded writers' rounds (hub/sharded.py).
+        self._delivery = Delivery(
+            self._state,
+            self._settings,
+            self._mail,
+            self._relays,
+            self._gauges,
+            drop=self._drop,
+            record=self._record,
+        )
+        self._sharded = ShardedPublish(
+            self._state,
+            self._store,
+            publish=self.publish,
+            restore=self.restore,
+            check_writer=self._check_writer,
+        )
+        self._liveness = Liveness(
+            self._state, self._settings, delivering=self._delivery.delivering, drop=self._drop
+        )
+        self._waits = VersionWaits(
+            self._state, self._gauges, reap=self._liveness.reap, round_published=self._sharded.round_published
+        )
         self._restored = self._restore()
         freeze_startup_objects()  # out of the garbage collector's full scans (hub/priority.py)
 
@@ -135,70 +139,24 @@ class WeightHub(Delivery, ShardedPublish):
         return sorted(models)
 
     # ------------------------------------------------------------------ helpers
-    def _condition(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        return self._cond
-
-    async def _changed(self) -> None:
-        self._gauges.changed(self._state.models, self._state.subs)
-        cond = self._condition()
-        async with cond:
-            cond.notify_all()
+    @property
+    def _name(self) -> str:
+        return self._state.name
 
     def _forget(self, sub: Subscriber) -> None:
-        self._release(sub, died=False)  # its node's relay (or this hub, on its node) forgets it too
-        self._stop(sub)
+        self._delivery.release(sub, died=False)  # its node's relay (or this hub, on its node) forgets it too
+        self._delivery.stop(sub)
         emptied = self._state.remove(sub)
         if emptied is not None:
-            self._stop(emptied)
+            self._delivery.stop(emptied)
 
     def _drop(self, sub: Subscriber, why: str) -> None:
-        self._release(sub, died=True)  # and its actor's mailbox
-        self._stop(sub)
+        self._delivery.release(sub, died=True)  # and its actor's mailbox
+        self._delivery.stop(sub)
         emptied = self._state.drop(sub, why)
         if emptied is not None:
-            self._stop(emptied)
+            self._delivery.stop(emptied)
         self._store.remove(sub.sub_id)
-
-    async def _alive(self, sub: Subscriber) -> bool:
-        """Whether a subscriber's actor (or a plain process's job) may still run: Ray's GCS says."""
-        if sub.info.actor_id is None and sub.info.job_id is not None:  # a plain process: its job
-            return await asyncio.to_thread(job_alive, sub.info.job_id)
-        return await asyncio.to_thread(actor_alive, sub.info.actor_id)
-
-    async def _reap(self, sub_ids: list[str]) -> None:
-        """Drop the subscribers among ``sub_ids`` whose actor is dead (one ping per actor)."""
-        actors: dict[str, list[Subscriber]] = {}
-        for sub_id in sub_ids:
-            sub = self._state.subs.get(sub_id)
-            # A subscriber whose notification is in flight needs no ping: a dead actor fails that call.
-            if sub is None or sub.relay_pending or self._delivering(sub):
-                continue
-            group = self._state.groups.get(sub.group) if sub.group is not None else None
-            if group is not None and self._delivering(group):
-                continue
-            actors.setdefault(sub.info.actor_id or sub.sub_id, []).append(sub)
-
-        async def check(subs: list[Subscriber]) -> None:
-            if not await self._alive(subs[0]):
-                for sub in subs:
-                    self._drop(sub, "actor died")
-
-        await asyncio.gather(*(check(subs) for subs in actors.values()))
-
-    def _start_sweeper(self) -> None:
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-
-    async def _sweep(self) -> None:
-        """Drop subscribers whose actor died while nobody waited for them (failed ones too)."""
-        silent = float(self._settings.drop_silent_s or DEFAULT_DROP_SILENT_S)  # pinged, dropped if dead
-        while True:
-            await asyncio.sleep(silent / 2)  # how often the hub looks for subscribers that went silent
-            stale = self._state.stale(time.monotonic() - silent)
-            if stale:
-                await self._reap([s.sub_id for s in stale])
 
     # ------------------------------------------------------------------ admin
     async def configure(self, keep: int | None = None) -> dict[str, Any]:
@@ -291,8 +249,8 @@ class WeightHub(Delivery, ShardedPublish):
             # A sharded round's ranks do not wait on it: deliver at once (a 1 ms sleep of the
             # hub's loop became 6-13 ms on a busy node before the first receiver was called).
             delay = 0.001 if version is None and reserved is None else 0.0
-            asyncio.get_running_loop().call_later(delay, self._kick_model, model_id)
-        await self._changed()
+            asyncio.get_running_loop().call_later(delay, self._delivery.kick_model, model_id)
+        await self._waits.changed()
         logger.debug("hub %r: %r version %d published", self._name, model_id, v.version)
         return v.version
 
@@ -302,11 +260,41 @@ class WeightHub(Delivery, ShardedPublish):
             pub.model_id, pub.manifest, list(pub.refs), pub.pusher, False, pub.version, pub.epoch
         )
 
+    async def contribute(
+        self,
+        model_id: str,
+        part: ShardPart,
+        refs: list[Any],
+        pusher: dict[str, Any],
+        takeover: bool = False,
+        timeout: float = 60.0,
+        settle: bool = True,
+        previous: int | None = None,
+    ) -> PartTaken:
+        """One rank's part of a sharded push (:meth:`.ShardedPublish.contribute`)."""
+        return await self._sharded.contribute(
+            model_id, part, refs, pusher, takeover, timeout, settle, previous
+        )
+
+    async def give_up(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:
+        """A rank's push raised before its part was sent (:meth:`.ShardedPublish.give_up`)."""
+        self._sharded.give_up(model_id, token, round, rank, why)
+
+    async def restore_part(
+        self, model_id: str, version: int, part: ShardPart, refs: list[Any], pusher: dict[str, Any]
+    ) -> bool:
+        """A rank offers its part of a lost version again (:meth:`.ShardedPublish.restore_part`)."""
+        return await self._sharded.restore_part(model_id, version, part, refs, pusher)
+
+    async def relay_acks(self, node_id: str, model_id: str, version: int, reply: RelayReply) -> None:
+        """A relay's late acks (:meth:`.Delivery.relay_acks`)."""
+        await self._delivery.relay_acks(node_id, model_id, version, reply)
+
     async def _mismatch(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
         """The error for a first version that fits none of the live subscribers' models (dead
         ones are dropped instead: a dead subscriber never blocks a push)."""
         for error, subs in self._state.first_mismatches(model_id, manifest):
-            alive = await asyncio.gather(*(self._alive(sub) for sub in subs))
+            alive = await asyncio.gather(*(self._liveness.alive(sub) for sub in subs))
             for sub, ok in zip(subs, alive, strict=True):
                 if not ok:
                     self._drop(sub, "actor died")
@@ -332,8 +320,8 @@ class WeightHub(Delivery, ShardedPublish):
         """The writer offers its newest version again after a hub restart lost it; kept?"""
         if not self._state.offer_again(model_id, version, manifest, refs, pusher):
             return False
-        self._kick_model(model_id)
-        await self._changed()
+        self._delivery.kick_model(model_id)
+        await self._waits.changed()
         return True
 
     async def lost(self, model_id: str, version: int) -> None:
@@ -353,11 +341,11 @@ class WeightHub(Delivery, ShardedPublish):
         With ``reg.info.batch`` (and an actor id), every subscription of one actor to one
         model is notified by a single :data:`~raysync._protocol.NOTIFY_BATCH` call.
         """
-        self._start_sweeper()
+        self._liveness.start_sweeper()
         sub, replaced, newest = self._state.register(reg)
         if replaced is not None:
-            self._stop(replaced)
-        served_here = self._here is not None and sub.info.node_id == self._here_node
+            self._delivery.stop(replaced)
+        served_here = self._delivery.here is not None and sub.info.node_id == self._delivery.here_node
         if sub.via_node and sub.info.node_id and not served_here:
             self._relays.start(sub.info.node_id)
         self._store.add(sub)
@@ -399,7 +387,7 @@ class WeightHub(Delivery, ShardedPublish):
 
     async def heartbeat(self, sub_ids: list[str]) -> list[str]:
         """Subscribers check in; returns the ids to register again (the hub restarted or dropped them)."""
-        self._start_sweeper()
+        self._liveness.start_sweeper()
         unknown = []
         now = time.monotonic()
         for sub_id in sub_ids:
@@ -425,7 +413,9 @@ class WeightHub(Delivery, ShardedPublish):
             return
         self._record(sub, report)
         if sub.mode == "push":
-            self._kick(sub)  # a version may have been pushed while it was busy, or it needs one again
+            self._delivery.kick(
+                sub
+            )  # a version may have been pushed while it was busy, or it needs one again
 
     # ------------------------------------------------------------------ queries
     async def latest(self, model_id: str) -> int | None:
@@ -441,28 +431,9 @@ class WeightHub(Delivery, ShardedPublish):
         """
         return self._state.get(model_id, version, newer_than)
 
-    async def _published(self, model_id: str, version: int, timeout: float) -> None:
-        """Until ``version`` of ``model_id`` is published (or ``timeout`` seconds)."""
-        cond = self._condition()
-        async with cond:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(
-                    cond.wait_for(lambda: (self._state.latest(model_id) or 0) >= version), timeout
-                )
-
     async def wait_newer(self, model_id: str, version: int, timeout: float) -> Announcement | None:
         """Long poll: the newest version once it is newer than ``version``, or None after ``timeout``."""
-        cond = self._condition()
-
-        def newer() -> bool:
-            return (self._state.latest(model_id) or 0) > version
-
-        try:
-            async with cond:
-                await asyncio.wait_for(cond.wait_for(newer), timeout)
-        except asyncio.TimeoutError:
-            return None
-        return self._state.get(model_id)
+        return await self._waits.wait_newer(model_id, version, timeout)
 
     async def wait(
         self,
@@ -473,77 +444,16 @@ class WeightHub(Delivery, ShardedPublish):
         report_missing: bool = False,
         subscribers: int = 0,
     ) -> WaitResult:
-        """Wait until every live push subscriber of ``model_id`` applied ``version`` (or failed it).
-
-        Pull subscribers too with ``include_pull``. With ``report_missing``, answer at once
-        (``missing=True``) if some subscriber lacks the version and the hub keeps nothing
-        that new (a restart lost it): the caller, its writer, can offer it again. With
-        ``subscribers``, also until at least that many (counted as above) registered.
-
-        Raises:
-            UnknownModelError: ``version`` was never pushed.
-            SyncTimeoutError, InvalidWeightsError, ...: ``version`` is a sharded round's that is
-                still missing ranks' parts at ``timeout``, or was abandoned (why).
-        """
-        state = self._state
-        # A sharded round's number: until the round is published (raises why it never will be).
-        timeout = await self._round_published(model_id, version, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not state.check_waitable(model_id, version):
-            # Granted to its writer, not published yet: its publish may be on its way (another
-            # process's wait can overtake it), or a restart lost it: its writer (report_missing)
-            # offers it again. A moment, then it counts as never pushed.
-            if report_missing:
-                laggards, failures = state.pending(model_id, version, include_pull)
-                return WaitResult(tuple(laggards), tuple(failures), missing=True)
-            grace = _PUBLISH_GRACE_S if timeout is None else min(timeout, _PUBLISH_GRACE_S)
-            await self._published(model_id, version, grace)
-            state.check_waitable(model_id, version, granted=False)
-        while True:
-            laggards, failures = state.pending(model_id, version, include_pull)
-            short = max(0, subscribers - state.counted(model_id, include_pull))
-            if short and len(misfits := state.misfits(model_id, include_pull)) >= short:
-                return WaitResult(tuple(laggards), tuple(failures), misfits=tuple(misfits))  # never there
-            if laggards and report_missing and not state.kept_from(model_id, version):
-                return WaitResult(tuple(laggards), tuple(failures), missing=True)
-            if not laggards and not short:
-                if failures:  # a dead subscriber's failure is no failure of this version
-                    await self._reap([f.subscriber for f in failures])
-                    laggards, failures = state.pending(model_id, version, include_pull)
-                if not laggards:
-                    return WaitResult((), tuple(failures))
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                await self._reap([r.subscriber for r in laggards + failures])
-                laggards, failures = state.pending(model_id, version, include_pull)
-                counted = state.counted(model_id, include_pull)
-                return WaitResult(tuple(laggards), tuple(failures), registered=counted)
-            # Each record, drop or registration updates this waiter in O(1); it wakes once,
-            # when no laggard is left (or one more subscriber registered, while too few have),
-            # instead of re-scanning every subscriber per event.
-            woken = asyncio.Event()
-            waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull, subscribers, woken.set)
-            state.add_waiter(model_id, waiter)
-            try:
-                while not waiter.woken:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        break
-                    step = _REAP_INTERVAL_S if remaining is None else min(remaining, _REAP_INTERVAL_S)
-                    try:
-                        await asyncio.wait_for(woken.wait(), step)
-                    except asyncio.TimeoutError:
-                        await self._reap(list(waiter.pending))
-            finally:
-                state.remove_waiter(model_id, waiter)
+        """Until every live push subscriber applied ``version`` (:meth:`.VersionWaits.wait`)."""
+        return await self._waits.wait(model_id, version, timeout, include_pull, report_missing, subscribers)
 
     async def status(self) -> dict[str, Any]:
         return self._state.status() | {
             "cpu_s": time.process_time(),
             **self._relays.status(),  # relays up, and stalled ones (delivered around)
             # the hub's own node, whose doorbells it rings itself (None: a relay serves it too)
-            "here": None if self._here is None else self._here.stats(),
+            "here": None if self._delivery.here is None else self._delivery.here.stats(),
             "uptime_s": time.time() - self._started,
             "restored_models": self._restored,
-            "abandoned": self._abandoned(),  # sharded rounds' numbers never published, lately
+            "abandoned": self._sharded.abandoned(),  # sharded rounds' numbers never published, lately
         }

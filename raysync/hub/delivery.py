@@ -2,8 +2,8 @@
 or on its own node itself (doorbells and calls); at most one delivery in flight per subscriber
 or group, always the newest version.
 
-:class:`Delivery` is the part of :class:`~raysync.hub.actor.WeightHub` that does it; the actor
-keeps the Ray face (its methods callers use), this module the delivery loops.
+:class:`~raysync.hub.actor.WeightHub` holds one :class:`Delivery`: the actor keeps the Ray face
+(its methods callers use), this module the delivery loops.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
+
+import ray
 
 from raysync import _protocol as proto
 from raysync._protocol import ApplyReport, RelayDelivery, RelayReply
@@ -27,7 +29,7 @@ from raysync.hub.relay import (
     notify_members,
 )
 from raysync.hub.relay_handles import RelayLost, Relays
-from raysync.hub.settings import HubSettings
+from raysync.hub.settings import DEFAULT_RING_ACK_S, HubSettings
 from raysync.hub.state import Group, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info
 
@@ -41,28 +43,59 @@ Prior = dict[Subscriber, int]
 
 
 class Delivery:
-    """The hub's delivery loops (a part of :class:`~raysync.hub.actor.WeightHub`)."""
+    """The hub's delivery loops (one per subscriber or group at most), what it sends and records.
 
-    _state: HubState
-    _relays: Relays  # the relay of each node (Ray's side of it)
-    _here: NodeDelivery | None  # the hub's own node, whose doorbells it rings itself
-    _here_node: str
-    _gauges: metrics.HubGauges
-    _settings: HubSettings
-    _mail: Mailboxes  # calls to subscribers' actors, collected by their processes' polls
-    _loops: dict[Subscriber | Group, asyncio.Task[None]]  # the delivery loop of each, if one runs
+    Args:
+        state: the hub's state (who holds what, what is due).
+        settings: the hub's settings.
+        mail: calls to subscribers' actors, collected by their processes' polls.
+        relays: the relay of each node (Ray's side of it).
+        gauges: the hub's metrics.
+        drop: ``drop(sub, why)`` forgets a subscriber whose actor died (the actor's part).
+        record: ``record(sub, report)`` records what a subscriber applied (the actor's part).
+    """
+
+    def __init__(
+        self,
+        state: HubState,
+        settings: HubSettings,
+        mail: Mailboxes,
+        relays: Relays,
+        gauges: metrics.HubGauges,
+        *,
+        drop: Callable[[Subscriber, str], None],
+        record: Callable[[Subscriber, ApplyReport], None],
+    ) -> None:
+        self._state, self._settings, self._mail, self._relays, self._gauges = (
+            state,
+            settings,
+            mail,
+            relays,
+            gauges,
+        )
+        self._drop, self._record = drop, record
+        self._loops: dict[
+            Subscriber | Group, asyncio.Task[None]
+        ] = {}  # the delivery loop of each, if one runs
+        # The hub's own node needs no relay: the hub rings its doorbells and calls the rest itself.
+        self.here_node: str = ray.get_runtime_context().get_node_id()
+        self.here = (
+            NodeDelivery(
+                self.here_node,
+                self._late_here,
+                settings.doorbell_bytes or 0,
+                mail,
+                settings.ring_ack_s or DEFAULT_RING_ACK_S,
+            )
+            if settings.relays and settings.rings_own_node
+            else None
+        )
 
     @property
     def _name(self) -> str:
         return self._state.name
 
-    def _drop(self, sub: Subscriber, why: str) -> None:
-        raise NotImplementedError  # the actor's
-
-    def _record(self, sub: Subscriber, report: ApplyReport) -> None:
-        raise NotImplementedError  # the actor's
-
-    def _release(self, sub: Subscriber, *, died: bool) -> None:
+    def release(self, sub: Subscriber, *, died: bool) -> None:
         """Free what delivery keeps for a subscription that goes (before the state forgets it):
         its node's relay's record of it (or the hub's own, on its node), and, if its actor
         ``died``, the actor's mailbox (its calls fail as gone: nobody polls for them any more)."""
@@ -71,32 +104,32 @@ class Delivery:
         node, actor_id = sub.info.node_id, sub.info.actor_id
         if sub.via_node and node:
             self._relays.forget(node, [sub.sub_id])
-            if self._here is not None and node == self._here_node:
-                self._here.forget([sub.sub_id])
+            if self.here is not None and node == self.here_node:
+                self.here.forget([sub.sub_id])
         if died and actor_id is not None:
             self._mail.fail(actor_id, SubscriberGone(f"actor {actor_id[:12]} died"))
 
-    def _kick_model(self, model_id: str) -> None:
+    def kick_model(self, model_id: str) -> None:
         for sub in self._state.subscribers(model_id):
             if sub.mode == "push":
-                self._kick(sub)
+                self.kick(sub)
 
-    def _kick(self, sub: Subscriber) -> None:
+    def kick(self, sub: Subscriber) -> None:
         if not sub.reachable:  # it gets the newest when it registers (again)
             return
         key = sub.group
         if key is not None:
             group = self._state.groups.get(key)
-            if group is not None and not self._delivering(group):
+            if group is not None and not self.delivering(group):
                 if group.node_id is not None:
                     self._start(group, self._deliver_relay(sub.model_id, group))
                 else:
                     self._start(group, self._deliver_group(sub.model_id, group))
-        elif not self._delivering(sub):
+        elif not self.delivering(sub):
             self._start(sub, self._deliver(sub))
 
     # One delivery loop at most per subscriber or group, kept here (the state holds no task).
-    def _delivering(self, key: Subscriber | Group) -> bool:
+    def delivering(self, key: Subscriber | Group) -> bool:
         task = self._loops.get(key)
         return task is not None and not task.done()
 
@@ -105,7 +138,7 @@ class Delivery:
         self._loops[key] = task
         task.add_done_callback(lambda t: self._loops.pop(key, None) if self._loops.get(key) is t else None)
 
-    def _stop(self, key: Subscriber | Group) -> None:
+    def stop(self, key: Subscriber | Group) -> None:
         """Stop its delivery loop, unless that is the one running this code (it returns by itself)."""
         task = self._loops.pop(key, None)
         if task is not None and task is not asyncio.current_task():
@@ -186,16 +219,16 @@ class Delivery:
 
     def _serves_here(self, group: Group) -> bool:
         """Whether the hub hands versions to this group itself: its own node (no relay hop)."""
-        return self._here is not None and group.node_id == self._here_node
+        return self.here is not None and group.node_id == self.here_node
 
     async def _deliver_here(
         self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
     ) -> None:
         """One version to ``due`` on the hub's own node: the hub rings their doorbells (or calls them)."""
-        assert self._here is not None
+        assert self.here is not None
         announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
         members = {s.sub_id: s.relay_member() for s in due}
-        reply = await self._here.deliver(RelayDelivery(announcement, members))
+        reply = await self.here.deliver(RelayDelivery(announcement, members))
         self._acks(group, newest.version, reply, prior)
 
     async def _via_relay(
@@ -280,7 +313,7 @@ class Delivery:
     def _late_here(self, model_id: str, version: int, reply: RelayReply) -> None:
         """Late acks of the subscribers the hub rang itself (no relay process to check)."""
         reply = RelayReply(reply.acks, reply.applied, None, reply.pending)
-        asyncio.get_running_loop().create_task(self.relay_acks(self._here_node, model_id, version, reply))
+        asyncio.get_running_loop().create_task(self.relay_acks(self.here_node, model_id, version, reply))
 
     async def relay_acks(self, node_id: str, model_id: str, version: int, reply: RelayReply) -> None:
         """Acks of subscribers still applying when their relay answered; then deliver what is due."""
@@ -290,7 +323,7 @@ class Delivery:
         if reply.relay_pid is not None and group.relay_pid is not None and reply.relay_pid != group.relay_pid:
             return  # from a relay process the hub no longer counts on
         self._acks(group, version, reply, {})
-        if not self._delivering(group):
+        if not self.delivering(group):
             self._start(group, self._deliver_relay(model_id, group))
 
 

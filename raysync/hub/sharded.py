@@ -1,4 +1,4 @@
-"""The hub's side of sharded writers: record each rank's part, publish one version (a part of the actor).
+"""The hub's side of sharded writers: record each rank's part, publish one version (the actor holds one).
 
 Each rank of a sharded trainer calls :meth:`ShardedPublish.contribute` with its own part
 (its pieces' refs and layout). The first part of a push opens a *round* and the hub grants
@@ -67,24 +67,34 @@ class _Held:
 
 
 class ShardedPublish:
-    """Sharded pushes (a part of :class:`~raysync.hub.actor.WeightHub`)."""
+    """Sharded pushes: each rank's part recorded, one version published per round.
 
-    _rounds: Rounds
-    _state: HubState
-    _store: HubStore
-    _round_held: dict[int, _Held]
-    _round_lock: dict[str, asyncio.Lock]
-    _block_saved: dict[str, asyncio.Future[None]]  # the write of each model's block of numbers
+    :class:`~raysync.hub.actor.WeightHub` holds one and answers ``contribute``, ``give_up`` and
+    ``restore_part`` with it.
 
-    publish: Callable[..., Awaitable[int]]  # the actor's
-    restore: Callable[..., Awaitable[bool]]  # the actor's
-    _check_writer: Callable[[str, dict[str, Any], bool], Awaitable[None]]  # the actor's
+    Args:
+        state, store: the hub's state and its GCS records.
+        publish: the hub's ``publish`` (a round's merged version is published as any other).
+        restore: the hub's ``restore`` (a lost version offered again by every rank is kept again).
+        check_writer: ``check_writer(model_id, lead, takeover)`` raises ``StaleWriterError`` unless
+            the group's rank 0 may write ``model_id``.
+    """
 
-    def _init_rounds(self) -> None:
+    def __init__(
+        self,
+        state: HubState,
+        store: HubStore,
+        *,
+        publish: Callable[..., Awaitable[int]],
+        restore: Callable[..., Awaitable[bool]],
+        check_writer: Callable[[str, dict[str, Any], bool], Awaitable[None]],
+    ) -> None:
+        self._state, self._store = state, store
+        self._publish, self._restore, self._check_writer = publish, restore, check_writer
         self._rounds = Rounds()
-        self._round_held = {}
-        self._round_lock = {}
-        self._block_saved = {}
+        self._round_held: dict[int, _Held] = {}
+        self._round_lock: dict[str, asyncio.Lock] = {}
+        self._block_saved: dict[str, asyncio.Future[None]] = {}  # the write of each model's block of numbers
         self._offered: dict[tuple[str, int], dict[int, tuple[ShardPart, list[Any], dict[str, Any]]]] = {}
 
     async def contribute(
@@ -218,14 +228,14 @@ class ShardedPublish:
             )
             return False
         lead = {**parts[0][2], "ranks": part.world, "sharded": True}  # merge checked rank 0 is in
-        return await self.restore(model_id, version, manifest, list(merged), lead)
+        return await self._restore(model_id, version, manifest, list(merged), lead)
 
     def _forget_offers(self, model_id: str, *, before: int) -> None:
         """Drop the parts offered again of ``model_id``'s lost versions older than ``before``."""
         for key in [k for k in self._offered if k[0] == model_id and k[1] < before]:
             del self._offered[key]
 
-    async def _round_published(self, model_id: str, version: int, timeout: float | None) -> float | None:
+    async def round_published(self, model_id: str, version: int, timeout: float | None) -> float | None:
         """Until the sharded round granted ``version`` is published; what is left of ``timeout``.
 
         Returns at once for a number no unsettled round holds, and for an abandoned one once
@@ -257,7 +267,7 @@ class ShardedPublish:
             )
         return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
 
-    def _abandoned(self) -> dict[str, list[int]]:
+    def abandoned(self) -> dict[str, list[int]]:
         """The numbers of the rounds abandoned or refused lately, per model (for ``status()``)."""
         return {model_id: sorted(failed) for model_id, failed in self._rounds.failed.items()}
 
@@ -319,7 +329,7 @@ class ShardedPublish:
             try:
                 manifest, refs = merge(parts)
                 lead.update(ranks=rnd.world, sharded=True)
-                version = await self.publish(
+                version = await self._publish(
                     rnd.model_id, manifest, list(refs), lead, takeover, reserved=rnd.version
                 )
             except RaySyncError as err:

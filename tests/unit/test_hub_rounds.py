@@ -185,14 +185,21 @@ class _Hub(ShardedPublish):
     """The hub's sharded side over its real state; publishing stamps, as the actor's does."""
 
     def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
-        self._init_rounds()
-        self._state = HubState("hub", keep=4)
-        self._store = _Store()  # type: ignore[assignment]
+        super().__init__(
+            HubState("hub", keep=4),
+            _Store(),  # type: ignore[arg-type]
+            publish=self.publish,
+            restore=lambda *args: self.restore(*args),
+            check_writer=self._check_writer,
+        )
         self.refuse = refuse
         self.checked: list[str] = []
 
     async def publish(self, model_id: str, manifest: Any, refs: Any, pusher: Any, *_: Any, **kw: Any) -> int:
         return self._state.stamp(model_id, manifest, refs, pusher, kw["reserved"]).version
+
+    async def restore(self, model_id: str, version: int, manifest: Any, refs: Any, pusher: Any) -> bool:
+        raise AssertionError("only a restarted hub is offered versions again")
 
     async def _check_writer(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> None:
         self.checked.append(pusher["session"])  # every rank's part is checked in its rank 0's name
@@ -217,7 +224,7 @@ def test_a_rank_gets_its_number_before_the_other_ranks_push() -> None:
         hub = _Hub()
         v = await hub.push(0)  # returns with rank 1's part not in: nothing published yet
         assert v == 1 and hub._state.latest("policy") is None
-        waiter = asyncio.ensure_future(hub._round_published("policy", v, 10.0))
+        waiter = asyncio.ensure_future(hub.round_published("policy", v, 10.0))
         settled = asyncio.ensure_future(hub.push(0, round=2, settle=True))  # waits for publish
         await asyncio.sleep(0.05)
         assert not waiter.done() and not settled.done()
@@ -234,23 +241,23 @@ def test_a_round_a_rank_never_completes_is_abandoned_and_its_number_says_why() -
     async def main() -> None:
         hub = _Hub()
         assert await hub.push(0) == 1 and await hub.push(1) == 1
-        await hub._round_published("policy", 1, 10.0)
+        await hub.round_published("policy", 1, 10.0)
         v = await hub.push(0, round=2, timeout=0.2)  # rank 1 dies: never pushes push 2
         with pytest.raises(SyncTimeoutError, match=r"version 2 of 'policy' is not published yet"):
-            await hub._round_published("policy", v, 0.05)
+            await hub.round_published("policy", v, 0.05)
         with pytest.raises(SyncTimeoutError, match=r"ranks \[1\] of 2 did not push.*readers keep version 1"):
-            await hub._round_published("policy", v, 10.0)
+            await hub.round_published("policy", v, 10.0)
         assert hub._state.latest("policy") == 1  # nothing published with a shard missing
         # the rank that got the number is told on its next push, whose part is taken all the same
         taken = await hub.taken(0, round=3, previous=v)
         assert taken.version == 3 and taken.earlier is not None and "version 2 of 'policy'" in taken.earlier
         # the restarted group pushes: what the dead group left open is abandoned, a new number published
         assert await hub.push(0, group="b") == 4 and await hub.push(1, group="b") == 4
-        await hub._round_published("policy", 4, 10.0)
+        await hub.round_published("policy", 4, 10.0)
         assert hub._state.latest("policy") == 4 and sorted(hub._state.models["policy"].versions) == [1, 4]
-        assert hub._abandoned() == {"policy": [2, 3]}
+        assert hub.abandoned() == {"policy": [2, 3]}
         # a newer version is out: a wait for the abandoned number waits for it, as for any older one
-        assert await hub._round_published("policy", v, 10.0) == 10.0
+        assert await hub.round_published("policy", v, 10.0) == 10.0
 
     _run(main())
 
@@ -262,9 +269,9 @@ def test_a_restarted_group_never_completes_the_dead_group_s_round() -> None:
         new = await hub.push(1, group="b")  # the new group's rank 1 comes first
         assert new != old and hub._rounds.pending("policy", new) is not None
         with pytest.raises(InvalidWeightsError, match=r"version 1 of 'policy'.*abandoned unpublished"):
-            await hub._round_published("policy", old, 1.0)
+            await hub.round_published("policy", old, 1.0)
         assert await hub.push(0, group="b") == new
-        await hub._round_published("policy", new, 10.0)
+        await hub.round_published("policy", new, 10.0)
         assert hub._state.latest("policy") == new
 
     _run(main())
@@ -287,15 +294,15 @@ def test_every_rank_of_a_group_that_is_not_the_writer_is_refused() -> None:
     async def main() -> None:
         hub = _Hub(refuse=frozenset({"b0"}))  # group a holds the lease and lives
         assert await hub.push(0) == 1 and await hub.push(1) == 1
-        await hub._round_published("policy", 1, 10.0)
+        await hub.round_published("policy", 1, 10.0)
         assert await hub.push(0, round=2) == 2  # group a's push 2: rank 0's part is in
         for rank in (1, 0):  # group b, rank 1 first
             with pytest.raises(StaleWriterError, match=f"rank {rank}" if rank else "another group"):
                 await hub.push(rank, group="b")
         assert hub.checked.count("b0") == 2  # each of b's ranks checked in b's rank 0's name
         assert await hub.push(1, round=2) == 2  # group a's round is untouched and completes
-        await hub._round_published("policy", 2, 10.0)
-        assert hub._state.latest("policy") == 2 and hub._abandoned() == {}
+        await hub.round_published("policy", 2, 10.0)
+        assert hub._state.latest("policy") == 2 and hub.abandoned() == {}
         assert hub._rounds.groups["policy"].token == "token-a"
 
     _run(main())
@@ -305,15 +312,15 @@ def test_a_give_up_abandons_the_open_push_and_the_next_push_of_every_rank_is_who
     async def main() -> None:
         hub = _Hub()
         assert await hub.push(0) == 1 and await hub.push(1) == 1
-        await hub._round_published("policy", 1, 10.0)
+        await hub.round_published("policy", 1, 10.0)
         v = await hub.push(1, round=2)  # rank 1's part of push 2 is in; rank 0's push 2 raised
         hub.give_up("policy", "token-a", 2, 0, "SyncTimeoutError: max_lag=1 not reached within 2 s")
         with pytest.raises(InvalidWeightsError, match=r"rank 0's push of it raised SyncTimeoutError"):
-            await hub._round_published("policy", v, 10.0)
+            await hub.round_published("policy", v, 10.0)
         taken = await hub.taken(1, round=3, previous=v)  # told, not refused: no cascade of refusals
         assert "rank 0's push of it raised" in (taken.earlier or "")
         assert await hub.push(0, round=3) == taken.version
-        await hub._round_published("policy", taken.version, 10.0)
+        await hub.round_published("policy", taken.version, 10.0)
         assert hub._state.latest("policy") == taken.version
 
     _run(main())
@@ -324,7 +331,7 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(first: int
     async def main() -> None:
         hub = _Hub()
         assert await hub.push(0) == 1 and await hub.push(1) == 1
-        await hub._round_published("policy", 1, 10.0)
+        await hub.round_published("policy", 1, 10.0)
         v2 = await hub.push(0, round=2)  # rank 0's part of push 2 is recorded; then the hub restarts
         restarted = _Hub()
         restarted._state = hub._state  # what it restores from the GCS: the numbers and the newest
@@ -345,12 +352,12 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(first: int
         lost = got[1]
         why = "did not push their shards" if first == "late" else "lost unpublished: the hub restarted"
         with pytest.raises(RaySyncError, match=rf"version {lost} .*{why}"):
-            await restarted._round_published("policy", lost, 10.0)
+            await restarted.round_published("policy", lost, 10.0)
         assert restarted._rounds.pending("policy", lost) is None  # abandoned at once, not on a timeout
         # rank 1's next push is not refused for the lost one: push 3 completes and is published
         assert await restarted.push(1, round=3, previous=lost) == got[0]
-        await restarted._round_published("policy", got[0], 10.0)
-        assert restarted._state.latest("policy") == got[0] and restarted._abandoned() == {"policy": [lost]}
+        await restarted.round_published("policy", got[0], 10.0)
+        assert restarted._state.latest("policy") == got[0] and restarted.abandoned() == {"policy": [lost]}
 
     _run(main())
 
