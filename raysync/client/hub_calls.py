@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from raysync.core.layout import Manifest
     from raysync.core.shards import ShardPart
     from raysync.hub.settings import HubSettings
-    from raysync.hub.state.groups import PartTaken
+    from raysync.hub.state.rounds import PartTaken
 
 __all__ = ["HubCalls", "calls_to"]
 

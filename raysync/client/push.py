@@ -37,7 +37,7 @@ from raysync.core.group import GroupIdentity, identify_group
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
 from raysync.hub.state import Version
-from raysync.hub.state.groups import PartTaken
+from raysync.hub.state.rounds import PartTaken
 from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged, transport_for
 from raysync.transports.registry import transport_class
 

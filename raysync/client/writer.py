@@ -27,7 +27,7 @@ from raysync.hub.state import Version
 
 if TYPE_CHECKING:
     from raysync.client.hub_calls import HubCalls
-    from raysync.hub.state.groups import PartTaken
+    from raysync.hub.state.rounds import PartTaken
 
 __all__ = ["Writer"]
 

@@ -52,7 +52,7 @@ from raysync.hub.relay_handles import Relays
 from raysync.hub.settings import HubSettings
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState, Subscriber
-from raysync.hub.state.groups import PartTaken
+from raysync.hub.state.rounds import PartTaken
 from raysync.hub.version_waits import VersionWaits
 
 __all__ = ["WeightHub"]

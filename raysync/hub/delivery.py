@@ -30,7 +30,7 @@ from raysync.hub.relay import (
 )
 from raysync.hub.relay_handles import RelayLost, Relays
 from raysync.hub.settings import DEFAULT_RING_ACK_S, HubSettings
-from raysync.hub.state import Group, HubState, Subscriber, Version
+from raysync.hub.state import DeliveryGroup, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info
 
 __all__ = ["Delivery", "Prior"]
@@ -75,7 +75,7 @@ class Delivery:
         )
         self._drop, self._record = drop, record
         self._loops: dict[
-            Subscriber | Group, asyncio.Task[None]
+            Subscriber | DeliveryGroup, asyncio.Task[None]
         ] = {}  # the delivery loop of each, if one runs
         # The hub's own node needs no relay: the hub rings its doorbells and calls the rest itself.
         self.here_node: str = ray.get_runtime_context().get_node_id()
@@ -129,16 +129,16 @@ class Delivery:
             self._start(sub, self._deliver(sub))
 
     # One delivery loop at most per subscriber or group, kept here (the state holds no task).
-    def delivering(self, key: Subscriber | Group) -> bool:
+    def delivering(self, key: Subscriber | DeliveryGroup) -> bool:
         task = self._loops.get(key)
         return task is not None and not task.done()
 
-    def _start(self, key: Subscriber | Group, loop: Coroutine[Any, Any, None]) -> None:
+    def _start(self, key: Subscriber | DeliveryGroup, loop: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(loop)
         self._loops[key] = task
         task.add_done_callback(lambda t: self._loops.pop(key, None) if self._loops.get(key) is t else None)
 
-    def stop(self, key: Subscriber | Group) -> None:
+    def stop(self, key: Subscriber | DeliveryGroup) -> None:
         """Stop its delivery loop, unless that is the one running this code (it returns by itself)."""
         task = self._loops.pop(key, None)
         if task is not None and task is not asyncio.current_task():
@@ -162,7 +162,7 @@ class Delivery:
                 return
             self._record(sub, report)
 
-    async def _deliver_group(self, model_id: str, group: Group) -> None:
+    async def _deliver_group(self, model_id: str, group: DeliveryGroup) -> None:
         """Batched delivery: one call carries every member that lacks the newest version.
 
         Each member is in at most one call at a time and gets the newest version,
@@ -195,7 +195,7 @@ class Delivery:
             for sub, report in zip(due, reports, strict=True):
                 self._record(sub, report)
 
-    async def _deliver_relay(self, model_id: str, group: Group) -> None:
+    async def _deliver_relay(self, model_id: str, group: DeliveryGroup) -> None:
         """Deliver through the node's relay: one message per version for every member that lacks it.
 
         The relay answers with every member's ack in one reply. While the relay is not
@@ -217,12 +217,12 @@ class Delivery:
             else:
                 await self._via_relay(model_id, group, newest, due, prior)
 
-    def _serves_here(self, group: Group) -> bool:
+    def _serves_here(self, group: DeliveryGroup) -> bool:
         """Whether the hub hands versions to this group itself: its own node (no relay hop)."""
         return self.here is not None and group.node_id == self.here_node
 
     async def _deliver_here(
-        self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
+        self, model_id: str, group: DeliveryGroup, newest: Version, due: list[Subscriber], prior: Prior
     ) -> None:
         """One version to ``due`` on the hub's own node: the hub rings their doorbells (or calls them)."""
         assert self.here is not None
@@ -232,7 +232,7 @@ class Delivery:
         self._acks(group, newest.version, reply, prior)
 
     async def _via_relay(
-        self, model_id: str, group: Group, newest: Version, due: list[Subscriber], prior: Prior
+        self, model_id: str, group: DeliveryGroup, newest: Version, due: list[Subscriber], prior: Prior
     ) -> None:
         """One version to ``due`` through their node's relay (or directly while it is not up)."""
         if not due:
@@ -270,7 +270,9 @@ class Delivery:
         group.known.update(members)
         self._acks(group, newest.version, reply, prior)
 
-    def _acks(self, group: Group, version: int, reply: RelayReply, prior: dict[Subscriber, int]) -> None:
+    def _acks(
+        self, group: DeliveryGroup, version: int, reply: RelayReply, prior: dict[Subscriber, int]
+    ) -> None:
         """Record a relay's acks (members that left meanwhile are skipped)."""
         for sub_id in reply.pending:
             sub = group.members.get(sub_id)

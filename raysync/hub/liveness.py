@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from raysync.hub.persistence import actor_alive, job_alive
 from raysync.hub.settings import DEFAULT_DROP_SILENT_S, HubSettings
-from raysync.hub.state import Group, HubState, Subscriber
+from raysync.hub.state import DeliveryGroup, HubState, Subscriber
 
 __all__ = ["Liveness"]
 
@@ -35,7 +35,7 @@ class Liveness:
         state: HubState,
         settings: HubSettings,
         *,
-        delivering: Callable[[Subscriber | Group], bool],
+        delivering: Callable[[Subscriber | DeliveryGroup], bool],
         drop: Callable[[Subscriber, str], None],
     ) -> None:
         self._state, self._settings, self._delivering, self._drop = state, settings, delivering, drop

@@ -16,7 +16,7 @@ of the group at its first push over a process group: :mod:`raysync.core.group`) 
 at publish, so every rank of another live group is refused (``StaleWriterError``), a
 restarted one takes over from a dead one, and the parts of two groups are never merged.
 
-A round that never completes is abandoned (:mod:`raysync.hub.state.groups`): when ``timeout``
+A round that never completes is abandoned (:mod:`raysync.hub.state.rounds`): when ``timeout``
 seconds pass after its first part (a rank died or stalled), when another group takes over,
 when the group runs too far ahead of it, or when a rank's push of it raised before its part
 was sent (the rank's client says so: :meth:`ShardedPublish.give_up`; every push is counted
@@ -48,8 +48,8 @@ from raysync.core.shards import ShardPart, merge
 from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
 from raysync.hub.persistence import HubStore
 from raysync.hub.state import HubState
-from raysync.hub.state.groups import PartTaken, Round, Rounds
 from raysync.hub.state.leases import who
+from raysync.hub.state.rounds import PartTaken, Round, Rounds
 
 __all__ = ["ShardedPublish"]
 

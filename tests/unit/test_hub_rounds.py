@@ -1,6 +1,6 @@
 """The hub's rounds of a sharded push: numbers granted per round, early returns, abandoned rounds.
 
-The first tests drive :class:`~raysync.hub.state.groups.Rounds` (plain Python); the others drive
+The first tests drive :class:`~raysync.hub.state.rounds.Rounds` (plain Python); the others drive
 the hub's :class:`~raysync.hub.sharded.ShardedPublish` on an event loop with the hub's real state
 (:class:`~raysync.hub.state.HubState`) and no Ray: what a rank's ``contribute`` returns and when,
 and what ``hub.wait`` of a number says when its round is published or abandoned.
@@ -20,7 +20,7 @@ from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
 from raysync.hub.sharded import ShardedPublish
 from raysync.hub.state import HubState
-from raysync.hub.state.groups import MAX_OPEN, PartTaken, Rounds
+from raysync.hub.state.rounds import MAX_OPEN, PartTaken, Rounds
 
 T = TypeVar("T")
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 from raysync.hub.state.laggards import Waits
 from raysync.hub.state.layouts import Layouts
 from raysync.hub.state.leases import Leases, lease_record, who
-from raysync.hub.state.records import Group, Model, Subscriber, Tables, Version, Waiter
+from raysync.hub.state.records import DeliveryGroup, Model, Subscriber, Tables, Version, Waiter
 from raysync.hub.state.roster import Roster
 from raysync.hub.state.versions import Versions
 
-__all__ = ["Group", "HubState", "Model", "Subscriber", "Version", "Waiter", "lease_record", "who"]
+__all__ = ["DeliveryGroup", "HubState", "Model", "Subscriber", "Version", "Waiter", "lease_record", "who"]
 
 
 class HubState:

@@ -17,7 +17,7 @@ from raysync._protocol import (
 )
 from raysync.core.layout import Manifest
 
-__all__ = ["Group", "Model", "Subscriber", "Tables", "Version", "Waiter"]
+__all__ = ["DeliveryGroup", "Model", "Subscriber", "Tables", "Version", "Waiter"]
 
 _STAMPS_KEPT = 100_000  # published version numbers remembered per model (lag counts versions)
 
@@ -187,7 +187,7 @@ class Waiter:
 
 
 @dataclass(eq=False)
-class Group:
+class DeliveryGroup:
     """Subscriptions delivered by one message: one actor's batched ones, or one node's (via its relay)."""
 
     members: dict[str, Subscriber] = field(default_factory=dict)
@@ -219,7 +219,7 @@ class Tables:
     models: dict[str, Model] = field(default_factory=dict)
     subs: dict[str, Subscriber] = field(default_factory=dict)
     by_model: dict[str, dict[str, Subscriber]] = field(default_factory=dict)
-    groups: dict[str, Group] = field(default_factory=dict)
+    groups: dict[str, DeliveryGroup] = field(default_factory=dict)
     waiters: dict[str, set[Waiter]] = field(default_factory=dict)
 
     def subscribers(self, model_id: str) -> list[Subscriber]:

@@ -11,7 +11,7 @@ from raysync._protocol import (
     Registration,
 )
 from raysync.hub.state.layouts import Layouts
-from raysync.hub.state.records import Group, Subscriber, Tables
+from raysync.hub.state.records import DeliveryGroup, Subscriber, Tables
 from raysync.hub.state.versions import Versions
 
 __all__ = ["Roster"]
@@ -60,7 +60,7 @@ class Roster:
         sub.via_node = self.tables.relay and sub.mode == "push" and bool(sub.info.node_id)
         if sub.group is not None:
             node = sub.info.node_id if sub.via_node else None
-            group = self.tables.groups.setdefault(sub.group, Group(node_id=node))
+            group = self.tables.groups.setdefault(sub.group, DeliveryGroup(node_id=node))
             group.members[sub.sub_id] = sub
             group.known.discard(sub.sub_id)  # a new registration may carry a new doorbell
         for waiter in self.tables.waiters.get(sub.model_id, ()):
@@ -70,7 +70,7 @@ class Roster:
                 waiter.wake()  # one more of the subscribers it waits to see (or a misfit): look again
         return old
 
-    def remove(self, sub: Subscriber) -> Group | None:
+    def remove(self, sub: Subscriber) -> DeliveryGroup | None:
         """Forget a subscription (indexes and the waits that waited for it); its emptied group, if any."""
         if self.tables.subs.get(sub.sub_id) is sub:
             del self.tables.subs[sub.sub_id]
@@ -93,7 +93,7 @@ class Roster:
                 waiter.wake()
         return emptied
 
-    def drop(self, sub: Subscriber, why: str) -> Group | None:
+    def drop(self, sub: Subscriber, why: str) -> DeliveryGroup | None:
         """A subscriber that is gone for good: forget it and say so."""
         emptied = self.remove(sub)
         sub.state = "dead"

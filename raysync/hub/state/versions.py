@@ -15,7 +15,7 @@ from raysync.core.layout import Manifest
 from raysync.errors import StaleWriterError, UnknownModelError
 from raysync.hub.state.layouts import Layouts
 from raysync.hub.state.leases import lease_record, who
-from raysync.hub.state.records import Group, Model, Subscriber, Tables, Version
+from raysync.hub.state.records import DeliveryGroup, Model, Subscriber, Tables, Version
 
 __all__ = ["Versions"]
 
@@ -270,7 +270,7 @@ class Versions:
             return None  # another layout (kept from another job): it waits for one that fits
         return newest
 
-    def due_in_group(self, model_id: str, group: Group) -> tuple[Version | None, list[Subscriber]]:
+    def due_in_group(self, model_id: str, group: DeliveryGroup) -> tuple[Version | None, list[Subscriber]]:
         newest = self.newest(model_id)
         if newest is None:
             return None, []

@@ -97,7 +97,7 @@ class PartTaken:
 
 
 @dataclass
-class _Group:
+class WriterGroup:
     """What the hub knows of the group writing one model: its token, size, processes and rounds."""
 
     token: str  # made by its rank 0 for this process group (raysync.core.group): parts of one group
@@ -123,7 +123,7 @@ class Rounds:
     """
 
     def __init__(self) -> None:
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, WriterGroup] = {}
         self.unsettled: dict[tuple[str, int], Round] = {}  # (model, version) -> open or publishing
         self.failed: dict[str, OrderedDict[int, BaseException]] = {}
         self.lost: set[tuple[str, int]] = set()  # (model, version) of failed rounds lost in a restart
@@ -200,7 +200,7 @@ class Rounds:
                 retired[group.token] = None
                 while len(retired) > _RETIRED_KEPT:
                     retired.popitem(last=False)
-            group = self.groups[model_id] = _Group(token, part.world)
+            group = self.groups[model_id] = WriterGroup(token, part.world)
         if group.world != part.world:
             raise InvalidWeightsError(
                 f"rank {part.rank} of a sharded group of {model_id!r} says the group has {part.world} "
@@ -301,5 +301,5 @@ class Rounds:
         return None if (model_id, version) in self.lost else self.failure(model_id, version)
 
 
-def _counts(group: _Group) -> str:
+def _counts(group: WriterGroup) -> str:
     return ", ".join(f"rank {r} at push {n}" for r, n in sorted(group.newest.items()))
