@@ -41,8 +41,8 @@ from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.hub import metrics
 from raysync.hub.settings import HubSettings
 from raysync.transports.base import check_transport
+from raysync.transports.registry import fetcher
 from raysync.transports.registry import info as transport_info
-from raysync.transports.registry import transport_class
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -437,7 +437,7 @@ class HubClient:
         self._writer.settle(model_id, wait=True, raise_refused=False)
         info = self._calls.get(model_id, version)
         assert info is not None
-        buckets = transport_class(info.manifest.transport).fetch(
+        buckets = fetcher(info.manifest.transport)(
             info.manifest, list(info.refs), range(info.manifest.num_buckets), timeout=None
         )
         unpacked = unpack(info.manifest, buckets)

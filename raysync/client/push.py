@@ -39,7 +39,7 @@ from raysync.errors import InvalidWeightsError
 from raysync.hub.state import Version
 from raysync.hub.state.rounds import PartTaken
 from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged, transport_for
-from raysync.transports.registry import transport_class
+from raysync.transports.registry import fetcher
 
 __all__ = ["Offer", "PushPipeline", "PushRequest", "Pushed"]
 
@@ -385,9 +385,7 @@ class PushPipeline:
         try:
             require_ray("push")
             every = range(prev.manifest.num_buckets)
-            return prev, list(
-                transport_class(prev.manifest.transport).fetch(prev.manifest, prev.refs, every, timeout=None)
-            )
+            return prev, list(fetcher(prev.manifest.transport)(prev.manifest, prev.refs, every, timeout=None))
         except (ObjectLostError, RayTaskError) as err:
             if isinstance(err, RayTaskError) and not isinstance(err.cause, ObjectLostError):
                 raise

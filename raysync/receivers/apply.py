@@ -40,8 +40,8 @@ from raysync.core.placement import TensorParallel, reshard
 from raysync.core.shards import ShardRefs
 from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
+from raysync.transports.registry import fetcher, transport_class
 from raysync.transports.registry import info as transport_info
-from raysync.transports.registry import transport_class
 from raysync.transports.sharded import Assembly, verify_fetched
 from raysync.transports.store_pages import populate_store_mapping
 
@@ -124,7 +124,7 @@ def fetch(
     whole, manifest = manifest, view(target, manifest)
     if whole.shards is None and manifest.shards is not None:  # parts of one writer's buckets
         refs = [ShardRefs((b,), (ref,)) for b, ref in enumerate(refs)]
-    arrays = transport_class(manifest.transport).fetch(manifest, list(refs), list(needed), timeout=timeout)
+    arrays = fetcher(manifest.transport)(manifest, list(refs), list(needed), timeout=timeout)
     return verified(manifest, needed, arrays, verify=verify)
 
 
@@ -144,7 +144,8 @@ async def fetch_async(
     if native is not None:
         arrays = await asyncio.wait_for(native(manifest, list(refs), list(needed)), timeout)
     else:
-        arrays = await asyncio.to_thread(transport.fetch, manifest, list(refs), list(needed), timeout=timeout)
+        fetch = fetcher(manifest.transport)
+        arrays = await asyncio.to_thread(fetch, manifest, list(refs), list(needed), timeout=timeout)
     return verified(manifest, needed, arrays, verify=verify)
 
 

@@ -21,6 +21,7 @@ from raysync.transports.registry import TransportInfo
 
 __all__ = [
     "TRANSPORTS",
+    "FetchesBuckets",
     "ReceivesInPlace",
     "Reuse",
     "Snapshot",
@@ -83,7 +84,8 @@ class Snapshot:
 
 
 class Transport(Protocol):
-    """One data path, both sides: the trainer's snapshot and the receivers' fetch.
+    """One data path: the trainer's side (snapshot), with :class:`FetchesBuckets` or
+    :class:`ReceivesInPlace` for the receivers' side.
 
     A data path is one module with one such class. raysync's are ``object_store`` and
     ``nixl``; another is named ``"<module>:<Class>"`` (:mod:`raysync.transports.registry`).
@@ -91,7 +93,7 @@ class Transport(Protocol):
     Example:
         >>> t = transport_for("object_store")
         >>> snap = t.snapshot("policy", tensors, manifest)                 # trainer
-        >>> buckets = type(t).fetch(snap.manifest, snap.refs, [0], timeout=30)   # receiver
+        >>> buckets = fetcher("object_store")(snap.manifest, snap.refs, [0], timeout=30)   # receiver
     """
 
     name: str
@@ -110,12 +112,22 @@ class Transport(Protocol):
         change them after. The manifest it returns names this data path."""
         ...
 
+
+class FetchesBuckets(Protocol):
+    """The receiver's side of a data path that hands out buckets (the object store): receivers fetch
+    those they lack and copy them in. A path that receives in place has :class:`ReceivesInPlace`
+    instead; :func:`~raysync.transports.registry.fetcher` finds the one or says why there is none.
+
+    Example:
+        >>> buckets = fetcher("object_store")(manifest, refs, [0], timeout=30)   # doctest: +SKIP
+    """
+
     @staticmethod
     def fetch(
         manifest: Manifest, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None
     ) -> list[Any]:
-        """Receiver side: the buckets ``needed`` (indices into ``refs``) as a receiver reads them, to
-        copy from (each a list of uint8 arrays)."""
+        """The buckets ``needed`` (indices into ``refs``) as a receiver reads them, to copy from (each a
+        list of uint8 arrays)."""
         ...
 
 

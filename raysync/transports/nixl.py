@@ -43,7 +43,7 @@ import torch
 from raysync.core import codec
 from raysync.core.bound import BoundModel
 from raysync.core.layout import Manifest
-from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.errors import SyncTimeoutError
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot
 
@@ -197,15 +197,6 @@ class NixlTransport:
 
     name = "nixl"
     info = registry.info("nixl")
-
-    @staticmethod
-    def fetch(
-        manifest: Manifest, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None
-    ) -> list[Any]:
-        raise RaySyncError(
-            "this version came over NIXL, which receives in place into a subscriber's own buffers; "
-            "a receiver that copies from fetched buckets needs transport='object_store'"
-        )
 
     @staticmethod
     def receive_into(

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BUILTIN", "DEFAULT", "TransportInfo", "check_transport", "info", "transport_class"]
+from raysync.errors import RaySyncError
+
+__all__ = ["BUILTIN", "DEFAULT", "TransportInfo", "check_transport", "fetcher", "info", "transport_class"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,24 @@ def transport_class(name: str) -> Any:
     with _LOCK:
         _CLASSES[name] = cls
     return cls
+
+
+def fetcher(name: str) -> Callable[..., Any]:
+    """The receiver side of a data path that hands out buckets: its ``fetch`` (a static method).
+
+    A path that receives in place (``info.in_place``: NIXL) has none: its versions go straight
+    into a receiver's spare buffers, so one that copies from fetched buckets cannot take them.
+
+    Raises:
+        RaySyncError: ``name`` receives in place (it says what the receiver needs instead).
+    """
+    fetch = getattr(transport_class(name), "fetch", None)
+    if fetch is None:
+        raise RaySyncError(
+            f"this version came over {name!r}, which receives in place into a subscriber's own buffers; "
+            "a receiver that copies from fetched buckets needs transport='object_store'"
+        )
+    return fetch  # type: ignore[no-any-return]
 
 
 def info(name: str, *, load: bool = True) -> TransportInfo:

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from raysync.errors import RaySyncError
 from raysync.transports import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "raysync"
@@ -76,3 +77,37 @@ def test_what_each_built_in_path_allows() -> None:
     assert (nixl.pushable, nixl.object_store, nixl.rank_pieces, nixl.in_place) == (True, False, False, True)
     assert (sharded.pushable, sharded.object_store, sharded.rank_pieces) == (False, True, False)
     assert registry.DEFAULT == "object_store"
+
+
+def _raise_only_methods(path: pathlib.Path) -> list[str]:
+    """Methods of the classes in ``path`` whose body (past a docstring) is one ``raise``."""
+    found = []
+    for cls in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for fn in cls.body:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) else fn.body
+            if len(body) == 1 and isinstance(body[0], ast.Raise):
+                found.append(f"{path.name}: {cls.name}.{fn.name}")
+    return found
+
+
+def test_no_data_path_has_a_method_that_only_raises() -> None:
+    """A path lacks what it cannot do (NIXL has no ``fetch``); the registry says why, for every path."""
+    modules = [ROOT / "transports" / f"{name}.py" for name in registry.BUILTIN]
+    assert [m for m in modules if m.exists()] == modules
+    assert [found for m in modules for found in _raise_only_methods(m)] == []
+    assert registry.fetcher("object_store") is registry.transport_class("object_store").fetch
+    with pytest.raises(RaySyncError, match=r"came over 'nixl', which receives in place.*object_store"):
+        registry.fetcher("nixl")
+
+
+def test_the_check_finds_a_method_that_only_raises(tmp_path: pathlib.Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "class Path:\n    def fetch(self):\n        '''Not here.'''\n        raise RuntimeError('no')\n"
+        "    def put(self):\n        return 1\n"
+    )
+    assert _raise_only_methods(planted) == ["planted.py: Path.fetch"]
