@@ -465,7 +465,7 @@ def test_corrupted_bucket_is_refused_by_verifying_subscribers(hub: raysync.HubCl
     corrupt = [[a.copy() for a in bucket] for bucket in buckets]
     corrupt[2][0][100] ^= 0x40
     refs = [ray.put(b) for b in corrupt]
-    reply = hub._publish("policy", manifest.with_checksums(sums), refs)  # stamped like a push
+    reply = hub._writer.publish("policy", manifest.with_checksums(sums), refs)  # stamped like a push
     assert reply == 2
     with pytest.raises(
         raysync.ApplyError, match=r"1 subscriber\(s\).*failed to apply version 2.*ChecksumError"
