@@ -27,7 +27,7 @@ from raysync.core.layout import Manifest, plan_layout, schema_of
 from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError
 from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged, transport_for
-from raysync.transports.registry import DEFAULT, info
+from raysync.transports.registry import DEFAULT, fetcher, info
 
 __all__ = ["Contribute", "push_shard"]
 
@@ -98,7 +98,7 @@ def push_shard(
     store = transport if transport is not None else transport_for(DEFAULT)
     reuse = None
     if selected is not None or request.delta:
-        local, reuse = _from_previous(model_id, local, manifest, selected, request.delta, previous, store)
+        local, reuse = _from_previous(model_id, local, manifest, selected, request.delta, previous)
     # checksum=True: one CRC32 per bucket of this rank's own (every rank must say the same)
     snap = store.snapshot(model_id, local, manifest, checksum=request.checksum, reuse=reuse)
     snapshot_s = time.perf_counter() - t0
@@ -138,7 +138,6 @@ def _from_previous(
     selected: set[str] | None,
     delta: bool,
     previous: Snapshot | None,
-    store: Transport,
 ) -> tuple[dict[str, torch.Tensor], Reuse | None]:
     """A ``keys=`` or ``delta=`` push: this rank's pieces (the keys not ``selected`` as
     ``previous`` holds them), and which of its buckets to take as they are from ``previous``,
@@ -160,7 +159,7 @@ def _from_previous(
             "previous push; they changed, so push the whole model"
         )
     every = range(previous.manifest.num_buckets)
-    buckets = store.fetch(previous.manifest, previous.refs, every, timeout=None)
+    buckets = fetcher(previous.manifest.transport)(previous.manifest, previous.refs, every, timeout=None)
     if selected is not None:
         old = unpack(previous.manifest, buckets)
         local = {k: (t if k in selected else old[k]) for k, t in local.items()}
