@@ -54,6 +54,9 @@ class LoopbackTransport:
         refs = [ray.put(_flip(bucket)) for bucket in buckets]
         return Snapshot(manifest, refs, sum(manifest.bucket_nbytes), len(refs))
 
+    def close(self) -> None:
+        """Nothing is kept between pushes here."""
+
     @staticmethod
     def fetch(
         manifest: Manifest, refs: Sequence[Any], needed: Sequence[int], *, timeout: float | None

@@ -291,6 +291,18 @@ class HubClient:
             self.wait(pushed.version, model_id, timeout=timeout, include_pull=include_pull)
         return pushed.version
 
+    def release_buffers(self) -> None:
+        """Give back what this client holds for later pushes: NIXL snapshot sets (and their NIXL
+        registrations), the page-locked staging buffer of GPU pushes.
+
+        Sets that a version still being read uses (the hub keeps ``keep`` versions) stay until a
+        later call finds them free. The client stays usable: a later push makes what it needs anew.
+
+        Example:
+            >>> hub.release_buffers()   # training is over: the GPU memory of the snapshot sets goes back
+        """
+        self._writer.pipeline.close()
+
     @needs_ray
     @deadline.bounded
     def next_version(self, model_id: str = "policy") -> int:

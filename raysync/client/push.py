@@ -136,6 +136,11 @@ class PushPipeline:
         self.last: dict[str, Version] = {}  # the newest version this client pushed, per model
         self._shard_offer: dict[str, Offer] = {}  # this rank's part of its newest sharded version
 
+    def close(self) -> None:
+        """Release what this client's data paths hold for later pushes (:meth:`.Transport.close`)."""
+        for transport in self._transports.values():
+            transport.close()
+
     def push(
         self,
         request: PushRequest,

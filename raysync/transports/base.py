@@ -112,6 +112,12 @@ class Transport(Protocol):
         change them after. The manifest it returns names this data path."""
         ...
 
+    def close(self) -> None:
+        """Trainer side: release what this instance holds for later pushes (buffer pools and their
+        registrations, staging memory) that no version still being read uses; a later push makes
+        them anew. Called by :meth:`raysync.HubClient.close`; calling it twice is harmless."""
+        ...
+
 
 class FetchesBuckets(Protocol):
     """The receiver's side of a data path that hands out buckets (the object store): receivers fetch

@@ -125,6 +125,12 @@ class NixlSnapshotPool:
         logger.debug("new NIXL snapshot set for layout %s on %s (%d in pool)", *key, len(self._sets))
         return snapshot_set.buffers
 
+    def release(self) -> int:
+        """Drop the buffer sets no ref reads any more (their NIXL registrations end with them); the
+        sets still read (versions the hub keeps) stay, reused as before. The sets left."""
+        self._sets = [s for s in self._sets if not all(_is_free(b) for b in s.buffers)]
+        return len(self._sets)
+
     def put(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[ray.ObjectRef]:
         """Copy ``tensors`` into a free buffer set and send one NIXL object per bucket.
 
@@ -211,6 +217,10 @@ class NixlTransport:
 
     def __init__(self) -> None:
         self._pools: dict[str, NixlSnapshotPool] = {}
+
+    def close(self) -> None:
+        """Release every pool's buffer sets no version being read uses (:meth:`NixlSnapshotPool.release`)."""
+        self._pools = {model_id: pool for model_id, pool in self._pools.items() if pool.release()}
 
     def snapshot(
         self,

@@ -45,6 +45,11 @@ class ObjectStoreTransport:
             self._staging = torch.empty(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return self._staging
 
+    def close(self) -> None:
+        """Drop the staging buffer (page-locked memory, for GPU weights); the next GPU push makes one."""
+        with self._staging_lock:
+            self._staging = None
+
     def snapshot(
         self,
         model_id: str,

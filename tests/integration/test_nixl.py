@@ -128,3 +128,35 @@ def test_nixl_memory_is_deregistered_before_it_is_freed(hub_name: str) -> None:
         timeout=60,
         what="the dropped client's sets deregistered",
     )
+
+
+def test_a_client_gives_back_the_snapshot_sets_no_version_reads(
+    nixl_hub: raysync.HubClient, hub_name: str
+) -> None:
+    """``HubClient.release_buffers()`` (the transports' cleanup): the sets of versions nobody reads
+    any more go, with their NIXL registrations; those of the versions the hub keeps stay readable;
+    the client pushes on afterwards."""
+    collector = make_collector(hub_name).remote()
+    ray.get(collector.raysync_version.remote())
+    before = _nixl_registrations()
+    client = nixl_hub  # the hub keeps 2 versions
+    for seed in range(4):  # 3 sets: the hub's 2 kept versions and one it dropped, free once Ray says so
+        client.push(small_policy(seed), wait=True, timeout=60)
+    held = _nixl_registrations() - before
+    newest = small_policy(3).state_dict()
+
+    def released() -> set[int]:
+        client.release_buffers()
+        return held - (_nixl_registrations() - before)
+
+    gone = wait_for_condition(released, timeout=60, what="a free snapshot set released")
+    left = _nixl_registrations() - before
+    assert gone and left and left < held  # the kept versions' sets stay
+    late = make_collector(hub_name).remote()  # starts from the newest kept version, read from its set
+    assert ray.get(late.raysync_version.remote()) == 4
+    assert_same_weights(ray.get(late.weights.remote()), newest)
+    client.release_buffers()  # twice is harmless
+    again = small_policy(9)
+    assert client.push(again, wait=True, timeout=60) == 5  # sets are made anew as needed
+    for actor in (collector, late):
+        assert_same_weights(ray.get(actor.weights.remote()), again.state_dict())
