@@ -39,6 +39,12 @@ STEPS, COLLECTORS = 20, 2
 # virtualenv's `ray` script may point at another one).
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
+# The first test's setup starts a head (up to _HEAD_TRIES starts of up to 180 s each, when a loaded
+# machine runs out of Ray's fixed 30 s for its raylet) and runs the quick start as a job: more than
+# pytest's 300 s per test on a busy 2-core machine (seen: the head's second start was cut off). A
+# hang is still bounded, by each wait's own timeout and by this.
+pytestmark = pytest.mark.timeout(900)
+
 
 @dataclass
 class Head:
