@@ -171,7 +171,8 @@ class StaleWriterError(RaySyncError, PermissionError):
 
 
 class ReadOnlyWeightsError(RaySyncError, RuntimeError):
-    """An in-place write to weights that are shared read-only views (``apply="view"``).
+    """An in-place write to weights that are shared read-only views (``apply="view"``), or a
+    backward pass through them (they take no gradients: training needs ``apply="copy"``).
 
     Example:
         >>> self.policy.weight.add_(1)  # doctest: +SKIP

@@ -247,3 +247,28 @@ def _in_read_only(result: torch.Tensor | np.ndarray, args: Sequence[Any]) -> boo
     except (RuntimeError, NotImplementedError):  # storage-less tensors (sparse, functional wrappers)
         return False
     return False
+
+
+# What torch's autograd says when nothing on the way back requires grad: a loss computed only
+# from read-only views (their requires_grad is False), by backward() and by torch.autograd.grad.
+_NO_GRAD_MESSAGES = ("does not require grad and does not have a grad_fn", "Tensors does not require grad")
+
+
+def view_training_error(err: RuntimeError, attrs: Sequence[str]) -> ReadOnlyWeightsError | None:
+    """The clear error for torch's ``err`` when a method trained weights that are read-only views.
+
+    ``attrs`` are the actor's ``apply="view"`` modules. A backward pass through them alone
+    fails in torch before any optimizer step, with a message that names no cause; this gives
+    the cause and the fix. ``None`` when ``err`` is something else (or no module is a view).
+    """
+    if not attrs or isinstance(err, ReadOnlyWeightsError):
+        return None
+    if not any(text in str(err) for text in _NO_GRAD_MESSAGES):
+        return None
+    names = ", ".join(f"self.{attr}" for attr in attrs)
+    return ReadOnlyWeightsError(
+        f"training failed: {names} holds weights shared read-only between actors (apply='view'), "
+        "which take no gradients, so backward() found nothing to differentiate and no optimizer "
+        "step can write them; use @synced_model(..., apply='copy') for a model this actor "
+        f"trains, or train a copy of its own (torch's error: {err})"
+    )

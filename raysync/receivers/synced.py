@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -34,6 +35,7 @@ import ray
 from raysync._checks import check_timeout
 from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
 from raysync.core.placement import TensorParallel
+from raysync.core.readonly import view_training_error
 from raysync.errors import AmbiguousModelError, RaySyncError
 from raysync.receivers.attr_hint import missing_attr
 from raysync.receivers.locks import AsyncRWLock, RWLock
@@ -212,7 +214,7 @@ def _prepare(cls: type, *, own: Any, init: Any) -> None:
     cls._raysync_notify = _raysync_notify_async if is_async else _raysync_notify  # type: ignore[attr-defined]
     cls.raysync_sync = _raysync_sync_async_actor if is_async else _raysync_sync  # type: ignore[attr-defined]
     for name, fn in _user_methods(own):
-        setattr(cls, name, _guarded(fn, is_async))
+        setattr(cls, name, _guarded(fn))
     if init is not None:
         cls.__init__ = _attaching_init(init)  # type: ignore[misc]
 
@@ -257,8 +259,8 @@ def _user_methods(own: Any) -> Iterator[tuple[str, Callable[..., Any]]]:
             yield name, value
 
 
-def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
-    """Run a user method under the read side of the actor's version lock."""
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a user method under the read side of the actor's version lock (see ``explained``)."""
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
@@ -267,21 +269,20 @@ def _guarded(fn: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
             if sync is None:
                 return await fn(self, *args, **kwargs)
             sync.loop = asyncio.get_running_loop()
-            async with sync.async_lock.read():
-                return await fn(self, *args, **kwargs)
+            with sync.explained():
+                async with sync.async_lock.read():
+                    return await fn(self, *args, **kwargs)
 
         async_method.__raysync_guarded__ = True  # type: ignore[attr-defined]
         return async_method
-    if is_async:
-        # Sync methods of an async actor run on its event loop: nothing interleaves with them.
-        return fn
 
     @functools.wraps(fn)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         sync = _ActorSync.of(self)
         if sync is None:
             return fn(self, *args, **kwargs)
-        with sync.lock.read():
+        # A sync method of an async actor runs on its event loop: nothing interleaves with it.
+        with sync.explained(), contextlib.nullcontext() if sync.is_async else sync.lock.read():
             return fn(self, *args, **kwargs)
 
     method.__raysync_guarded__ = True  # type: ignore[attr-defined]
@@ -468,6 +469,18 @@ class _ActorSync:
             return
         for sub in sync.subs.values():
             sub.join(ctx)  # registers (waiting while the hub restarts), applies the newest
+
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        """Torch's bare error for training ``apply="view"`` weights, raised as what it is."""
+        try:
+            yield
+        except RuntimeError as err:
+            views = [sub.spec.attr for sub in self.subs.values() if sub.spec.apply == "view"]
+            clear = view_training_error(err, views)
+            if clear is None:
+                raise
+            raise clear from err
 
     def subscription(self, model_id: str | None, method: str = "raysync_version") -> _Subscription:
         if model_id is None:

@@ -232,12 +232,25 @@ def test_case4_view_guard_holds_in_actors_and_pull_stays_clean(hub: raysync.HubC
                     outcome[name] = "refused" if "read-only" in str(err) else f"ValueError: {err}"
             return outcome
 
+        def train_step(self) -> None:
+            """What a learner would do: a foreach optimizer over the synced model."""
+            opt = torch.optim.Adam(self.policy.parameters(), foreach=True)
+            loss = self.policy(torch.ones(1, 8)).pow(2).sum()
+            loss.backward()
+            opt.step()
+
     vandal, bystander = Viewer.remote(), Viewer.remote()
     ray.get([vandal.raysync_version.remote(), bystander.raysync_version.remote()])
     src = small_policy(11)
     hub.push(src, wait=True, timeout=60)
     outcome = ray.get(vandal.try_writes.remote())
     assert outcome == dict.fromkeys(outcome, "refused"), outcome
+    # Training it fails in backward(), before any step: with the cause and the fix, not torch's bare words.
+    with pytest.raises(
+        raysync.ReadOnlyWeightsError, match=r"self\.policy .*apply='view'.*apply='copy'"
+    ) as err:
+        ray.get(vandal.train_step.remote())
+    assert "does not require grad" in str(err.value)  # torch's own words are kept, at the end
     pulled = hub.pull().flatten_keys(".").to_dict()
     assert_same_weights(pulled, src.state_dict())
     assert_same_weights(ray.get(bystander.weights.remote()), src.state_dict())
