@@ -27,12 +27,12 @@ import torch
 
 from raysync.core.bound import BoundModel
 from raysync.core.codec import tensor_of
-from raysync.core.extract import module_schema
-from raysync.core.layout import Manifest, TensorEntry, validate
+from raysync.core.extract import extract_tensors, module_schema
+from raysync.core.layout import Manifest, TensorEntry, schema_of, validate
 from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, WeightMismatchError
 
-__all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "is_target"]
+__all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "TensorsTarget", "is_target"]
 
 
 Schema = Mapping[str, tuple[tuple[int, ...], str]]
@@ -284,6 +284,46 @@ class ModuleTarget:
 
     def forget(self) -> None:
         self.bound = None
+
+
+class TensorsTarget:
+    """A state dict or ``TensorDict`` as a target: each version is copied into its tensors.
+
+    Its tensors are looked up at each use (user code may replace an entry). A version is
+    checked against them (keys, shapes, dtypes) before any byte is fetched, every bucket is
+    fetched, and the commit copies every tensor in: a checked version cannot fail half-way.
+
+    Example:
+        >>> weights = {"w": torch.zeros(2)}
+        >>> target = TensorsTarget(weights)
+        >>> target.check(manifest); target.commit(Incoming(1, manifest, ids, buckets))  # doctest: +SKIP
+    """
+
+    def __init__(self, tensors: Any) -> None:
+        self.ref = tensors
+
+    def schema(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """What it holds: ``{key: (shape, dtype)}``."""
+        return schema_of(extract_tensors(self.ref))
+
+    def check(self, manifest: Manifest) -> None:
+        validate(manifest, self.schema())
+
+    def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
+        return list(range(manifest.num_buckets))
+
+    def commit(self, incoming: Incoming) -> None:
+        dest = extract_tensors(self.ref)
+        validate(incoming.manifest, schema_of(dest))
+        with torch.no_grad():
+            for name, tensor in incoming.tensors():
+                dest[name].copy_(tensor)
+
+    def intact(self) -> bool:
+        return True
+
+    def forget(self) -> None:
+        pass
 
 
 def _weightless(module: torch.nn.Module, non_persistent: bool) -> bool:

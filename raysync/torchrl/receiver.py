@@ -238,15 +238,11 @@ class WeightReceiver:
         receiver = self._route(model_id)
         target = receiver._get_target()
         ids = bucket_ids(list(refs))
-        if target.target is None:  # a state dict or TensorDict: its tensors are copied into
-            fetched = apply.fetch(manifest, refs, range(manifest.num_buckets), timeout=None)
-            target.apply_packed(manifest, [fetched[b] for b in range(manifest.num_buckets)], ids)
-        else:
-            needed = apply.plan(target.target, target.versions + 1, manifest, ids, held=None)
-            assert needed is not None
-            fetched = apply.fetch(manifest, refs, needed, timeout=None)
-            with receiver._guard.lock if receiver._guard is not None else contextlib.nullcontext():
-                target.commit(manifest, fetched, ids)
+        needed = apply.plan(target.target, target.versions + 1, manifest, ids, held=None)
+        assert needed is not None
+        fetched = apply.fetch(manifest, refs, needed, timeout=None)
+        with receiver._guard.lock if receiver._guard is not None else contextlib.nullcontext():
+            target.commit(manifest, fetched, ids)
         receiver.version_count += 1
 
     def __getstate__(self) -> dict[str, Any]:

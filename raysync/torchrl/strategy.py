@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from raysync.channels.shared_mem import SharedMemTransport as _ChannelSharedMem
-from raysync.core import codec
 from raysync.core.bound import _extra_targets, _set_extra_state
 from raysync.core.codec import pack
 from raysync.core.extract import (
@@ -22,11 +21,11 @@ from raysync.core.extract import (
     extract_tensors,
     to_tensordict,
 )
-from raysync.core.layout import _EXTRA, Manifest, plan_layout, schema_of, validate
+from raysync.core.layout import _EXTRA, Manifest, plan_layout, schema_of
 from raysync.errors import (
     UnknownModelError,
 )
-from raysync.receivers.target import Incoming, ModuleTarget, Target, is_target
+from raysync.receivers.target import Incoming, ModuleTarget, Target, TensorsTarget, is_target
 
 if TYPE_CHECKING:
     pass
@@ -204,26 +203,29 @@ class _Target:
     A module gets a :class:`~raysync.receivers.target.ModuleTarget` (validate, then one
     copy per bucket into its cached binding); a :class:`~raysync.receivers.target.Target`
     (e.g. a :class:`~raysync.WeightsLoader`) is used as it is; a state dict or TensorDict
-    gets its tensors ``copy_``'d. ``non_persistent``: versions carry a module's
-    non-persistent buffers too (the keys of ``TensorDict.from_module``).
+    gets a :class:`~raysync.receivers.target.TensorsTarget` (validate, then a copy into each
+    tensor). ``non_persistent``: versions carry a module's non-persistent buffers too (the
+    keys of ``TensorDict.from_module``).
     """
 
     def __init__(self, destination: Any, *, non_persistent: bool = False) -> None:
         self.ref = destination
         self.non_persistent = non_persistent
-        self.target: Target | None = None
         self.versions = 0  # what this process applied: a target's version numbers here
+        self.target: Target
         if isinstance(destination, torch.nn.Module):
             self.target = ModuleTarget(destination, non_persistent=non_persistent, materialize=True)
         elif is_target(destination):
             self.target = destination
+        else:
+            self.target = TensorsTarget(destination)
 
     @property
     def is_module(self) -> bool:
         return isinstance(self.target, ModuleTarget)
 
     def schema(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        if isinstance(self.target, ModuleTarget):
+        if isinstance(self.target, (ModuleTarget, TensorsTarget)):
             return self.target.schema()
         return schema_of(extract_tensors(self.ref))
 
@@ -231,7 +233,6 @@ class _Target:
         self, manifest: Manifest, buckets: Mapping[int, Sequence[np.ndarray]], ids: Sequence[str | None]
     ) -> None:
         """Check, then hand ``buckets`` (those :meth:`Target.needed` named) to the target, whole."""
-        assert self.target is not None
         self.target.check(manifest)
         self.versions += 1
         self.target.commit(Incoming(self.versions, manifest, list(ids), buckets))
@@ -240,25 +241,14 @@ class _Target:
         self, tensors: Mapping[str, torch.Tensor], *, extra_state: Mapping[str, Any] | None = None
     ) -> None:
         manifest = plan_layout(tensors)
-        if self.target is not None:
-            if extra_state and self.is_module:
-                manifest = manifest.with_extra_state(extra_state)
-            self.commit(manifest, dict(enumerate(pack(tensors, manifest))), [None] * manifest.num_buckets)
-            return
-        validate(manifest, self.schema())
-        dest = extract_tensors(self.ref)
-        with torch.no_grad():
-            for key, value in tensors.items():
-                dest[key].copy_(value)
+        if extra_state and self.is_module:
+            manifest = manifest.with_extra_state(extra_state)
+        self.commit(manifest, dict(enumerate(pack(tensors, manifest))), [None] * manifest.num_buckets)
 
     def apply_packed(
         self, manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]], ids: Sequence[str | None] | None
     ) -> None:
-        if self.target is not None:
-            self.commit(manifest, dict(enumerate(buckets)), ids or [None] * manifest.num_buckets)
-            return
-        validate(manifest, self.schema())
-        self.apply({k: v.clone() for k, v in codec.unpack(manifest, buckets).items()})
+        self.commit(manifest, dict(enumerate(buckets)), ids or [None] * manifest.num_buckets)
 
     def copy_from(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
         """Copy a version straight out of flat buckets (e.g. a shared snapshot): one copy per bucket."""
@@ -280,10 +270,6 @@ class _Target:
         binding.adopt(flat, extra_state=manifest.extra_state)
 
     def _from_flat(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
-        if self.target is None:
-            validate(manifest, self.schema())
-            self.apply(codec.views(manifest, flat))
-            return
         buckets = {
             b: [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
             for b in range(manifest.num_buckets)

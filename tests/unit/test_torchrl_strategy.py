@@ -147,3 +147,38 @@ def test_non_persistent_buffers_are_carried_only_when_asked() -> None:
     assert torch.equal(dst.scale, src.scale) and torch.equal(dst.weight, src.weight)
     with pytest.raises(raysync.WeightMismatchError, match="unexpected keys \\['scale'\\]"):
         BoundModel(make(0.0), plan_layout(full))  # the default (e.g. @synced_model): state dict keys
+
+
+@pytest.mark.parametrize("kind", ["state_dict", "tensordict"])
+def test_a_state_dict_or_tensordict_destination_takes_versions_whole_through_its_target(kind: str) -> None:
+    """Plain weights are a target like a module's: checked before any write, copied into in place."""
+    from tensordict import TensorDict
+
+    from raysync.core.codec import allocate, write
+    from raysync.core.layout import plan_layout
+    from raysync.torchrl.strategy import _Target
+
+    src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    held = {k: torch.zeros_like(v) for k, v in src.state_dict().items()}
+    dest: Any = held if kind == "state_dict" else TensorDict(held, batch_size=[]).unflatten_keys(".")
+    before = {k: v.data_ptr() for k, v in held.items()}
+    strategy = raysync.torchrl.WeightStrategy(extract_as="state_dict")
+    strategy.apply_weights(dest, src)
+    for key, value in src.state_dict().items():
+        assert torch.equal(held[key], value), key
+    assert {k: v.data_ptr() for k, v in held.items()} == before  # copied into, never replaced
+
+    misfit = {k: v.clone() for k, v in src.state_dict().items()} | {"1.bias": torch.ones(3)}
+    with pytest.raises(raysync.WeightMismatchError, match=r"1\.bias"):
+        strategy.apply_weights(dest, misfit)
+    for key, value in src.state_dict().items():
+        assert torch.equal(held[key], value), key  # nothing of the refused version was written
+
+    # Out of flat buckets (a shared snapshot), as torchrl's shared-memory transport hands them.
+    newer = {k: v + 1 for k, v in src.state_dict().items()}
+    manifest = plan_layout(newer)
+    flat = allocate(manifest)
+    write(newer, manifest, flat)
+    _Target(dest).copy_from(manifest, flat)
+    for key, value in newer.items():
+        assert torch.equal(held[key], value), key
