@@ -3,8 +3,9 @@
 Lifecycle of one version (which side runs what):
 
 - **sender** (:func:`put_version`, called once per version by a
-  ``WeightSender`` whatever the number of workers): pack the weights into
-  buckets with :mod:`raysync.core` and ``ray.put`` each bucket once.
+  ``WeightSender`` whatever the number of workers): the object-store data path's
+  snapshot (:class:`~raysync.transports.object_store.ObjectStoreTransport`, as a
+  hub push takes): the weights packed into buckets, each ``ray.put`` once.
 - **sender** (:class:`RayTransport` / :class:`RayActorTransport`, one per
   actor): ask the actor to apply ``(model_id, manifest, refs)``; the refs
   travel nested, so only the tiny call goes to each actor. ``wait_ack`` waits
@@ -29,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +40,12 @@ import torch
 
 from raysync._checks import check_timeout
 from raysync.channels.base import DEFAULT_TIMEOUT, ack_error, split_send_args
-from raysync.core.codec import pack
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest, plan_layout
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
+from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.registry import check_transport
 from raysync.transports.registry import info as transport_info
-from raysync.transports.store_pages import populate_store_mapping
 
 __all__ = ["RayActorTransport", "RayTransport", "RayVersion", "apply_in_actor", "put_version"]
 
@@ -77,10 +78,14 @@ def put_version(weights: Any, *, manifest: Manifest | None = None) -> RayVersion
         1
     """
     tensors = extract_tensors(weights)
-    manifest = manifest or plan_layout(tensors)
-    version = RayVersion(manifest, [ray.put(bucket) for bucket in pack(tensors, manifest)])
-    populate_store_mapping(True, manifest.total_nbytes)  # once per process: later puts take no faults
-    return version
+    snapshot = _object_store().snapshot("", tensors, manifest or plan_layout(tensors))
+    return RayVersion(snapshot.manifest, list(snapshot.refs))
+
+
+@functools.cache
+def _object_store() -> ObjectStoreTransport:
+    """The hub's default data path, whose snapshot every object-store version goes through."""
+    return ObjectStoreTransport()
 
 
 def apply_in_actor(
