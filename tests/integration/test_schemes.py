@@ -14,7 +14,7 @@ import ray
 import torch
 
 import raysync
-from raysync import schemes
+from raysync import _compat, schemes
 from raysync.channels.base import TransportBackend
 from raysync.channels.pipe import MPTransport, SnapshotPool
 from tests._scheme_worker import net, serve, shared_mem_worker
@@ -427,8 +427,8 @@ def test_ray_scheme_one_put_per_version_subsets_models_and_errors(
     actors: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     puts: list[Any] = []
-    real_put = ray.put  # the scheme's direct mode puts each bucket with ray.put
-    monkeypatch.setattr(ray, "put", lambda v, **kw: puts.append(v) or real_put(v, **kw))
+    real_put = _compat.put_no_start  # the object-store data path puts each bucket with it
+    monkeypatch.setattr(_compat, "put_no_start", lambda v: puts.append(v) or real_put(v))
     scheme = schemes.RayWeightSyncScheme(timeout=TIMEOUT)
     scheme.init_on_sender(model_id="policy", remote_collectors=actors)
     src = net(7)
