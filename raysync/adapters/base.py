@@ -25,8 +25,8 @@ from raysync.adapters.placement import placement_of
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
-from raysync.receivers import apply
 from raysync.receivers.membership import membership
+from raysync.transports import fetch
 
 __all__ = ["KINDS", "Kind"]
 
@@ -163,7 +163,7 @@ class _Adapter:
             # raysync's apply path: through the version's data path (one received in place refuses to be
             # fetched), checksums verified where the pusher added them; the fan-out is the commit
             every = range(manifest.num_buckets)
-            fetched = apply.fetch(manifest, refs, every, timeout=self.timeout, verify="if_present")
+            fetched = fetch.fetch(manifest, refs, every, timeout=self.timeout, verify="if_present")
             buckets = [fetched[b] for b in every]
             del fetched
             self._fetches += 1

@@ -41,7 +41,7 @@ from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.hub import metrics
 from raysync.hub.settings import HubSettings
 from raysync.transports.base import check_transport
-from raysync.transports.registry import fetcher
+from raysync.transports.fetch import fetch
 from raysync.transports.registry import info as transport_info
 
 if TYPE_CHECKING:
@@ -439,6 +439,8 @@ class HubClient:
 
         Raises:
             UnknownModelError: nothing pushed for ``model_id``, or ``version`` not kept.
+            ChecksumError: the version carries checksums (``push(..., checksum=True)``) and
+                the bytes fetched do not match them.
 
         Example:
             >>> model.load_state_dict(hub.pull(state_dict=True))
@@ -449,10 +451,9 @@ class HubClient:
         self._writer.settle(model_id, wait=True, raise_refused=False)
         info = self._calls.get(model_id, version)
         assert info is not None
-        buckets = fetcher(info.manifest.transport)(
-            info.manifest, list(info.refs), range(info.manifest.num_buckets), timeout=None
-        )
-        unpacked = unpack(info.manifest, buckets)
+        every = range(info.manifest.num_buckets)  # checked against the checksums a version carries
+        fetched = fetch(info.manifest, list(info.refs), every, timeout=None, verify="if_present")
+        unpacked = unpack(info.manifest, [fetched[b] for b in every])
         tensors = {k: unpacked[k].clone() for k in info.manifest.pushed_keys()}  # the pushed order
         return tensors if state_dict else to_tensordict(tensors)
 

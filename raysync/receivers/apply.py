@@ -3,15 +3,16 @@
 :class:`~raysync.receivers.pipeline.Applier` runs them, in one order, for every receiver
 (``@synced_model`` subscriptions in each form, ``RayModuleTransform`` hosts,
 :class:`~raysync.Follower` and what it feeds); adapters (fetch and verify, then their
-fan-out) and the torchrl-style receivers in Ray actors call steps of their own. Each step
-is a function here:
+fan-out) and the torchrl-style receivers in Ray actors call steps of their own. The
+steps are functions here, but for the fetch, which is :mod:`raysync.transports.fetch`'s
+(a trainer's ``pull`` takes bytes through it too):
 
 1. :func:`plan`: not newer than the version held, skip; else the target checks the
    manifest against what it holds (before any byte is fetched: the error names the
    tensor) and says which buckets it lacks.
-2. :func:`fetch` / :func:`fetch_async`: those buckets, through the receiver side of
-   the version's data path (:mod:`raysync.transports`); then :func:`verified` checks
-   their checksums (``verify``).
+2. :func:`~raysync.transports.fetch.fetch` / :func:`~raysync.transports.fetch.fetch_async`:
+   those buckets, through the receiver side of the version's data path; then
+   :func:`~raysync.transports.fetch.verified` checks their checksums (``verify``).
 3. :func:`commit`: the target takes the version whole (:meth:`Target.commit`), under
    whatever lock the receiver holds for it.
 4. :func:`failed`, :func:`skipped`: the :class:`ApplyReport` for the hub (an applied
@@ -20,77 +21,27 @@ is a function here:
 Example:
     >>> needed = plan(target, ann.version, ann.manifest, ids, held=3)  # doctest: +SKIP
     >>> fetched = fetch(ann.manifest, list(ann.refs), needed, timeout=30, target=target)  # doctest: +SKIP
+    >>> commit(target, ann.version, ann.manifest, ids, fetched)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from ray.exceptions import ObjectLostError
 
 from raysync._protocol import ApplyReport
-from raysync.core.codec import verify_checksums
 from raysync.core.layout import Manifest
-from raysync.core.placement import TensorParallel, reshard
-from raysync.core.shards import ShardRefs
 from raysync.errors import ApplyError, RaySyncError
 from raysync.receivers.target import Incoming, Target
-from raysync.transports.registry import fetcher, transport_class
-from raysync.transports.registry import info as transport_info
-from raysync.transports.sharded import Assembly, verify_fetched
-from raysync.transports.store_pages import populate_store_mapping
+from raysync.transports.fetch import view
 
-__all__ = [
-    "Verify",
-    "at_hand",
-    "checked",
-    "commit",
-    "failed",
-    "fetch",
-    "fetch_async",
-    "nbytes",
-    "plan",
-    "portable",
-    "skipped",
-    "verified",
-    "view",
-]
+__all__ = ["commit", "failed", "plan", "portable", "skipped"]
 
 logger = logging.getLogger(__name__)
-
-
-Verify = bool | Literal["if_present"]
-"""``True``: verify checksums, refusing a version without them; ``"if_present"``: verify those
-a version carries; ``False``: do not verify."""
-
-
-def view(target: Target | None, manifest: Manifest) -> Manifest:
-    """The version as ``target`` takes it: its own parts of a sharded version, or all of it.
-
-    A target with a ``placement`` attribute (a :class:`~raysync.core.placement.TensorParallel`,
-    e.g. ``WeightsLoader(..., placement=...)``) takes, of a sharded trainer's version or of
-    one writer's (over a data path that hands out buckets, such as the object store), only
-    its parts of each tensor (:func:`~raysync.core.placement.reshard`): checked, fetched and
-    committed as such. Every other version and target: ``manifest`` itself.
-
-    Example:
-        >>> tp = raysync.TensorParallel(0, 2, {"*.weight": 0})
-        >>> view(WeightsLoader(load, placement=tp), manifest)  # doctest: +SKIP
-    """
-    placement = getattr(target, "placement", None)
-    if placement is None or (manifest.shards is None and transport_info(manifest.transport).in_place):
-        return manifest  # NIXL receives whole buffers in place: whole tensors (a module of parts refuses)
-    return _resharded(manifest, placement)
-
-
-@functools.lru_cache(maxsize=8)
-def _resharded(manifest: Manifest, placement: TensorParallel) -> Manifest:
-    return reshard(manifest, placement)
 
 
 def plan(
@@ -106,84 +57,6 @@ def plan(
     manifest = view(target, manifest)
     target.check(manifest)
     return target.needed(manifest, ids)
-
-
-def fetch(
-    manifest: Manifest,
-    refs: Sequence[Any],
-    needed: Sequence[int],
-    *,
-    timeout: float | None,
-    verify: Verify = False,
-    target: Target | None = None,
-) -> dict[int, Any]:
-    """The buckets ``needed`` through the version's data path, by index, verified if asked.
-
-    ``target``: whose :func:`view` of the version to fetch (its own parts of a sharded one).
-    """
-    whole, manifest = manifest, view(target, manifest)
-    if whole.shards is None and manifest.shards is not None:  # parts of one writer's buckets
-        refs = [ShardRefs((b,), (ref,)) for b, ref in enumerate(refs)]
-    arrays = fetcher(manifest.transport)(manifest, list(refs), list(needed), timeout=timeout)
-    return verified(manifest, needed, arrays, verify=verify)
-
-
-async def fetch_async(
-    manifest: Manifest,
-    refs: Sequence[Any],
-    needed: Sequence[int],
-    *,
-    timeout: float | None,
-    verify: Verify = False,
-    target: Target | None = None,
-) -> dict[int, Any]:
-    """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
-    manifest = view(target, manifest)
-    transport = transport_class(manifest.transport)
-    native = getattr(transport, "fetch_async", None)
-    if native is not None:
-        arrays = await asyncio.wait_for(native(manifest, list(refs), list(needed)), timeout)
-    else:
-        fetch = fetcher(manifest.transport)
-        arrays = await asyncio.to_thread(fetch, manifest, list(refs), list(needed), timeout=timeout)
-    return verified(manifest, needed, arrays, verify=verify)
-
-
-def verified(
-    manifest: Manifest, needed: Sequence[int], arrays: Sequence[Any], *, verify: Verify
-) -> dict[int, Any]:
-    """The fetched buckets by index, their checksums checked as asked; what every fetch ends with."""
-    # once per process: later reads take no page faults
-    populate_store_mapping(False, nbytes(manifest, needed))
-    return checked(manifest, dict(zip(needed, arrays, strict=True)), verify=verify)
-
-
-def at_hand(
-    target: Target, manifest: Manifest, buckets: Sequence[Any], needed: Sequence[int], *, verify: Verify
-) -> dict[int, Any]:
-    """The buckets ``needed`` of a version whose whole buckets are at hand (a rung segment's), as
-    ``target`` takes them (its parts cut from them, for a target holding parts), checked as asked.
-
-    Example:
-        >>> fetched = at_hand(target, segment.manifest, segment.buckets, [0], verify=False)  # doctest: +SKIP
-    """
-    cut = view(target, manifest)
-    if cut is manifest:
-        return checked(manifest, {b: buckets[b] for b in needed}, verify=verify)
-    rank_buckets = dict(enumerate(buckets))  # the parts' pieces lie in the whole buckets
-    return checked(cut, {b: Assembly(cut, b, rank_buckets) for b in needed}, verify=verify)
-
-
-def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> dict[int, Any]:
-    """``fetched``, once its checksums are checked as asked (``ChecksumError`` if one differs)."""
-    shards = manifest.shards
-    if shards is not None:  # its ranks' buckets carry the checksums (checked before any assembly)
-        if verify is True or (verify == "if_present" and shards.checksums):
-            verify_fetched(manifest, fetched)
-        return fetched
-    if verify is True or (verify == "if_present" and manifest.checksums):
-        verify_checksums(manifest, fetched)
-    return fetched
 
 
 def commit(
@@ -217,8 +90,3 @@ def portable(error: BaseException) -> BaseException:
     if isinstance(error, RaySyncError):
         return error
     return ApplyError(f"{type(error).__name__}: {str(error)[:1000]}")
-
-
-def nbytes(manifest: Manifest, buckets: Sequence[int], target: Target | None = None) -> int:
-    """The bytes of those buckets, as ``target`` takes them (its parts of a sharded version: :func:`view`)."""
-    return sum(view(target, manifest).bucket_nbytes[b] for b in buckets)

@@ -34,8 +34,9 @@ from raysync.core.codec import require_checksums
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError
 from raysync.receivers import apply
-from raysync.receivers.apply import Verify
 from raysync.receivers.target import ModuleTarget, Target
+from raysync.transports import fetch
+from raysync.transports.fetch import Verify
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
 
@@ -63,7 +64,7 @@ class Applier:
 
     Args:
         target: the target, or a callable returning it (asked once, at first use).
-        verify: checksums to check (:data:`~raysync.receivers.apply.Verify`).
+        verify: checksums to check (:data:`~raysync.transports.fetch.Verify`).
         timeout: seconds a fetch may take (a call may pass its own).
         label: who this is, in logs.
         guard: entered around every commit (the receiver's write lock: readers wait for the
@@ -168,10 +169,10 @@ class Applier:
             if needed is None:
                 return apply.skipped(self.version, version)
             if at_hand is not None:
-                fetched = apply.at_hand(self.target, manifest, at_hand, needed, verify=self.verify)
+                fetched = fetch.at_hand(self.target, manifest, at_hand, needed, verify=self.verify)
             else:
                 timeout = self.timeout if timeout is None else timeout
-                fetched = apply.fetch(
+                fetched = fetch.fetch(
                     manifest, refs, needed, timeout=timeout, verify=self.verify, target=self.target
                 )
         except Exception as err:
@@ -191,7 +192,7 @@ class Applier:
             if needed is None:
                 return apply.skipped(self.version, version)
             timeout = self.timeout if timeout is None else timeout
-            fetched = await apply.fetch_async(
+            fetched = await fetch.fetch_async(
                 manifest, refs, needed, timeout=timeout, verify=self.verify, target=self.target
             )
         except Exception as err:
@@ -211,7 +212,7 @@ class Applier:
             return self.report(prepared.version, prepared.t0, err)
         finally:
             prepared.fetched = {}
-        size = apply.nbytes(prepared.manifest, prepared.needed, self._target)
+        size = fetch.nbytes(prepared.manifest, prepared.needed, self._target)
         return self.report(prepared.version, prepared.t0, None, pause, len(prepared.needed), size)
 
     def _commit(self, prepared: Prepared) -> float:
@@ -355,7 +356,7 @@ class Applier:
             return False  # first version or a new layout: the normal path binds it
         ids = bucket_ids(refs)
         needed = bound.needed(ids, staging=True)
-        fetched = apply.fetch(manifest, refs, needed, timeout=self.timeout, verify=self.verify, target=target)
+        fetched = fetch.fetch(manifest, refs, needed, timeout=self.timeout, verify=self.verify, target=target)
         bound.stage(fetched, ids, extra_state=manifest.extra_state)
         self._staged = (version, sum(manifest.bucket_nbytes[b] for b in needed))
         return True

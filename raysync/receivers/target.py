@@ -240,7 +240,9 @@ class ModuleTarget:
         return self.bound
 
     def check(self, manifest: Manifest) -> None:
-        if self.placement is not None and manifest.shards is None:  # not cut into parts (apply.view)
+        if (
+            self.placement is not None and manifest.shards is None
+        ):  # not cut into parts (transports.fetch.view)
             self._refuse_whole(manifest, self.placement)
         if self._live(manifest) is None:
             validate(manifest, self.schema())

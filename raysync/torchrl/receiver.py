@@ -19,6 +19,7 @@ from raysync.errors import (
 )
 from raysync.receivers import apply
 from raysync.torchrl.strategy import _Target, _target_for, resolve_model, split_extra_state
+from raysync.transports import fetch
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
@@ -240,7 +241,7 @@ class WeightReceiver:
         ids = bucket_ids(list(refs))
         needed = apply.plan(target.target, target.versions + 1, manifest, ids, held=None)
         assert needed is not None
-        fetched = apply.fetch(manifest, refs, needed, timeout=None)
+        fetched = fetch.fetch(manifest, refs, needed, timeout=None)
         with receiver._guard.lock if receiver._guard is not None else contextlib.nullcontext():
             target.commit(manifest, fetched, ids)
         receiver.version_count += 1

@@ -482,6 +482,8 @@ def test_corrupted_bucket_is_refused_by_verifying_subscribers(hub: raysync.HubCl
         )
     report = ray.get(trusting.check.remote())  # without verify the damage goes through
     assert report["version"] == 2 and len(report["values"]) == 2
+    with pytest.raises(raysync.ChecksumError, match=r"bucket\(s\) \[2\]"):
+        hub.pull(version=2)  # the trainer's read-back checks the checksums a version carries
 
     push(hub, 3, checksum=True, wait=True, timeout=60)
     assert all(holds(s, 3) for s in [*careful, trusting])

@@ -23,6 +23,7 @@ from raysync.core.placement import TensorParallel
 from raysync.core.shards import ShardPart, ShardPiece, TensorSpec, merge
 from raysync.receivers import apply
 from raysync.receivers.target import ModuleTarget
+from raysync.transports import fetch
 from raysync.transports.sharded import Assembly
 from tests._support import assert_same_weights
 
@@ -146,6 +147,6 @@ def test_every_dtype_applies_bit_exactly_from_a_sharded_version_whole_or_in_part
         target = ModuleTarget(module, placement=placement)
         ids = [f"v1-{b}" for b in range(manifest.num_buckets)]
         needed = apply.plan(target, 1, manifest, ids, held=None)
-        laid = apply.view(target, manifest)
+        laid = fetch.view(target, manifest)
         apply.commit(target, 1, manifest, ids, {b: Assembly(laid, b, rank_arrays) for b in needed})
         assert_same_weights(_state(module), want)

@@ -26,6 +26,7 @@ from raysync.core.shards import ShardPart, ShardPiece, TensorSpec, merge
 from raysync.errors import ChecksumError, InvalidWeightsError, WeightMismatchError
 from raysync.receivers import apply
 from raysync.receivers.target import ModuleTarget
+from raysync.transports import fetch
 from raysync.transports.sharded import Assembly, verify_fetched
 from tests._support import assert_same_weights
 
@@ -398,13 +399,13 @@ def test_a_module_holding_its_parts_takes_only_them_whoever_pushed(writers: int)
     ids = [f"v1-{b}" for b in range(manifest.num_buckets)]
     needed = apply.plan(target, 1, manifest, ids, held=None)
     assert needed == list(range(manifest.num_buckets))
-    view = apply.view(target, manifest)
+    view = fetch.view(target, manifest)
     assert view.shards is not None and view.shards.world == writers
     apply.commit(target, 1, manifest, ids, {b: Assembly(view, b, rank_arrays) for b in needed})
     assert_same_weights(dict(module.state_dict()), want)
     # what it took: exactly its parts and the whole replicated tensors (plus Ray's buffer alignment)
     own = sum(t.numel() * t.element_size() for t in want.values())
-    assert own <= apply.nbytes(manifest, needed, target) <= own + 8 * len(want)
+    assert own <= fetch.nbytes(manifest, needed, target) <= own + 8 * len(want)
     if writers == 1:
         nixl = dataclasses.replace(manifest, transport="nixl")
         with pytest.raises(WeightMismatchError, match=r"module .* \('nixl'\) hands out whole") as info:
@@ -435,15 +436,15 @@ def test_a_verifying_receiver_checks_each_rank_bucket_it_reads(writers: int) -> 
     view = reshard(manifest, TensorParallel(1, 2, {"rows": 1, "cols": 0}))
     for m in (manifest, view):
         fetched = {b: Assembly(m, b, rank_arrays) for b in range(m.num_buckets)}
-        assert apply.checked(m, fetched, verify=True) is fetched
+        assert fetch.checked(m, fetched, verify=True) is fetched
     corrupt = {i: [a.copy() for a in arrays] for i, arrays in rank_arrays.items()}
     last = max(corrupt)
     corrupt[last][-1].reshape(-1).view(np.uint8)[0] ^= 0xFF
     fetched = {b: Assembly(manifest, b, corrupt) for b in range(manifest.num_buckets)}
     rank = manifest.shards.bucket_ranks[last]
     with pytest.raises(ChecksumError, match=rf"rank bucket\(s\) \[{last}\] \(of rank\(s\) \[{rank}\]\)"):
-        apply.checked(manifest, fetched, verify="if_present")
-    apply.checked(manifest, fetched, verify=False)  # not asked: not checked
+        fetch.checked(manifest, fetched, verify="if_present")
+    fetch.checked(manifest, fetched, verify=False)  # not asked: not checked
 
 
 def test_merge_keeps_a_layout_and_takes_each_versions_refs_checksums_and_extra_state() -> None:
@@ -477,11 +478,11 @@ def test_ranks_disagreeing_on_checksums_are_refused_and_none_refuses_verifying_r
         merge([with_sums[0], without[1]])
     manifest, _ = merge(without)
     fetched = {b: Assembly(manifest, b, _rank_arrays(manifest)) for b in range(manifest.num_buckets)}
-    assert apply.checked(manifest, fetched, verify="if_present") is fetched  # none to check
+    assert fetch.checked(manifest, fetched, verify="if_present") is fetched  # none to check
     with pytest.raises(ChecksumError, match=r"carries no checksums.*checksum=True\) on every rank"):
         verify_fetched(manifest, fetched)
     with pytest.raises(ChecksumError, match="carries no checksums"):
-        apply.checked(manifest, fetched, verify=True)
+        fetch.checked(manifest, fetched, verify=True)
 
 
 def test_kept_keeps_the_newest_layouts_and_never_a_failed_one() -> None:

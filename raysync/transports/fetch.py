@@ -1,0 +1,143 @@
+"""The receiver side's fetch step: a version's buckets through its data path, checked.
+
+Every receiver takes a version's bytes through here (the :class:`~raysync.receivers.pipeline.
+Applier`'s receivers, adapters, torchrl's receivers in Ray actors, and ``HubClient.pull``):
+:func:`fetch` / :func:`fetch_async` ask the version's data path (:mod:`raysync.transports`)
+for the buckets wanted, as the receiver takes them (:func:`view`: its own parts of each
+tensor, for a target with a ``placement``), and :func:`verified` checks their checksums as
+asked (:data:`Verify`). :func:`at_hand` does the same for buckets a receiver has already
+(a doorbell segment's).
+
+Example:
+    >>> fetch(ann.manifest, list(ann.refs), [0, 1], timeout=30, verify=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from raysync.core.codec import verify_checksums
+from raysync.core.layout import Manifest
+from raysync.core.placement import TensorParallel, reshard
+from raysync.core.shards import ShardRefs
+from raysync.transports.registry import fetcher, transport_class
+from raysync.transports.registry import info as transport_info
+from raysync.transports.sharded import Assembly, verify_fetched
+from raysync.transports.store_pages import populate_store_mapping
+
+__all__ = ["Verify", "at_hand", "checked", "fetch", "fetch_async", "nbytes", "verified", "view"]
+
+
+Verify = bool | Literal["if_present"]
+"""``True``: verify checksums, refusing a version without them; ``"if_present"``: verify those
+a version carries; ``False``: do not verify."""
+
+
+def view(target: Any, manifest: Manifest) -> Manifest:
+    """The version as ``target`` takes it: its own parts of a sharded version, or all of it.
+
+    A target with a ``placement`` attribute (a :class:`~raysync.core.placement.TensorParallel`,
+    e.g. ``WeightsLoader(..., placement=...)``) takes, of a sharded trainer's version or of
+    one writer's (over a data path that hands out buckets, such as the object store), only
+    its parts of each tensor (:func:`~raysync.core.placement.reshard`): checked, fetched and
+    committed as such. Every other version and target: ``manifest`` itself.
+
+    Example:
+        >>> tp = raysync.TensorParallel(0, 2, {"*.weight": 0})
+        >>> view(WeightsLoader(load, placement=tp), manifest)  # doctest: +SKIP
+    """
+    placement = getattr(target, "placement", None)
+    if placement is None or (manifest.shards is None and transport_info(manifest.transport).in_place):
+        return manifest  # NIXL receives whole buffers in place: whole tensors (a module of parts refuses)
+    return _resharded(manifest, placement)
+
+
+@functools.lru_cache(maxsize=8)
+def _resharded(manifest: Manifest, placement: TensorParallel) -> Manifest:
+    return reshard(manifest, placement)
+
+
+def fetch(
+    manifest: Manifest,
+    refs: Sequence[Any],
+    needed: Sequence[int],
+    *,
+    timeout: float | None,
+    verify: Verify = False,
+    target: Any = None,
+) -> dict[int, Any]:
+    """The buckets ``needed`` through the version's data path, by index, verified if asked.
+
+    ``target``: whose :func:`view` of the version to fetch (its own parts of a sharded one).
+    """
+    whole, manifest = manifest, view(target, manifest)
+    if whole.shards is None and manifest.shards is not None:  # parts of one writer's buckets
+        refs = [ShardRefs((b,), (ref,)) for b, ref in enumerate(refs)]
+    arrays = fetcher(manifest.transport)(manifest, list(refs), list(needed), timeout=timeout)
+    return verified(manifest, needed, arrays, verify=verify)
+
+
+async def fetch_async(
+    manifest: Manifest,
+    refs: Sequence[Any],
+    needed: Sequence[int],
+    *,
+    timeout: float | None,
+    verify: Verify = False,
+    target: Any = None,
+) -> dict[int, Any]:
+    """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
+    manifest = view(target, manifest)
+    transport = transport_class(manifest.transport)
+    native = getattr(transport, "fetch_async", None)
+    if native is not None:
+        arrays = await asyncio.wait_for(native(manifest, list(refs), list(needed)), timeout)
+    else:
+        fetch = fetcher(manifest.transport)
+        arrays = await asyncio.to_thread(fetch, manifest, list(refs), list(needed), timeout=timeout)
+    return verified(manifest, needed, arrays, verify=verify)
+
+
+def verified(
+    manifest: Manifest, needed: Sequence[int], arrays: Sequence[Any], *, verify: Verify
+) -> dict[int, Any]:
+    """The fetched buckets by index, their checksums checked as asked; what every fetch ends with."""
+    # once per process: later reads take no page faults
+    populate_store_mapping(False, nbytes(manifest, needed))
+    return checked(manifest, dict(zip(needed, arrays, strict=True)), verify=verify)
+
+
+def at_hand(
+    target: Any, manifest: Manifest, buckets: Sequence[Any], needed: Sequence[int], *, verify: Verify
+) -> dict[int, Any]:
+    """The buckets ``needed`` of a version whose whole buckets are at hand (a rung segment's), as
+    ``target`` takes them (its parts cut from them, for a target holding parts), checked as asked.
+
+    Example:
+        >>> fetched = at_hand(target, segment.manifest, segment.buckets, [0], verify=False)  # doctest: +SKIP
+    """
+    cut = view(target, manifest)
+    if cut is manifest:
+        return checked(manifest, {b: buckets[b] for b in needed}, verify=verify)
+    rank_buckets = dict(enumerate(buckets))  # the parts' pieces lie in the whole buckets
+    return checked(cut, {b: Assembly(cut, b, rank_buckets) for b in needed}, verify=verify)
+
+
+def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> dict[int, Any]:
+    """``fetched``, once its checksums are checked as asked (``ChecksumError`` if one differs)."""
+    shards = manifest.shards
+    if shards is not None:  # its ranks' buckets carry the checksums (checked before any assembly)
+        if verify is True or (verify == "if_present" and shards.checksums):
+            verify_fetched(manifest, fetched)
+        return fetched
+    if verify is True or (verify == "if_present" and manifest.checksums):
+        verify_checksums(manifest, fetched)
+    return fetched
+
+
+def nbytes(manifest: Manifest, buckets: Sequence[int], target: Any = None) -> int:
+    """The bytes of those buckets, as ``target`` takes them (its parts of a sharded version: :func:`view`)."""
+    return sum(view(target, manifest).bucket_nbytes[b] for b in buckets)
