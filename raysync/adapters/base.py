@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -25,8 +26,10 @@ from raysync.adapters.placement import placement_of
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
+from raysync.receivers import apply
 from raysync.receivers.membership import membership
-from raysync.transports import fetch
+from raysync.receivers.pipeline import Applier
+from raysync.receivers.target import Incoming
 
 __all__ = ["KINDS", "Kind"]
 
@@ -63,6 +66,32 @@ class _Receiver:
         }
 
 
+class _FanOut:
+    """An adapter's receivers as its pipeline's target: the fan-out to them is the commit.
+
+    Each receiver checks the version against its own model, so nothing is checked here, and
+    every bucket is fetched (each receiver holds a whole copy).
+    """
+
+    def __init__(self, adapter: _Adapter) -> None:
+        self.adapter = adapter
+
+    def check(self, manifest: Manifest) -> None:
+        pass
+
+    def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
+        return list(range(manifest.num_buckets))
+
+    def commit(self, incoming: Incoming) -> None:
+        self.adapter._commit(incoming)
+
+    def intact(self) -> bool:
+        return True
+
+    def forget(self) -> None:
+        pass
+
+
 class _Adapter:
     """What every adapter does: subscribe once, fetch once per version, fan out, report."""
 
@@ -95,7 +124,9 @@ class _Adapter:
         self._hub_name = hub
         self._namespace = namespace
         self._lock = threading.Lock()  # one version at a time
-        self._version: int | None = None
+        self._applier = Applier(_FanOut(self), verify="if_present", timeout=self.timeout, label=self.name)
+        self._model_id = model_id
+        self._problem: ApplyError | None = None  # of the version being delivered: receivers dropped
         self._fetches = 0
         self._bytes_fetched = 0
         self._receivers: list[_Receiver] = []
@@ -152,48 +183,38 @@ class _Adapter:
     def _deliver(
         self, model_id: str, version: int, manifest: Manifest, refs: list[ray.ObjectRef]
     ) -> ApplyReport:
-        t0 = time.perf_counter()
-        if self._version is not None and version <= self._version:
-            return ApplyReport(applied=self._applied(), skipped=version, receivers=tuple(self.receivers()))
+        """raysync's apply path (:class:`~raysync.receivers.pipeline.Applier`): through the version's
+        data path (one that receives in place is refused), checksums verified where the pusher added
+        them; the fan-out to the receivers is the commit."""
         self._reap()
+        self._model_id, self._problem = model_id, None
+        if self._applier.version is None or version > self._applier.version:
+            if not any(r.state == "live" for r in self._receivers):
+                failed = apply.failed(
+                    version, self._applier.version, RaySyncError(f"{self.name} has no live receivers left")
+                )
+                return dataclasses.replace(failed, applied=self._applied(), receivers=tuple(self.receivers()))
+        report = self._applier.apply(version, manifest, refs)
+        error = report.error or self._problem  # a dropped receiver is reported; the others got it
+        return dataclasses.replace(
+            report, applied=self._applied(), error=error, receivers=tuple(self.receivers())
+        )
+
+    def _commit(self, incoming: Incoming) -> None:
+        """The fan-out: every live receiver gets the version; it is in once all of them applied it."""
         live = [r for r in self._receivers if r.state == "live"]
-        try:
-            if not live:
-                raise RaySyncError(f"{self.name} has no live receivers left")
-            # raysync's apply path: through the version's data path (one received in place refuses to be
-            # fetched), checksums verified where the pusher added them; the fan-out is the commit
-            every = range(manifest.num_buckets)
-            fetched = fetch.fetch(manifest, refs, every, timeout=self.timeout, verify="if_present")
-            buckets = [fetched[b] for b in every]
-            del fetched
-            self._fetches += 1
-            self._bytes_fetched += sum(manifest.bucket_nbytes)
-            self._fan_out(model_id, version, manifest, buckets, live)
-            del buckets
-        except Exception as err:
-            logger.warning("%s could not deliver version %d: %s", self.name, version, err)
-            error = (
-                err if isinstance(err, RaySyncError) else ApplyError(f"{type(err).__name__}: {err}"[:1000])
-            )
-            return ApplyReport(
-                applied=self._applied(), failed=version, error=error, receivers=tuple(self.receivers())
-            )
-        self._version = version
+        manifest, version = incoming.manifest, incoming.version
+        buckets = [incoming.buckets[b] for b in range(manifest.num_buckets)]
+        self._fetches += 1
+        self._bytes_fetched += sum(manifest.bucket_nbytes)
+        self._fan_out(self._model_id, version, manifest, buckets, live)
+        del buckets
         dropped = [r for r in live if r.state == "dead"]
         failed = [r for r in live if r.state == "live" and r.applied != version]
         problems = [f"{r.name}: {r.error}" for r in (*failed, *dropped)]
-        problem = ApplyError("; ".join(problems)[:2000]) if problems else None
-        receivers = tuple(self.receivers())
         if failed or not any(r.state == "live" for r in live):
-            return ApplyReport(applied=self._applied(), failed=version, error=problem, receivers=receivers)
-        return ApplyReport(
-            applied=self._applied(),
-            error=problem,  # a dropped receiver is reported; the version reached every live one
-            apply_s=time.perf_counter() - t0,
-            buckets_fetched=manifest.num_buckets,
-            bytes_fetched=sum(manifest.bucket_nbytes),
-            receivers=receivers,
-        )
+            raise ApplyError("; ".join(problems)[:2000] or f"{self.name} has no live receivers left")
+        self._problem = ApplyError("; ".join(problems)[:2000]) if problems else None
 
     def _applied(self) -> int | None:
         """The version every live receiver holds (the oldest of theirs)."""
@@ -277,7 +298,7 @@ class _Adapter:
         return {
             "name": self.name,
             "kind": self.kind,
-            "version": self._version,
+            "version": self._applier.version,
             "fetches": self._fetches,
             "bytes_fetched": self._bytes_fetched,
             "receivers": len([r for r in self._receivers if r.state == "live"]),
