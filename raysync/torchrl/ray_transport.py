@@ -2,7 +2,7 @@
 
 Lifecycle of one version (which side runs what):
 
-- **sender** (:func:`put_version`, called once per version by a
+- **sender** (:func:`snapshot`, called once per version by a
   ``WeightSender`` whatever the number of workers): the object-store data path's
   snapshot (:class:`~raysync.transports.object_store.ObjectStoreTransport`, as a
   hub push takes): the weights packed into buckets, each ``ray.put`` once.
@@ -21,7 +21,7 @@ Lifecycle of one version (which side runs what):
   actor instance.
 
 Example:
-    >>> version = put_version(model)               # once
+    >>> version = snapshot(model)                  # once
     >>> for t in transports:                       # one small call per actor
     ...     t.send_weights_async("policy", version)
     >>> for t in transports:
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -43,48 +42,36 @@ from raysync.channels.base import DEFAULT_TIMEOUT, ack_error, split_send_args
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest, plan_layout
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
+from raysync.transports.base import Snapshot
 from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.registry import check_transport
 from raysync.transports.registry import info as transport_info
 
-__all__ = ["RayActorTransport", "RayTransport", "RayVersion", "apply_in_actor", "put_version"]
+__all__ = ["RayActorTransport", "RayTransport", "apply_in_actor", "snapshot"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RayVersion:
-    """One version in the object store: its manifest and one ref per bucket.
+def snapshot(weights: Any, *, manifest: Manifest | None = None) -> Snapshot:
+    """A version of ``weights`` (module, TensorDict or state dict) in the object store, put once.
 
-    Attributes:
-        manifest: the buckets' layout.
-        refs: one ``ObjectRef`` per bucket (a list of uint8 arrays each).
-    """
+    The object-store data path's own snapshot (what a hub push takes): the weights packed into
+    buckets, each ``ray.put`` once, with ``manifest`` (default: planned here).
 
-    manifest: Manifest
-    refs: list[ray.ObjectRef]
-
-
-def put_version(weights: Any, *, manifest: Manifest | None = None) -> RayVersion:
-    """Pack ``weights`` and ``ray.put`` each bucket once (the one copy of a version).
-
-    Args:
-        weights: a module, TensorDict or state dict.
-        manifest: the layout to pack with (e.g. one carrying extra state); default: planned here.
+    Raises:
+        RayNotRunningError: Ray is not running in this process (no cluster is started).
 
     Example:
-        >>> v = put_version(torch.nn.Linear(4, 2))  # doctest: +SKIP
-        >>> len(v.refs)
+        >>> version = snapshot(torch.nn.Linear(4, 2))  # doctest: +SKIP
+        >>> len(version.refs)
         1
     """
     tensors = extract_tensors(weights)
-    snapshot = _object_store().snapshot("", tensors, manifest or plan_layout(tensors))
-    return RayVersion(snapshot.manifest, list(snapshot.refs))
+    return _object_store().snapshot("", tensors, manifest or plan_layout(tensors))
 
 
 @functools.cache
 def _object_store() -> ObjectStoreTransport:
-    """The hub's default data path, whose snapshot every object-store version goes through."""
     return ObjectStoreTransport()
 
 
@@ -161,11 +148,11 @@ class RayTransport:
         self.wait_ack()
 
     def send_weights_async(self, *args: Any) -> None:
-        """Start the update (``weights`` may be a :class:`RayVersion` already in the store)."""
+        """Start the update (``weights`` may be a version already in the store: a ``Snapshot``)."""
         if self._actor is None:
             raise RaySyncError("RayTransport has no actor: pass remote_collector= or call set_actor()")
         model_id, weights = split_send_args(args)
-        version = weights if isinstance(weights, RayVersion) else put_version(weights)
+        version = weights if isinstance(weights, Snapshot) else snapshot(weights)
         # Nested refs are not resolved by Ray on the call: the actor fetches them itself.
         self._pending = self._actor.__ray_call__.remote(
             apply_in_actor, model_id, self.model_path, version.manifest, [version.refs]

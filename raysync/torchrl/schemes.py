@@ -292,9 +292,9 @@ class RayWeightSyncScheme(WeightSyncScheme):
         return endpoints(context, kwargs, ("remote_collectors", "actors", "actor_refs"), type(self).__name__)
 
     def _payload(self, sender: WeightSender, tensors: dict[str, torch.Tensor]) -> Any:
-        from raysync.torchrl.ray_transport import put_version
+        from raysync.torchrl.ray_transport import snapshot
 
-        return put_version(tensors, manifest=sender._manifest(tensors))
+        return snapshot(tensors, manifest=sender._manifest(tensors))
 
     def _hub(self) -> Any:
         if self._hub_client is None:

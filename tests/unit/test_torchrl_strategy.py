@@ -185,14 +185,14 @@ def test_a_state_dict_or_tensordict_destination_takes_versions_whole_through_its
 
 
 def test_a_scheme_version_goes_through_the_object_store_path_and_never_starts_ray() -> None:
-    """``put_version`` (RayWeightSyncScheme's one put per version) is the object-store data path's
-    snapshot: without Ray running it refuses, as a hub push does, instead of starting a cluster."""
+    """RayWeightSyncScheme's one put per version is the object-store data path's snapshot: without
+    Ray running it refuses, as a hub push does, instead of starting a cluster."""
     import ray
 
-    from raysync.torchrl.ray_transport import put_version
+    from raysync.torchrl.ray_transport import snapshot
 
     if ray.is_initialized():
         pytest.skip("Ray runs in this process")
     with pytest.raises(raysync.RayNotRunningError, match="push"):
-        put_version(torch.nn.Linear(2, 2))
+        snapshot(torch.nn.Linear(2, 2))
     assert not ray.is_initialized()
