@@ -11,15 +11,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from raysync._protocol import bucket_ids
 from raysync.core.layout import Manifest
 from raysync.errors import (
     RaySyncError,
     UnknownModelError,
 )
-from raysync.receivers import apply
 from raysync.torchrl.strategy import _Target, _target_for, resolve_model, split_extra_state
-from raysync.transports import fetch
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
@@ -237,13 +234,10 @@ class WeightReceiver:
             WeightMismatchError: the version does not fit the model (nothing fetched).
         """
         receiver = self._route(model_id)
-        target = receiver._get_target()
-        ids = bucket_ids(list(refs))
-        needed = apply.plan(target.target, target.versions + 1, manifest, ids, held=None)
-        assert needed is not None
-        fetched = fetch.fetch(manifest, refs, needed, timeout=None)
-        with receiver._guard.lock if receiver._guard is not None else contextlib.nullcontext():
-            target.commit(manifest, fetched, ids)
+        guard = receiver._guard
+        receiver._get_target().apply_refs(
+            manifest, refs, guard=(lambda: guard.lock) if guard is not None else None
+        )
         receiver.version_count += 1
 
     def __getstate__(self) -> dict[str, Any]:

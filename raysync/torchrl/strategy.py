@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from raysync._protocol import ApplyReport
 from raysync.channels.shared_mem import SharedMemTransport as _ChannelSharedMem
 from raysync.core.bound import _extra_targets, _set_extra_state
 from raysync.core.codec import pack
@@ -25,7 +26,8 @@ from raysync.core.layout import _EXTRA, Manifest, plan_layout, schema_of
 from raysync.errors import (
     UnknownModelError,
 )
-from raysync.receivers.target import Incoming, ModuleTarget, Target, TensorsTarget, is_target
+from raysync.receivers.pipeline import Applier, Guard
+from raysync.receivers.target import ModuleTarget, Target, TensorsTarget, is_target
 
 if TYPE_CHECKING:
     pass
@@ -198,20 +200,20 @@ def _own_extra_state(source: Any) -> Any:
 
 
 class _Target:
-    """A torchrl destination to apply versions to, through raysync's target of it.
+    """A torchrl destination, fed through the receiver pipeline (an :class:`Applier`) like every receiver.
 
     A module gets a :class:`~raysync.receivers.target.ModuleTarget` (validate, then one
     copy per bucket into its cached binding); a :class:`~raysync.receivers.target.Target`
     (e.g. a :class:`~raysync.WeightsLoader`) is used as it is; a state dict or TensorDict
     gets a :class:`~raysync.receivers.target.TensorsTarget` (validate, then a copy into each
     tensor). ``non_persistent``: versions carry a module's non-persistent buffers too (the
-    keys of ``TensorDict.from_module``).
+    keys of ``TensorDict.from_module``). A version refused or failed raises its error; the
+    destination keeps what it held.
     """
 
     def __init__(self, destination: Any, *, non_persistent: bool = False) -> None:
         self.ref = destination
         self.non_persistent = non_persistent
-        self.versions = 0  # what this process applied: a target's version numbers here
         self.target: Target
         if isinstance(destination, torch.nn.Module):
             self.target = ModuleTarget(destination, non_persistent=non_persistent, materialize=True)
@@ -219,6 +221,8 @@ class _Target:
             self.target = destination
         else:
             self.target = TensorsTarget(destination)
+        label = f"the torchrl receiver of a {type(destination).__name__}"
+        self.applier = Applier(self.target, verify="if_present", timeout=None, label=label)
 
     @property
     def is_module(self) -> bool:
@@ -229,13 +233,31 @@ class _Target:
             return self.target.schema()
         return schema_of(extract_tensors(self.ref))
 
-    def commit(
-        self, manifest: Manifest, buckets: Mapping[int, Sequence[np.ndarray]], ids: Sequence[str | None]
+    def _next(self) -> int:
+        """The number of the next version here: receivers fed by torchrl's schemes count their own."""
+        return (self.applier.version or 0) + 1
+
+    @staticmethod
+    def _done(report: ApplyReport) -> None:
+        if report.failed is not None:
+            assert report.error is not None
+            raise report.error
+
+    def apply_refs(self, manifest: Manifest, refs: Sequence[Any], *, guard: Guard | None = None) -> None:
+        """A version in the object store: checked, the buckets it lacks fetched, committed under ``guard``."""
+        step = self.applier.prepare(self._next(), manifest, list(refs))
+        self._done(step if isinstance(step, ApplyReport) else self.applier.commit(step, guard=guard))
+
+    def apply_packed(
+        self, manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]], ids: Sequence[str | None] | None
     ) -> None:
-        """Check, then hand ``buckets`` (those :meth:`Target.needed` named) to the target, whole."""
-        self.target.check(manifest)
-        self.versions += 1
-        self.target.commit(Incoming(self.versions, manifest, list(ids), buckets))
+        """A version whose whole buckets are here: checked, then committed."""
+        ids = list(ids) if ids is not None else [None] * manifest.num_buckets
+        self._done(
+            self.applier.finish(
+                self.applier.prepare(self._next(), manifest, [], at_hand=list(buckets), ids=ids)
+            )
+        )
 
     def apply(
         self, tensors: Mapping[str, torch.Tensor], *, extra_state: Mapping[str, Any] | None = None
@@ -243,12 +265,7 @@ class _Target:
         manifest = plan_layout(tensors)
         if extra_state and self.is_module:
             manifest = manifest.with_extra_state(extra_state)
-        self.commit(manifest, dict(enumerate(pack(tensors, manifest))), [None] * manifest.num_buckets)
-
-    def apply_packed(
-        self, manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]], ids: Sequence[str | None] | None
-    ) -> None:
-        self.commit(manifest, dict(enumerate(buckets)), ids or [None] * manifest.num_buckets)
+        self.apply_packed(manifest, pack(tensors, manifest), None)
 
     def copy_from(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
         """Copy a version straight out of flat buckets (e.g. a shared snapshot): one copy per bucket."""
@@ -270,11 +287,11 @@ class _Target:
         binding.adopt(flat, extra_state=manifest.extra_state)
 
     def _from_flat(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
-        buckets = {
-            b: [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
+        buckets = [
+            [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
             for b in range(manifest.num_buckets)
-        }
-        self.commit(manifest, buckets, [None] * manifest.num_buckets)
+        ]
+        self.apply_packed(manifest, buckets, None)
 
 
 _TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
