@@ -357,16 +357,6 @@ class BoundModel:
     def _copy_into(self, flat: list[torch.Tensor], buckets: Mapping[int, Sequence[np.ndarray]]) -> None:
         codec.copy_into(flat, self.manifest, buckets)
 
-    def copy_from(self, flats: Sequence[torch.Tensor]) -> None:
-        """Copy a whole version out of flat bucket buffers (e.g. a shared snapshot): one copy per bucket."""
-        if self.view:
-            raise RuntimeError("copy_from() needs apply='copy'")
-        with torch.no_grad():
-            for live, src in zip(self._flat, flats, strict=True):
-                live.copy_(src)
-        self.ids = [None] * self.manifest.num_buckets
-        self.mark_clean()
-
 
 def _extra_targets(
     module: torch.nn.Module, extra_state: Sequence[tuple[str, bytes]]

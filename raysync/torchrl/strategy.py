@@ -14,7 +14,6 @@ import torch
 
 from raysync._protocol import ApplyReport
 from raysync.channels.shared_mem import SharedMemTransport as _ChannelSharedMem
-from raysync.core.bound import _extra_targets, _set_extra_state
 from raysync.core.codec import pack
 from raysync.core.extract import (
     _is_tensordict,
@@ -268,30 +267,22 @@ class _Target:
         self.apply_packed(manifest, pack(tensors, manifest), None)
 
     def copy_from(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
-        """Copy a version straight out of flat buckets (e.g. a shared snapshot): one copy per bucket."""
-        if not isinstance(self.target, ModuleTarget):
-            self._from_flat(manifest, flat)
-            return
-        self.target.check(manifest)
-        binding = self.target.binding(manifest) or self.target.bind(manifest)
-        if manifest.extra_state:
-            _set_extra_state(_extra_targets(binding.module, manifest.extra_state))
-        binding.copy_from(flat)
-
-    def adopt(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
-        if not isinstance(self.target, ModuleTarget):
-            self._from_flat(manifest, flat)
-            return
-        self.target.check(manifest)
-        binding = self.target.binding(manifest) or self.target.bind(manifest)
-        binding.adopt(flat, extra_state=manifest.extra_state)
-
-    def _from_flat(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
+        """Copy a version out of flat buckets (e.g. a shared snapshot), through the pipeline: a bound
+        module copies each bucket in one ``copy_`` (its tensors lie at the planned offsets)."""
         buckets = [
             [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
             for b in range(manifest.num_buckets)
         ]
         self.apply_packed(manifest, buckets, None)
+
+    def adopt(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
+        """Point a module's tensors into flat buckets the transport keeps (no copy); else copy them."""
+        if not isinstance(self.target, ModuleTarget):
+            self.copy_from(manifest, flat)
+            return
+        self.target.check(manifest)
+        binding = self.target.binding(manifest) or self.target.bind(manifest)
+        binding.adopt(flat, extra_state=manifest.extra_state)
 
 
 _TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
