@@ -2,8 +2,8 @@
 
 :class:`~raysync.receivers.pipeline.Applier` runs them, in one order, for every receiver
 (``@synced_model`` subscriptions in each form, ``RayModuleTransform`` hosts,
-:class:`~raysync.Follower` and what it feeds, adapters, whose fan-out is the commit); the
-torchrl-style receivers in Ray actors call steps of their own. The
+:class:`~raysync.Follower` and what it feeds, adapters, whose fan-out is the commit, torchrl's
+receivers and strategy). The
 steps are functions here, but for the fetch, which is :mod:`raysync.transports.fetch`'s
 (a trainer's ``pull`` takes bytes through it too):
 

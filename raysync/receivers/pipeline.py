@@ -3,7 +3,7 @@
 Every receiver applies versions through one: ``@synced_model`` subscriptions (push, pull,
 doorbell, async, deferred; ``RayModuleTransform`` hosts are one), :class:`~raysync.Follower`
 and what it feeds (a :class:`~raysync.WeightsLoader`, a vLLM engine), adapters (their
-receivers are one target). The steps are
+receivers are one target), torchrl's receivers and strategy. The steps are
 :mod:`raysync.receivers.apply`'s, in one order: :meth:`Applier.prepare` plans (a misfit is
 refused before any byte is fetched), fetches what the target lacks (or takes it from
 buckets at hand: a doorbell segment) and verifies; :meth:`Applier.commit` has the target
