@@ -55,6 +55,15 @@ def view(target: Any, manifest: Manifest) -> Manifest:
     return _resharded(manifest, placement)
 
 
+def _as_taken(manifest: Manifest, refs: Sequence[Any], target: Any) -> tuple[Manifest, list[Any]]:
+    """The version as ``target`` takes it (:func:`view`), and the refs to fetch that by: of one
+    writer's buckets cut into parts, each bucket is a rank's (one ``ShardRefs`` each)."""
+    taken = view(target, manifest)
+    if manifest.shards is None and taken.shards is not None:
+        return taken, [ShardRefs((b,), (ref,)) for b, ref in enumerate(refs)]
+    return taken, list(refs)
+
+
 @functools.lru_cache(maxsize=8)
 def _resharded(manifest: Manifest, placement: TensorParallel) -> Manifest:
     return reshard(manifest, placement)
@@ -73,10 +82,8 @@ def fetch(
 
     ``target``: whose :func:`view` of the version to fetch (its own parts of a sharded one).
     """
-    whole, manifest = manifest, view(target, manifest)
-    if whole.shards is None and manifest.shards is not None:  # parts of one writer's buckets
-        refs = [ShardRefs((b,), (ref,)) for b, ref in enumerate(refs)]
-    arrays = fetcher(manifest.transport)(manifest, list(refs), list(needed), timeout=timeout)
+    manifest, refs = _as_taken(manifest, refs, target)
+    arrays = fetcher(manifest.transport)(manifest, refs, list(needed), timeout=timeout)
     return verified(manifest, needed, arrays, verify=verify)
 
 
@@ -90,14 +97,14 @@ async def fetch_async(
     target: Any = None,
 ) -> dict[int, Any]:
     """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
-    manifest = view(target, manifest)
+    manifest, refs = _as_taken(manifest, refs, target)
     transport = transport_class(manifest.transport)
     native = getattr(transport, "fetch_async", None)
     if native is not None:
-        arrays = await asyncio.wait_for(native(manifest, list(refs), list(needed)), timeout)
+        arrays = await asyncio.wait_for(native(manifest, refs, list(needed)), timeout)
     else:
         fetch = fetcher(manifest.transport)
-        arrays = await asyncio.to_thread(fetch, manifest, list(refs), list(needed), timeout=timeout)
+        arrays = await asyncio.to_thread(fetch, manifest, refs, list(needed), timeout=timeout)
     return verified(manifest, needed, arrays, verify=verify)
 
 

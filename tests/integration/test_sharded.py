@@ -290,6 +290,35 @@ def _parts_of(net: torch.nn.Module, tp: raysync.TensorParallel) -> torch.nn.Modu
     return net
 
 
+def test_an_async_actor_takes_its_parts_of_one_writers_versions(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    """``placement=`` on an async actor (never rung: each version comes by the mailbox and is fetched
+    on its event loop): its parts of one writer's whole tensors, bit-equal."""
+    tp = raysync.TensorParallel(1, 2, {"rows": 1, "cols": 0})
+
+    @raysync.synced_model("policy", hub=hub_name, placement=tp)
+    class AsyncEngine:
+        def __init__(self) -> None:
+            self.policy = _parts_of(_sharded.Net(7), tp)
+
+        async def state(self) -> tuple[int | None, dict[str, torch.Tensor]]:
+            return self.raysync_version(), {k: v.clone() for k, v in self.policy.state_dict().items()}
+
+    engine = ray.remote(num_cpus=0)(AsyncEngine).remote()
+    try:
+        ray.get(engine.state.remote(), timeout=TIMEOUT)
+        trained = _sharded.Net(11)
+        version = hub.push(trained, wait=True, timeout=TIMEOUT)
+        held, weights = ray.get(engine.state.remote(), timeout=TIMEOUT)
+        assert held == version
+        whole = {k: v.detach() for k, v in trained.state_dict().items()}
+        mine = {**whole, "rows": whole["rows"].chunk(2, dim=1)[1], "cols": whole["cols"].chunk(2, dim=0)[1]}
+        assert_same_weights(weights, mine)
+    finally:
+        ray.kill(engine)
+
+
 def test_tensor_parallel_actors_and_followers_hold_only_their_parts(ranks: list[Any], hub_name: str) -> None:
     """``placement=`` on ``@synced_model`` and ``raysync.follow``: the module holds its parts only
     (rows split along dim 1 and cols along dim 0, unlike the trainer), bit-equal to those parts of
