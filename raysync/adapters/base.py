@@ -26,7 +26,6 @@ from raysync.adapters.placement import placement_of
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest
 from raysync.errors import ApplyError, RaySyncError, SyncTimeoutError
-from raysync.receivers import apply
 from raysync.receivers.membership import membership
 from raysync.receivers.pipeline import Applier
 from raysync.receivers.target import Incoming
@@ -69,15 +68,17 @@ class _Receiver:
 class _FanOut:
     """An adapter's receivers as its pipeline's target: the fan-out to them is the commit.
 
-    Each receiver checks the version against its own model, so nothing is checked here, and
-    every bucket is fetched (each receiver holds a whole copy).
+    Each receiver checks the version against its own model, so the check here is only that
+    some receiver is left to take it (before any byte is fetched), and every bucket is
+    fetched (each receiver holds a whole copy).
     """
 
     def __init__(self, adapter: _Adapter) -> None:
         self.adapter = adapter
 
     def check(self, manifest: Manifest) -> None:
-        pass
+        if not any(r.state == "live" for r in self.adapter._receivers):
+            raise RaySyncError(f"{self.adapter.name} has no live receivers left")
 
     def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
         return list(range(manifest.num_buckets))
@@ -188,12 +189,6 @@ class _Adapter:
         them; the fan-out to the receivers is the commit."""
         self._reap()
         self._model_id, self._problem = model_id, None
-        if self._applier.version is None or version > self._applier.version:
-            if not any(r.state == "live" for r in self._receivers):
-                failed = apply.failed(
-                    version, self._applier.version, RaySyncError(f"{self.name} has no live receivers left")
-                )
-                return dataclasses.replace(failed, applied=self._applied(), receivers=tuple(self.receivers()))
         report = self._applier.apply(version, manifest, refs)
         error = report.error or self._problem  # a dropped receiver is reported; the others got it
         return dataclasses.replace(

@@ -240,9 +240,8 @@ class ModuleTarget:
         return self.bound
 
     def check(self, manifest: Manifest) -> None:
-        if (
-            self.placement is not None and manifest.shards is None
-        ):  # not cut into parts (transports.fetch.view)
+        # A version not cut into parts (see transports.fetch.view): whole tensors only.
+        if self.placement is not None and manifest.shards is None:
             self._refuse_whole(manifest, self.placement)
         if self._live(manifest) is None:
             validate(manifest, self.schema())
