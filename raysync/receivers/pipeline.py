@@ -239,6 +239,51 @@ class Applier:
         """:meth:`commit` a prepared version under the receiver's guard; a report passes through."""
         return step if isinstance(step, ApplyReport) else self.commit(step)
 
+    def take(
+        self,
+        manifest: Manifest,
+        buckets: list[Any],
+        *,
+        ids: list[str | None] | None = None,
+        version: int | None = None,
+    ) -> ApplyReport:
+        """A version whose whole buckets are here (sent over a channel, packed locally): checked, committed.
+
+        ``version`` defaults to the next after the one held (receivers fed by torchrl's
+        schemes count their own).
+        """
+        version = (self.version or 0) + 1 if version is None else version
+        ids = [None] * manifest.num_buckets if ids is None else ids
+        return self.finish(self.prepare(version, manifest, [], at_hand=buckets, ids=ids))
+
+    def from_flat(
+        self, manifest: Manifest, flat: list[Any], *, adopt: bool, version: int | None = None
+    ) -> ApplyReport:
+        """A version in flat buckets (a shared snapshot): copied out of them, one ``copy_`` per
+        bucket for a bound module; or, with ``adopt`` (the transport keeps them), a module's
+        tensors point into them (no copy). Other targets and view modules always copy.
+        """
+        version = (self.version or 0) + 1 if version is None else version
+        target = self.target
+        if not adopt or not isinstance(target, ModuleTarget) or target.view:
+            buckets = [
+                [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
+                for b in range(manifest.num_buckets)
+            ]
+            return self.take(manifest, buckets, version=version)
+        t0 = time.perf_counter()
+        try:
+            target.check(manifest)
+            with self.guard(), self.lock:
+                t1 = time.perf_counter()
+                binding = target.binding(manifest) or target.bind(manifest)
+                binding.adopt(flat, extra_state=manifest.extra_state)
+                self.version = version
+                pause = time.perf_counter() - t1
+        except Exception as err:
+            return self.report(version, t0, err)
+        return self.report(version, t0, None, pause, manifest.num_buckets, 0)
+
     def apply(
         self, version: int, manifest: Manifest, refs: list[Any], *, timeout: float | None = None
     ) -> ApplyReport:

@@ -41,7 +41,7 @@ from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.receivers.follower import Follower
 from raysync.torchrl.collector_context import key_renaming
 from raysync.torchrl.first_version import wait_for_first_version
-from raysync.torchrl.strategy import _target_for, resolve_model, split_extra_state
+from raysync.torchrl.strategy import applier_for, apply_tensors, resolve_model, split_extra_state
 
 __all__ = ["HubWeightSyncScheme"]
 
@@ -391,7 +391,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         model_id = self._model_id or "policy"
         pulled = self.client.pull(model_id, version)
         tensors, _ = self._fit(_dotted(pulled), {}, model)
-        _target_for(model, non_persistent=self.non_persistent_buffers).apply(tensors)
+        apply_tensors(applier_for(model, non_persistent=self.non_persistent_buffers), tensors)
         self._applied = version
         return pulled
 
@@ -419,7 +419,8 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         tensors, extra = self._split(weights)
         if isinstance(model, torch.nn.Module):
             tensors, extra = self._fit(tensors, extra, model)
-        _target_for(model, non_persistent=self.non_persistent_buffers).apply(tensors, extra_state=extra)
+        applier = applier_for(model, non_persistent=self.non_persistent_buffers)
+        apply_tensors(applier, tensors, extra_state=extra)
 
     def shutdown(self) -> None:
         """Stop following the hub (a worker), then torchrl's own clean-up."""

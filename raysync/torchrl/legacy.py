@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from raysync.core.extract import extract_tensors
-from raysync.core.layout import plan_layout, validate
-from raysync.torchrl.strategy import _Target
+from raysync.core.layout import plan_layout
+from raysync.torchrl.strategy import applier_for, apply_tensors
 
 if TYPE_CHECKING:
     pass
@@ -58,7 +58,7 @@ class MultiProcessedRemoteWeightUpdate:
     def _sync_weights_with_worker(self, worker_id: Any, server_weights: Any) -> None:
         if worker_id not in self.policy_weights:
             raise KeyError(f"unknown worker id {worker_id!r}; known: {self.all_worker_ids()}")
-        _Target(self.policy_weights[worker_id]).apply(extract_tensors(server_weights))
+        apply_tensors(applier_for(self.policy_weights[worker_id]), extract_tensors(server_weights))
 
     def push_weights(self, weights: Any = None, worker_ids: Any = None) -> None:
         """Copy ``weights`` (default: the server's) into the chosen workers' weights.
@@ -81,7 +81,7 @@ class MultiProcessedRemoteWeightUpdate:
         for worker_id in ids:
             if worker_id not in self.policy_weights:
                 raise KeyError(f"unknown worker id {worker_id!r}; known: {self.all_worker_ids()}")
-            validate(manifest, _Target(self.policy_weights[worker_id]).schema())
+            applier_for(self.policy_weights[worker_id]).target.check(manifest)
         for worker_id in ids:
             self._sync_weights_with_worker(worker_id, tensors)
 

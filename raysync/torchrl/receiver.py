@@ -8,15 +8,22 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from raysync._protocol import ApplyReport
 from raysync.core.layout import Manifest
 from raysync.errors import (
     RaySyncError,
     UnknownModelError,
 )
-from raysync.torchrl.strategy import _Target, _target_for, resolve_model, split_extra_state
+from raysync.receivers.pipeline import Applier
+from raysync.torchrl.strategy import (
+    applier_for,
+    apply_tensors,
+    raise_failed,
+    resolve_model,
+    split_extra_state,
+)
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
@@ -84,7 +91,7 @@ class WeightReceiver:
         self._model_ref: Any = None
         self._context_ref: Any = None
         self._model_id = "policy"
-        self._target: _Target | None = None
+        self._applier: tuple[Any, Applier] | None = None  # (the model, its pipeline)
         self._guard: _ForwardGuard | None = None
         self.last_error: BaseException | None = None
         self.version_count = 0
@@ -103,7 +110,7 @@ class WeightReceiver:
         guarded = self._guard is not None
         self._release_guard()
         self._model_ref = model_ref
-        self._target = None
+        self._applier = None
         if guarded:
             self._install_guard()
 
@@ -143,11 +150,11 @@ class WeightReceiver:
             raise UnknownModelError(f"no model registered for {self._model_id!r}: pass model=")
         return self._model_ref
 
-    def _get_target(self) -> _Target:
+    def _get_applier(self) -> Applier:
         model = self.model
-        if self._target is None or self._target.ref is not model:
-            self._target = _target_for(model)
-        return self._target
+        if self._applier is None or self._applier[0] is not model:
+            self._applier = (model, applier_for(model))
+        return self._applier[1]
 
     def _route(self, model_id: str) -> WeightReceiver:
         if model_id == self._model_id:
@@ -176,14 +183,17 @@ class WeightReceiver:
             if snapshot is None:
                 return False
             model_id, manifest, flat = snapshot
-            if getattr(self._transport, "keeps_snapshot", False):
-                return self._finish(lambda: self._route(model_id)._get_target().adopt(manifest, flat))
-            return self._finish(lambda: self._route(model_id)._get_target().copy_from(manifest, flat))
+            adopt = bool(getattr(self._transport, "keeps_snapshot", False))
+            return self._finish(
+                lambda: raise_failed(
+                    self._route(model_id)._get_applier().from_flat(manifest, flat, adopt=adopt)
+                )
+            )
         result = self._transport.receive_weights(timeout=timeout)
         if result is None:
             return False
         model_id, tensors = result
-        return self._finish(lambda: self._route(model_id)._get_target().apply(tensors))
+        return self._finish(lambda: apply_tensors(self._route(model_id)._get_applier(), tensors))
 
     def _finish(self, apply: Any) -> bool:
         try:
@@ -206,23 +216,10 @@ class WeightReceiver:
             WeightMismatchError: they do not fit the model (nothing changed).
         """
         tensors, extra = split_extra_state(weights)
-        target = self._get_target()
+        applier = self._get_applier()
         with self._guard.lock if self._guard is not None else contextlib.nullcontext():
-            target.apply(tensors, extra_state=extra if target.is_module else None)
+            apply_tensors(applier, tensors, extra_state=extra)
         self.version_count += 1
-
-    def apply_packed(
-        self,
-        model_id: str,
-        manifest: Manifest,
-        buckets: Sequence[Sequence[np.ndarray]],
-        *,
-        ids: Sequence[str | None] | None = None,
-    ) -> None:
-        """Apply a packed version (object-store buckets) whole; used inside Ray actors."""
-        receiver = self._route(model_id)
-        receiver._get_target().apply_packed(manifest, buckets, ids)
-        receiver.version_count += 1
 
     def apply_refs(self, model_id: str, manifest: Manifest, refs: Sequence[Any]) -> None:
         """Apply a version in the object store whole, through raysync's apply path (inside Ray actors).
@@ -235,9 +232,11 @@ class WeightReceiver:
         """
         receiver = self._route(model_id)
         guard = receiver._guard
-        receiver._get_target().apply_refs(
-            manifest, refs, guard=(lambda: guard.lock) if guard is not None else None
-        )
+        applier = receiver._get_applier()
+        step = applier.prepare((applier.version or 0) + 1, manifest, list(refs))
+        if not isinstance(step, ApplyReport):
+            step = applier.commit(step, guard=(lambda: guard.lock) if guard is not None else None)
+        raise_failed(step)
         receiver.version_count += 1
 
     def __getstate__(self) -> dict[str, Any]:

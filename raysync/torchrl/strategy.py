@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 
 from raysync._protocol import ApplyReport
@@ -21,11 +20,11 @@ from raysync.core.extract import (
     extract_tensors,
     to_tensordict,
 )
-from raysync.core.layout import _EXTRA, Manifest, plan_layout, schema_of
+from raysync.core.layout import _EXTRA, plan_layout
 from raysync.errors import (
     UnknownModelError,
 )
-from raysync.receivers.pipeline import Applier, Guard
+from raysync.receivers.pipeline import Applier
 from raysync.receivers.target import ModuleTarget, Target, TensorsTarget, is_target
 
 if TYPE_CHECKING:
@@ -151,8 +150,7 @@ class WeightStrategy:
         if weights is None:
             return
         tensors, extra = split_extra_state(weights)
-        target = _target_for(destination)
-        target.apply(tensors, extra_state=extra if target.is_module else None)
+        apply_tensors(applier_for(destination), tensors, extra_state=extra)
 
 
 def split_extra_state(weights: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -198,106 +196,57 @@ def _own_extra_state(source: Any) -> Any:
         return None
 
 
-class _Target:
-    """A torchrl destination, fed through the receiver pipeline (an :class:`Applier`) like every receiver.
+def _applier(destination: Any, *, non_persistent: bool = False) -> Applier:
+    """The receiver pipeline of a torchrl destination, the same as every receiver's (an :class:`Applier`).
 
-    A module gets a :class:`~raysync.receivers.target.ModuleTarget` (validate, then one
-    copy per bucket into its cached binding); a :class:`~raysync.receivers.target.Target`
-    (e.g. a :class:`~raysync.WeightsLoader`) is used as it is; a state dict or TensorDict
-    gets a :class:`~raysync.receivers.target.TensorsTarget` (validate, then a copy into each
-    tensor). ``non_persistent``: versions carry a module's non-persistent buffers too (the
-    keys of ``TensorDict.from_module``). A version refused or failed raises its error; the
-    destination keeps what it held.
+    A module gets a :class:`~raysync.receivers.target.ModuleTarget` (validate, then one copy per
+    bucket into its cached binding); a :class:`~raysync.receivers.target.Target` (e.g. a
+    :class:`~raysync.WeightsLoader`) is used as it is; a state dict or TensorDict gets a
+    :class:`~raysync.receivers.target.TensorsTarget` (validate, then a copy into each tensor).
+    ``non_persistent``: versions carry a module's non-persistent buffers too (the keys of
+    ``TensorDict.from_module``).
     """
-
-    def __init__(self, destination: Any, *, non_persistent: bool = False) -> None:
-        self.ref = destination
-        self.non_persistent = non_persistent
-        self.target: Target
-        if isinstance(destination, torch.nn.Module):
-            self.target = ModuleTarget(destination, non_persistent=non_persistent, materialize=True)
-        elif is_target(destination):
-            self.target = destination
-        else:
-            self.target = TensorsTarget(destination)
-        label = f"the torchrl receiver of a {type(destination).__name__}"
-        self.applier = Applier(self.target, verify="if_present", timeout=None, label=label)
-
-    @property
-    def is_module(self) -> bool:
-        return isinstance(self.target, ModuleTarget)
-
-    def schema(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        if isinstance(self.target, (ModuleTarget, TensorsTarget)):
-            return self.target.schema()
-        return schema_of(extract_tensors(self.ref))
-
-    def _next(self) -> int:
-        """The number of the next version here: receivers fed by torchrl's schemes count their own."""
-        return (self.applier.version or 0) + 1
-
-    @staticmethod
-    def _done(report: ApplyReport) -> None:
-        if report.failed is not None:
-            assert report.error is not None
-            raise report.error
-
-    def apply_refs(self, manifest: Manifest, refs: Sequence[Any], *, guard: Guard | None = None) -> None:
-        """A version in the object store: checked, the buckets it lacks fetched, committed under ``guard``."""
-        step = self.applier.prepare(self._next(), manifest, list(refs))
-        self._done(step if isinstance(step, ApplyReport) else self.applier.commit(step, guard=guard))
-
-    def apply_packed(
-        self, manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]], ids: Sequence[str | None] | None
-    ) -> None:
-        """A version whose whole buckets are here: checked, then committed."""
-        ids = list(ids) if ids is not None else [None] * manifest.num_buckets
-        self._done(
-            self.applier.finish(
-                self.applier.prepare(self._next(), manifest, [], at_hand=list(buckets), ids=ids)
-            )
-        )
-
-    def apply(
-        self, tensors: Mapping[str, torch.Tensor], *, extra_state: Mapping[str, Any] | None = None
-    ) -> None:
-        manifest = plan_layout(tensors)
-        if extra_state and self.is_module:
-            manifest = manifest.with_extra_state(extra_state)
-        self.apply_packed(manifest, pack(tensors, manifest), None)
-
-    def copy_from(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
-        """Copy a version out of flat buckets (e.g. a shared snapshot), through the pipeline: a bound
-        module copies each bucket in one ``copy_`` (its tensors lie at the planned offsets)."""
-        buckets = [
-            [flat[b][e.offset : e.offset + e.nbytes].numpy() for e in manifest.bucket_entries(b)]
-            for b in range(manifest.num_buckets)
-        ]
-        self.apply_packed(manifest, buckets, None)
-
-    def adopt(self, manifest: Manifest, flat: list[torch.Tensor]) -> None:
-        """Point a module's tensors into flat buckets the transport keeps (no copy); else copy them."""
-        if not isinstance(self.target, ModuleTarget):
-            self.copy_from(manifest, flat)
-            return
-        self.target.check(manifest)
-        binding = self.target.binding(manifest) or self.target.bind(manifest)
-        binding.adopt(flat, extra_state=manifest.extra_state)
-
-
-_TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
-_FULL_TARGETS: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
-
-
-def _target_for(destination: Any, *, non_persistent: bool = False) -> _Target:
-    """The (cached) target of a module; ``non_persistent``: its versions carry non-persistent buffers."""
+    target: Target
     if isinstance(destination, torch.nn.Module):
-        cache = _FULL_TARGETS if non_persistent else _TARGETS
-        target = cache.get(destination)
-        if target is None:
-            target = cache[destination] = _Target(destination, non_persistent=non_persistent)
-        return target
-    return _Target(destination, non_persistent=non_persistent)
+        target = ModuleTarget(destination, non_persistent=non_persistent, materialize=True)
+    elif is_target(destination):
+        target = destination
+    else:
+        target = TensorsTarget(destination)
+    label = f"the torchrl receiver of a {type(destination).__name__}"
+    return Applier(target, verify="if_present", timeout=None, label=label)
+
+
+_APPLIERS: weakref.WeakKeyDictionary[Any, Applier] = weakref.WeakKeyDictionary()
+_FULL_APPLIERS: weakref.WeakKeyDictionary[Any, Applier] = weakref.WeakKeyDictionary()
+
+
+def applier_for(destination: Any, *, non_persistent: bool = False) -> Applier:
+    """The pipeline of ``destination``: one per module (cached, so its binding is reused), else a new one."""
+    if isinstance(destination, torch.nn.Module):
+        cache = _FULL_APPLIERS if non_persistent else _APPLIERS
+        applier = cache.get(destination)
+        if applier is None:
+            applier = cache[destination] = _applier(destination, non_persistent=non_persistent)
+        return applier
+    return _applier(destination, non_persistent=non_persistent)
+
+
+def raise_failed(report: ApplyReport) -> None:
+    """A refused or failed version raises its error (the destination keeps what it held)."""
+    if report.failed is not None:
+        assert report.error is not None
+        raise report.error
+
+
+def apply_tensors(
+    applier: Applier, tensors: Mapping[str, torch.Tensor], *, extra_state: Mapping[str, Any] | None = None
+) -> None:
+    """Apply local tensors (and a module's extra state) through ``applier``, whole or not at all."""
+    manifest = plan_layout(tensors)
+    if extra_state and isinstance(applier.target, ModuleTarget):
+        manifest = manifest.with_extra_state(extra_state)
+    raise_failed(applier.take(manifest, pack(tensors, manifest)))
 
 
 def _strategy(name: str) -> WeightStrategy:

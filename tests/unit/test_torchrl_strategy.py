@@ -129,7 +129,7 @@ def test_non_persistent_buffers_are_carried_only_when_asked() -> None:
     from raysync.core.bound import BoundModel
     from raysync.core.extract import extract_tensors, module_schema
     from raysync.core.layout import plan_layout
-    from raysync.torchrl.strategy import _target_for
+    from raysync.torchrl.strategy import applier_for, apply_tensors
 
     def make(scale: float) -> torch.nn.Module:
         module = torch.nn.Linear(3, 2)
@@ -142,7 +142,7 @@ def test_non_persistent_buffers_are_carried_only_when_asked() -> None:
     assert "scale" not in module_schema(src) and "scale" in module_schema(src, non_persistent=True)
     with torch.device("meta"):
         dst = make(0.0)  # a worker's weightless policy: the buffer too
-    _target_for(dst, non_persistent=True).apply(full)
+    apply_tensors(applier_for(dst, non_persistent=True), full)
     assert not any(t.is_meta for t in (*dst.parameters(), *dst.buffers()))
     assert torch.equal(dst.scale, src.scale) and torch.equal(dst.weight, src.weight)
     with pytest.raises(raysync.WeightMismatchError, match="unexpected keys \\['scale'\\]"):
@@ -156,7 +156,7 @@ def test_a_state_dict_or_tensordict_destination_takes_versions_whole_through_its
 
     from raysync.core.codec import allocate, write
     from raysync.core.layout import plan_layout
-    from raysync.torchrl.strategy import _Target
+    from raysync.torchrl.strategy import applier_for, raise_failed
 
     src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     held = {k: torch.zeros_like(v) for k, v in src.state_dict().items()}
@@ -179,9 +179,40 @@ def test_a_state_dict_or_tensordict_destination_takes_versions_whole_through_its
     manifest = plan_layout(newer)
     flat = allocate(manifest)
     write(newer, manifest, flat)
-    _Target(dest).copy_from(manifest, flat)
+    raise_failed(applier_for(dest).from_flat(manifest, flat, adopt=False))
     for key, value in newer.items():
         assert torch.equal(held[key], value), key
+    assert {k: v.data_ptr() for k, v in held.items()} == before
+
+
+def test_a_module_adopts_a_kept_snapshot_and_holds_the_version_it_reports() -> None:
+    """A transport that keeps its snapshot (torchrl's shared memory): the module's tensors point into
+    it (no copy), through the receiver pipeline, which then holds that version; a copy does not."""
+    from raysync.core.codec import allocate, write
+    from raysync.core.layout import plan_layout
+    from raysync.torchrl.strategy import applier_for, raise_failed
+
+    src, dst = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    applier = applier_for(dst)
+    assert applier_for(dst) is applier  # one pipeline per module: its binding is reused
+    manifest = plan_layout(src.state_dict())
+    flat = allocate(manifest)
+    write(src.state_dict(), manifest, flat)
+    raise_failed(applier.from_flat(manifest, flat, adopt=True))
+    assert applier.version == 1
+    lo, hi = flat[0].data_ptr(), flat[0].data_ptr() + flat[0].numel()
+    assert all(lo <= p.data_ptr() < hi for p in dst.parameters())  # adopted, not copied
+    assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+
+    other = torch.nn.Linear(3, 2)
+    raise_failed(applier_for(other).from_flat(manifest, flat, adopt=False))
+    assert not any(lo <= p.data_ptr() < hi for p in other.parameters())  # copied into its own
+    assert torch.equal(other.weight, src.weight)
+
+    misfit = plan_layout(torch.nn.Linear(4, 2).state_dict())
+    with pytest.raises(raysync.WeightMismatchError):
+        raise_failed(applier.from_flat(misfit, allocate(misfit), adopt=True))
+    assert applier.version == 1 and torch.equal(dst.weight, src.weight)
 
 
 def test_a_scheme_version_goes_through_the_object_store_path_and_never_starts_ray() -> None:
