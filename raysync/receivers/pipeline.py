@@ -109,6 +109,11 @@ class Applier:
             self.held.notify_all()
 
     @property
+    def next_version(self) -> int:
+        """The number of the next version, for receivers that count their own (torchrl's schemes)."""
+        return (self._version or 0) + 1
+
+    @property
     def target(self) -> Target:
         """The target (resolved at first use)."""
         if self._target is None:
@@ -252,7 +257,7 @@ class Applier:
         ``version`` defaults to the next after the one held (receivers fed by torchrl's
         schemes count their own).
         """
-        version = (self.version or 0) + 1 if version is None else version
+        version = self.next_version if version is None else version
         ids = [None] * manifest.num_buckets if ids is None else ids
         return self.finish(self.prepare(version, manifest, [], at_hand=buckets, ids=ids))
 
@@ -263,7 +268,7 @@ class Applier:
         bucket for a bound module; or, with ``adopt`` (the transport keeps them), a module's
         tensors point into them (no copy). Other targets and view modules always copy.
         """
-        version = (self.version or 0) + 1 if version is None else version
+        version = self.next_version if version is None else version
         target = self.target
         if not adopt or not isinstance(target, ModuleTarget) or target.view:
             buckets = [

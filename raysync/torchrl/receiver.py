@@ -233,7 +233,7 @@ class WeightReceiver:
         receiver = self._route(model_id)
         guard = receiver._guard
         applier = receiver._get_applier()
-        step = applier.prepare((applier.version or 0) + 1, manifest, list(refs))
+        step = applier.prepare(applier.next_version, manifest, list(refs))
         if not isinstance(step, ApplyReport):
             step = applier.commit(step, guard=(lambda: guard.lock) if guard is not None else None)
         raise_failed(step)
