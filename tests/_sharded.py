@@ -151,6 +151,13 @@ class Rank:
                 del self.net.only_here
         return version, dict(hub.last_push)
 
+    def latest(self, hub_name: str, model_id: str = "policy") -> int | None:
+        """``hub.latest()`` on this rank: a query, so its parts posted without waiting are at the hub."""
+        import raysync
+
+        hub = self.hubs.get(hub_name) or self.hubs.setdefault(hub_name, raysync.connect(hub_name))
+        return hub.latest(model_id)
+
     def wait(self, hub_name: str, version: int, timeout: float = 30.0, model_id: str = "policy") -> None:
         """``hub.wait(version)`` on this rank (after a hub restart: it offers its part again)."""
         import raysync

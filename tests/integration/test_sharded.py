@@ -92,6 +92,7 @@ def _v1_then_rank0_alone(
     wait_for_condition(lambda: ray.get(collector.state.remote())[0] == v1, timeout=TIMEOUT, what="v1")
     ray.get([r.step.remote(step) for r in ranks], timeout=TIMEOUT)
     v2, _ = ray.get(ranks[0].push.remote(hub_name, **push), timeout=TIMEOUT)
+    ray.get(ranks[0].latest.remote(hub_name), timeout=TIMEOUT)  # a query: its part is at the hub
     return v1, v2, before
 
 
