@@ -114,7 +114,8 @@ PUBLISH_STAMPED = "publish_stamped"
 """``(publication) -> int``: a version its writer stamped (one message: one argument to serialize)."""
 
 CONTRIBUTE = "contribute"
-"""``(model_id, part, refs, pusher, takeover, timeout, settle, previous) -> PartTaken``: a rank's part."""
+"""``(model_id, part, refs, pusher, takeover, timeout, settle, previous, stamp) -> PartTaken``: a rank's
+part; with ``stamp`` (the number the rank gave it from its group's block) it is posted without waiting."""
 
 GIVE_UP = "give_up"
 """``(model_id, group token, push, rank, why) -> None``: a sharded rank's push raised before its part went."""

@@ -93,11 +93,28 @@ class HubCalls:
         timeout: float = 60.0,
         settle: bool = True,
         previous: int | None = None,
+        stamp: int | None = None,
     ) -> PartTaken:
         taken: PartTaken = self._call(
-            proto.CONTRIBUTE, model_id, part, refs, pusher, takeover, timeout, settle, previous
+            proto.CONTRIBUTE, model_id, part, refs, pusher, takeover, timeout, settle, previous, stamp
         )
         return taken
+
+    def post_contribute(
+        self,
+        model_id: str,
+        part: ShardPart,
+        refs: list[Any],
+        pusher: dict[str, Any],
+        takeover: bool,
+        timeout: float,
+        settle: bool,
+        previous: int | None,
+        stamp: int,
+    ) -> ObjectRef:
+        """A rank's part numbered ``stamp`` by the rank itself, sent without waiting for the answer."""
+        args = (model_id, part, refs, pusher, takeover, timeout, settle, previous, stamp)
+        return self._post(proto.CONTRIBUTE, *args)
 
     def post_give_up(self, model_id: str, token: str, round: int, rank: int, why: str) -> ObjectRef:
         return self._post(proto.GIVE_UP, model_id, token, round, rank, why)

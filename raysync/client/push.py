@@ -29,6 +29,7 @@ from raysync import _compat
 from raysync._checks import require_ray
 from raysync.client import deadline
 from raysync.client.identity import writer_identity
+from raysync.client.posted import PostedParts
 from raysync.client.sharded_push import push_shard
 from raysync.core.codec import unpack
 from raysync.core.dtensor import is_sharded, mesh_of, mesh_rank
@@ -37,7 +38,7 @@ from raysync.core.group import GroupIdentity, identify_group
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, cast_floating, plan_layout, schema_of
 from raysync.errors import InvalidWeightsError
 from raysync.hub.state import Version
-from raysync.hub.state.rounds import PartTaken
+from raysync.hub.state.rounds import Ahead, PartTaken
 from raysync.transports.base import Reuse, Snapshot, Transport, reuse_unchanged, transport_for
 from raysync.transports.registry import fetcher
 
@@ -51,6 +52,10 @@ Contribute = Callable[[str, Any, list[Any], dict[str, Any], float, bool, "int | 
 """``(model_id, part, refs, pusher, timeout, settle, previous) -> PartTaken``: a sharded rank's part
 to the hub; its round's number once recorded, or (``settle``) once published; ``previous`` is the
 number the rank's last unsettled push got (the answer says if it was abandoned since)."""
+Post = Callable[[str, Any, list[Any], dict[str, Any], float, "int | None", int], Any]
+"""``(model_id, part, refs, pusher, timeout, previous, stamp) -> ObjectRef``: a sharded rank's part
+that the rank numbered itself (from the :class:`Ahead` of an earlier answer), sent without waiting
+(its answer is read later: :class:`~raysync.client.posted.PostedParts`)."""
 GiveUp = Callable[[str, str, int, int, str], object]
 """``(model_id, group token, push, rank, why)``: a sharded rank's push raised before its part was
 recorded; the hub abandons that push (sent without waiting, never raises)."""
@@ -96,6 +101,7 @@ class _Ticket:
     round: int
     rank: int
     recorded: bool = False
+    posted: bool = False  # numbered by the rank from its group's block, sent without waiting
 
 
 @dataclass(frozen=True)
@@ -116,10 +122,12 @@ class PushPipeline:
         previous: Previous | None = None,
         lost: Any = None,
         contribute: Contribute | None = None,
+        post: Post | None = None,
         give_up: GiveUp | None = None,
     ) -> None:
         self._publish = publish
         self._contribute = contribute
+        self._post = post
         self._give_up = give_up
         self._rounds: dict[tuple[str, str], int] = {}  # sharded pushes of each (model, group token)
         self._groups: dict[tuple[int, ...], tuple[Any, GroupIdentity]] = {}  # per process group
@@ -127,6 +135,10 @@ class PushPipeline:
         # for its round), and the number of the last push that did not wait (its failure raises next).
         self._shard_confirmed: dict[str, Any] = {}
         self._shard_unsettled: dict[str, int] = {}
+        # How the hub numbers the group's next pushes (group token, Ahead): parts of those are
+        # numbered here and posted without waiting for the hub, as a single writer's versions are.
+        self._shard_ahead: dict[str, tuple[str, Ahead | None]] = {}
+        self.posted = PostedParts()
         self._shard_last: dict[str, Snapshot] = {}  # this rank's last sharded push (keys= fills from it)
         self._previous_of = previous
         self._lost = lost
@@ -303,27 +315,39 @@ class PushPipeline:
 
         def hand(model_id: str, part: Any, refs: list[Any], pusher: dict[str, Any]) -> int:
             # A rank's first push of a layout waits until its round is published (what the hub
-            # refuses of it raises here); later ones return once the hub recorded the part.
+            # refuses of it raises here); later ones return once the hub recorded the part, or,
+            # numbered here from the group's block (the hub's Ahead), at once.
             layout = (part.world, part.rank, part.specs, part.manifest.layout_hash)
             settle = self._shard_confirmed.get(model_id) != layout
             previous = self._shard_unsettled.pop(model_id, None)
             pusher = {**pusher, "lead": ticket.group.lead}
+            if not self.posted.read(model_id, wait=False):  # a push it posted was not taken: ask again
+                self._shard_ahead.pop(model_id, None)
+                self.posted.raise_stale(model_id)
+            token, ahead = self._shard_ahead.get(model_id, ("", None))
+            post, stamp = self._post, None
+            if not settle and post is not None and ahead is not None and token == ticket.group.token:
+                stamp = ahead.number(ticket.round)
             try:
-                taken = contribute(model_id, part, refs, pusher, request.group_timeout, settle, previous)
+                if post is not None and stamp is not None:  # posted; its answer is read by a later call
+                    ref = post(model_id, part, refs, pusher, request.group_timeout, previous, stamp)
+                    self.posted.add(model_id, stamp, ref)
+                    version, ticket.posted = stamp, True
+                else:
+                    taken = contribute(model_id, part, refs, pusher, request.group_timeout, settle, previous)
+                    if taken.earlier is not None:
+                        logger.warning("an earlier push of %r was not published: %s", model_id, taken.earlier)
+                    version, self._shard_ahead[model_id] = taken.version, (ticket.group.token, taken.ahead)
             except BaseException:
                 self._shard_confirmed.pop(model_id, None)
                 self._shard_last.pop(model_id, None)  # a keys= push must not fill from a failed one
                 raise
             ticket.recorded = True
-            if taken.earlier is not None:
-                logger.warning("an earlier push of %r was not published: %s", model_id, taken.earlier)
-            version = taken.version
             if settle:
                 self._shard_confirmed[model_id] = layout
             else:
                 self._shard_unsettled[model_id] = version
-            offered = (model_id, version, part, list(refs))
-            self._shard_offer[model_id] = Offer(version, True, offered)
+            self._shard_offer[model_id] = Offer(version, True, (model_id, version, part, list(refs)))
             return version
 
         version, stats, snap = push_shard(
@@ -340,6 +364,7 @@ class PushPipeline:
         )
         self._shard_last[model_id] = snap
         self._separate[model_id] = separate
+        stats["one_way"] = ticket.posted
         return Pushed(version, stats)
 
     def offer(self, model_id: str) -> Offer | None:

@@ -56,6 +56,7 @@ class Writer:
             previous=lambda model_id: _alive(me).hub_newest(model_id),
             lost=lambda model_id, version: _alive(me)._calls().lost(model_id, version),
             contribute=lambda *args: _alive(me).contribute(*args),
+            post=lambda *args: _alive(me).post_contribute(*args),
             give_up=lambda *args: _alive(me)._calls().post_give_up(*args),
         )
 
@@ -100,6 +101,23 @@ class Writer:
         """A rank's part of a sharded push (hub/sharded.py; ``args``: timeout, settle, previous)."""
         return self._calls().contribute(model_id, part, refs, pusher, self.takeover, *args)
 
+    def post_contribute(
+        self,
+        model_id: str,
+        part: Any,
+        refs: list[Any],
+        pusher: Any,
+        timeout: float,
+        previous: Any,
+        stamp: int,
+    ) -> Any:
+        """A rank's part it numbered ``stamp`` itself, sent without waiting; the answer's ref (read
+        by :class:`~raysync.client.posted.PostedParts`)."""
+        calls = self._calls()
+        return calls.post_contribute(
+            model_id, part, refs, pusher, self.takeover, timeout, False, previous, stamp
+        )
+
     def acquire(self, model_id: str) -> Grant:
         return self._calls().acquire(model_id, self.pusher(), self.takeover, BLOCK)
 
@@ -116,6 +134,8 @@ class Writer:
         Offers the newest version again if a hub restart swallowed its publish, and
         raises (with ``raise_refused``) what the hub refused since the last time.
         """
+        if wait:  # a sharded rank's posted parts reached the hub (a push reads them itself)
+            self.pipeline.posted.read(model_id, wait=True, timeout=deadline.left(60.0))
         lease = self.lease(model_id)
         swallowed = self.publishes.settle(model_id, lease, wait=wait, timeout=deadline.left(60.0))
         mine = self.pipeline.last.get(model_id)
@@ -133,7 +153,7 @@ class Writer:
 
     def settle_all(self) -> None:
         """Before a query: this client's publishes have reached the hub (refusals are kept for later)."""
-        for model_id in self.publishes.models():
+        for model_id in sorted(set(self.publishes.models()) | set(self.pipeline.posted.models())):
             self.settle(model_id, wait=True, raise_refused=False)
 
     def hub_newest(self, model_id: str) -> Version | None:

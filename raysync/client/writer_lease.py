@@ -174,7 +174,7 @@ class _InFlight:
     answer: concurrent.futures.Future[Any] | None = None  # the reply, as Ray delivers it
 
 
-def _wait_answers(answers: list[concurrent.futures.Future[Any]], timeout: float | None) -> None:
+def wait_answers(answers: list[concurrent.futures.Future[Any]], timeout: float | None) -> None:
     """Wait for replies Ray completes; raise if Ray is shut down meanwhile (they never would)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while answers:
@@ -235,7 +235,7 @@ class Publishes:
         if wait or len(in_flight) > MAX_IN_FLIGHT:
             # A live hub answers a publish in about a millisecond: the timeout is a guard.
             num = len(in_flight) if wait else len(in_flight) - MAX_IN_FLIGHT
-            _wait_answers([p.answer for p in in_flight[:num] if p.answer is not None], timeout)
+            wait_answers([p.answer for p in in_flight[:num] if p.answer is not None], timeout)
         swallowed = None
         read = []
         for p in in_flight:

@@ -270,10 +270,11 @@ class WeightHub:
         timeout: float = 60.0,
         settle: bool = True,
         previous: int | None = None,
+        stamp: int | None = None,
     ) -> PartTaken:
         """One rank's part of a sharded push (:meth:`.ShardedPublish.contribute`)."""
         return await self._sharded.contribute(
-            model_id, part, refs, pusher, takeover, timeout, settle, previous
+            model_id, part, refs, pusher, takeover, timeout, settle, previous, stamp
         )
 
     async def give_up(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:

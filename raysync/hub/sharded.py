@@ -49,7 +49,7 @@ from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, 
 from raysync.hub.persistence import HubStore
 from raysync.hub.state import HubState
 from raysync.hub.state.leases import who
-from raysync.hub.state.rounds import PartTaken, Round, Rounds
+from raysync.hub.state.rounds import Ahead, PartTaken, Round, Rounds
 
 __all__ = ["ShardedPublish"]
 
@@ -96,6 +96,8 @@ class ShardedPublish:
         self._round_lock: dict[str, asyncio.Lock] = {}
         self._block_saved: dict[str, asyncio.Future[None]] = {}  # the write of each model's block of numbers
         self._offered: dict[tuple[str, int], dict[int, tuple[ShardPart, list[Any], dict[str, Any]]]] = {}
+        self._granted: dict[str, int] = {}  # the newest number granted to a round of each model
+        self._rank_locks: dict[tuple[str, str, int], asyncio.Lock] = {}  # (model, group token, rank)
 
     async def contribute(
         self,
@@ -107,12 +109,16 @@ class ShardedPublish:
         timeout: float = 60.0,
         settle: bool = True,
         previous: int | None = None,
+        stamp: int | None = None,
     ) -> PartTaken:
         """Record one rank's part of a sharded push; the version number granted to its round.
 
         Returns once the part is recorded (``settle=False``) or once the round is published
         (``settle=True``). ``previous``: the number this rank's last push returned without
         settling; if that round failed since, the answer says why (the part is taken all the same).
+        ``stamp``: the number the rank gave the push itself, from the :class:`Ahead` of an earlier
+        answer (it posted the part without waiting for this answer); a part whose stamp is not its
+        round's number is refused and its round abandoned.
 
         Raises:
             SyncTimeoutError: with ``settle``, not every rank's part came within ``timeout``
@@ -125,7 +131,44 @@ class ShardedPublish:
                 holds the lease, checked for every rank in its group rank 0's name), or another
                 group replaced it.
             WeightMismatchError: as for any publish.
+            InvalidWeightsError: ``stamp`` is not the number of the part's round.
         """
+        # One rank's parts are taken in the order it sent them: parts it posts without waiting
+        # reach this async actor as concurrent calls, and Ray starts them in that order.
+        key = (model_id, part.group, part.rank)
+        lock = self._rank_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                rnd, held, earlier = await self._take(
+                    model_id, part, refs, pusher, takeover, timeout, previous, stamp
+                )
+            except RaySyncError as err:
+                if stamp is not None and stamp > (self._state.latest(model_id) or 0):
+                    # the rank's push returned this number: a wait for it says why it never comes
+                    self._rounds.fail_number(model_id, stamp, err)
+                    self._granted[model_id] = max(self._granted.get(model_id, 0), stamp)
+                raise
+        if len(self._rank_locks) > 1024:  # ranks of groups long gone
+            for old in [k for k, v in self._rank_locks.items() if not v.locked() and k != key][:512]:
+                del self._rank_locks[old]
+        assert rnd.version is not None
+        ahead = self._ahead(model_id, part.group, rnd)
+        if not settle:
+            return PartTaken(rnd.version, earlier, ahead)
+        return PartTaken(await asyncio.shield(held.outcome), earlier, ahead)
+
+    async def _take(
+        self,
+        model_id: str,
+        part: ShardPart,
+        refs: list[Any],
+        pusher: dict[str, Any],
+        takeover: bool,
+        timeout: float,
+        previous: int | None,
+        stamp: int | None,
+    ) -> tuple[Round, _Held, str | None]:
+        """Check and record one rank's part; ``(its round, what the hub holds of it, earlier)``."""
         lead = _lead_of(pusher, part)
         try:
             await self._check_writer(model_id, lead, takeover)
@@ -145,7 +188,7 @@ class ShardedPublish:
         held = self._round_held.get(id(rnd))
         if held is None:
             loop = asyncio.get_running_loop()
-            number, persist = self._state.reserve(model_id)
+            number, persist = self._number(model_id, rnd, stamp)
             self._rounds.granted(rnd, number)
             saved = self._block_saved.get(model_id)
             failed = saved is not None and saved.done() and (saved.cancelled() or saved.exception())
@@ -157,6 +200,9 @@ class ShardedPublish:
             held = self._round_held[id(rnd)] = _Held(outcome, saved)
             held.timer = loop.call_later(timeout, self._expire, rnd, timeout)
         await asyncio.shield(held.saved)  # no rank gets a number before it is written
+        assert rnd.version is not None
+        if stamp is not None and stamp != rnd.version:
+            self._refuse_stamp(rnd, part, stamp)
         if rnd.lost:  # a part of a push whose other parts went to the hub before its restart
             self._abandon([rnd], "")
         elif rnd.complete() and not held.tasks:
@@ -164,10 +210,72 @@ class ShardedPublish:
                 held.timer.cancel()
             task = asyncio.get_running_loop().create_task(self._publish_round(rnd))
             held.tasks.add(task)
-        assert rnd.version is not None
-        if not settle:
-            return PartTaken(rnd.version, earlier)
-        return PartTaken(await asyncio.shield(held.outcome), earlier)
+        return rnd, held, earlier
+
+    def _number(self, model_id: str, rnd: Round, stamp: int | None) -> tuple[int, bool]:
+        """The number of a round opening; ``(number, whether to write the block first)``.
+
+        From the group's block, as its ranks number their pushes (:class:`Ahead`); else the
+        number a rank stamped, where this hub does not know the block (it restarted) and the
+        number is one it reserved and never gave out; else the next of the model's round block
+        (a new block once it is used up or another number was issued).
+        """
+        if rnd.lost:  # never published: the number its ranks gave it, for a wait to say why
+            if stamp is not None:
+                return stamp, False
+            number, persist = self._state.reserve(model_id)
+            self._granted[model_id] = max(self._granted.get(model_id, 0), number)
+            return number, persist
+        group = self._rounds.groups[model_id]
+        ahead = group.ahead
+        if ahead is not None and rnd.round <= ahead.round:  # opened before, and abandoned since
+            self._rounds.drop(rnd)
+            raise InvalidWeightsError(
+                f"rank {min(rnd.parts)}'s part of push {rnd.round} of {model_id!r} came after that push "
+                "was abandoned: nothing of it is published (the group goes on with its next push)"
+            )
+        model = self._state.models.get(model_id)
+        reserved, latest = (model.reserved, model.latest) if model is not None else (0, 0)
+        floor = max(latest, self._granted.get(model_id, 0))
+        planned = ahead.number(rnd.round) if ahead is not None and ahead.last == reserved else None
+        if planned is not None and planned > floor:
+            number, persist = planned, False
+        elif stamp is not None and floor < stamp <= reserved:
+            number, persist = stamp, False
+        else:
+            number, persist = self._state.reserve(model_id)
+            if number <= floor:  # numbers ranks stamped that the hub refused: never given out
+                self._state.versions.continue_block(model_id, floor)
+                number, persist = self._state.reserve(model_id)
+        self._state.versions.continue_block(model_id, number)
+        reserved = self._state.models[model_id].reserved
+        group.ahead = Ahead(rnd.round, number, reserved)
+        self._granted[model_id] = max(self._granted.get(model_id, 0), number)
+        return number, persist
+
+    def _ahead(self, model_id: str, token: str, rnd: Round) -> Ahead | None:
+        """How the group's pushes after ``rnd`` are numbered (the same for every rank of ``rnd``)."""
+        group = self._rounds.groups.get(model_id)
+        ahead = None if group is None or group.token != token else group.ahead
+        if ahead is None or rnd.version is None or rnd.lost:
+            return None
+        if ahead.version - rnd.version != ahead.round - rnd.round:
+            return None  # numbered from another block: the rank asks again
+        return Ahead(rnd.round, rnd.version, ahead.last)
+
+    def _refuse_stamp(self, rnd: Round, part: ShardPart, stamp: int) -> None:
+        """A rank numbered its part ``stamp``, but its round is ``rnd.version``: abandon the round."""
+        error = InvalidWeightsError(
+            f"rank {part.rank} numbered its part of push {rnd.round} of {rnd.model_id!r} version {stamp}, "
+            f"but the hub numbered that push {rnd.version} (it restarted, or other numbers were issued "
+            f"meanwhile): the push is abandoned unpublished, readers keep version "
+            f"{self._state.latest(rnd.model_id)}; the group's next push is numbered afresh"
+        )
+        logger.warning("hub: %s", error)
+        self._rounds.refuse_stamp(rnd, part.group, stamp, error)
+        self._granted[rnd.model_id] = max(self._granted.get(rnd.model_id, 0), stamp)
+        self._settle_round(rnd, error=error)
+        raise error
 
     def give_up(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:
         """Rank ``rank``'s push ``round`` raised before its part was recorded: abandon that push.
@@ -183,6 +291,7 @@ class ShardedPublish:
         rnd = self._rounds.give_up(model_id, token, round, rank, why)
         if rnd is None:
             logger.info("hub: rank %d gave up push %d of %r: %s", rank, round, model_id, why)
+            self._skip(model_id, token, round, rank, why)
             return
         error = InvalidWeightsError(
             f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was abandoned "
@@ -191,6 +300,26 @@ class ShardedPublish:
         )
         logger.warning("hub: %s", error)
         self._settle_round(rnd, error=error)
+
+    def _skip(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:
+        """A push given up before any part of it came: the number the group's block gives it is
+        never published (the ranks that posted a part of it were told it; a wait for it says why)."""
+        group = self._rounds.groups.get(model_id)
+        model = self._state.models.get(model_id)
+        if group is None or group.token != token or model is None or group.ahead is None:
+            return
+        number = group.ahead.number(round) if group.ahead.last == model.reserved else None
+        if number is None or number <= max(model.latest, self._granted.get(model_id, 0)):
+            return
+        self._rounds.fail_number(
+            model_id,
+            number,
+            InvalidWeightsError(
+                f"version {number} of {model_id!r} (push {round}) was abandoned unpublished: rank {rank}'s "
+                f"push of it raised {why}; readers keep version {self._state.latest(model_id)}"
+            ),
+        )
+        self._granted[model_id] = number
 
     async def restore_part(
         self, model_id: str, version: int, part: ShardPart, refs: list[Any], pusher: dict[str, Any]

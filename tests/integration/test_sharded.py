@@ -465,7 +465,9 @@ def test_a_rank_s_push_returns_before_the_slow_ranks_push(
         waiting = ranks[0].push.remote(hub_name, wait=True)
         ready, _ = ray.wait([waiting], timeout=1.0)
         assert not ready and hub.latest() == v1
-        assert ray.get(ranks[1].push.remote(hub_name), timeout=TIMEOUT)[0] == v2  # the slow rank
+        slow, stats = ray.get(ranks[1].push.remote(hub_name), timeout=TIMEOUT)  # the slow rank
+        # numbered by the rank itself from its group's block, and posted without waiting for the hub
+        assert slow == v2 and stats["one_way"] is True
         ray.get(ranks[1].step.remote(4), timeout=TIMEOUT)
         v3 = ray.get(ranks[1].push.remote(hub_name), timeout=TIMEOUT)[0]
         assert ray.get(waiting, timeout=TIMEOUT)[0] == v3 > v2

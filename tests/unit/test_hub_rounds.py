@@ -391,3 +391,82 @@ def test_a_lost_version_is_kept_again_once_every_rank_offered_its_part() -> None
         assert sorted(hub._state.models["policy"].versions) == [1]
 
     _run(main())
+
+
+def test_a_group_numbers_its_pushes_from_its_block_and_posts_them_without_waiting() -> None:
+    """The hub tells every rank of a round how the group's next pushes are numbered (``Ahead``): the
+    ranks number those pushes themselves and post their parts without waiting for an answer."""
+
+    async def main() -> None:
+        hub = _Hub()
+        first = await hub.taken(0)
+        assert first.version == 1 and first.ahead is not None
+        assert (await hub.taken(1)).ahead == first.ahead  # every rank of the round is told the same
+        await hub.round_published("policy", 1, 10.0)
+        ahead = first.ahead
+        for push in (2, 3):  # parts in either rank order, each stamped by its rank
+            n = ahead.number(push)
+            assert n == push and await hub.push(1, round=push, stamp=n) == n
+            assert await hub.push(0, round=push, stamp=n) == n
+            await hub.round_published("policy", n, 10.0)
+            assert hub._state.latest("policy") == n
+        # push 4 raised on both ranks before their parts went: its number is never used, and push 5
+        # keeps the number its ranks gave it
+        for rank in (0, 1):
+            hub.give_up("policy", "token-a", 4, rank, "RuntimeError: the step failed")
+        with pytest.raises(InvalidWeightsError, match=r"version 4 .*rank 0's push of it raised RuntimeError"):
+            await hub.round_published("policy", 4, 10.0)  # a rank that posted a part of it was told 4
+        n5 = ahead.number(5)
+        assert n5 == 5 and await hub.push(0, round=5, stamp=n5) == n5
+        assert await hub.push(1, round=5, stamp=n5) == n5
+        await hub.round_published("policy", n5, 10.0)
+        assert hub._state.latest("policy") == 5
+        # a part numbered otherwise than its push is refused: the push is abandoned on every rank,
+        # a wait for either number says why, readers keep version 5
+        wrong = ahead.number(6) + 1  # type: ignore[operator]
+        with pytest.raises(
+            InvalidWeightsError, match=rf"rank 0 numbered its part of push 6 .* version {wrong}"
+        ):
+            await hub.push(0, round=6, stamp=wrong)
+        with pytest.raises(InvalidWeightsError, match="push 6 of 'policy' was abandoned"):
+            await hub.push(1, round=6, stamp=ahead.number(6))
+        for number in (wrong, ahead.number(6)):
+            with pytest.raises(InvalidWeightsError, match="numbered its part of push 6"):
+                await hub.round_published("policy", number, 10.0)  # type: ignore[arg-type]
+        assert hub._state.latest("policy") == 5
+        # the ranks ask again (no stamp): push 7 is published under a number no push had
+        seven = await hub.taken(0, round=7)
+        assert await hub.push(1, round=7) == seven.version > wrong
+        await hub.round_published("policy", seven.version, 10.0)
+        assert hub._state.latest("policy") == seven.version
+
+    _run(main())
+
+
+def test_a_restarted_hub_takes_the_numbers_a_group_stamped_from_its_block() -> None:
+    """A hub restart forgets the group's block but not the numbers it wrote down: parts stamped from
+    the block are published under their numbers, and no number is ever given out twice."""
+
+    async def main() -> None:
+        hub = _Hub()
+        first = await hub.taken(0)
+        assert await hub.push(1) == first.version == 1 and first.ahead is not None
+        await hub.round_published("policy", 1, 10.0)
+        restarted = _Hub()
+        restarted._state = hub._state  # what it restores from the GCS: the numbers and the newest
+        restarted._state.versions.round_blocks.clear()  # in memory only: gone with the process
+        n = first.ahead.number(2)
+        assert (
+            await restarted.push(0, round=2, stamp=n) == n and await restarted.push(1, round=2, stamp=n) == n
+        )
+        await restarted.round_published("policy", n, 10.0)
+        assert restarted._state.latest("policy") == n == 2
+        # an unstamped push after it gets the next number, never one given out already
+        nxt = await restarted.taken(0, round=3)
+        assert await restarted.push(1, round=3) == nxt.version == 3
+        # a stamp the hub never reserved (beyond the block) is refused
+        beyond = restarted._state.models["policy"].reserved + 1
+        with pytest.raises(InvalidWeightsError, match="numbered its part of push 4"):
+            await restarted.push(0, round=4, stamp=beyond)
+
+    _run(main())

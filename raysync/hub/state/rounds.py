@@ -2,9 +2,10 @@
 
 A sharded trainer's ranks each send the hub a :class:`~raysync.core.shards.ShardPart`
 for each push. The parts of one push (same ``round`` number, same ``world``) make a
-*round*; the hub grants each round one version number when it opens (every rank's push
-returns that number as soon as its own part is recorded) and publishes the round, once,
-when every rank's part is in.
+*round*; the hub grants each round one version number when it opens, from the group's
+block (:class:`Ahead`: every rank of a round is told how the next pushes are numbered, so
+it numbers them itself and posts their parts without waiting), and publishes the round,
+once, when every rank's part is in.
 
 A round that never completes is *abandoned*: its number is never published, readers stay
 on the previous version, and a wait for the number raises why (:meth:`Rounds.failure`).
@@ -43,7 +44,7 @@ from typing import Any
 from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError, StaleWriterError
 
-__all__ = ["MAX_OPEN", "PartTaken", "Round", "Rounds"]
+__all__ = ["MAX_OPEN", "Ahead", "PartTaken", "Round", "Rounds"]
 
 MAX_OPEN = 4
 """Open rounds per model: a group whose fastest rank runs further ahead abandons the oldest."""
@@ -90,10 +91,38 @@ class PartTaken:
         earlier: why the round of this rank's previous push, which returned before it was
             published, was abandoned since (``None``: it was not). Told, not raised: the
             rank's part of this push is taken all the same.
+        ahead: how the group's next pushes are numbered (``None``: the rank asks again).
     """
 
     version: int
     earlier: str | None = None
+    ahead: Ahead | None = None
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The numbers a group's next pushes take, told to every rank of one round alike.
+
+    Push ``round`` has ``version``; each later push ``round + k`` has ``version + k``, up to
+    ``last`` (the end of the block written to the GCS). A rank stamps its parts of those pushes
+    itself and posts them without waiting (:meth:`raysync.hub.sharded.ShardedPublish.contribute`
+    with ``stamp``), as a single writer stamps its versions from its lease's block.
+
+    Example:
+        >>> Ahead(round=3, version=10, last=109).number(5)
+        12
+    """
+
+    round: int
+    version: int
+    last: int
+
+    def number(self, round: int) -> int | None:
+        """The number of push ``round`` (``None``: not in the block; ask the hub)."""
+        if round <= self.round:
+            return None
+        number = self.version + (round - self.round)
+        return number if number <= self.last else None
 
 
 @dataclass
@@ -106,6 +135,7 @@ class WriterGroup:
     open: dict[int, Round] = field(default_factory=dict)  # round number -> round, oldest first
     first: dict[int, int] = field(default_factory=dict)  # rank -> the push of its first part seen here
     newest: dict[int, int] = field(default_factory=dict)  # rank -> the push of its newest part seen here
+    ahead: Ahead | None = None  # how its pushes are numbered from the newest round granted a number
 
 
 _RETIRED_KEPT = 16  # tokens of groups another group replaced, per model (their late parts are refused)
@@ -285,6 +315,26 @@ class Rounds:
                 key = (rnd.model_id, failed.popitem(last=False)[0])
                 self.lost.discard(key)
                 self._failed_parts.pop(key, None)
+
+    def refuse_stamp(self, rnd: Round, token: str, stamp: int, error: BaseException) -> None:
+        """A rank numbered its part of ``rnd`` ``stamp``, not the round's number: the push is closed
+        (its other parts are refused as a given-up push's are) and a wait for ``stamp`` says why."""
+        self.drop(rnd)
+        self._given_up.setdefault((rnd.model_id, token, rnd.round), str(error))
+        while len(self._given_up) > _GIVEN_UP_KEPT:
+            self._given_up.popitem(last=False)
+        self.fail_number(rnd.model_id, stamp, error)
+
+    def fail_number(self, model_id: str, number: int, error: BaseException) -> None:
+        """A number a rank gave its push that no round will publish: a wait for it says why."""
+        if (model_id, number) in self.unsettled:
+            return  # a round holds it: its own outcome says what became of it
+        failed = self.failed.setdefault(model_id, OrderedDict())
+        failed.setdefault(number, error)
+        while len(failed) > _FAILURES_KEPT:
+            key = (model_id, failed.popitem(last=False)[0])
+            self.lost.discard(key)
+            self._failed_parts.pop(key, None)
 
     def pending(self, model_id: str, version: int) -> Round | None:
         """The round granted ``version``, while it is open or being published."""

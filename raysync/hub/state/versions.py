@@ -133,6 +133,15 @@ class Versions:
         self.round_blocks[model_id] = (first + 1, model.reserved)
         return first, True
 
+    def continue_block(self, model_id: str, number: int | None) -> None:
+        """The model's next round takes the number after ``number`` (a sharded group numbered a
+        push from its block); ``None``: its next round takes a new block."""
+        model = self.tables.models.get(model_id)
+        if number is None or model is None or number >= model.reserved:
+            self.round_blocks.pop(model_id, None)
+        else:
+            self.round_blocks[model_id] = (number + 1, model.reserved)
+
     def stamp(
         self,
         model_id: str,
