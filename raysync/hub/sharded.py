@@ -1,14 +1,11 @@
 """The hub's side of sharded writers: record each rank's part, publish one version (the actor holds one).
 
-Each rank of a sharded trainer calls :meth:`ShardedPublish.contribute` with its own part
-(its pieces' refs and layout). The first part of a push opens a *round* and the hub grants
-it one version number (from a block written to the GCS before any number of it is handed
-out, as a single writer's grant); each
-rank's call returns that number as soon as its own part is recorded, without waiting for
-the other ranks (``settle=False``; a rank's first push of a layout waits for the whole
-round, so that what the hub refuses of it raises there). When the last part is in, the hub
-merges the parts (:func:`raysync.core.shards.merge`) and publishes the version under that
-number, in round order.
+Each rank of a sharded trainer sends :meth:`ShardedPublish.contribute` its own part (its
+pieces' refs and layout). The first part of a push opens a *round* numbered from the group's
+block (written to the GCS before any number of it is handed out); the answer tells every rank
+how its next pushes are numbered (:class:`~raysync.hub.state.rounds.Ahead`), so it stamps them
+and posts their parts without waiting. When the last part is in, the hub merges the parts
+(:func:`raysync.core.shards.merge`) and publishes the version under that number, in round order.
 
 The group is the model's writer: the lease is held in group rank 0's name (its process),
 checked for every rank's part in that name (each rank learns its group's rank 0 and a token
@@ -49,7 +46,7 @@ from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, 
 from raysync.hub.persistence import HubStore
 from raysync.hub.state import HubState
 from raysync.hub.state.leases import who
-from raysync.hub.state.rounds import Ahead, PartTaken, Round, Rounds
+from raysync.hub.state.rounds import FAILURES_KEPT, Ahead, PartTaken, Round, Rounds
 
 __all__ = ["ShardedPublish"]
 
@@ -240,6 +237,7 @@ class ShardedPublish:
         planned = ahead.number(rnd.round) if ahead is not None and ahead.last == reserved else None
         if planned is not None and planned > floor:
             number, persist = planned, False
+            self._pass_over(model_id, floor, planned)
         elif stamp is not None and floor < stamp <= reserved:
             number, persist = stamp, False
         else:
@@ -309,8 +307,10 @@ class ShardedPublish:
         if group is None or group.token != token or model is None or group.ahead is None:
             return
         number = group.ahead.number(round) if group.ahead.last == model.reserved else None
-        if number is None or number <= max(model.latest, self._granted.get(model_id, 0)):
+        floor = max(model.latest, self._granted.get(model_id, 0))
+        if number is None or number <= floor:
             return
+        self._pass_over(model_id, floor, number)
         self._rounds.fail_number(
             model_id,
             number,
@@ -320,6 +320,21 @@ class ShardedPublish:
             ),
         )
         self._granted[model_id] = number
+
+    def _pass_over(self, model_id: str, floor: int, number: int) -> None:
+        """The group's block numbers a push ``number`` while the newest number given out is ``floor``:
+        the pushes between were numbered by the ranks and never reached the hub (their parts and
+        give-ups were lost with the ranks that sent them), so no round takes their numbers."""
+        latest = self._state.latest(model_id)
+        for skipped in range(max(floor + 1, number - FAILURES_KEPT), number):
+            self._rounds.fail_number(
+                model_id,
+                skipped,
+                InvalidWeightsError(
+                    f"version {skipped} of {model_id!r} was abandoned unpublished: no part of its push "
+                    f"reached the hub (its ranks died or gave it up); readers keep version {latest}"
+                ),
+            )
 
     async def restore_part(
         self, model_id: str, version: int, part: ShardPart, refs: list[Any], pusher: dict[str, Any]

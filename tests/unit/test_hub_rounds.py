@@ -470,3 +470,32 @@ def test_a_restarted_hub_takes_the_numbers_a_group_stamped_from_its_block() -> N
             await restarted.push(0, round=4, stamp=beyond)
 
     _run(main())
+
+
+def test_numbers_of_pushes_that_never_reached_the_hub_are_abandoned_not_left_open() -> None:
+    """The ranks of a group that died numbered pushes whose parts and give-ups were lost with them:
+    once a later push of the group is numbered, the numbers between are abandoned (a wait for one
+    says why, status lists it), and a group that takes over numbers its pushes after them."""
+
+    async def main() -> None:
+        hub = _Hub()
+        first = await hub.taken(0)
+        assert await hub.push(1) == 1 and first.ahead is not None
+        await hub.round_published("policy", 1, 10.0)
+        ahead = first.ahead
+        # pushes 2 and 3 never reached the hub; rank 1's part of push 4 does
+        n4 = ahead.number(4)
+        assert n4 == 4 and await hub.push(1, round=4, stamp=n4) == n4
+        for skipped in (2, 3):
+            with pytest.raises(InvalidWeightsError, match=rf"version {skipped} .*no part of its push"):
+                await hub.round_published("policy", skipped, 10.0)
+        assert hub.abandoned()["policy"] == [2, 3]
+        # push 6 is given up by both ranks, push 5 never came: 5 is abandoned with it
+        for rank in (0, 1):
+            hub.give_up("policy", "token-a", 6, rank, "RuntimeError: the step failed")
+        assert hub.abandoned()["policy"] == [2, 3, 5, 6]
+        # another group takes over (push 4 is abandoned): its first push follows every number given out
+        other = await hub.taken(0, group="b", takeover=True)
+        assert other.version == 7 and hub.abandoned()["policy"] == [2, 3, 4, 5, 6]
+
+    _run(main())

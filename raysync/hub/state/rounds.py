@@ -44,12 +44,13 @@ from typing import Any
 from raysync.core.shards import ShardPart
 from raysync.errors import InvalidWeightsError, StaleWriterError
 
-__all__ = ["MAX_OPEN", "Ahead", "PartTaken", "Round", "Rounds"]
+__all__ = ["FAILURES_KEPT", "MAX_OPEN", "Ahead", "PartTaken", "Round", "Rounds"]
 
 MAX_OPEN = 4
 """Open rounds per model: a group whose fastest rank runs further ahead abandons the oldest."""
 
-_FAILURES_KEPT = 64  # abandoned or refused rounds remembered per model (for waits on their numbers)
+FAILURES_KEPT = 64
+"""Abandoned or refused numbers remembered per model (for waits on them, and status)."""
 
 
 @dataclass(eq=False)
@@ -311,7 +312,7 @@ class Rounds:
             self._failed_parts[(rnd.model_id, rnd.version)] = (rnd.round, frozenset(rnd.parts))
             if rnd.lost:
                 self.lost.add((rnd.model_id, rnd.version))
-            while len(failed) > _FAILURES_KEPT:
+            while len(failed) > FAILURES_KEPT:
                 key = (rnd.model_id, failed.popitem(last=False)[0])
                 self.lost.discard(key)
                 self._failed_parts.pop(key, None)
@@ -331,7 +332,7 @@ class Rounds:
             return  # a round holds it: its own outcome says what became of it
         failed = self.failed.setdefault(model_id, OrderedDict())
         failed.setdefault(number, error)
-        while len(failed) > _FAILURES_KEPT:
+        while len(failed) > FAILURES_KEPT:
             key = (model_id, failed.popitem(last=False)[0])
             self.lost.discard(key)
             self._failed_parts.pop(key, None)
