@@ -140,9 +140,12 @@ class ShardedPublish:
                     model_id, part, refs, pusher, takeover, timeout, previous, stamp
                 )
             except RaySyncError as err:
-                if stamp is not None and stamp > (self._state.latest(model_id) or 0):
+                latest = self._state.latest(model_id) or 0
+                if stamp is not None and stamp > latest:
                     # the rank's push returned this number: a wait for it says why it never comes
                     self._rounds.fail_number(model_id, stamp, err)
+                    if model_id in self._granted:  # numbers it gave out since it started come first
+                        self._pass_over(model_id, max(self._granted[model_id], latest), stamp)
                     self._granted[model_id] = max(self._granted.get(model_id, 0), stamp)
                 raise
         if len(self._rank_locks) > 1024:  # ranks of groups long gone
@@ -302,8 +305,7 @@ class ShardedPublish:
     def _skip(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:
         """A push given up before any part of it came: the number the group's block gives it is
         never published (the ranks that posted a part of it were told it; a wait for it says why)."""
-        group = self._rounds.groups.get(model_id)
-        model = self._state.models.get(model_id)
+        group, model = self._rounds.groups.get(model_id), self._state.models.get(model_id)
         if group is None or group.token != token or model is None or group.ahead is None:
             return
         number = group.ahead.number(round) if group.ahead.last == model.reserved else None
@@ -311,13 +313,11 @@ class ShardedPublish:
         if number is None or number <= floor:
             return
         self._pass_over(model_id, floor, number)
+        error = f"rank {rank}'s push of it raised {why}; readers keep version {model.latest}"
         self._rounds.fail_number(
             model_id,
             number,
-            InvalidWeightsError(
-                f"version {number} of {model_id!r} (push {round}) was abandoned unpublished: rank {rank}'s "
-                f"push of it raised {why}; readers keep version {self._state.latest(model_id)}"
-            ),
+            InvalidWeightsError(f"version {number} of {model_id!r} (push {round}) was abandoned: {error}"),
         )
         self._granted[model_id] = number
 

@@ -499,3 +499,25 @@ def test_numbers_of_pushes_that_never_reached_the_hub_are_abandoned_not_left_ope
         assert other.version == 7 and hub.abandoned()["policy"] == [2, 3, 4, 5, 6]
 
     _run(main())
+
+
+def test_a_refused_stamp_abandons_the_numbers_before_it_that_never_came() -> None:
+    """A group lost the lease while its ranks pushed ahead: a refused part's stamp is never given to
+    another push, nor are the numbers before it of pushes whose parts never came."""
+
+    async def main() -> None:
+        hub = _Hub()
+        first = await hub.taken(0)
+        assert await hub.push(1) == 1 and first.ahead is not None
+        await hub.round_published("policy", 1, 10.0)
+        hub.refuse = frozenset({"a0"})  # another group holds the lease now
+        n3 = first.ahead.number(3)
+        with pytest.raises(StaleWriterError):
+            await hub.push(1, round=3, stamp=n3)  # push 2's parts never came
+        assert hub.abandoned()["policy"] == [2, 3]
+        for number in (2, 3):
+            with pytest.raises((InvalidWeightsError, StaleWriterError)):
+                await hub.round_published("policy", number, 10.0)
+        assert (await hub.taken(0, group="b", takeover=True)).version == 4
+
+    _run(main())
