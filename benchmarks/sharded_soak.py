@@ -30,8 +30,8 @@ of its own (every version handed to it is checked in the callback). Checks:
 
 - **torn = 0**: every version a receiver holds is bit-equal to the weights of its step, and
   that step is the one the ledger says the version's number was pushed with;
-- no receiver ever holds a number the hub abandoned (``hub.status()["abandoned"]``, read after
-  each restart: the numbers of rounds abandoned with a shard missing);
+- no receiver ever holds a number the hub abandoned (``hub.status()["abandoned"]``, read at
+  every poll: the hub lists only the newest it abandoned);
 - every number the hub granted was either published or abandoned (``unaccounted = 0``);
 - no number was returned to two ranks for pushes of different steps (``numbering_errors = 0``);
 - the last group pushes its 3 versions, and the last reaches both receivers.
@@ -317,12 +317,15 @@ def soak(
     evaluator = Evaluator.remote(hub_name)
     held: list[tuple[int | None, int, bool]] = []
 
+    abandoned: set[int] = set()  # numbers the hub says it abandoned (status()["abandoned"])
+
     def poll() -> None:
         held.append(ray.get(receiver.report.remote(), timeout=60))
+        # the hub lists only the newest FAILURES_KEPT numbers it abandoned: read them as they come
+        abandoned.update(hub.status()["abandoned"].get(MODEL, []))
 
     ray.get([receiver.report.remote(), checker.report.remote(), evaluator.ready.remote()], timeout=120)
     started, group_no, killed = time.monotonic(), 0, 0
-    abandoned: set[int] = set()  # numbers the hub says it abandoned (status()["abandoned"])
 
     def settle(number: int) -> None:
         for run in running.pop(number, []):

@@ -49,7 +49,7 @@ __all__ = ["FAILURES_KEPT", "MAX_OPEN", "Ahead", "PartTaken", "Round", "Rounds"]
 MAX_OPEN = 4
 """Open rounds per model: a group whose fastest rank runs further ahead abandons the oldest."""
 
-FAILURES_KEPT = 64
+FAILURES_KEPT = 256
 """Abandoned or refused numbers remembered per model (for waits on them, and status)."""
 
 
