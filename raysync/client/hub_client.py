@@ -36,7 +36,6 @@ from raysync.client.push import PushRequest
 from raysync.client.waiting import wait_for, wait_within_lag
 from raysync.client.writer import Writer
 from raysync.core.codec import unpack
-from raysync.core.extract import to_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.hub import metrics
 from raysync.hub.settings import HubSettings
@@ -424,18 +423,19 @@ class HubClient:
     def pull(
         self, model_id: str = "policy", version: int | None = None, *, state_dict: bool = False
     ) -> TensorDict | dict[str, torch.Tensor]:
-        """The weights of a kept version (newest by default), as a nested TensorDict.
+        """The weights of a kept version (newest by default), as a TensorDict keyed as a state dict.
 
-        The tensors are private copies: change them freely. Modules' extra
-        state (``get_extra_state()``) is not in the TensorDict; it travels in
-        the version's manifest and subscribers' modules get it
+        Its keys are the module's state-dict keys (``"0.weight"``), so
+        ``model.load_state_dict(hub.pull())`` loads it; ``.unflatten_keys(".")`` gives the
+        nested form (``td["0", "weight"]``). The tensors are private copies: change them
+        freely. Modules' extra state (``get_extra_state()``) is not in it; it travels in the
+        version's manifest and subscribers' modules get it
         (``raysync.core.layout.Manifest.extra_states()``).
 
         Args:
             model_id: the model.
             version: a kept version (``None``: the newest).
-            state_dict: return ``{dotted key: tensor}`` as ``module.state_dict()`` has it,
-                for ``model.load_state_dict(...)``, instead of a nested TensorDict.
+            state_dict: return a plain ``{dotted key: tensor}`` dict instead of a TensorDict.
 
         Raises:
             UnknownModelError: nothing pushed for ``model_id``, or ``version`` not kept.
@@ -443,8 +443,8 @@ class HubClient:
                 the bytes fetched do not match them.
 
         Example:
-            >>> model.load_state_dict(hub.pull(state_dict=True))
-            >>> hub.pull()["0", "weight"].shape        # a nested TensorDict
+            >>> model.load_state_dict(hub.pull())
+            >>> hub.pull().unflatten_keys(".")["0", "weight"].shape   # nested
             torch.Size([16, 8])
         """
         check_model_id(model_id)
@@ -455,7 +455,11 @@ class HubClient:
         fetched = fetch(info.manifest, list(info.refs), every, timeout=None, verify="if_present")
         unpacked = unpack(info.manifest, [fetched[b] for b in every])
         tensors = {k: unpacked[k].clone() for k in info.manifest.pushed_keys()}  # the pushed order
-        return tensors if state_dict else to_tensordict(tensors)
+        if state_dict:
+            return tensors
+        from tensordict import TensorDict  # imported on use: it costs seconds at start-up
+
+        return TensorDict(tensors, batch_size=[])
 
     @needs_ray
     @deadline.bounded

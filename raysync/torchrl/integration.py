@@ -36,7 +36,13 @@ from torchrl.weight_update.weight_sync_schemes import WeightSyncScheme as _Torch
 
 from raysync._checks import check_timeout
 from raysync.channels.base import DEFAULT_TIMEOUT
-from raysync.core.extract import _module_tensors, extract_extra_state, extract_tensors, non_persistent_buffers
+from raysync.core.extract import (
+    _module_tensors,
+    extract_extra_state,
+    extract_tensors,
+    non_persistent_buffers,
+    to_tensordict,
+)
 from raysync.errors import RaySyncError, SyncTimeoutError
 from raysync.receivers.follower import Follower
 from raysync.torchrl.collector_context import key_renaming
@@ -389,11 +395,11 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
 
     def _apply_from_hub(self, model: Any, version: int) -> Any:
         model_id = self._model_id or "policy"
-        pulled = self.client.pull(model_id, version)
-        tensors, _ = self._fit(_dotted(pulled), {}, model)
+        pulled = self.client.pull(model_id, version, state_dict=True)
+        tensors, _ = self._fit(pulled, {}, model)
         apply_tensors(applier_for(model, non_persistent=self.non_persistent_buffers), tensors)
         self._applied = version
-        return pulled
+        return to_tensordict(pulled)  # nested, as torchrl's weights are
 
     def receive(self, timeout: float | None = None) -> Any:
         """Apply the hub's newest version if newer than the one held; return it (or ``None``).

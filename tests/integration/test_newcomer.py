@@ -78,13 +78,17 @@ def test_wait_on_a_refused_push_says_it_was_never_pushed(hub: raysync.HubClient,
 
 
 def test_load_state_dict_of_what_pull_returns(hub: raysync.HubClient) -> None:
+    """What a torch user writes first: ``model.load_state_dict(hub.pull())``."""
     trained = small_policy(3)
     hub.push(trained)
     model = small_policy(0)
-    model.load_state_dict(hub.pull(state_dict=True))
+    model.load_state_dict(hub.pull())
     assert_same_weights(model.state_dict(), trained.state_dict())
-    nested = hub.pull()
-    assert torch.equal(nested["0", "weight"], trained[0].weight)  # the TensorDict stays the default
+    model = small_policy(0)
+    model.load_state_dict(hub.pull(state_dict=True))  # a plain dict, as before
+    assert_same_weights(model.state_dict(), trained.state_dict())
+    nested = hub.pull().unflatten_keys(".")  # still a TensorDict
+    assert torch.equal(nested["0", "weight"], trained[0].weight)
 
 
 def test_a_model_id_reused_with_another_layout_is_not_offered(hub: raysync.HubClient, hub_name: str) -> None:
