@@ -43,10 +43,11 @@ from typing import Any
 
 from raysync.core.shards import ShardPart, merge
 from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
+from raysync.hub.numbering import RoundNumbers
 from raysync.hub.persistence import HubStore
 from raysync.hub.state import HubState
 from raysync.hub.state.leases import who
-from raysync.hub.state.rounds import FAILURES_KEPT, Ahead, PartTaken, Round, Rounds
+from raysync.hub.state.rounds import PartTaken, Round, Rounds
 
 __all__ = ["ShardedPublish"]
 
@@ -93,7 +94,7 @@ class ShardedPublish:
         self._round_lock: dict[str, asyncio.Lock] = {}
         self._block_saved: dict[str, asyncio.Future[None]] = {}  # the write of each model's block of numbers
         self._offered: dict[tuple[str, int], dict[int, tuple[ShardPart, list[Any], dict[str, Any]]]] = {}
-        self._granted: dict[str, int] = {}  # the newest number granted to a round of each model
+        self._numbers = RoundNumbers(state, self._rounds)
         self._rank_locks: dict[tuple[str, str, int], asyncio.Lock] = {}  # (model, group token, rank)
 
     async def contribute(
@@ -140,19 +141,14 @@ class ShardedPublish:
                     model_id, part, refs, pusher, takeover, timeout, previous, stamp
                 )
             except RaySyncError as err:
-                latest = self._state.latest(model_id) or 0
-                if stamp is not None and stamp > latest:
-                    # the rank's push returned this number: a wait for it says why it never comes
-                    self._rounds.fail_number(model_id, stamp, err)
-                    if model_id in self._granted:  # numbers it gave out since it started come first
-                        self._pass_over(model_id, max(self._granted[model_id], latest), stamp)
-                    self._granted[model_id] = max(self._granted.get(model_id, 0), stamp)
+                if stamp is not None:
+                    self._numbers.refused(model_id, stamp, err)
                 raise
         if len(self._rank_locks) > 1024:  # ranks of groups long gone
             for old in [k for k, v in self._rank_locks.items() if not v.locked() and k != key][:512]:
                 del self._rank_locks[old]
         assert rnd.version is not None
-        ahead = self._ahead(model_id, part.group, rnd)
+        ahead = self._numbers.ahead(model_id, part.group, rnd)
         if not settle:
             return PartTaken(rnd.version, earlier, ahead)
         return PartTaken(await asyncio.shield(held.outcome), earlier, ahead)
@@ -188,7 +184,7 @@ class ShardedPublish:
         held = self._round_held.get(id(rnd))
         if held is None:
             loop = asyncio.get_running_loop()
-            number, persist = self._number(model_id, rnd, stamp)
+            number, persist = self._numbers.open(model_id, rnd, stamp)
             self._rounds.granted(rnd, number)
             saved = self._block_saved.get(model_id)
             failed = saved is not None and saved.done() and (saved.cancelled() or saved.exception())
@@ -212,58 +208,6 @@ class ShardedPublish:
             held.tasks.add(task)
         return rnd, held, earlier
 
-    def _number(self, model_id: str, rnd: Round, stamp: int | None) -> tuple[int, bool]:
-        """The number of a round opening; ``(number, whether to write the block first)``.
-
-        From the group's block, as its ranks number their pushes (:class:`Ahead`); else the
-        number a rank stamped, where this hub does not know the block (it restarted) and the
-        number is one it reserved and never gave out; else the next of the model's round block
-        (a new block once it is used up or another number was issued).
-        """
-        if rnd.lost:  # never published: the number its ranks gave it, for a wait to say why
-            if stamp is not None:
-                return stamp, False
-            number, persist = self._state.reserve(model_id)
-            self._granted[model_id] = max(self._granted.get(model_id, 0), number)
-            return number, persist
-        group = self._rounds.groups[model_id]
-        ahead = group.ahead
-        if ahead is not None and rnd.round <= ahead.round:  # opened before, and abandoned since
-            self._rounds.drop(rnd)
-            raise InvalidWeightsError(
-                f"rank {min(rnd.parts)}'s part of push {rnd.round} of {model_id!r} came after that push "
-                "was abandoned: nothing of it is published (the group goes on with its next push)"
-            )
-        model = self._state.models.get(model_id)
-        reserved, latest = (model.reserved, model.latest) if model is not None else (0, 0)
-        floor = max(latest, self._granted.get(model_id, 0))
-        planned = ahead.number(rnd.round) if ahead is not None and ahead.last == reserved else None
-        if planned is not None and planned > floor:
-            number, persist = planned, False
-            self._pass_over(model_id, floor, planned)
-        elif stamp is not None and floor < stamp <= reserved:
-            number, persist = stamp, False
-        else:
-            number, persist = self._state.reserve(model_id)
-            if number <= floor:  # numbers ranks stamped that the hub refused: never given out
-                self._state.versions.continue_block(model_id, floor)
-                number, persist = self._state.reserve(model_id)
-        self._state.versions.continue_block(model_id, number)
-        reserved = self._state.models[model_id].reserved
-        group.ahead = Ahead(rnd.round, number, reserved)
-        self._granted[model_id] = max(self._granted.get(model_id, 0), number)
-        return number, persist
-
-    def _ahead(self, model_id: str, token: str, rnd: Round) -> Ahead | None:
-        """How the group's pushes after ``rnd`` are numbered (the same for every rank of ``rnd``)."""
-        group = self._rounds.groups.get(model_id)
-        ahead = None if group is None or group.token != token else group.ahead
-        if ahead is None or rnd.version is None or rnd.lost:
-            return None
-        if ahead.version - rnd.version != ahead.round - rnd.round:
-            return None  # numbered from another block: the rank asks again
-        return Ahead(rnd.round, rnd.version, ahead.last)
-
     def _refuse_stamp(self, rnd: Round, part: ShardPart, stamp: int) -> None:
         """A rank numbered its part ``stamp``, but its round is ``rnd.version``: abandon the round."""
         error = InvalidWeightsError(
@@ -274,7 +218,7 @@ class ShardedPublish:
         )
         logger.warning("hub: %s", error)
         self._rounds.refuse_stamp(rnd, part.group, stamp, error)
-        self._granted[rnd.model_id] = max(self._granted.get(rnd.model_id, 0), stamp)
+        self._numbers.given(rnd.model_id, stamp)
         self._settle_round(rnd, error=error)
         raise error
 
@@ -292,7 +236,7 @@ class ShardedPublish:
         rnd = self._rounds.give_up(model_id, token, round, rank, why)
         if rnd is None:
             logger.info("hub: rank %d gave up push %d of %r: %s", rank, round, model_id, why)
-            self._skip(model_id, token, round, rank, why)
+            self._numbers.skip(model_id, token, round, rank, why)
             return
         error = InvalidWeightsError(
             f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was abandoned "
@@ -301,40 +245,6 @@ class ShardedPublish:
         )
         logger.warning("hub: %s", error)
         self._settle_round(rnd, error=error)
-
-    def _skip(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:
-        """A push given up before any part of it came: the number the group's block gives it is
-        never published (the ranks that posted a part of it were told it; a wait for it says why)."""
-        group, model = self._rounds.groups.get(model_id), self._state.models.get(model_id)
-        if group is None or group.token != token or model is None or group.ahead is None:
-            return
-        number = group.ahead.number(round) if group.ahead.last == model.reserved else None
-        floor = max(model.latest, self._granted.get(model_id, 0))
-        if number is None or number <= floor:
-            return
-        self._pass_over(model_id, floor, number)
-        error = f"rank {rank}'s push of it raised {why}; readers keep version {model.latest}"
-        self._rounds.fail_number(
-            model_id,
-            number,
-            InvalidWeightsError(f"version {number} of {model_id!r} (push {round}) was abandoned: {error}"),
-        )
-        self._granted[model_id] = number
-
-    def _pass_over(self, model_id: str, floor: int, number: int) -> None:
-        """The group's block numbers a push ``number`` while the newest number given out is ``floor``:
-        the pushes between were numbered by the ranks and never reached the hub (their parts and
-        give-ups were lost with the ranks that sent them), so no round takes their numbers."""
-        latest = self._state.latest(model_id)
-        for skipped in range(max(floor + 1, number - FAILURES_KEPT), number):
-            self._rounds.fail_number(
-                model_id,
-                skipped,
-                InvalidWeightsError(
-                    f"version {skipped} of {model_id!r} was abandoned unpublished: no part of its push "
-                    f"reached the hub (its ranks died or gave it up); readers keep version {latest}"
-                ),
-            )
 
     async def restore_part(
         self, model_id: str, version: int, part: ShardPart, refs: list[Any], pusher: dict[str, Any]

@@ -184,9 +184,9 @@ class _Store:
 class _Hub(ShardedPublish):
     """The hub's sharded side over its real state; publishing stamps, as the actor's does."""
 
-    def __init__(self, refuse: frozenset[str] = frozenset()) -> None:
+    def __init__(self, refuse: frozenset[str] = frozenset(), state: HubState | None = None) -> None:
         super().__init__(
-            HubState("hub", keep=4),
+            state or HubState("hub", keep=4),
             _Store(),  # type: ignore[arg-type]
             publish=self.publish,
             restore=lambda *args: self.restore(*args),
@@ -333,8 +333,7 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(first: int
         assert await hub.push(0) == 1 and await hub.push(1) == 1
         await hub.round_published("policy", 1, 10.0)
         v2 = await hub.push(0, round=2)  # rank 0's part of push 2 is recorded; then the hub restarts
-        restarted = _Hub()
-        restarted._state = hub._state  # what it restores from the GCS: the numbers and the newest
+        restarted = _Hub(state=hub._state)  # what it restores from the GCS: the numbers and the newest
         got: dict[int, int] = {}
 
         async def rank1_push2() -> None:
@@ -452,8 +451,7 @@ def test_a_restarted_hub_takes_the_numbers_a_group_stamped_from_its_block() -> N
         first = await hub.taken(0)
         assert await hub.push(1) == first.version == 1 and first.ahead is not None
         await hub.round_published("policy", 1, 10.0)
-        restarted = _Hub()
-        restarted._state = hub._state  # what it restores from the GCS: the numbers and the newest
+        restarted = _Hub(state=hub._state)  # what it restores from the GCS: the numbers and the newest
         restarted._state.versions.round_blocks.clear()  # in memory only: gone with the process
         n = first.ahead.number(2)
         assert (
