@@ -36,6 +36,7 @@ from raysync.client.push import PushRequest
 from raysync.client.waiting import wait_for, wait_within_lag
 from raysync.client.writer import Writer
 from raysync.core.codec import unpack
+from raysync.core.extract import state_dict_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.hub import metrics
 from raysync.hub.settings import HubSettings
@@ -455,11 +456,7 @@ class HubClient:
         fetched = fetch(info.manifest, list(info.refs), every, timeout=None, verify="if_present")
         unpacked = unpack(info.manifest, [fetched[b] for b in every])
         tensors = {k: unpacked[k].clone() for k in info.manifest.pushed_keys()}  # the pushed order
-        if state_dict:
-            return tensors
-        from tensordict import TensorDict  # imported on use: it costs seconds at start-up
-
-        return TensorDict(tensors, batch_size=[])
+        return tensors if state_dict else state_dict_tensordict(tensors)
 
     @needs_ray
     @deadline.bounded

@@ -27,6 +27,7 @@ __all__ = [
     "extract_with_order",
     "module_schema",
     "non_persistent_buffers",
+    "state_dict_tensordict",
     "to_tensordict",
 ]
 
@@ -255,6 +256,18 @@ def to_tensordict(tensors: Mapping[str, torch.Tensor]) -> TensorDict:
     for key, value in tensors.items():
         td.set(tuple(key.split(".")), value)
     return td
+
+
+def state_dict_tensordict(tensors: Mapping[str, torch.Tensor]) -> TensorDict:
+    """A TensorDict keyed as a state dict (``"a.b"`` stays one key): ``load_state_dict`` takes it.
+
+    Example:
+        >>> list(state_dict_tensordict({"a.b": torch.ones(1)}).keys())
+        ['a.b']
+    """
+    from tensordict import TensorDict  # imported on use: it costs seconds at start-up
+
+    return TensorDict(dict(tensors), batch_size=[])
 
 
 def module_schema(

@@ -62,8 +62,8 @@ class RoundNumbers:
                 "was abandoned: nothing of it is published (the group goes on with its next push)"
             )
         model = self._state.models.get(model_id)
-        reserved, latest = (model.reserved, model.latest) if model is not None else (0, 0)
-        floor = max(latest, self._granted.get(model_id, 0))
+        reserved = model.reserved if model is not None else 0
+        floor = self._floor(model_id)
         planned = ahead.number(rnd.round) if ahead is not None and ahead.last == reserved else None
         if planned is not None and planned > floor:
             number, persist = planned, False
@@ -98,12 +98,11 @@ class RoundNumbers:
         """A part a rank numbered ``stamp`` was refused (``error``): a wait for ``stamp`` says why,
         and so does one for each number before it whose push never came, where this hub gave
         out the numbers since it started (a restarted one may not know what was published)."""
-        latest = self._state.latest(model_id) or 0
-        if stamp <= latest:
+        if stamp <= (self._state.latest(model_id) or 0):
             return
         self._rounds.fail_number(model_id, stamp, error)
         if model_id in self._granted:
-            self._pass_over(model_id, max(self._granted[model_id], latest), stamp)
+            self._pass_over(model_id, self._floor(model_id), stamp)
         self.given(model_id, stamp)
 
     def skip(self, model_id: str, token: str, round: int, rank: int, why: str) -> None:
@@ -113,7 +112,7 @@ class RoundNumbers:
         if group is None or group.token != token or model is None or group.ahead is None:
             return
         number = group.ahead.number(round) if group.ahead.last == model.reserved else None
-        floor = max(model.latest, self._granted.get(model_id, 0))
+        floor = self._floor(model_id)
         if number is None or number <= floor:
             return
         self._pass_over(model_id, floor, number)
@@ -124,6 +123,10 @@ class RoundNumbers:
             InvalidWeightsError(f"version {number} of {model_id!r} (push {round}) was abandoned: {error}"),
         )
         self.given(model_id, number)
+
+    def _floor(self, model_id: str) -> int:
+        """The newest number given out for ``model_id``: published, or given out since it started."""
+        return max(self._state.latest(model_id) or 0, self._granted.get(model_id, 0))
 
     def _pass_over(self, model_id: str, floor: int, number: int) -> None:
         """The group's block numbers a push ``number`` while the newest number given out is ``floor``:
