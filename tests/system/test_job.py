@@ -174,11 +174,24 @@ def _try_start(head_env: dict[str, str]) -> _Started | str:
         running = proc.poll() is None
         if running:
             return _Started(proc, temp_dir, ports)
-        return f"ray start exited {proc.returncode}: {log_path.read_text()[-3000:]}"
+        return f"ray start exited {proc.returncode}: {log_path.read_text()[-3000:]}{_head_logs(temp_dir)}"
     finally:
         if not running:  # exited, or never came up: nothing of it stays
             _stop(proc)
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _head_logs(temp_dir: str) -> str:
+    """The last lines its raylet and GCS wrote, and what else of Ray runs here: why a start failed."""
+    logs = Path(temp_dir) / "session_latest" / "logs"
+    said = [
+        f"\n--- {name}: {(logs / name).read_text(errors='replace')[-1500:]}"
+        for name in ("raylet.out", "gcs_server.out")
+        if (logs / name).exists()
+    ]
+    ps = subprocess.run(["ps", "-eo", "pid,pcpu,etimes,args"], capture_output=True, text=True, check=False)
+    rays = [line[:160] for line in ps.stdout.splitlines() if "ray::" in line or "raylet" in line]
+    return "".join(said) + "\n--- Ray processes on this machine:\n" + "\n".join(rays)
 
 
 _HEAD_TRIES = 3  # a loaded 2-core machine ran out of Ray's 30 s twice in a row (three full runs here)
@@ -186,13 +199,15 @@ _HEAD_TRIES = 3  # a loaded 2-core machine ran out of Ray's 30 s twice in a row 
 
 def _start_head(head_env: dict[str, str]) -> _Started:
     """A head, tried again (up to ``_HEAD_TRIES`` starts) while a start timed out waiting for its raylet."""
+    failed: list[str] = []
     started = _try_start(head_env)
     for _ in range(_HEAD_TRIES - 1):
         if not (isinstance(started, str) and _STARTUP_TIMED_OUT in started):
             break
+        failed.append(started)
         started = _try_start(head_env)
     if isinstance(started, str):
-        raise AssertionError(started)
+        raise AssertionError("\n\n=== the next start ===\n".join([*failed, started]))
     return started
 
 
