@@ -56,9 +56,9 @@ Ray (checked with :data:`RAY_CHECKED`):
     Whether the process is a Ray worker, not a driver (a task's lease names its job): the public
     ``get_task_id()`` logs a warning on every call from a driver.
 
-``ray.get``/``ray.put``/``ray.get_runtime_context``/``ActorMethod._remote`` without Ray's
-    auto-init (:func:`get_no_start`, :func:`put_no_start`, :func:`runtime_context_no_start`,
-    :func:`call_no_start`): the functions under Ray's ``wrap_auto_init``
+``ray.get``/``ray.put``/``ray.get_runtime_context``/``ray.get_actor``/``ActorMethod._remote`` without
+    Ray's auto-init (:func:`get_no_start`, :func:`put_no_start`, :func:`runtime_context_no_start`,
+    :func:`get_actor_no_start`, :func:`call_no_start`): the functions under Ray's ``wrap_auto_init``
     (their ``__wrapped__``). A client call racing ``ray.shutdown()`` from another thread can pass a
     ``ray.is_initialized()`` check just before the shutdown ends; the public call would then start
     a new local Ray of its own (auto-init). Without it, the call raises Ray's "not started" error,
@@ -107,6 +107,7 @@ __all__ = [
     "actor_state",
     "call_no_start",
     "check_versions",
+    "get_actor_no_start",
     "get_no_start",
     "job_alive",
     "kv_delete",
@@ -143,7 +144,7 @@ RAY_USES = (
     "ray._config.metrics_report_interval_ms",
     "ray.runtime_context.RuntimeContext.worker.mode",
     "ray._private.internal_api.get_memory_info_reply",
-    "ray.get / ray.put / ray.get_runtime_context / ActorMethod._remote .__wrapped__ (no auto-init)",
+    "ray.get / put / get_runtime_context / get_actor / ActorMethod._remote .__wrapped__ (no auto-init)",
     "ray._private.worker._connect_or_shutdown_lock",
 )
 """Every private use of Ray, by name (see the module docstring for why each)."""
@@ -282,6 +283,13 @@ def get_no_start(refs: Any, *, timeout: float | None = None) -> Any:
     import ray
 
     return _without_auto_init(ray.get, "ray.get")(refs, timeout=timeout)
+
+
+def get_actor_no_start(name: str, namespace: str) -> Any:
+    """``ray.get_actor`` that never starts a Ray of its own (raises Ray's "not started" error instead)."""
+    import ray
+
+    return _without_auto_init(ray.get_actor, "ray.get_actor")(name, namespace=namespace)
 
 
 def runtime_context_no_start() -> Any:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import ray
 
+from raysync import _compat
 from raysync import _protocol as proto
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration
 from raysync.client import background
@@ -61,6 +62,34 @@ class Member(Protocol):
         ...
 
 
+LOOKUP_S = 1.0
+"""The longest a lookup of a hub by name holds its caller up (and so a ``ray.shutdown()`` waiting
+for the caller's call into Ray); the lookup goes on in its own thread and a later call takes its
+answer. Ray never answers a lookup while its GCS is gone (the cluster shut down): a lookup made
+under Ray's init/shutdown lock would then keep the process from ever exiting."""
+
+
+class _Lookup:
+    """``ray.get_actor(name)`` in a daemon thread of its own, never holding Ray's shutdown lock."""
+
+    def __init__(self, name: str, namespace: str) -> None:
+        self.done = threading.Event()
+        self.handle: Any = None  # None: no actor by that name (yet)
+        self.error: BaseException | None = None
+        args = (name, namespace)
+        threading.Thread(target=self._run, args=args, name=f"raysync-find-hub {name}", daemon=True).start()
+
+    def _run(self, name: str, namespace: str) -> None:
+        try:
+            self.handle = _compat.get_actor_no_start(name, namespace)
+        except ValueError:
+            pass
+        except BaseException as err:  # Ray not running here, the GCS unreachable: the caller's to raise
+            self.error = err
+        finally:
+            self.done.set()
+
+
 class _Hub:
     """One hub as this process sees it: its handle, looked up again after it was re-created."""
 
@@ -68,20 +97,33 @@ class _Hub:
         self.name = name
         self.namespace = namespace or DEFAULT_NAMESPACE
         self._handle: Any = None
+        self._lock = threading.Lock()
+        self._lookup: _Lookup | None = None  # one lookup by name at a time
 
     def handle(self, fresh: bool = False) -> Any:
         """The hub's handle: made (or found) on first use; after it died, found again by name only.
 
         A subscriber never re-creates a hub that was killed for good: the next client
-        call does, and the subscriber then finds it.
+        call does, and the subscriber then finds it. A lookup Ray has not answered within
+        :data:`LOOKUP_S` leaves the old handle in use meanwhile (as one that finds no hub does).
         """
         if self._handle is None:
             self._handle = get_hub_actor(self.name, self.namespace)
         elif fresh:
-            try:
-                self._handle = ray.get_actor(self.name, namespace=self.namespace)
-            except ValueError:  # none by that name (yet): keep asking the old one
-                pass
+            with self._lock:
+                lookup = self._lookup = self._lookup or _Lookup(self.name, self.namespace)
+            if not lookup.done.wait(LOOKUP_S):
+                logger.debug(
+                    "hub %r: no answer to its lookup by name yet; the old handle meanwhile", self.name
+                )
+                return self._handle
+            with self._lock:
+                if self._lookup is lookup:
+                    self._lookup = None
+            if lookup.error is not None:
+                raise lookup.error
+            if lookup.handle is not None:
+                self._handle = lookup.handle
         return self._handle
 
 

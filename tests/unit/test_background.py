@@ -90,3 +90,50 @@ def test_a_thread_holding_ray_running_delays_a_shutdown_and_stops_after_it(
     shut.set()
     thread.join(10)
     assert steps == ["in Ray", "stopped"]
+
+
+def test_a_hub_lookup_ray_never_answers_holds_a_shutdown_off_for_a_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A subscriber's heartbeat looks its hub up by name under Ray's lock once the hub died. At a
+    cluster's shutdown the GCS is gone and Ray never answers that lookup: the process's own
+    ``ray.shutdown()`` at exit then waited for the lock forever (seen: subscriber processes
+    left running, a core busy, after their cluster stopped)."""
+    from raysync.receivers import membership
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    gcs_back = threading.Event()
+    found = object()
+    lookups: list[str] = []
+
+    def get_actor(name: str, namespace: str | None = None) -> object:  # the GCS gone: no answer till back
+        lookups.append(name)
+        gcs_back.wait(60)
+        return found
+
+    monkeypatch.setattr(_compat, "get_actor_no_start", get_actor)
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    hub = membership._Hub("a-hub", None)
+    old = hub._handle = object()  # the handle of the hub that died
+    got: list[object] = []
+
+    def beat() -> None:  # membership._beat after an ActorDiedError
+        with background.held("find the hub"):
+            got.append(hub.handle(fresh=True))
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    shutdown = _compat.shutdown_lock()
+    try:
+        assert shutdown.acquire(timeout=15), "shutdown waited on the lookup (for good, were the GCS gone)"
+        shutdown.release()
+        thread.join(10)
+        assert got == [old]  # the old handle meanwhile: its calls fail, and the caller asks again
+        again = threading.Thread(target=beat, daemon=True)
+        again.start()  # asks again while the first lookup is still unanswered: no second lookup
+        gcs_back.set()
+        again.join(10)
+        assert lookups == ["a-hub"]
+        wait_for_condition(lambda: hub.handle(fresh=True) is found, timeout=10, what="the answered lookup")
+    finally:
+        gcs_back.set()

@@ -107,6 +107,7 @@ def test_ray_calls_without_auto_init_are_there() -> None:
         "ray.get": ray.get,
         "ray.put": ray.put,
         "ray.get_runtime_context": ray.get_runtime_context,
+        "ray.get_actor": ray.get_actor,
         "ActorMethod._remote": ActorMethod._remote,
     }
     for name, fn in wrapped.items():
