@@ -176,13 +176,6 @@ class ShardMap:
             object.__setattr__(self, "_pickled", blob)
         return _shard_map_from, (blob,)
 
-    def box_of(self, key: str) -> Box | None:
-        """The part of ``key`` this view holds (None: all of it)."""
-        for k, offsets, lengths in self.boxes:
-            if k == key:
-                return offsets, lengths
-        return None
-
     def pieces_of(self, key: str) -> list[ShardPiece]:
         """The pieces of one tensor."""
         return [p for p in self.pieces if p.key == key]

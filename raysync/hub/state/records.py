@@ -110,11 +110,6 @@ class Subscriber:
         return self.info.mode
 
     @property
-    def ringable(self) -> bool:
-        """Whether its node's relay (or the hub) can ring its doorbell: an address and the key."""
-        return bool(self.info.doorbell and self.doorbell_key)
-
-    @property
     def waited_for(self) -> bool:
         """Whether a wait counts it without ``include_pull``: push and follow subscribers."""
         return self.info.mode != "pull"
