@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
-import socket
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -27,14 +26,9 @@ from typing import Any
 import torch
 
 import _harness as harness
+from _ports import free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _model(mib: int) -> dict[str, torch.Tensor]:
@@ -95,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     t_start = time.time()
     ctx = mp.get_context("spawn")
     world = args.workers + 1
-    ports = (_free_port(), _free_port())
+    ports = tuple(free_ports(2))
     parent, child = ctx.Pipe()
     procs = [ctx.Process(target=_child, args=(r, world, ports, args, child)) for r in range(world)]
     for p in procs:

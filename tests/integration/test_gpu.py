@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 
 import raysync
 from benchmarks._harness import join_gloo
+from benchmarks._ports import free_port
 from tests._support import assert_same_weights
 
 DEVICE = os.environ.get("RAYSYNC_TEST_DEVICE", "cuda")
@@ -230,9 +230,7 @@ class _GpuRank:
 def test_a_sharded_trainer_with_shards_on_the_gpu_publishes_whole_tensors(
     gpu_cluster: None, hub_name: str
 ) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     hub = raysync.connect(hub_name)
     cls = ray.remote(num_cpus=0, num_gpus=GPU_SHARE)(_GpuRank)
     ranks = [cls.remote(r, 2, port, DEVICE) for r in range(2)]

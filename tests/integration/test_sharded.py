@@ -13,7 +13,6 @@ restarted group pushes again.
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 
 import raysync
 from benchmarks import sharded_soak
+from benchmarks._ports import free_port
 from tests import _sharded
 from tests._support import (
     PATH_RING_ACK_S,
@@ -37,19 +37,13 @@ TIMEOUT = 60.0
 HUB_SETTINGS = raysync.HubSettings(ring_ack_s=RING_ACK_S)  # the ``hub`` fixture's: see RING_ACK_S
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _group(world: int = 2, mesh_shape: tuple[int, ...] | None = None) -> list[Any]:
     return _joined(_starting_group(world, mesh_shape))
 
 
 def _starting_group(world: int = 2, mesh_shape: tuple[int, ...] | None = None) -> list[Any]:
     """The ranks of a new group, their processes starting (see :func:`_joined`)."""
-    port = _free_port()
+    port = free_port()
     cls = ray.remote(num_cpus=0)(_sharded.Rank)
     return [cls.remote(r, world, port, mesh_shape) for r in range(world)]
 
@@ -414,7 +408,7 @@ def test_ranks_as_plain_torch_distributed_processes(ray_start_regular: dict[str,
     every tensor split 4 ways along one mesh dimension (6 rows as 2, 2, 1, 1; 5 columns as 2, 1, 1, 1)."""
     ctx = multiprocessing.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     address = ray_start_regular["address"]
     procs = [
         ctx.Process(target=_sharded.process_rank, args=(r, 4, port, address, hub_name, out, done))

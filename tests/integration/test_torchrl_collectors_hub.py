@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ import ray
 import torch
 
 import raysync
+from benchmarks._ports import free_port
 from tests._support import kill_until_gone, wait_for_condition
 
 pytest.importorskip("torchrl")
@@ -386,9 +386,7 @@ def test_ray_collector_actors_follow_a_trainer_actor(hub_name: str, trainer: Any
 def _sharded_group(world: int = 2) -> list[Any]:
     from tests import _sharded
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cls = ray.remote(num_cpus=0)(_sharded.Rank)
     return [cls.remote(r, world, port) for r in range(world)]
 

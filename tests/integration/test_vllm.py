@@ -539,13 +539,11 @@ class LlamaRank:
 def test_an_engine_follows_a_sharded_trainer(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
     """Every rank pushes only its own shards; the engine loads each version whole (each tensor
     assembled from the ranks' pieces) and serves what ``transformers`` serves with the full weights."""
-    import socket
-
     import ray
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    from benchmarks._ports import free_port
+
+    port = free_port()
     ranks = [ray.remote(num_cpus=0)(LlamaRank).remote(r, 2, port) for r in range(2)]
     engine = start_following(
         VLLMEngine(llm, name="vllm-sharded"), "policy", hub=hub_name, label="vllm-sharded"

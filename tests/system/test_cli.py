@@ -19,6 +19,7 @@ import pytest
 import ray
 
 import raysync
+from benchmarks._ports import free_port
 from raysync import _compat
 from raysync.ops import bench, cli
 from tests._support import small_policy, wait_for_condition
@@ -106,12 +107,6 @@ def not_ray() -> Iterator[str]:
     server.close()
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])  # closed again when the block ends
-
-
 # `python -m raysync ARGS` (raysync/__main__.py is `sys.exit(main())`), but first writing down the
 # moment the command starts: after the interpreter's start and the imports the command makes before
 # its --timeout begins (Ray, rich). Those are not the command's to bound, and on a loaded 2-core
@@ -159,7 +154,7 @@ def test_status_without_a_cluster_says_so(
 
 def test_case10_status_unreachable_address_honours_timeout(tmp_path: Path) -> None:
     """A closed port: exit 1 at once with one message naming the address and what to check."""
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     done, elapsed = _raysync("status", "--address", address, "--timeout", "5", limit=5, tmp_path=tmp_path)
     assert done.returncode == 1, done.stderr
     assert elapsed < 5 + AFTER_TIMEOUT_S, f"took {elapsed:.1f} s"
@@ -370,7 +365,7 @@ def test_bench_runs_from_the_package_without_the_checkout(tmp_path: Path) -> Non
 
 def test_bench_unreachable_address_says_so(tmp_path: Path) -> None:
     """`raysync bench --address` at a closed port: exit 1 at once, naming the address, before any check."""
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     argv = ("bench", "--quick", "--address", address, "--timeout", "5")
     done, elapsed = _raysync(*argv, limit=5, tmp_path=tmp_path)
     assert done.returncode == 1, done.stderr

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._ports import free_ports
 from tests._support import wait_for_condition
 
 pytestmark = pytest.mark.slow
@@ -70,17 +70,6 @@ class Job:
     status: str
     logs: str
     exported: dict[str, float]  # the raysync series the head exported while the job ran (see _Scraper)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _answers(url: str) -> bool:
@@ -133,7 +122,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def _try_start(head_env: dict[str, str]) -> _Started | str:
     """One `ray start --head --block`: the head once its metrics and dashboard answer, or the
     log of a start that exited."""
-    ports = dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True))
+    ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
     temp_dir = tempfile.mkdtemp(prefix="rsjob-", dir="/tmp")  # short: Ray's socket paths must fit
     cmd = [
         *RAY,

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks._ports import free_ports
 from raysync.channels.base import TransportBackend
 from raysync.channels.distributed import DistributedTransport
 from raysync.channels.rpc import RPCTransport
@@ -28,12 +28,6 @@ KINDS = ["rpc", "dist"]
 WORKERS = [1, 2]
 REPLY_TIMEOUT = 90.0  # a child that does not answer fails the test instead of hanging it
 START_TIMEOUT = 240.0  # importing torch + raysync in 3 fresh processes on a busy 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Child:
@@ -67,7 +61,7 @@ class Child:
 class Group:
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
-        ports = (_free_port(), _free_port())
+        ports = tuple(free_ports(2))
         world = 1 + len(WORKERS)
         self.children = [Child(ctx, rank, world, ports) for rank in range(world)]
         for child in self.children:
