@@ -118,6 +118,8 @@ class NodeDelivery:
         self.deliveries = 0  # messages from the hub
         self.rung = 0  # doorbells rung (one per subscriber process and version)
         self.called_after_ring = 0  # rung subscriptions not acked in time, called the Ray way too
+        # Why subscriptions were called instead of rung, per reason (says why a node is not rung)
+        self.not_rung: collections.Counter[str] = collections.Counter()
         # The node-local hop for small versions (transports/doorbell.py): made on first use.
         self._bell: tuple[doorbell.Ringer, doorbell.SegmentWriter] | None = None
         self._late_rows: dict[tuple[str, int], list[RelayAck]] = {}
@@ -165,6 +167,9 @@ class NodeDelivery:
         Returns the rings' tokens and the members to call the Ray way.
         """
         bells = {s: m for s, m in members.items() if m.doorbell is not None and m.doorbell_key is not None}
+        self.not_rung["no doorbell"] += len(members) - len(bells)
+        if bells and not rings(a.manifest, self._doorbell_bytes):
+            self.not_rung["version not for a doorbell"] += len(bells)  # too large, pickled state, ...
         if not bells or not rings(a.manifest, self._doorbell_bytes):
             return [], members
         ringer, writer = self._doorbell()
@@ -174,6 +179,7 @@ class NodeDelivery:
             logger.info(
                 "node %s: no doorbell for %r version %d: %s", self._node_id[:8], a.model_id, a.version, err
             )
+            self.not_rung[f"ring failed: {type(err).__name__}: {str(err)[:80]}"] += len(bells)
             return [], members
         self.rung += len({bells[s].doorbell for s in bells if s not in gone and s not in busy})
         called = {s: m for s, m in members.items() if s not in bells}
@@ -182,6 +188,8 @@ class NodeDelivery:
             self._members[sub_id] = called[sub_id] = member
         for sub_id in busy:  # its doorbell's queue is full (say, flooded): call it this time
             called[sub_id] = bells[sub_id]
+        self.not_rung["process gone or unreachable"] += len(gone)
+        self.not_rung["doorbell busy"] += len(busy)
         return tokens, called
 
     async def _rung_acks(self, tokens: list[int]) -> tuple[list[RelayAck], list[str]]:
@@ -240,6 +248,8 @@ class NodeDelivery:
             "rung": self.rung,
             # of the calls delivered: to rung subscribers that had not acked within ring_ack_s
             "called_after_ring": self.called_after_ring,
+            # subscriptions called instead of rung, by why (none rung: "no doorbell", say)
+            "not_rung": {why: n for why, n in self.not_rung.items() if n},
             # datagrams refused at the ack socket (not acks of an open ring MAC'd by the process rung)
             "dropped": sum(self._bell[0].drops.total.values()) if self._bell is not None else 0,
             # medians of the last 100 deliveries: writing the version and ringing, then the acks

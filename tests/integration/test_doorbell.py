@@ -45,7 +45,7 @@ def ringer(request: pytest.FixtureRequest, hub_name: str) -> Iterator[str]:
     ray.kill(client.actor)
 
 
-def _stats(hub: raysync.HubClient, ringer: str) -> dict[str, int]:
+def _stats(hub: raysync.HubClient, ringer: str) -> dict[str, Any]:
     """Doorbells rung and Ray calls made by whoever rings this node (its process: ``pid``)."""
     if ringer == "hub":
         return dict(hub.status()["here"])
@@ -111,6 +111,8 @@ def test_a_version_over_the_limit_goes_by_ray_call(
     _same_ringer(before, after)
     assert after["rung"] == before["rung"], (before, after)
     assert after["delivered"] - before["delivered"] == 2, (before, after)  # one call each
+    too_big = "version not for a doorbell"  # and the stats say why (as `raysync status` would)
+    assert after["not_rung"][too_big] - before["not_rung"].get(too_big, 0) == 2, (before, after)
     for a in (actor, view):
         assert ray.get(a.raysync_version.remote()) == v
         assert_same_weights(ray.get(a.weights.remote()), model.state_dict())
