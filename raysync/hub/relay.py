@@ -120,6 +120,7 @@ class NodeDelivery:
         self.called_after_ring = 0  # rung subscriptions not acked in time, called the Ray way too
         # Why subscriptions were called instead of rung, per reason (says why a node is not rung)
         self.not_rung: collections.Counter[str] = collections.Counter()
+        self.last_ring_error: str | None = None  # the message of the last ring that failed
         # The node-local hop for small versions (transports/doorbell.py): made on first use.
         self._bell: tuple[doorbell.Ringer, doorbell.SegmentWriter] | None = None
         self._late_rows: dict[tuple[str, int], list[RelayAck]] = {}
@@ -168,9 +169,10 @@ class NodeDelivery:
         """
         bells = {s: m for s, m in members.items() if m.doorbell is not None and m.doorbell_key is not None}
         self.not_rung["no doorbell"] += len(members) - len(bells)
-        if bells and not rings(a.manifest, self._doorbell_bytes):
+        if not bells:
+            return [], members
+        if not rings(a.manifest, self._doorbell_bytes):
             self.not_rung["version not for a doorbell"] += len(bells)  # too large, pickled state, ...
-        if not bells or not rings(a.manifest, self._doorbell_bytes):
             return [], members
         ringer, writer = self._doorbell()
         try:  # in one worker thread: fetch, write, ring (the loop keeps reading acks meanwhile)
@@ -179,7 +181,8 @@ class NodeDelivery:
             logger.info(
                 "node %s: no doorbell for %r version %d: %s", self._node_id[:8], a.model_id, a.version, err
             )
-            self.not_rung[f"ring failed: {type(err).__name__}: {str(err)[:80]}"] += len(bells)
+            self.not_rung[f"ring failed: {type(err).__name__}"] += len(bells)  # a key per type: bounded
+            self.last_ring_error = f"{type(err).__name__}: {str(err)[:200]}"
             return [], members
         self.rung += len({bells[s].doorbell for s in bells if s not in gone and s not in busy})
         called = {s: m for s, m in members.items() if s not in bells}
@@ -250,6 +253,7 @@ class NodeDelivery:
             "called_after_ring": self.called_after_ring,
             # subscriptions called instead of rung, by why (none rung: "no doorbell", say)
             "not_rung": {why: n for why, n in self.not_rung.items() if n},
+            "last_ring_error": self.last_ring_error,
             # datagrams refused at the ack socket (not acks of an open ring MAC'd by the process rung)
             "dropped": sum(self._bell[0].drops.total.values()) if self._bell is not None else 0,
             # medians of the last 100 deliveries: writing the version and ringing, then the acks
