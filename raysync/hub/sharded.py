@@ -178,6 +178,8 @@ class ShardedPublish:
         if previous is not None:
             failure = self._rounds.refusal(model_id, previous)
             earlier = None if failure is None else str(failure)
+        if previous is not None:
+            self._lost_in_restart(model_id, part, previous)
         pusher = {**pusher, "takeover": takeover}
         rnd, dropped = self._rounds.add(model_id, part, list(refs), pusher)
         self._abandon(dropped, f"another group of {part.world} ranks (restarted, or taking over) pushed")
@@ -282,7 +284,10 @@ class ShardedPublish:
             )
             return False
         lead = {**parts[0][2], "ranks": part.world, "sharded": True}  # merge checked rank 0 is in
-        return await self._restore(model_id, version, manifest, list(merged), lead)
+        kept = await self._restore(model_id, version, manifest, list(merged), lead)
+        if kept:  # published before the restart after all: not lost
+            self._rounds.forget_failure(model_id, version)
+        return kept
 
     def _forget_offers(self, model_id: str, *, before: int) -> None:
         """Drop the parts offered again of ``model_id``'s lost versions older than ``before``."""
@@ -339,6 +344,23 @@ class ShardedPublish:
             )
             self._settle_round(rnd, error=error)
             logger.warning("hub: %s", error)
+
+    def _lost_in_restart(self, model_id: str, part: ShardPart, previous: int) -> None:
+        """The rank's first part this hub sees says its previous push was numbered ``previous``, a
+        number this hub never saw: that push's part went to the hub before a restart, or is a
+        retry still on its way (refused when it comes, after this one). Its round can never
+        complete here, so the number is abandoned now, quietly, as a lost round's."""
+        if not self._rounds.first_part(model_id, part) or previous <= (self._state.latest(model_id) or 0):
+            return
+        if self._rounds.pending(model_id, previous) is not None or self._rounds.failure(model_id, previous):
+            return
+        error = InvalidWeightsError(
+            f"version {previous} of {model_id!r} was lost unpublished: the hub restarted while the ranks "
+            f"pushed it (rank {part.rank}'s part of it went to the hub before the restart); readers keep "
+            f"version {self._state.latest(model_id)} and the group's next push publishes as usual"
+        )
+        self._rounds.fail_number(model_id, previous, error, lost=True)
+        logger.info("hub: %s", error)
 
     def _lost(self, rnd: Round) -> InvalidWeightsError:
         return InvalidWeightsError(

@@ -353,10 +353,17 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(first: int
         with pytest.raises(RaySyncError, match=rf"version {lost} .*{why}"):
             await restarted.round_published("policy", lost, 10.0)
         assert restarted._rounds.pending("policy", lost) is None  # abandoned at once, not on a timeout
+        # and so is v2 (never given out twice), which rank 0's part of push 3 told this hub of
+        assert lost != v2
+        with pytest.raises(RaySyncError, match=rf"version {v2} .*lost unpublished: the hub restarted"):
+            await restarted.round_published("policy", v2, 10.0)
         # rank 1's next push is not refused for the lost one: push 3 completes and is published
         assert await restarted.push(1, round=3, previous=lost) == got[0]
         await restarted.round_published("policy", got[0], 10.0)
-        assert restarted._state.latest("policy") == got[0] and restarted.abandoned() == {"policy": [lost]}
+        # rank 0's push 2, numbered v2 by the hub before its restart, is listed too: rank 0's next part
+        # said so (every number handed out is published or abandoned)
+        assert restarted._state.latest("policy") == got[0]
+        assert restarted.abandoned() == {"policy": sorted({v2, lost})}
 
     _run(main())
 
@@ -466,6 +473,38 @@ def test_a_restarted_hub_takes_the_numbers_a_group_stamped_from_its_block() -> N
         beyond = restarted._state.models["policy"].reserved + 1
         with pytest.raises(InvalidWeightsError, match="numbered its part of push 4"):
             await restarted.push(0, round=4, stamp=beyond)
+
+    _run(main())
+
+
+@pytest.mark.parametrize("retry", ["never", "after-push-3"])
+def test_a_stamped_part_lost_in_a_hub_restart_is_listed_abandoned_before_the_next_push_publishes(
+    retry: str,
+) -> None:
+    """Both ranks stamp push 2 from their block; rank 0's part reaches the hub that then restarts, and
+    rank 1's never reaches the new one (or its retry comes after rank 1's push 3). The ranks' parts
+    of push 3 name push 2's number as their previous one: the restarted hub abandons it (a wait
+    for it says why, status lists it) and publishes push 3."""
+
+    async def main() -> None:
+        hub = _Hub()
+        first = await hub.taken(0)
+        assert await hub.push(1) == first.version == 1 and first.ahead is not None
+        await hub.round_published("policy", 1, 10.0)
+        v2, v3 = first.ahead.number(2), first.ahead.number(3)
+        assert await hub.push(0, round=2, stamp=v2) == v2
+        restarted = _Hub(state=hub._state)  # what it restores from the GCS: the numbers and the newest
+        restarted._state.versions.round_blocks.clear()  # in memory only: gone with the process
+        assert await restarted.push(0, round=3, stamp=v3, previous=v2) == v3
+        with pytest.raises(RaySyncError, match=rf"version {v2} .*lost unpublished: the hub restarted"):
+            await restarted.round_published("policy", v2, 10.0)
+        assert await restarted.push(1, round=3, stamp=v3, previous=v2) == v3  # not refused for v2
+        await restarted.round_published("policy", v3, 10.0)
+        assert restarted._state.latest("policy") == v3 and restarted.abandoned() == {"policy": [v2]}
+        if retry == "after-push-3":  # refused as out of order; nothing else changes
+            with pytest.raises(InvalidWeightsError, match="sent push 2 after push 3"):
+                await restarted.push(1, round=2, stamp=v2)
+            assert restarted._state.latest("policy") == v3 and restarted.abandoned() == {"policy": [v2]}
 
     _run(main())
 

@@ -326,16 +326,32 @@ class Rounds:
             self._given_up.popitem(last=False)
         self.fail_number(rnd.model_id, stamp, error)
 
-    def fail_number(self, model_id: str, number: int, error: BaseException) -> None:
-        """A number a rank gave its push that no round will publish: a wait for it says why."""
+    def fail_number(self, model_id: str, number: int, error: BaseException, *, lost: bool = False) -> None:
+        """A number a rank gave its push that no round will publish: a wait for it says why
+        (``lost``: in a hub restart; the ranks' next pushes are not refused for it)."""
         if (model_id, number) in self.unsettled:
             return  # a round holds it: its own outcome says what became of it
         failed = self.failed.setdefault(model_id, OrderedDict())
         failed.setdefault(number, error)
+        if lost:
+            self.lost.add((model_id, number))
         while len(failed) > FAILURES_KEPT:
             key = (model_id, failed.popitem(last=False)[0])
             self.lost.discard(key)
             self._failed_parts.pop(key, None)
+
+    def forget_failure(self, model_id: str, version: int) -> None:
+        """``version`` was kept after all (offered again after a restart): not abandoned."""
+        failed = self.failed.get(model_id)
+        if failed is not None:
+            failed.pop(version, None)
+        self.lost.discard((model_id, version))
+        self._failed_parts.pop((model_id, version), None)
+
+    def first_part(self, model_id: str, part: ShardPart) -> bool:
+        """Whether ``part`` is the first of its rank of its group that this hub sees."""
+        group = self.groups.get(model_id)
+        return group is None or group.token != part.group or part.rank not in group.first
 
     def pending(self, model_id: str, version: int) -> Round | None:
         """The round granted ``version``, while it is open or being published."""
