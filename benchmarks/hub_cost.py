@@ -8,7 +8,12 @@ measured is the control plane. As ``@synced_model`` processes do, each actor
 has a doorbell that its node's relay (on the hub's node, the hub) rings once per
 version for all its subscriptions; with ``--no-doorbell`` each subscription is
 notified by its own Ray call (what one ``@synced_model`` actor per subscription
-cost before doorbells), or one per actor with ``--batch``.
+cost before doorbells), or one per actor with ``--batch``. With ``--followers`` the
+subscriptions are real Followers (:class:`raysync.Follower`) in those actors, each feeding a
+``WeightsLoader`` that keeps nothing (what an inference engine's follower is): they
+register themselves, fetch every version and hear of it from their node's relay like
+any receiver (the hub is started with ``rings_own_node=False`` so that a relay serves
+its node too, and the count is one message per node).
 
 For every (nodes, subscriptions, delivery) a fresh hub: ``relay`` is the
 default (one relay per node, one hub message per node per version),
@@ -42,6 +47,7 @@ Results: a table on stdout and JSON in ``--json`` (default
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import statistics
@@ -86,6 +92,20 @@ class LightSubscribers:
         hub = SimpleNamespace(hub_name=hub_name, hub_namespace=None)
         membership().serve(hub, self)  # type: ignore[arg-type]
 
+    async def follow(self, hub_name: str, count: int) -> None:
+        """Start ``count`` Followers of ``hub_name``'s ``policy``, each into a loader that keeps nothing."""
+
+        def start() -> list[raysync.Follower]:
+            loaders = [raysync.WeightsLoader(lambda pairs: None) for _ in range(count)]
+            return [raysync.follow(target=loader, hub=hub_name) for loader in loaders]
+
+        self.followers = await asyncio.to_thread(start)
+
+    async def unfollow(self) -> None:
+        for follower in getattr(self, "followers", []):
+            await asyncio.to_thread(follower.stop)
+        self.followers = []
+
     async def node(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
 
@@ -99,9 +119,10 @@ class LightSubscribers:
         return bell.address, bell.key
 
 
-def start_hub(name: str, delivery: str) -> raysync.HubClient:
-    """A fresh hub; ``direct``: one without relays (it calls every subscription itself)."""
-    settings = raysync.HubSettings(relays=delivery != "direct")
+def start_hub(name: str, delivery: str, followers: bool = False) -> raysync.HubClient:
+    """A fresh hub; ``direct``: one without relays (it calls every subscription itself);
+    ``followers``: a relay serves the hub's own node too."""
+    settings = raysync.HubSettings(relays=delivery != "direct", rings_own_node=not followers)
     return raysync.connect(name, keep=2, settings=settings)
 
 
@@ -109,17 +130,25 @@ def measure(
     nodes: int, n: int, delivery: str, actors: dict[str, list[Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
     name = f"bench-hubcost-{uuid.uuid4().hex[:6]}"
-    hub = start_hub(name, delivery)
+    hub = start_hub(name, delivery, args.followers)
     used = [(node, a) for node in list(actors)[:nodes] for a in actors[node]]
+    subs: dict[Any, list[str]] = {}
     try:
-        subs: dict[Any, list[str]] = {}
         for i in range(n):
             node, actor = used[i % len(used)]
             subs.setdefault(actor, []).append(f"light-{actor._actor_id.hex()[:8]}-{i}:policy")
-        bells = {a: ray.get(a.doorbell.remote(ids)) if args.doorbell else None for a, ids in subs.items()}
-        ray.get([a.serve.remote(name) for a in subs])
+        model = harness.small_policy()
+        if args.followers:  # real Followers register themselves, once there is a version to follow
+            hub.push(model)
+            ray.get([a.follow.remote(name, len(ids)) for a, ids in subs.items()])
+        bells = {
+            a: ray.get(a.doorbell.remote(ids)) if args.doorbell and not args.followers else None
+            for a, ids in subs.items()
+        }
+        if not args.followers:
+            ray.get([a.serve.remote(name) for a in subs])
         pending = []
-        for i in range(n):
+        for i in range(0 if args.followers else n):
             node, actor = used[i % len(used)]
             aid = actor._actor_id.hex()
             info = SubscriberInfo(
@@ -133,12 +162,12 @@ def measure(
             reg = Registration(f"light-{aid[:8]}-{i}:policy", "policy", True, info, doorbell_key=key)
             pending.append(hub.actor.register.remote(reg))
         ray.get(pending)
-        model = harness.small_policy()
         for _ in range(2):  # warm-up: relays start (the hub delivers directly meanwhile)
             hub.wait(hub.push(model), timeout=args.timeout)
         # Every used node gets a relay message per version, but the hub's own when the hub rings
         # its doorbells itself; direct delivery: one call per subscription.
-        here = (hub.status().get("here") or {}).get("node_id") if args.doorbell else None
+        rung_here = args.doorbell and not args.followers
+        here = (hub.status().get("here") or {}).get("node_id") if rung_here else None
         hub_node_used = here in {node for node, _ in used}
         expected = len({node for node, _ in used} - {here}) if delivery == "relay" else n
         if delivery == "relay":
@@ -173,7 +202,8 @@ def measure(
             "subscriptions": n,
             "delivery": delivery,
             "batch": args.batch,
-            "doorbell": args.doorbell,
+            "doorbell": args.doorbell and not args.followers,
+            "followers": args.followers,
             "actors": len(used),
             "msgs_per_version": statistics.median(msgs),
             "msgs_seen": sorted(set(msgs)),
@@ -188,6 +218,8 @@ def measure(
             "hub_cpu_ms_all": cpu,
         }
     finally:
+        if args.followers:
+            ray.get([a.unfollow.remote() for a in subs])
         harness.kill_all([hub.actor])
 
 
@@ -240,6 +272,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         dest="doorbell",
         action="store_false",
         help="subscriptions without a doorbell: one Ray call each from their node's relay",
+    )
+    p.add_argument(
+        "--followers",
+        action="store_true",
+        help="the subscriptions are raysync.Followers feeding WeightsLoaders (as engines are)",
     )
     p.add_argument("--pushes", type=int, default=10, help="timed pushes per configuration (medians)")
     harness.add_options(p, timeout=120.0, json=DEFAULT_JSON)

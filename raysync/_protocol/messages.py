@@ -130,8 +130,8 @@ class SubscriberInfo:
 
     Attributes:
         mode: ``"push"`` (the hub delivers), ``"pull"`` (it asks when its user asks) or
-            ``"follow"`` (a process the hub cannot call that long-polls on its own and
-            acknowledges each apply: waits count it, as they count push subscribers).
+            ``"follow"`` (a :class:`~raysync.Follower`, in an actor or a plain process: the
+            hub delivers to it as to a push subscriber, through its process's poll).
         apply: ``"copy"``, ``"view"``, or the adapter's kind.
         actor_id: its Ray actor (``None``: a plain process).
         class_name: the user's class, or the adapter's.
@@ -156,6 +156,13 @@ class SubscriberInfo:
     batch: bool = False
     job_id: str | None = None
     doorbell: str | None = None
+
+    @property
+    def address(self) -> str | None:
+        """Where the hub's calls for it go: its actor, or ``job:<id>`` for a plain process."""
+        if self.actor_id:
+            return self.actor_id
+        return f"job:{self.job_id}" if self.job_id else None
 
     def row(self) -> dict[str, Any]:
         """The fields as a plain dict (persisted, shown in status)."""
@@ -195,7 +202,7 @@ class Caller:
     """A subscriber process polling the hub or a relay for the calls it is to answer.
 
     Attributes:
-        actor_id: its actor (the calls' address).
+        actor_id: the calls' address: its actor, or ``job:<id>`` for a plain process.
         pid: its process: a new one (the actor restarted) fails calls handed to the old.
         node_id: its node (the hub answers with that node's relay, to poll too).
         relay: the relay it polls already (its name), if any.

@@ -22,8 +22,9 @@ class RelayMember:
     """A subscriber a node's relay delivers to: the hub tells it once, not per version.
 
     Attributes:
-        actor_id: its actor, whose process polls for its calls (subscriptions of one actor
-            with ``batch`` share one call).
+        actor_id: its process's call address (its actor, or ``job:<id>`` for a plain
+            process), whose poll collects its calls (subscriptions of one actor with
+            ``batch`` share one call).
         batch: notify it with :data:`NOTIFY_BATCH` (one call for all its subscriptions).
         doorbell: its process's doorbell address: ring it instead of calling, where the
             version fits (:mod:`raysync.transports.doorbell`).

@@ -45,7 +45,7 @@ from raysync.hub import metrics
 from raysync.hub.delivery import Delivery
 from raysync.hub.liveness import Liveness
 from raysync.hub.mailbox import Mailboxes
-from raysync.hub.persistence import HubStore, actor_alive, writer_alive
+from raysync.hub.persistence import HubStore, address_alive, writer_alive
 from raysync.hub.priority import control_plane_priority, freeze_startup_objects
 from raysync.hub.relay import quiet_threaded_gets
 from raysync.hub.relay_handles import Relays
@@ -77,7 +77,7 @@ class WeightHub:
         quiet_threaded_gets()
         self._state = HubState(name, keep, relay=bool(self._settings.relays))
         # Calls to subscribers' actors, collected by their processes' polls (hub/mailbox.py).
-        self._mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
+        self._mail = Mailboxes(alive=lambda address: asyncio.to_thread(address_alive, address))
         # One relay per node; when one comes up, open polls end so that its node's processes poll it.
         self._relays = Relays(name, _actor_id(), self._settings, on_ready=self._mail.wake)
         self._store = HubStore(name)
@@ -413,7 +413,7 @@ class WeightHub:
         if sub is None:
             return
         self._record(sub, report)
-        if sub.mode == "push":
+        if sub.pushed:
             self._delivery.kick(
                 sub
             )  # a version may have been pushed while it was busy, or it needs one again

@@ -101,17 +101,17 @@ class Delivery:
         ``died``, the actor's mailbox (its calls fail as gone: nobody polls for them any more)."""
         if self._state.subs.get(sub.sub_id) is not sub:
             return  # replaced by a newer registration (which keeps what it uses), or gone already
-        node, actor_id = sub.info.node_id, sub.info.actor_id
+        node, address = sub.info.node_id, sub.info.address
         if sub.via_node and node:
             self._relays.forget(node, [sub.sub_id])
             if self.here is not None and node == self.here_node:
                 self.here.forget([sub.sub_id])
-        if died and actor_id is not None:
-            self._mail.fail(actor_id, SubscriberGone(f"actor {actor_id[:12]} died"))
+        if died and address is not None:
+            self._mail.fail(address, SubscriberGone(f"process {address[:16]} died"))
 
     def kick_model(self, model_id: str) -> None:
         for sub in self._state.subscribers(model_id):
-            if sub.mode == "push":
+            if sub.pushed:
                 self.kick(sub)
 
     def kick(self, sub: Subscriber) -> None:
@@ -150,7 +150,8 @@ class Delivery:
             sub.sent = due.version
             self._state.delivery_calls += 1
             try:
-                report = await self._mail.call(_actor(sub), proto.NOTIFY, due.announce(sub.model_id))
+                announcement = due.announce(sub.model_id, (sub.sub_id,))
+                report = await self._mail.call(_address(sub), proto.NOTIFY, announcement)
             except SubscriberGone as err:
                 self._drop(sub, f"actor died ({err})")
                 return
@@ -177,7 +178,7 @@ class Delivery:
             announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
             self._state.delivery_calls += 1
             try:
-                reports = await self._mail.call(_actor(due[0]), proto.NOTIFY_BATCH, announcement)
+                reports = await self._mail.call(_address(due[0]), proto.NOTIFY_BATCH, announcement)
                 if len(reports) != len(due):
                     raise ApplyError(f"batched notify: {len(reports)} reports for {len(due)} subscribers")
             except SubscriberGone as err:
@@ -329,8 +330,9 @@ class Delivery:
             self._start(group, self._deliver_relay(model_id, group))
 
 
-def _actor(sub: Subscriber) -> str:
-    """Where calls for ``sub`` go: its actor's process (a reachable subscriber is an actor)."""
-    if sub.info.actor_id is None:
-        raise SubscriberUnreachable(f"{sub.sub_id} is no actor: the hub cannot call it")
-    return sub.info.actor_id
+def _address(sub: Subscriber) -> str:
+    """Where calls for ``sub`` go: its process (an actor's, or a plain process's job)."""
+    address = sub.info.address
+    if address is None:
+        raise SubscriberUnreachable(f"{sub.sub_id} names no process: the hub cannot call it")
+    return address

@@ -84,6 +84,7 @@ class _Box:
     running: dict[int, tuple[asyncio.Future[Any], float]] = field(default_factory=dict)  # confirmed at
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     polls: int = 0  # polls open now
+    started: int = 0  # polls started: the newest one takes the calls
     last_poll: float = field(default_factory=time.monotonic)  # when one was last open
     checked: float = 0.0  # when `alive` was last asked
 
@@ -143,6 +144,10 @@ class Mailboxes:
         for req_id in running:
             if req_id in box.running:
                 box.running[req_id] = (box.running[req_id][0], now)
+        if box.polls:  # an older poll of this process is still open: this one supersedes it (the
+            box.wake.set()  # process gave up on that one's reply, or its poller stopped and began anew)
+        box.started += 1
+        mine = box.started
         box.polls += 1
         box.last_poll = now
         try:
@@ -154,6 +159,8 @@ class Mailboxes:
                     pass
             if box.pid != caller.pid or self._boxes.get(caller.actor_id) is not box:
                 return ()  # its process was replaced meanwhile: the new one's polls take the calls
+            if box.started != mine:
+                return ()  # a newer poll of the process takes the calls (no reply nobody reads)
             return self._hand_out(box)
         finally:
             box.polls -= 1

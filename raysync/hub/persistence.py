@@ -22,7 +22,7 @@ from typing import Any
 from raysync import _compat
 from raysync.hub.state import Model, Subscriber
 
-__all__ = ["HubStore", "actor_alive", "forget_hub", "lease_epoch", "writer_alive"]
+__all__ = ["HubStore", "actor_alive", "address_alive", "forget_hub", "lease_epoch", "writer_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,13 @@ def actor_alive(actor_id: str | None) -> bool:
         return _compat.actor_state(actor_id) != "DEAD"
     except Exception:
         return True
+
+
+def address_alive(address: str | None) -> bool:
+    """Whether the process a call address names may still run: an actor, or ``job:<id>``'s driver."""
+    if address is not None and address.startswith("job:"):
+        return job_alive(address[4:])
+    return actor_alive(address)
 
 
 def job_alive(job_id: str | None) -> bool:

@@ -60,7 +60,7 @@ from raysync._protocol import (
 )
 from raysync.core.assembly import whole_version
 from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberRestarted, SubscriberUnreachable
-from raysync.hub.persistence import actor_alive
+from raysync.hub.persistence import address_alive
 from raysync.hub.priority import control_plane_priority, freeze_startup_objects
 from raysync.hub.settings import DEFAULT_RING_ACK_S, HubSettings
 from raysync.transports import doorbell
@@ -273,7 +273,7 @@ class NodeRelay:
         def send_late(model_id: str, version: int, reply: RelayReply) -> None:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
 
-        mail = Mailboxes(alive=lambda actor_id: asyncio.to_thread(actor_alive, actor_id))
+        mail = Mailboxes(alive=lambda address: asyncio.to_thread(address_alive, address))
         self._node = NodeDelivery(
             node_id, send_late, settings.doorbell_bytes or 0, mail, settings.ring_ack_s or DEFAULT_RING_ACK_S
         )
@@ -416,15 +416,15 @@ async def notify_members(
         >>> acks, late, calls = await notify_members(announcement, members, mail.call)
     """
     a = announcement
-    single = Announcement(a.model_id, a.version, a.manifest, a.refs)
     calls: Late = []
     batched: dict[str, list[str]] = {}
     for sub_id, member in members.items():
         if member.actor_id is None:  # nothing to call: it registers again, and starts from the newest
-            calls.append(((sub_id,), _failed(SubscriberUnreachable(f"{sub_id} is no actor"))))
+            calls.append(((sub_id,), _failed(SubscriberUnreachable(f"{sub_id} names no process"))))
         elif member.batch:
             batched.setdefault(member.actor_id, []).append(sub_id)
         else:
+            single = Announcement(a.model_id, a.version, a.manifest, a.refs, (sub_id,))  # routed by it
             calls.append(((sub_id,), call(member.actor_id, proto.NOTIFY, single)))
     for actor_id, sub_ids in batched.items():
         ann = Announcement(a.model_id, a.version, a.manifest, a.refs, tuple(sub_ids))

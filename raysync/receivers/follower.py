@@ -1,12 +1,14 @@
-"""A process that follows a model on the hub by itself: no actor the hub calls.
+"""A module or target that follows a model on the hub from any process: no decorated actor needed.
 
 torchrl's worker processes, a Ray actor the user does not want to decorate, an
 evaluation script: a :class:`Follower` registers with the hub (it shows in
 ``raysync status``, a push waits for it, the hub drops it when its process dies),
-long-polls the hub for newer versions in a background thread, applies each one
-whole into its module (one ``copy_`` per changed bucket, between two forward
-calls of the module, never during one) or into another target
-(``target=raysync.WeightsLoader(engine.load_weights)``) and acknowledges it.
+and hears of each version as every receiver does: from its node's delivery (the
+relay, or the hub on its own node), through its process's poll
+(:mod:`raysync.receivers.poller`). It applies each one whole into its module (one
+``copy_`` per changed bucket, between two forward calls of the module, never during
+one) or into another target (``target=raysync.WeightsLoader(engine.load_weights)``),
+and the answer to the delivery's call acknowledges it.
 
 Example:
     >>> import ray, torch, raysync
@@ -39,7 +41,6 @@ from raysync._checks import wait_timeout
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.client import background
-from raysync.client.hub_calls import calls_to
 from raysync.core.extract import module_schema
 from raysync.core.placement import TensorParallel
 from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
@@ -52,10 +53,19 @@ __all__ = ["Follower", "follow"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 5.0  # one long poll waits this long at the hub before it asks again
 _RETRY_S = (0.05, 5.0)  # a version that failed to apply is tried again after this (doubling) back-off
+_SUB_IDS: dict[str, int] = {}  # default sub ids handed out in this process: how many per stem
+_SUB_IDS_LOCK = threading.Lock()
 _GUARDED: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _GUARD_LOCK = threading.Lock()
+
+
+def _default_sub_id(stem: str) -> str:
+    """``stem`` for this process's first Follower of a model, ``stem#2`` for its second, and so on:
+    two Followers of one model in one process are two subscriptions, never one replacing the other."""
+    with _SUB_IDS_LOCK:
+        n = _SUB_IDS[stem] = _SUB_IDS.get(stem, 0) + 1
+    return stem if n == 1 else f"{stem}#{n}"
 
 
 def forward_lock(module: torch.nn.Module) -> threading.RLock:
@@ -99,7 +109,8 @@ class Follower:
         model_id: the model on the hub.
         hub: the hub's name; namespace: its namespace (``None``: raysync's).
         sub_id: this subscription's id (unique per hub and model; default: from the
-            Ray actor or job and the process id).
+            Ray actor or job, the process id and the model, ``#2`` on for a process's second
+            and later Followers of one model).
         label: who this is in ``raysync status`` and in errors (e.g. ``"torchrl worker 2"``).
         timeout: seconds :meth:`start` waits for a first version when the module is
             weightless (meta tensors), and that a fetch may take.
@@ -175,7 +186,7 @@ class Follower:
         self.model_id = model_id
         self._hub = hub
         self._namespace = namespace
-        self.sub_id = sub_id or f"{actor_id or 'job-' + job_id}/pid{os.getpid()}:{model_id}"
+        self.sub_id = sub_id or _default_sub_id(f"{actor_id or 'job-' + job_id}/pid{os.getpid()}:{model_id}")
         self.label = label or f"follower pid {os.getpid()}"
         self.timeout = float(timeout)
         self.on_apply = on_apply
@@ -197,7 +208,8 @@ class Follower:
         self._apply_lock = threading.Lock()  # one apply at a time (poll thread, re-registration)
         self._pause = threading.RLock()  # held by paused(): no apply meanwhile
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._retry: tuple[int, float, threading.Timer] | None = None  # (version, back-off, timer)
         self.applier = Applier(
             self.target,
             verify="if_present",
@@ -225,7 +237,7 @@ class Follower:
         # holding parts: placement=) check each version themselves
         module = None if getattr(self.target, "placement", None) else self._module()
         schema = module_schema(module, non_persistent=self.non_persistent) if module is not None else None
-        return Registration(self.sub_id, self.model_id, False, self._info, schema, self.version)
+        return Registration(self.sub_id, self.model_id, True, self._info, schema, self.version)
 
     def start_from(self, newest: Announcement | None) -> None:
         """Apply the version the hub hands a (re-)registration, and say so."""
@@ -234,7 +246,7 @@ class Follower:
 
     # ------------------------------------------------------------------ use
     def start(self) -> Follower:
-        """Register, apply the hub's newest version, and follow in a background thread.
+        """Register, apply the hub's newest version, and take each version the hub delivers.
 
         If the hub has no version of ``model_id`` yet (a follower may start before its
         trainer), it returns at once holding none (:attr:`version` is ``None``), logs one
@@ -246,32 +258,27 @@ class Follower:
             SyncTimeoutError: the module is weightless and no version came in time.
             ApplyError: the first version did not fit the module (from the hub's check).
         """
+        if self._started:
+            return self
+        self._started = True
+        membership().serve(self, self, alone=True)  # before joining: the hub may deliver at once
         membership().join(self)
         if self.version is None:
             note_no_version(self)
         module = self._module()
         if self.version is None and module is not None and _is_weightless(module):
             deadline = time.monotonic() + self.timeout
-            while self.version is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise SyncTimeoutError(
-                        f"{self.label}: its module has no weights (meta tensors) and hub {self._hub!r} "
-                        f"had no version of {self.model_id!r} within {self.timeout:.0f} s"
-                        + (f" (last error: {self.last_error!r})" if self.last_error else "")
-                    )
-                newest = calls_to(membership().hub(self).handle).wait_newer(
-                    self.model_id, 0, min(left, _POLL_S)
-                )
-                if newest is not None:
-                    self._take(newest)
-                if self.last_error is not None and self.version is None:
-                    raise RaySyncError(f"{self.label}: first version failed to apply: {self.last_error}")
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._follow, name=f"raysync-follow-{self.model_id}", daemon=True
-            )
-            self._thread.start()
+            with self.applier.held:  # the hub delivers the first version pushed
+                while self.version is None and self.last_error is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise SyncTimeoutError(
+                            f"{self.label}: its module has no weights (meta tensors) and hub "
+                            f"{self._hub!r} had no version of {self.model_id!r} within {self.timeout:.0f} s"
+                        )
+                    self.applier.held.wait(min(left, 1.0))  # a failure does not notify: look again
+            if self.version is None:
+                raise RaySyncError(f"{self.label}: first version failed to apply: {self.last_error}")
         return self
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
@@ -303,57 +310,52 @@ class Follower:
             yield
 
     def stop(self, *, timeout: float = 10.0) -> None:
-        """Stop following and leave the hub."""
+        """Stop following and leave the hub (an apply under way finishes first)."""
         self._stop.set()
+        with self._apply_lock:
+            if self._retry is not None:
+                self._retry[2].cancel()
+                self._retry = None
         membership().leave(self, timeout=timeout)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            # The thread's long poll stops waiting within background.STEP_S of the stop; an apply
-            # under way finishes first.
-            self._thread.join(timeout=max(timeout, 1.0))
+        membership().unserve(self)
 
     # ------------------------------------------------------------------ internals
-    def _follow(self) -> None:
-        try:
-            self._follow_until_stopped()
-        except RayNotRunningError:  # ray.shutdown(): nothing left to follow
-            logger.debug("%s: Ray was shut down; the follower stops", self.label)
+    def _raysync_notify(self, announcement: Announcement) -> ApplyReport:
+        """Its node's delivery hands it a version (:data:`~raysync._protocol.NOTIFY`): apply it;
+        the report is the call's answer. A version that failed is tried again after a back-off."""
+        if self._stop.is_set():
+            return ApplyReport(applied=self.version, skipped=announcement.version)
+        return self._apply(announcement)
 
-    def _follow_until_stopped(self) -> None:
-        hub = membership().hub(self)
-        # A version that failed to apply, whether its back-off runs, and the back-off (doubling).
-        failed, waiting, backoff = 0, False, _RETRY_S[0]
-        while not self._stop.is_set():
-            after, wait_s = self.version or 0, _POLL_S
-            if waiting and failed > after:  # only a newer version, until the back-off ends
-                after, wait_s = failed, backoff
-            try:
-                newest = calls_to(hub.handle, stopped=self._stop.is_set).wait_newer(
-                    self.model_id, after, wait_s
-                )
-            except RayNotRunningError:
-                raise
-            except Exception as err:  # the hub is gone for good
-                if self._stop.is_set():
-                    return
-                logger.warning("%s: asking hub %r failed: %s; trying again", self.label, self._hub, err)
-                self._stop.wait(1.0)
-                continue
-            if newest is None:
-                waiting = False  # the back-off is over (if one ran): the failed version is tried again
-                continue
-            if self._stop.is_set():
-                return
-            if self._take(newest).failed is not None:
-                backoff = min(backoff * 2, _RETRY_S[1]) if newest.version == failed else _RETRY_S[0]
-                failed, waiting = newest.version, True
-            else:
-                failed, waiting, backoff = 0, False, _RETRY_S[0]
+    def _raysync_ping(self) -> bool:
+        return True
 
     def _take(self, ann: Announcement) -> ApplyReport:
-        """Fetch, apply and acknowledge ``ann`` (or report why not)."""
+        """Apply ``ann`` and tell the hub (what it hands a registration, and retries)."""
         report = self._apply(ann)
         membership().report(self, report)
         return report
+
+    def _retry_later(self, ann: Announcement) -> None:
+        """``ann`` failed to apply: try it again after a doubling back-off (0.05 s ... 5 s) until it
+        goes in or a newer version does (held under the apply lock)."""
+        backoff = _RETRY_S[0]
+        if self._retry is not None:
+            self._retry[2].cancel()
+            if self._retry[0] == ann.version:
+                backoff = min(self._retry[1] * 2, _RETRY_S[1])
+        timer = threading.Timer(backoff, self._try_again, (ann,))
+        timer.daemon = True
+        self._retry = (ann.version, backoff, timer)
+        timer.start()
+
+    def _try_again(self, ann: Announcement) -> None:
+        if self._stop.is_set() or (self.version or 0) >= ann.version or not ray.is_initialized():
+            return
+        try:
+            self._take(ann)
+        except RayNotRunningError:  # ray.shutdown(): nothing left to follow
+            logger.debug("%s: Ray was shut down; the follower stops", self.label)
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
@@ -373,10 +375,15 @@ class Follower:
                 report = self.applier.apply(ann.version, ann.manifest, list(ann.refs))
             if report.failed is not None:
                 self.last_error = report.error
+                if not self._stop.is_set():
+                    self._retry_later(ann)
                 return report
             if report.skipped is not None:
                 return report
             self.last_error = None
+            if self._retry is not None and self._retry[0] <= ann.version:
+                self._retry[2].cancel()
+                self._retry = None
         if self.on_apply is not None:
             try:
                 self.on_apply(ann.version)

@@ -152,10 +152,15 @@ class Membership:
             self.hub(member).handle, timeout=timeout, stopped=background.never if thread else None
         )
 
-    def serve(self, member: Member, owner: Any) -> None:
-        """Answer the calls ``member``'s hub (and its node's relay) queue for this actor with
-        ``owner``'s methods; once per hub and process (see :func:`raysync.receivers.poller.serve`)."""
-        poller.serve(self.hub(member), owner)
+    def serve(self, member: Member, owner: Any, *, alone: bool = False) -> None:
+        """Answer the calls ``member``'s hub (and its node's relay) queue for this process with
+        ``owner``'s methods: the actor's (once per hub and process), or, ``alone``, those for
+        ``member``'s subscription only (a Follower; see :func:`raysync.receivers.poller.serve`)."""
+        poller.serve(self.hub(member), owner, sub_id=member.sub_id if alone else None)
+
+    def unserve(self, member: Member) -> None:
+        """``member``, served ``alone``, left: its calls are answered here no more."""
+        poller.unserve(self.hub(member), member.sub_id)
 
     def join(self, member: Member) -> None:
         """Register ``member`` and start it from the newest version; keep it known from now on."""

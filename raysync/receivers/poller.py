@@ -3,20 +3,29 @@
 The hub and relays never hold a handle of a subscriber's actor (that would load its
 class, and so import the user's code, in their processes: see :mod:`raysync.hub.mailbox`).
 Each subscriber process keeps one poll open at its hub and, once the hub names it, one at
-its node's relay. A poll returns the calls queued for this actor (``_raysync_notify`` and
+its node's relay. A poll returns the calls queued for this process (``_raysync_notify`` and
 friends); each runs on a small thread pool, or, for an async actor, on the actor's event
 loop, exactly as Ray would run the method; answers ride on the next poll, or go at once
 (:data:`~raysync._protocol.ANSWER`) for calls that outlast it. A hub that restarts, or a
 relay, is polled again as soon as it answers.
 
+Every receiver process hears of versions this one way: an actor's ``@synced_model``
+subscriptions and adapters (the actor answers), and Followers (:class:`~raysync.Follower`), in an
+actor or in a plain process (a driver, a torchrl worker), which each answer the calls for
+their own subscription (``sub_ids`` of the call's announcement). A plain process's calls are
+addressed to its Ray job (``job:<id>``), an actor's to the actor.
+
 Example:
     >>> serve(hub, owner=self)   # in a subscriber actor's constructor
+    >>> serve(hub, owner=follower, sub_id=follower.sub_id)   # a Follower, in any process
+    >>> unserve(hub, follower.sub_id)                        # it stopped
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import logging
@@ -32,8 +41,9 @@ from ray.exceptions import ActorDiedError
 
 from raysync import _protocol as proto
 from raysync._protocol import Answer, Caller, PollReply, Request
+from raysync.client import background
 
-__all__ = ["POLL_S", "serve"]
+__all__ = ["POLL_S", "address", "serve", "unserve"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,57 +52,127 @@ POLL_S = 10.0
 _PIGGYBACK_S = 0.05  # answers of calls that end within this ride on the next poll
 _RETRY_S = (0.05, 2.0)  # backoff while the hub or relay restarts
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="raysync-call")
+_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (its process, the pool)
 _SERVED: dict[tuple[str, str | None], _Endpoint] = {}
 _LOCK = threading.Lock()
 
 
-def serve(hub: Any, owner: Any) -> None:
-    """Answer ``hub``'s calls for this actor with ``owner``'s methods, from now on (once per hub).
+def address() -> str:
+    """Where the hub's calls for this process go: its actor's id, or ``job:<id>`` for a plain process."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_actor_id() or f"job:{ctx.get_job_id()}"
 
-    Called from an async actor's constructor (or any of its methods), the actor's coroutine
-    methods run on its event loop, as Ray runs them.
+
+def serve(hub: Any, owner: Any, *, sub_id: str | None = None) -> None:
+    """Answer ``hub``'s calls for this process with ``owner``'s methods, from now on.
+
+    One poll per hub and process, whatever answers: the actor (``sub_id`` ``None``: the calls
+    for its subscriptions), or the owner of one subscription (``sub_id``: a Follower), which
+    answers the calls naming it. Called from an async actor's constructor (or any of its
+    methods), the actor's coroutine methods run on its event loop, as Ray runs them.
 
     Args:
         hub: the hub as this process sees it (``.name``, ``.namespace``, ``.handle(fresh)``).
-        owner: the actor instance whose ``_raysync_*`` methods answer the calls.
+        owner: the object whose ``_raysync_*`` methods answer the calls.
+        sub_id: the one subscription ``owner`` answers for (``None``: the actor's own).
+
+    Raises:
+        RuntimeError: ``sub_id`` ``None`` outside an actor (only an actor answers for itself).
     """
     try:
         loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:  # not on an event loop: a plain or threaded actor
         loop = None
     ctx = ray.get_runtime_context()
-    actor_id = ctx.get_actor_id()
-    if actor_id is None:
-        raise RuntimeError("only a Ray actor answers the hub's calls")
+    if sub_id is None and ctx.get_actor_id() is None:
+        raise RuntimeError("only a Ray actor answers the hub's calls for itself")
+    key = (hub.name, hub.namespace)
+    session = (ctx.get_node_id(), ctx.get_job_id())
+    with _LOCK:
+        endpoint = _SERVED.get(key)
+        if endpoint is not None and (endpoint.stopped or endpoint.session != session):
+            endpoint.stop()  # Ray was shut down (and maybe started again) since: a new poll
+            endpoint = None
+        if endpoint is None:
+            caller = Caller(address(), os.getpid(), ctx.get_node_id())
+            endpoint = _SERVED[key] = _Endpoint(f"hub {hub.name}", hub.handle, caller, _Runner())
+            endpoint.session = session
+            endpoint.start()
+        endpoint.runner.add(owner, loop, sub_id)
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads the calls run on: this process's own (a forked child gets its own, never the
+    parent's pool, whose threads did not come along)."""
+    global _POOL
+    with _LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="raysync-call"))
+        return _POOL[1]
+
+
+def unserve(hub: Any, sub_id: str) -> None:
+    """The subscription ``sub_id`` left: its calls are no longer answered here; the process's poll
+    ends once nothing in it answers any more (a plain process whose Followers all stopped)."""
     key = (hub.name, hub.namespace)
     with _LOCK:
-        if key in _SERVED:
+        endpoint = _SERVED.get(key)
+        if endpoint is None or not endpoint.runner.remove(sub_id):
             return
-        caller = Caller(actor_id, os.getpid(), ctx.get_node_id())
-        runner = _Runner(owner, loop)
-        _SERVED[key] = endpoint = _Endpoint(f"hub {hub.name}", hub.handle, caller, runner)
-    endpoint.start()
+        del _SERVED[key]
+    endpoint.stop()
 
 
 class _Runner:
-    """Runs a request's method on the owner: in the pool, or on the actor's event loop."""
+    """Runs a request's method on its owner: in the pool, or on the owner's event loop.
 
-    def __init__(self, owner: Any, loop: asyncio.AbstractEventLoop | None) -> None:
-        self.owner = owner
-        self.loop = loop
+    A request whose announcement names a subscription with an owner of its own goes to that
+    owner (a Follower); every other request goes to the actor's.
+    """
+
+    def __init__(self) -> None:
+        self.actor: tuple[Any, asyncio.AbstractEventLoop | None] | None = None
+        self.owners: dict[str, tuple[Any, asyncio.AbstractEventLoop | None]] = {}
+        self.lock = threading.Lock()
+
+    def add(self, owner: Any, loop: asyncio.AbstractEventLoop | None, sub_id: str | None) -> None:
+        with self.lock:
+            if sub_id is None:
+                if self.actor is None:  # the first to serve the actor's calls keeps them
+                    self.actor = (owner, loop)
+            else:
+                self.owners[sub_id] = (owner, loop)
+
+    def remove(self, sub_id: str) -> bool:
+        """Forget ``sub_id``'s owner; whether nothing is left to answer."""
+        with self.lock:
+            self.owners.pop(sub_id, None)
+            return self.actor is None and not self.owners
+
+    def _owner(self, req: Request) -> tuple[Any, asyncio.AbstractEventLoop | None]:
+        with self.lock:
+            ann = req.announcement
+            for sub_id in () if ann is None else ann.sub_ids:
+                owned = self.owners.get(sub_id)
+                if owned is not None:
+                    return owned
+            if self.actor is None:
+                named = () if ann is None else ann.sub_ids
+                raise RuntimeError(f"nothing in process {os.getpid()} answers {req.method} for {named}")
+            return self.actor
 
     def submit(self, req: Request) -> concurrent.futures.Future[Answer]:
-        return _POOL.submit(self._run, req)
+        return _pool().submit(self._run, req)
 
     def _run(self, req: Request) -> Answer:
         try:
-            method = getattr(self.owner, req.method)
+            owner, loop = self._owner(req)
+            method = getattr(owner, req.method)
             args = () if req.announcement is None else (req.announcement,)
             if inspect.iscoroutinefunction(method):
-                if self.loop is None:
+                if loop is None:
                     raise RuntimeError(f"{req.method} is a coroutine and this actor's loop is unknown")
-                value = asyncio.run_coroutine_threadsafe(method(*args), self.loop).result()
+                value = asyncio.run_coroutine_threadsafe(method(*args), loop).result()
             else:
                 value = method(*args)
             return Answer(req.req_id, value)
@@ -122,6 +202,14 @@ class _Endpoint:
         self.collecting = True  # answers wait for the next poll (else: sent at once)
         self.lock = threading.Lock()
         self.stopped = False
+        self.session: tuple[str, str] | None = None  # the Ray it polls in (node, job)
+        self.plain = caller.actor_id.startswith("job:")  # a plain process: its script may shut Ray down
+
+    def stop(self) -> None:
+        """Poll no more (the poll open ends within :data:`POLL_S`), nor at the relay."""
+        self.stopped = True
+        if self.relay is not None:
+            self.relay.stopped = True
 
     def start(self) -> None:
         threading.Thread(target=self._loop, name=f"raysync-poll-{self.what}", daemon=True).start()
@@ -134,8 +222,9 @@ class _Endpoint:
                 running = [r for r, f in self.running.items() if not f.done()]
                 self.collecting = False
             try:
-                ref = getattr(self.handle(fresh), proto.POLL).remote(self.caller, answers, running, POLL_S)
-                reply: PollReply = ray.get(ref, timeout=POLL_S + 30)
+                reply = self._poll(fresh, answers, running)
+                if reply is None:  # stopped meanwhile
+                    return
             except ActorDiedError as err:
                 if self.parent is not None:  # a relay gone for good: the hub names the next one
                     logger.info("%s died (%s)", self.what, err)
@@ -148,6 +237,7 @@ class _Endpoint:
                 continue
             except Exception as err:  # restarting, busy, or Ray shutting down
                 if not ray.is_initialized():
+                    self.stop()
                     return
                 logger.debug("%s: poll failed (%s); polling again", self.what, err)
                 with self.lock:
@@ -159,6 +249,21 @@ class _Endpoint:
             if reply.relay is not None:
                 self._follow_relay(*reply.relay)
             self._run(reply.requests)
+
+    def _poll(self, fresh: bool, answers: list[Answer], running: list[int]) -> PollReply | None:
+        """One poll. A plain process's Ray may be shut down by its script at any time (an actor's is
+        not): its poll runs under :mod:`raysync.client.background`'s rules, in slices that let
+        a ``ray.shutdown()`` in (``None``: it stopped)."""
+        if not self.plain:
+            ref = getattr(self.handle(fresh), proto.POLL).remote(self.caller, answers, running, POLL_S)
+            reply: PollReply = ray.get(ref, timeout=POLL_S + 30)
+            return reply
+        with background.held(f"poll {self.what}"):
+            ref = getattr(self.handle(fresh), proto.POLL).remote(self.caller, answers, running, POLL_S)
+        got: PollReply | None = background.get(
+            ref, timeout=POLL_S + 30, stopped=lambda: self.stopped, what=f"poll {self.what}"
+        )
+        return got
 
     def _run(self, requests: tuple[Request, ...]) -> None:
         """Start the calls; wait a moment so that quick ones' answers ride on the next poll."""
@@ -182,7 +287,8 @@ class _Endpoint:
                 self.outbox.append(answer)
                 return
         try:
-            getattr(self.handle(False), proto.ANSWER).remote(self.caller, [answer])
+            with background.held(f"answer {self.what}") if self.plain else contextlib.nullcontext():
+                getattr(self.handle(False), proto.ANSWER).remote(self.caller, [answer])
         except Exception as err:  # the hub restarting: it re-delivers what it has no answer for
             logger.debug("%s: answer lost (%s)", self.what, err)
 

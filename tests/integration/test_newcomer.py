@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
@@ -11,9 +10,7 @@ import ray
 import torch
 
 import raysync
-from raysync import _protocol as proto
 from raysync.client.deadline import ANSWER_GRACE_S
-from raysync.receivers import follower as follower_module
 from tests._support import (
     CLIENT_MARGIN_S,
     assert_same_weights,
@@ -142,44 +139,32 @@ def test_lag_counts_versions_not_numbers(hub: raysync.HubClient, hub_name: str) 
     assert row["applied"] == first and row["lag"] == 1
 
 
-def _long_polling(thread: threading.Thread) -> bool:
-    """Whether ``thread`` is inside its long poll at the hub (``call_hub(..., WAIT_NEWER, ...)``)."""
-    frame = sys._current_frames().get(thread.ident or 0)
-    while frame is not None:
-        if frame.f_code.co_name == "call_hub" and frame.f_locals.get("method") == proto.WAIT_NEWER:
-            return True
-        frame = frame.f_back
-    return False
+def _polls(hub_name: str) -> list[threading.Thread]:
+    """This process's threads that poll hub ``hub_name`` (or its node's relay) for their calls."""
+    return [t for t in threading.enumerate() if t.name.startswith("raysync-poll-") and hub_name in t.name]
 
 
-def test_a_follower_stops_at_once_without_sitting_out_its_long_poll(
-    hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch
+def test_a_stopped_follower_takes_no_version_and_the_last_one_ends_its_process_poll(
+    hub: raysync.HubClient, hub_name: str
 ) -> None:
-    """``Follower.stop()`` used to wait for the long poll its thread was in (up to 5 s after
-    every apply); its thread ends at once now, and the stopped follower takes no further version.
-
-    Here the long poll waits a minute at the hub: a ``stop()`` that sat it out would take that
-    long (or leave the thread polling once its join gave up)."""
-    long_poll_s = 60.0
-    monkeypatch.setattr(follower_module, "_POLL_S", long_poll_s)
+    """Two Followers in this plain process hear of versions through one poll of its node's delivery.
+    One stops: it takes no further version and leaves the hub, the other goes on; once the
+    last one stops, the process polls no more (no thread left behind)."""
     trainer = small_policy(0)
     hub.push(trainer)
     follower = raysync.follow(small_policy(1), "policy", hub=hub_name)
     witness = raysync.follow(small_policy(2), "policy", hub=hub_name)  # goes on following
     try:
         follower.wait_for(1, timeout=30)
-        thread = follower._thread
-        assert thread is not None
-        wait_for_condition(lambda: _long_polling(thread), timeout=30, what="the follower's next long poll")
-        t0 = time.monotonic()
+        assert _polls(hub_name), "the followers' process polls for the hub's calls"
         follower.stop()
-        took = time.monotonic() - t0
-        assert not thread.is_alive(), "stop() returned with the follower's thread still in its long poll"
-        assert took < long_poll_s, f"stop() took {took:.1f} s: it sat out the long poll"
+        assert follower.sub_id not in {r["subscriber"] for r in hub.status()["subscribers"]}
         with torch.no_grad():
             next(iter(trainer.parameters())).add_(1.0)
         v = hub.push(trainer)
         witness.wait_for(v, timeout=30)  # a follower that still followed would have it by now too
+        hub.wait(v, timeout=30)  # the stopped one is not waited for
         assert follower.version == 1
     finally:
         witness.stop()
+    wait_for_condition(lambda: not _polls(hub_name), timeout=30, what="the process's poll ended")

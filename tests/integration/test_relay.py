@@ -105,21 +105,48 @@ def _check_all(hub: raysync.HubClient, actors: list[Any], version: int, seed: in
         assert_same_weights(ray.get(actor.weights.remote()), expected)
 
 
+@ray.remote(num_cpus=0)
+class _Engine:
+    """An undecorated actor whose engine-like target (a ``WeightsLoader``) a Follower feeds."""
+
+    def __init__(self, hub_name: str) -> None:
+        self.params: dict[str, Any] = {}
+        loader = raysync.WeightsLoader(lambda pairs: self.params.update((k, v.clone()) for k, v in pairs))
+        self.follower = raysync.follow(target=loader, hub=hub_name)
+
+    def held(self) -> tuple[int | None, dict[str, Any]]:
+        with self.follower.paused():
+            return self.follower.version, dict(self.params)
+
+
 def test_one_hub_message_per_node_for_every_kind(hub: raysync.HubClient, hub_name: str) -> None:
     copies = [make_collector(hub_name).remote() for _ in range(2)]
     view = make_collector(hub_name, apply="view").remote()
     prefetching = make_collector(hub_name, prefetch=True).remote()
     puller = make_collector(hub_name, mode="pull").remote()
+    engine = _Engine.remote(hub_name)  # a Follower in an actor, and one in this plain process
+    evaluator = small_policy(9)
+    follower = raysync.follow(evaluator, hub=hub_name, label="evaluator")
     batched = [*copies, view, prefetching]
-    ray.get([a.raysync_version.remote() for a in [*batched, puller]])
+    ray.get([a.raysync_version.remote() for a in [*batched, puller]] + [engine.held.remote()])
     relay = _relay(hub)
     assert hub.status()["delivery"]["nodes"] == [ray.get_runtime_context().get_node_id()]
     _until_rung(hub, lambda: hub.push(small_policy(0)), _relay_stats(relay))  # it serves the node now
     for seed in (1, 2, 3):
-        before = _calls(hub)
+        before, delivered = _calls(hub), ray.get(relay.stats.remote())["delivered"]
         v = hub.push(small_policy(seed))
         _check_all(hub, batched, v, seed)
         assert _calls(hub) - before == 1  # one message for the node, whatever the subscribers on it
+        # the Followers heard of it from the relay too (called: they have no doorbell), none by a
+        # long poll of their own; each holds what it reports, bit for bit
+        assert ray.get(relay.stats.remote())["delivered"] - delivered >= 3  # + the prefetching one
+        version, params = ray.get(engine.held.remote(), timeout=60)
+        assert version == v
+        assert_same_weights(params, small_policy(seed).state_dict())
+        assert follower.wait_for(v, timeout=60) == v
+        with follower.paused():
+            assert_same_weights(evaluator.state_dict(), small_policy(seed).state_dict())
+    follower.stop()
     stats = ray.get(relay.stats.remote())
     assert stats["deliveries"] >= 3
     # the hub's and the relay's start-up objects (Ray's and raysync's imports) are out of the

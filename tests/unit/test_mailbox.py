@@ -256,6 +256,26 @@ def test_a_poll_left_open_by_a_replaced_process_takes_no_call() -> None:
     asyncio.run(main())
 
 
+def test_a_newer_poll_of_one_process_takes_the_calls_and_ends_the_older_one() -> None:
+    """A process whose poller stopped and began anew (its last Follower stopped, then another
+    started), or that gave up on a poll's reply, polls again while its older poll is still open
+    at the hub: the older one ends at once, empty, and a call goes with the newer one, never
+    into a reply nobody reads (lost until LOST_S)."""
+
+    async def main() -> None:
+        mail = _mail()
+        old = asyncio.create_task(mail.poll(A1, [], [], timeout=5))
+        await asyncio.sleep(0.01)
+        new = asyncio.create_task(mail.poll(A1, [], [], timeout=5))
+        assert await asyncio.wait_for(old, 1) == ()  # superseded at once (its timeout is 5 s)
+        call = mail.call(A1.actor_id, proto.NOTIFY, _ann(5))
+        (req,) = await asyncio.wait_for(new, 4)
+        await mail.poll(A1, [Answer(req.req_id, ApplyReport(applied=5))], [], timeout=0)
+        assert (await call).applied == 5
+
+    asyncio.run(main())
+
+
 def test_a_process_that_stopped_polling_leaves_no_mailbox(monkeypatch: pytest.MonkeyPatch) -> None:
     """Subscriber processes come and go: the hub (or relay) keeps a mailbox only for those that poll."""
     monkeypatch.setattr(mailbox, "_CHECK_S", 0.02)

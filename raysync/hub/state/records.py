@@ -110,13 +110,18 @@ class Subscriber:
         return self.info.mode
 
     @property
+    def pushed(self) -> bool:
+        """Whether the hub hands it versions: push subscribers and Followers (not pull ones)."""
+        return self.info.mode != "pull"
+
+    @property
     def waited_for(self) -> bool:
         """Whether a wait counts it without ``include_pull``: push and follow subscribers."""
         return self.info.mode != "pull"
 
     def relay_member(self) -> RelayMember:
         """What its node's relay (or the hub, on its own node) needs to hand it a version."""
-        return RelayMember(self.info.actor_id, self.info.batch, self.info.doorbell, self.doorbell_key)
+        return RelayMember(self.info.address, self.info.batch, self.info.doorbell, self.doorbell_key)
 
     @functools.cached_property
     def schema_key(self) -> Any:

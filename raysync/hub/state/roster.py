@@ -57,7 +57,7 @@ class Roster:
             self.remove(old)
         self.tables.subs[sub.sub_id] = sub
         self.tables.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
-        sub.via_node = self.tables.relay and sub.mode == "push" and bool(sub.info.node_id)
+        sub.via_node = self.tables.relay and sub.pushed and bool(sub.info.node_id)
         if sub.group is not None:
             node = sub.info.node_id if sub.via_node else None
             group = self.tables.groups.setdefault(sub.group, DeliveryGroup(node_id=node))

@@ -287,7 +287,7 @@ class Versions:
             s
             for s in group.members.values()
             if s.state != "dead"
-            and s.mode == "push"
+            and s.pushed
             and s.reachable
             and not s.relay_pending
             and newest.version > max(s.applied or 0, s.sent)
