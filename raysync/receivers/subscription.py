@@ -83,6 +83,8 @@ class _Subscription(PullSync, LocalChanges):
             guard=self._write_lock,
         )
         self._prefetching = False
+        self._offered: Announcement | None = None  # the newest version delivered for the prefetcher
+        self._offer_cv = threading.Condition()
         self._deferred: asyncio.Task[None] | None = None  # an apply waiting for async methods to return
         # Threaded actors: a delivered version whose apply waits for running methods (see receive).
         self._defer_lock = threading.Lock()
@@ -274,6 +276,10 @@ class _Subscription(PullSync, LocalChanges):
             if defer and self._prefetching and self.applier.stages(manifest):
                 # The prefetcher stages it and swaps it in between method calls (and reports
                 # then): the hub's call must not fetch it a second time meanwhile.
+                with self._offer_cv:
+                    if self._offered is None or version > self._offered.version:
+                        self._offered = Announcement(self.spec.model_id, version, manifest, tuple(refs))
+                    self._offer_cv.notify_all()
                 return ApplyReport(applied=self.version, deferred=version)
         step = self.applier.prepare(version, manifest, refs, timeout=fetch_timeout)
         if isinstance(step, ApplyReport):
@@ -359,12 +365,25 @@ class _Subscription(PullSync, LocalChanges):
         thread.daemon = True
         thread.start()
 
+    def _next_to_prefetch(self, known: int) -> Announcement | None:
+        """A version newer than ``known`` to stage, within 30 s (``None``: none came). In push mode
+        the node's delivery hands it over (:meth:`receive`), as it hands every version to every
+        receiver; a pull subscription asks the hub (pull is how it learns of versions)."""
+        if self.spec.mode == "push":
+            with self._offer_cv:
+                self._offer_cv.wait_for(
+                    lambda: self._offered is not None and self._offered.version > known, timeout=30.0
+                )
+                offered, self._offered = self._offered, None
+            return offered if offered is not None and offered.version > known else None
+        return membership().calls(self, timeout=90).wait_newer(self.spec.model_id, known, 30.0)
+
     def _prefetch_loop(self) -> None:
         """Background: wait for a newer version, copy its changed buckets into the spare buffers."""
         known = self.version or 0
         while True:
             try:
-                info = membership().calls(self, timeout=90).wait_newer(self.spec.model_id, known, 30.0)
+                info = self._next_to_prefetch(known)
             except UnknownModelError:  # a restarted hub that kept nothing yet
                 time.sleep(1.0)
                 continue
