@@ -327,9 +327,6 @@ class Follower:
             return ApplyReport(applied=self.version, skipped=announcement.version)
         return self._apply(announcement)
 
-    def _raysync_ping(self) -> bool:
-        return True
-
     def _take(self, ann: Announcement) -> ApplyReport:
         """Apply ``ann`` and tell the hub (what it hands a registration, and retries)."""
         report = self._apply(ann)
