@@ -8,7 +8,7 @@ measured is the control plane. As ``@synced_model`` processes do, each actor
 has a doorbell that its node's relay (on the hub's node, the hub) rings once per
 version for all its subscriptions; with ``--no-doorbell`` each subscription is
 notified by its own Ray call (what one ``@synced_model`` actor per subscription
-cost before doorbells), or one per actor with ``--batch``. With ``--followers`` the
+cost before doorbells). With ``--followers`` the
 subscriptions are real Followers (:class:`raysync.Follower`) in those actors, each feeding a
 ``WeightsLoader`` that keeps nothing (what an inference engine's follower is): they
 register themselves, fetch every version and hear of it from their node's relay like
@@ -79,9 +79,6 @@ class LightSubscribers:
 
     async def _raysync_notify(self, a: Announcement) -> ApplyReport:
         return ApplyReport(applied=a.version, apply_s=0.0)
-
-    async def _raysync_notify_batch(self, a: Announcement) -> list[ApplyReport]:
-        return [ApplyReport(applied=a.version, apply_s=0.0) for _ in a.sub_ids]
 
     async def _raysync_ping(self) -> bool:
         return True
@@ -155,7 +152,6 @@ def measure(
                 actor_id=aid,
                 class_name="LightSubscribers",
                 node_id=node,
-                batch=args.batch,
                 doorbell=bells[actor][0] if bells[actor] else None,
             )
             key = bells[actor][1] if bells[actor] else None
@@ -201,7 +197,6 @@ def measure(
             "nodes": nodes,
             "subscriptions": n,
             "delivery": delivery,
-            "batch": args.batch,
             "doorbell": args.doorbell and not args.followers,
             "followers": args.followers,
             "actors": len(used),
@@ -264,9 +259,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delivery", nargs="+", choices=["relay", "direct"], default=["relay", "direct"])
     p.add_argument("--actors-per-node", type=int, default=2, help="light actors holding the subscriptions")
     p.add_argument("--cpus-per-node", type=int, default=1)
-    p.add_argument(
-        "--batch", action="store_true", help="one call per actor (NOTIFY_BATCH), not per subscription"
-    )
     p.add_argument(
         "--no-doorbell",
         dest="doorbell",

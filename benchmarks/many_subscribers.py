@@ -3,8 +3,8 @@
 The subscribers are light: ``--actors`` async Ray actors each hold N / actors
 subscriptions of one model and answer the hub's notification at once
 (``{"applied": version}``) without fetching anything, so what is measured is
-the hub's own work per version: stamping, one notification per subscriber
-(or one per actor with ``--batch``), recording N replies and answering
+the hub's own work per version: stamping, one notification per subscriber,
+recording N replies and answering
 ``hub.wait``. They register with the hub actor directly, the way a
 ``@synced_model`` actor does (``hub.actor.register.remote(Registration(...))``,
 the typed message of :mod:`raysync._protocol`).
@@ -27,15 +27,15 @@ small model ``--pushes`` times and reports, medians over the pushes:
     the hub process's resident memory after the last push; ``reg_s`` is the
     time to register all N subscribers, ``status_ms`` one ``hub.status()``.
 
-Modes (``--mode``): ``single``: each subscription gets its own notification
-call (what N separate ``@synced_model`` actors cost the hub); ``batch``: the
-subscriptions register with ``SubscriberInfo(batch=True)`` and the hub sends one
-call per actor carrying all of that actor's subscriptions (what a per-node
-adapter holding many subscriptions would cost).
+Mode (``--mode``): ``single``, the only one now: each subscription gets its own
+notification call (what N separate ``@synced_model`` actors without doorbells cost the
+hub). The ``batch`` mode of earlier runs (one call per actor for all its subscriptions)
+is gone with the batched call: a process holding many subscriptions is rung once per
+version by its node's doorbell instead (``hub_cost.py``).
 
 Run::
 
-    python benchmarks/many_subscribers.py                          # N = 100 1000 10000, both modes
+    python benchmarks/many_subscribers.py                          # N = 100 1000 10000
     python benchmarks/many_subscribers.py --subscribers 1000 --mode single --pushes 3
 
 Results: a table on stdout and JSON in ``--json`` (default
@@ -80,11 +80,6 @@ class LightSubscribers:
         self.newest = max(self.newest, a.version)
         return ApplyReport(applied=a.version, apply_s=0.0)
 
-    async def _raysync_notify_batch(self, a: Announcement) -> list[ApplyReport]:
-        self.calls += 1
-        self.newest = max(self.newest, a.version)
-        return [ApplyReport(applied=a.version, apply_s=0.0) for _ in a.sub_ids]
-
     async def _raysync_ping(self) -> bool:
         return True
 
@@ -104,7 +99,6 @@ def register_light(
     n: int,
     actors: Sequence[Any],
     *,
-    batch: bool,
     schema: dict[str, Any] | None = None,
     chunk: int = 2000,
 ) -> list[str]:
@@ -116,7 +110,7 @@ def register_light(
     for i in range(n):
         k = i % len(actors)
         sub_id = f"light-{ids[k][:8]}-{i}:{model_id}"
-        info = SubscriberInfo(actor_id=ids[k], class_name="LightSubscribers", batch=batch)
+        info = SubscriberInfo(actor_id=ids[k], class_name="LightSubscribers")
         pending.append(hub.actor.register.remote(Registration(sub_id, model_id, True, info, schema)))
         sub_ids.append(sub_id)
         if len(pending) >= chunk:
@@ -136,7 +130,7 @@ def measure(n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     model = harness.small_policy()
     try:
         t = time.perf_counter()
-        register_light(hub, "policy", n, actors, batch=mode == "batch")
+        register_light(hub, "policy", n, actors)
         reg_s = time.perf_counter() - t
         rss_reg = proc.memory_info().rss
         hub.wait(hub.push(model), timeout=args.timeout)  # warm-up: first delivery to every subscriber
@@ -203,7 +197,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--subscribers", type=int, nargs="+", default=[100, 1000, 10000])
-    p.add_argument("--mode", nargs="+", choices=["single", "batch"], default=["single", "batch"])
+    p.add_argument("--mode", nargs="+", choices=["single"], default=["single"])
     p.add_argument("--actors", type=int, default=4, help="light actors holding the subscriptions")
     p.add_argument("--pushes", type=int, default=5, help="timed pushes per configuration (medians)")
     harness.add_options(p, timeout=600.0, json=DEFAULT_JSON)

@@ -25,7 +25,6 @@ __all__ = [
     "HEARTBEAT",
     "HEARTBEAT_S",
     "NOTIFY",
-    "NOTIFY_BATCH",
     "PING",
     "POLL",
     "PUBLISH",
@@ -67,9 +66,8 @@ HEARTBEAT_S = 2.0
 # would have to load its class, so import its code): they queue each call as a Request, which
 # the subscriber's process collects with a long poll (POLL), runs, and answers (Answer).
 NOTIFY = "_raysync_notify"
-"""``(announcement) -> ApplyReport``: apply this version (push mode)."""
-NOTIFY_BATCH = "_raysync_notify_batch"
-"""``(announcement) -> list[ApplyReport]``: one per ``announcement.sub_ids`` (batched subscriptions)."""
+"""``(announcement) -> ApplyReport``: apply this version (push mode); ``announcement.sub_ids``
+names the subscription, so each receiver in a process answers its own."""
 PING = "_raysync_ping"
 """``() -> True``."""
 
@@ -139,7 +137,6 @@ class SubscriberInfo:
         pid: its process.
         attr: the attribute that holds the module.
         placement: where an adapter runs (placement group, bundle).
-        batch: subscriptions of one actor share one notification call.
         job_id: the Ray job of a plain process (the hub drops it when that job ends).
         doorbell: the address of its process's doorbell (:mod:`raysync.transports.doorbell`):
             its node's relay rings it instead of calling the actor, for small versions.
@@ -153,7 +150,6 @@ class SubscriberInfo:
     pid: int | None = None
     attr: str | None = None
     placement: dict[str, Any] | None = None
-    batch: bool = False
     job_id: str | None = None
     doorbell: str | None = None
 
@@ -249,7 +245,7 @@ class Announcement:
         version: the hub's stamp.
         manifest: the buckets' layout (a :class:`raysync.core.layout.Manifest`).
         refs: one ``ObjectRef`` per bucket.
-        sub_ids: the subscriptions it is for (a batched notification), else empty.
+        sub_ids: the subscription a call is for (``()``: handed out on registration or pull).
     """
 
     model_id: str

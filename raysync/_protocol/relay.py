@@ -23,16 +23,13 @@ class RelayMember:
 
     Attributes:
         actor_id: its process's call address (its actor, or ``job:<id>`` for a plain
-            process), whose poll collects its calls (subscriptions of one actor with
-            ``batch`` share one call).
-        batch: notify it with :data:`NOTIFY_BATCH` (one call for all its subscriptions).
+            process), whose poll collects its calls.
         doorbell: its process's doorbell address: ring it instead of calling, where the
             version fits (:mod:`raysync.transports.doorbell`).
         doorbell_key: the doorbell's secret (rings carry a MAC made with it).
     """
 
     actor_id: str | None = None
-    batch: bool = False
     doorbell: str | None = None
     doorbell_key: bytes | None = dataclasses.field(default=None, repr=False)
 

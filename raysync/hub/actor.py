@@ -337,11 +337,7 @@ class WeightHub:
 
     # ------------------------------------------------------------------ subscribers
     async def register(self, reg: Registration) -> Announcement | None:
-        """Add (or re-add, after a restart) a subscriber; return the newest version to start from.
-
-        With ``reg.info.batch`` (and an actor id), every subscription of one actor to one
-        model is notified by a single :data:`~raysync._protocol.NOTIFY_BATCH` call.
-        """
+        """Add (or re-add, after a restart) a subscriber; return the newest version to start from."""
         self._liveness.start_sweeper()
         sub, replaced, newest = self._state.register(reg)
         if replaced is not None:

@@ -1,5 +1,5 @@
-"""How the hub hands versions out: per subscriber, per batched actor, through a node's relay,
-or on its own node itself (doorbells and calls); at most one delivery in flight per subscriber
+"""How the hub hands versions out: through a node's relay, on its own node itself, or per
+subscriber without relays (doorbells and calls); at most one delivery in flight per subscriber
 or group, always the newest version.
 
 :class:`~raysync.hub.actor.WeightHub` holds one :class:`Delivery`: the actor keeps the Ray face
@@ -18,7 +18,6 @@ import ray
 
 from raysync import _protocol as proto
 from raysync._protocol import ApplyReport, RelayDelivery, RelayReply
-from raysync.errors import ApplyError
 from raysync.hub import metrics
 from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberUnreachable
 from raysync.hub.relay import (
@@ -121,10 +120,7 @@ class Delivery:
         if key is not None:
             group = self._state.groups.get(key)
             if group is not None and not self.delivering(group):
-                if group.node_id is not None:
-                    self._start(group, self._deliver_relay(sub.model_id, group))
-                else:
-                    self._start(group, self._deliver_group(sub.model_id, group))
+                self._start(group, self._deliver_relay(sub.model_id, group))
         elif not self.delivering(sub):
             self._start(sub, self._deliver(sub))
 
@@ -162,39 +158,6 @@ class Delivery:
                 self._state.delivery_failed(sub, due.version, err)
                 return
             self._record(sub, report)
-
-    async def _deliver_group(self, model_id: str, group: DeliveryGroup) -> None:
-        """Batched delivery: one call carries every member that lacks the newest version.
-
-        Each member is in at most one call at a time and gets the newest version,
-        exactly as with :meth:`_deliver`; the actor answers one report per member.
-        """
-        while True:
-            newest, due = self._state.due_in_group(model_id, group)
-            if newest is None or not due:
-                return
-            for sub in due:
-                sub.sent = newest.version
-            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-            self._state.delivery_calls += 1
-            try:
-                reports = await self._mail.call(_address(due[0]), proto.NOTIFY_BATCH, announcement)
-                if len(reports) != len(due):
-                    raise ApplyError(f"batched notify: {len(reports)} reports for {len(due)} subscribers")
-            except SubscriberGone as err:
-                for sub in list(group.members.values()):
-                    self._drop(sub, f"actor died ({err})")
-                return
-            except SubscriberUnreachable as err:
-                for sub in due:
-                    self._state.unreachable(sub, err)
-                return
-            except Exception as err:
-                for sub in due:
-                    self._state.delivery_failed(sub, newest.version, err)
-                return
-            for sub, report in zip(due, reports, strict=True):
-                self._record(sub, report)
 
     async def _deliver_relay(self, model_id: str, group: DeliveryGroup) -> None:
         """Deliver through the node's relay: one message per version for every member that lacks it.

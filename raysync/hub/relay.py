@@ -4,9 +4,9 @@ Without relays the hub makes one Ray call per subscriber per version (about a
 millisecond of hub CPU each). With them the hub's work per version grows with
 the number of nodes that have subscribers: one :class:`~raysync._protocol.RelayDelivery`
 per node carries every subscription there, the relay makes the node-local calls
-(one per subscriber, or one per actor for batched subscriptions; each queued for the
-subscriber's process, which polls the relay for them: :mod:`raysync.hub.mailbox`) and
-answers the hub with every subscriber's report in one :class:`~raysync._protocol.RelayReply`.
+(one per subscriber, each queued for the subscriber's process, which polls the relay for
+them: :mod:`raysync.hub.mailbox`) and answers the hub with every subscriber's report in one
+:class:`~raysync._protocol.RelayReply`.
 Versions up to a few MiB go without a Ray call per subscriber at all: the relay
 writes them once into the node's shared memory and rings each subscriber
 process's doorbell (:mod:`raysync.transports.doorbell`).
@@ -391,11 +391,10 @@ def _acks_of(sub_ids: tuple[str, ...], fut: asyncio.Future[Any]) -> list[RelayAc
         return [RelayAck(s, None, "unreachable", _plain(err)) for s in sub_ids]
     except Exception as err:
         return [RelayAck(s, None, "failed", _plain(err)) for s in sub_ids]
-    reports: list[ApplyReport] = reply if isinstance(reply, list) else [reply]
-    if len(reports) != len(sub_ids):
-        wrong = RuntimeError(f"batched notify: {len(reports)} reports for {len(sub_ids)} subscriptions")
+    if not isinstance(reply, ApplyReport):
+        wrong = RuntimeError(f"a notify answered {type(reply).__name__}, not an ApplyReport")
         return [RelayAck(s, None, "failed", wrong) for s in sub_ids]
-    return [RelayAck(s, r) for s, r in zip(sub_ids, reports, strict=True)]
+    return [RelayAck(s, reply) for s in sub_ids]
 
 
 async def notify_members(
@@ -405,7 +404,7 @@ async def notify_members(
     *,
     window: float | None = ACK_WINDOW_S,
 ) -> tuple[list[RelayAck], Late, int]:
-    """Hand a version to ``members`` (one call each, one per actor for batched ones).
+    """Hand a version to ``members`` (one call each).
 
     What a relay does on its node, and what the hub does itself while a node's
     relay is not up (starting, restarting). Returns the acks of the calls that
@@ -417,18 +416,12 @@ async def notify_members(
     """
     a = announcement
     calls: Late = []
-    batched: dict[str, list[str]] = {}
     for sub_id, member in members.items():
         if member.actor_id is None:  # nothing to call: it registers again, and starts from the newest
             calls.append(((sub_id,), _failed(SubscriberUnreachable(f"{sub_id} names no process"))))
-        elif member.batch:
-            batched.setdefault(member.actor_id, []).append(sub_id)
         else:
             single = Announcement(a.model_id, a.version, a.manifest, a.refs, (sub_id,))  # routed by it
             calls.append(((sub_id,), call(member.actor_id, proto.NOTIFY, single)))
-    for actor_id, sub_ids in batched.items():
-        ann = Announcement(a.model_id, a.version, a.manifest, a.refs, tuple(sub_ids))
-        calls.append((tuple(sub_ids), call(actor_id, proto.NOTIFY_BATCH, ann)))
     if calls and window != 0.0:
         await asyncio.wait([fut for _, fut in calls], timeout=window)
     acks = [ack for ids, fut in calls if fut.done() for ack in _acks_of(ids, fut)]

@@ -13,8 +13,9 @@ from typing import Any
 import ray
 
 import raysync
-from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
+from raysync._protocol import Announcement, ApplyReport, Registration, Ring, SubscriberInfo
 from raysync.receivers.membership import membership
+from raysync.transports.doorbell import doorbell
 from tests._support import small_policy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,57 +23,71 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @ray.remote(num_cpus=0)
 class LightSubscribers:
-    """Stands in for many subscribers: acknowledges every notification, remembers what it got."""
+    """Stands in for many subscribers of one process: acknowledges every call and every ring at
+    once, remembers what it got."""
 
     def __init__(self, hub_name: str) -> None:
-        self.single_calls = 0
-        self.batch_calls: list[tuple[int, list[str]]] = []
+        self.calls_seen = 0
+        self.rings: set[tuple[int, tuple[str, ...]]] = set()  # (version, the ring's subscriptions)
         # Answer the calls the hub queues for this actor, as every subscriber process does.
         hub = SimpleNamespace(hub_name=hub_name, hub_namespace=None)
         membership().serve(hub, self)  # type: ignore[arg-type]
 
     async def _raysync_notify(self, a: Announcement) -> ApplyReport:
-        self.single_calls += 1
+        self.calls_seen += 1
         return ApplyReport(applied=a.version)
 
-    async def _raysync_notify_batch(self, a: Announcement) -> list[ApplyReport]:
-        self.batch_calls.append((a.version, list(a.sub_ids)))
-        return [ApplyReport(applied=a.version) for _ in a.sub_ids]
+    def _rung(self, ring: Ring, segment: Any) -> ApplyReport:
+        self.rings.add((ring.version, tuple(ring.sub_ids)))
+        return ApplyReport(applied=ring.version)
 
-    async def _raysync_ping(self) -> bool:
-        return True
+    async def doorbell(self, sub_ids: list[str]) -> tuple[str, bytes]:
+        """Answer rings for ``sub_ids`` as a ``@synced_model`` process would; address and key."""
+        bell = doorbell()
+        assert bell is not None, "no doorbell on this machine"
+        for sub_id in sub_ids:
+            bell.register(sub_id, self._rung)
+        return bell.address, bell.key
 
-    async def calls(self) -> tuple[int, list[tuple[int, list[str]]]]:
-        return self.single_calls, self.batch_calls
+    async def seen(self) -> tuple[int, list[tuple[int, tuple[str, ...]]]]:
+        return self.calls_seen, sorted(self.rings)
 
 
-def _register(hub: raysync.HubClient, actor: Any, count: int, *, batch: bool, tag: str) -> list[str]:
-    actor_id = actor._actor_id.hex()
-    info = SubscriberInfo(actor_id=actor_id, class_name="LightSubscribers", batch=batch)
+def _register(hub: raysync.HubClient, actor: Any, count: int, *, rung: bool, tag: str) -> list[str]:
+    """``count`` subscriptions held by ``actor``'s process on this node; ``rung``: by its doorbell."""
     sub_ids = [f"{tag}-{i}:policy" for i in range(count)]
-    ray.get([hub.actor.register.remote(Registration(s, "policy", True, info)) for s in sub_ids])
+    address, key = ray.get(actor.doorbell.remote(sub_ids)) if rung else (None, None)
+    node = ray.get_runtime_context().get_node_id()
+    info = SubscriberInfo(
+        actor_id=actor._actor_id.hex(), class_name="LightSubscribers", node_id=node, doorbell=address
+    )
+    regs = [Registration(s, "policy", True, info, doorbell_key=key) for s in sub_ids]
+    ray.get([hub.actor.register.remote(reg) for reg in regs])
     return sub_ids
 
 
 def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -> None:
-    """100 subscriptions notified one by one, 800 + 100 batched per actor; then one actor dies."""
+    """100 subscriptions called one by one, 800 + 100 of two processes rung once per process and
+    version (the node's delivery: the hub, on its own node); then one process dies."""
     light: Any = LightSubscribers.options(max_concurrency=2000)  # type: ignore[attr-defined]
-    single, batched, doomed = (light.remote(hub.name) for _ in range(3))
+    single, rung, doomed = (light.remote(hub.name) for _ in range(3))
     try:
-        _register(hub, single, 100, batch=False, tag="one")
-        batched_ids = _register(hub, batched, 800, batch=True, tag="many")
-        _register(hub, doomed, 100, batch=True, tag="doomed")
+        _register(hub, single, 100, rung=False, tag="one")
+        rung_ids = _register(hub, rung, 800, rung=True, tag="many")
+        _register(hub, doomed, 100, rung=True, tag="doomed")
         model = small_policy()
         for _ in range(2):
             v = hub.push(model, wait=True, timeout=120)
         subs = hub.status()["subscribers"]
         assert len(subs) == 1000
         assert {s["applied"] for s in subs} == {v}
-        single_calls, batch_calls = ray.get(single.calls.remote())[0], ray.get(batched.calls.remote())[1]
-        assert single_calls == 2 * 100  # one notification per subscription and version
-        # Batched: each version reached all 800 subscriptions in one call (or a few, never one each).
-        assert sorted(s for ver, ids in batch_calls if ver == v for s in ids) == sorted(batched_ids)
-        assert len(batch_calls) <= 4
+        assert ray.get(single.seen.remote())[0] == 2 * 100  # one call per subscription and version
+        # Rung: each version reached all 800 subscriptions of the process in one ring (a few at most,
+        # never one each), and none of them by a call.
+        calls, rings = ray.get(rung.seen.remote())
+        assert calls == 0
+        assert sorted(s for ver, ids in rings if ver == v for s in ids) == sorted(rung_ids)
+        assert len([ids for ver, ids in rings if ver == v]) <= 4
 
         ray.kill(doomed)
         v = hub.push(model, wait=True, timeout=60)  # returns: a dead actor's subscriptions are dropped
@@ -81,7 +96,7 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
         assert not any(s["subscriber"].startswith("doomed") for s in subs)
         assert {s["applied"] for s in subs} == {v}
     finally:
-        for actor in (single, batched, doomed):
+        for actor in (single, rung, doomed):
             ray.kill(actor)
 
 

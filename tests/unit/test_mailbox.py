@@ -141,32 +141,30 @@ class _Process:
         if self.fail:
             self.mail.answer(self.caller, [Answer(req.req_id, error=RuntimeError("out of memory"))])
             return
-        value: Any = ApplyReport(applied=a.version)
-        if req.method == proto.NOTIFY_BATCH:
-            value = [ApplyReport(applied=a.version) for _ in a.sub_ids]
-        self.mail.answer(self.caller, [Answer(req.req_id, value)])
+        self.mail.answer(self.caller, [Answer(req.req_id, ApplyReport(applied=a.version))])
 
 
-def test_a_node_delivery_batches_per_actor_and_slow_acks_come_later() -> None:
-    """One call per plain subscriber, one per batched actor; a slow process's ack is late, not lost."""
+def test_a_node_delivery_calls_each_subscription_by_name_and_slow_acks_come_later() -> None:
+    """One call per subscription, naming it (two of one process: two calls, each answered by its
+    own receiver); a slow process's ack is late, not lost."""
 
     async def main() -> None:
         mail = _mail()
         quick = _Process(mail, Caller("q" * 32, 1))
-        batched = _Process(mail, Caller("b" * 32, 2))
+        shared = _Process(mail, Caller("b" * 32, 2))
         slow = _Process(mail, Caller("s" * 32, 3), delay_s=0.4)
         broken = _Process(mail, Caller("x" * 32, 4), fail=True)
-        tasks = [asyncio.create_task(p.run()) for p in (quick, batched, slow, broken)]
+        tasks = [asyncio.create_task(p.run()) for p in (quick, shared, slow, broken)]
         members = {
             "q:policy": RelayMember(quick.caller.actor_id),
-            "b1:policy": RelayMember(batched.caller.actor_id, batch=True),
-            "b2:policy": RelayMember(batched.caller.actor_id, batch=True),
+            "b1:policy": RelayMember(shared.caller.actor_id),
+            "b2:policy": RelayMember(shared.caller.actor_id),
             "s:policy": RelayMember(slow.caller.actor_id),
             "x:policy": RelayMember(broken.caller.actor_id),
         }
         acks, late, calls = await notify_members(_ann(7), members, mail.call, window=0.2)
-        assert calls == 4  # the two batched subscriptions share one call
-        assert batched.seen == [(proto.NOTIFY_BATCH, 7, ("b1:policy", "b2:policy"))]
+        assert calls == 5
+        assert sorted(shared.seen) == [(proto.NOTIFY, 7, ("b1:policy",)), (proto.NOTIFY, 7, ("b2:policy",))]
         outcome = {a.sub_id: (a.outcome, a.report.applied if a.report else None) for a in acks}
         assert outcome == {
             "q:policy": ("ok", 7),

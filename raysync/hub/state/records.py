@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -121,7 +122,7 @@ class Subscriber:
 
     def relay_member(self) -> RelayMember:
         """What its node's relay (or the hub, on its own node) needs to hand it a version."""
-        return RelayMember(self.info.address, self.info.batch, self.info.doorbell, self.doorbell_key)
+        return RelayMember(self.info.address, self.info.doorbell, self.doorbell_key)
 
     @functools.cached_property
     def schema_key(self) -> Any:
@@ -132,17 +133,10 @@ class Subscriber:
 
     @property
     def group(self) -> str | None:
-        """Subscriptions delivered together share one delivery loop.
-
-        Through relays (the default), every push subscription of a model on one node:
-        one message per node per version. Otherwise, subscriptions of one actor that
-        asked for batched notifications.
-        """
-        if self.via_node:
-            return f"{self.model_id}@node:{self.info.node_id}"
-        if not self.info.batch or not self.info.actor_id:
-            return None
-        return f"{self.model_id}/{self.info.actor_id}"
+        """Subscriptions delivered together share one delivery loop: through relays (the
+        default), every subscription of a model on one node, one message per node per version
+        (``None``: delivered alone, by its own call from the hub)."""
+        return f"{self.model_id}@node:{self.info.node_id}" if self.via_node else None
 
     def settled(self, version: int) -> bool:
         """Holds ``version`` (or newer), or failed to apply it: a wait for it no longer waits."""
@@ -157,8 +151,13 @@ class Subscriber:
 
     @classmethod
     def restored(cls, sub_id: str, record: dict[str, Any]) -> Subscriber:
-        """A subscription known from before a restart: waited for until it registers again."""
-        return cls(sub_id, record["model_id"], False, SubscriberInfo(**record["info"]), state="restoring")
+        """A subscription known from before a restart: waited for until it registers again.
+
+        The fields a record holds that this raysync no longer knows (written by an older one:
+        ``batch``) are left out."""
+        known = {f.name for f in dataclasses.fields(SubscriberInfo)}
+        info = SubscriberInfo(**{k: v for k, v in record["info"].items() if k in known})
+        return cls(sub_id, record["model_id"], False, info, state="restoring")
 
 
 @dataclass(eq=False)
@@ -188,7 +187,7 @@ class Waiter:
 
 @dataclass(eq=False)
 class DeliveryGroup:
-    """Subscriptions delivered by one message: one actor's batched ones, or one node's (via its relay)."""
+    """One node's subscriptions of one model, delivered by one message (to its relay, or the hub's own)."""
 
     members: dict[str, Subscriber] = field(default_factory=dict)
     node_id: str | None = None  # set: the members are delivered through this node's relay
