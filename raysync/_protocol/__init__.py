@@ -50,7 +50,9 @@ from raysync._protocol.messages import (
     Request,
     SubscriberInfo,
     WaitResult,
+    address_job,
     bucket_ids,
+    process_address,
 )
 from raysync._protocol.relay import (
     RelayAck,
@@ -102,7 +104,9 @@ __all__ = [
     "Ring",
     "SubscriberInfo",
     "WaitResult",
+    "address_job",
     "bucket_ids",
+    "process_address",
     "compact",
     "expand",
 ]

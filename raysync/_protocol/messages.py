@@ -47,7 +47,9 @@ __all__ = [
     "Request",
     "SubscriberInfo",
     "WaitResult",
+    "address_job",
     "bucket_ids",
+    "process_address",
 ]
 
 DEFAULT_HUB = "raysync"
@@ -155,14 +157,25 @@ class SubscriberInfo:
 
     @property
     def address(self) -> str | None:
-        """Where the hub's calls for it go: its actor, or ``job:<id>`` for a plain process."""
+        """Where the hub's calls for it go: its actor, or ``job:<job>/<node>/<pid>`` for a process
+        that is no actor (a driver, a Ray task's worker: one job may have many)."""
         if self.actor_id:
             return self.actor_id
-        return f"job:{self.job_id}" if self.job_id else None
+        return process_address(self.job_id, self.node_id, self.pid) if self.job_id else None
 
     def row(self) -> dict[str, Any]:
         """The fields as a plain dict (persisted, shown in status)."""
         return dataclasses.asdict(self)
+
+
+def process_address(job_id: str, node_id: str | None, pid: int | None) -> str:
+    """The call address of a process that is no actor: its job, node and pid (``job:...``)."""
+    return f"job:{job_id}/{node_id}/{pid}"
+
+
+def address_job(address: str) -> str | None:
+    """The job a :func:`process_address` names (``None``: an actor's address)."""
+    return address[4:].split("/", 1)[0] if address.startswith("job:") else None
 
 
 @dataclass(frozen=True)
@@ -198,7 +211,7 @@ class Caller:
     """A subscriber process polling the hub or a relay for the calls it is to answer.
 
     Attributes:
-        actor_id: the calls' address: its actor, or ``job:<id>`` for a plain process.
+        actor_id: the calls' address: its actor, or :func:`process_address` for a plain process.
         pid: its process: a new one (the actor restarted) fails calls handed to the old.
         node_id: its node (the hub answers with that node's relay, to poll too).
         relay: the relay it polls already (its name), if any.

@@ -22,7 +22,7 @@ class RelayMember:
     """A subscriber a node's relay delivers to: the hub tells it once, not per version.
 
     Attributes:
-        actor_id: its process's call address (its actor, or ``job:<id>`` for a plain
+        actor_id: its process's call address (its actor, or ``job:<job>/<node>/<pid>`` for a plain
             process), whose poll collects its calls.
         doorbell: its process's doorbell address: ring it instead of calling, where the
             version fits (:mod:`raysync.transports.doorbell`).

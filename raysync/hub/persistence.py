@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from raysync import _compat
+from raysync._protocol import address_job
 from raysync.hub.state import Model, Subscriber
 
 __all__ = ["HubStore", "actor_alive", "address_alive", "forget_hub", "lease_epoch", "writer_alive"]
@@ -212,10 +213,10 @@ def actor_alive(actor_id: str | None) -> bool:
 
 
 def address_alive(address: str | None) -> bool:
-    """Whether the process a call address names may still run: an actor, or ``job:<id>``'s driver."""
-    if address is not None and address.startswith("job:"):
-        return job_alive(address[4:])
-    return actor_alive(address)
+    """Whether the process a call address names may still run: an actor, or a process of a job
+    (:func:`~raysync._protocol.process_address`: while the job runs)."""
+    job = None if address is None else address_job(address)
+    return job_alive(job) if job is not None else actor_alive(address)
 
 
 def job_alive(job_id: str | None) -> bool:

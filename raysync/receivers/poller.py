@@ -13,7 +13,8 @@ Every receiver process hears of versions this one way: an actor's ``@synced_mode
 subscriptions and adapters (the actor answers), and Followers (:class:`~raysync.Follower`), in an
 actor or in a plain process (a driver, a torchrl worker), which each answer the calls for
 their own subscription (``sub_ids`` of the call's announcement). A plain process's calls are
-addressed to its Ray job (``job:<id>``), an actor's to the actor.
+addressed to its job, node and pid (``job:<job>/<node>/<pid>``: a driver and the workers of
+its Ray tasks share a job), an actor's to the actor.
 
 Example:
     >>> serve(hub, owner=self)   # in a subscriber actor's constructor
@@ -58,9 +59,10 @@ _LOCK = threading.Lock()
 
 
 def address() -> str:
-    """Where the hub's calls for this process go: its actor's id, or ``job:<id>`` for a plain process."""
+    """Where the hub's calls for this process go: its actor's id, or, for a process that is no
+    actor (a driver, a Ray task's worker), its job, node and pid (one job may have many)."""
     ctx = ray.get_runtime_context()
-    return ctx.get_actor_id() or f"job:{ctx.get_job_id()}"
+    return ctx.get_actor_id() or proto.process_address(ctx.get_job_id(), ctx.get_node_id(), os.getpid())
 
 
 def serve(hub: Any, owner: Any, *, sub_id: str | None = None) -> None:
@@ -203,7 +205,7 @@ class _Endpoint:
         self.lock = threading.Lock()
         self.stopped = False
         self.session: tuple[str, str] | None = None  # the Ray it polls in (node, job)
-        self.plain = caller.actor_id.startswith("job:")  # a plain process: its script may shut Ray down
+        self.plain = proto.address_job(caller.actor_id) is not None  # no actor: its script may shut Ray down
 
     def stop(self) -> None:
         """Poll no more (the poll open ends within :data:`POLL_S`), nor at the relay."""

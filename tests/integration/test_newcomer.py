@@ -168,3 +168,44 @@ def test_a_stopped_follower_takes_no_version_and_the_last_one_ends_its_process_p
     finally:
         witness.stop()
     wait_for_condition(lambda: not _polls(hub_name), timeout=30, what="the process's poll ended")
+
+
+@ray.remote(num_cpus=0)
+def _follow_in_a_task(hub_name: str, after: int) -> tuple[int | None, dict[str, torch.Tensor]]:
+    """A Follower in a Ray task's worker (no actor; the driver's job): it holds a version newer
+    than ``after`` the driver pushes once it sees this one registered."""
+    module = small_policy(7)
+    follower = raysync.follow(module, "policy", hub=hub_name, label="task follower")
+    try:
+        version = follower.wait_for(after + 1, timeout=60)
+        with follower.paused():
+            return version, {k: v.clone() for k, v in module.state_dict().items()}
+    finally:
+        follower.stop()
+
+
+def test_followers_in_the_driver_and_in_its_tasks_each_get_every_version(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    """A driver and the workers of its Ray tasks share one job: each process's Followers are
+    called at an address of their own (job, node, pid), never each other's."""
+    v1 = hub.push(small_policy(1))
+    mine = small_policy(8)
+    follower = raysync.follow(mine, "policy", hub=hub_name)
+    try:
+        task = _follow_in_a_task.remote(hub_name, v1)
+        wait_for_condition(
+            lambda: any(r["class_name"] == "task follower" for r in hub.status()["subscribers"]),
+            timeout=60,
+            what="the task's follower registered",
+        )
+        trained = small_policy(2)
+        v2 = hub.push(trained)
+        held, weights = ray.get(task, timeout=120)
+        assert held == v2
+        assert_same_weights(weights, trained.state_dict())
+        assert follower.wait_for(v2, timeout=60) == v2
+        with follower.paused():
+            assert_same_weights(mine.state_dict(), trained.state_dict())
+    finally:
+        follower.stop()
