@@ -98,9 +98,9 @@ def serve(hub: Any, owner: Any, *, sub_id: str | None = None) -> None:
         if endpoint is None:
             caller = Caller(address(), os.getpid(), ctx.get_node_id())
             endpoint = _SERVED[key] = _Endpoint(f"hub {hub.name}", hub.handle, caller, _Runner())
-            endpoint.session = session
+            endpoint.session, endpoint.key = session, key
             endpoint.start()
-        endpoint.runner.add(owner, loop, sub_id)
+        endpoint.runner.add(owner, loop, sub_id)  # under _LOCK: the poll cannot end idle meanwhile
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -114,15 +114,14 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def unserve(hub: Any, sub_id: str) -> None:
-    """The subscription ``sub_id`` left: its calls are no longer answered here; the process's poll
-    ends once nothing in it answers any more (a plain process whose Followers all stopped)."""
-    key = (hub.name, hub.namespace)
+    """The subscription ``sub_id`` left: its calls are no longer answered here. The process's poll
+    ends by itself once its open poll returns with nothing in it left to answer (a plain process
+    whose Followers all stopped); a Follower started before that takes it over, so a process
+    never has two polls of one hub, one of them abandoned with a call in its reply."""
     with _LOCK:
-        endpoint = _SERVED.get(key)
-        if endpoint is None or not endpoint.runner.remove(sub_id):
-            return
-        del _SERVED[key]
-    endpoint.stop()
+        endpoint = _SERVED.get((hub.name, hub.namespace))
+        if endpoint is not None:
+            endpoint.runner.remove(sub_id)
 
 
 class _Runner:
@@ -145,10 +144,14 @@ class _Runner:
             else:
                 self.owners[sub_id] = (owner, loop)
 
-    def remove(self, sub_id: str) -> bool:
-        """Forget ``sub_id``'s owner; whether nothing is left to answer."""
+    def remove(self, sub_id: str) -> None:
+        """Forget ``sub_id``'s owner."""
         with self.lock:
             self.owners.pop(sub_id, None)
+
+    def idle(self) -> bool:
+        """Whether nothing is left to answer."""
+        with self.lock:
             return self.actor is None and not self.owners
 
     def _owner(self, req: Request) -> tuple[Any, asyncio.AbstractEventLoop | None]:
@@ -205,6 +208,7 @@ class _Endpoint:
         self.lock = threading.Lock()
         self.stopped = False
         self.session: tuple[str, str] | None = None  # the Ray it polls in (node, job)
+        self.key: tuple[str, str | None] | None = None  # its hub's (name, namespace): the hub's endpoint
         self.plain = proto.address_job(caller.actor_id) is not None  # no actor: its script may shut Ray down
 
     def stop(self) -> None:
@@ -219,6 +223,8 @@ class _Endpoint:
     def _loop(self) -> None:
         fresh, delay = False, _RETRY_S[0]
         while not self.stopped:
+            if self._ends_idle():
+                return
             with self.lock:
                 answers, self.outbox = self.outbox, []
                 running = [r for r, f in self.running.items() if not f.done()]
@@ -251,6 +257,19 @@ class _Endpoint:
             if reply.relay is not None:
                 self._follow_relay(*reply.relay)
             self._run(reply.requests)
+
+    def _ends_idle(self) -> bool:
+        """A hub's endpoint with nothing left to answer stops, under the lock :func:`serve` adds
+        owners under (a Follower started meanwhile finds it gone, and starts a new poll)."""
+        if self.key is None:
+            return False
+        with _LOCK:
+            if not self.runner.idle():
+                return False
+            if _SERVED.get(self.key) is self:
+                del _SERVED[self.key]
+            self.stop()
+            return True
 
     def _poll(self, fresh: bool, answers: list[Answer], running: list[int]) -> PollReply | None:
         """One poll. A plain process's Ray may be shut down by its script at any time (an actor's is
