@@ -1,7 +1,9 @@
 """A hostile local process, for the security tests: Python's standard library only, no Ray, no token.
 
-It finds raysync's doorbell sockets the way any local user can (``/proc/net/unix``) and
-sends them what an attacker would: pickles that run code, rings that forge weights or
+It finds raysync's doorbell sockets the way any local user can (``/proc/net/unix``), those
+of the processes a test names (``"pids"`` in its arguments: other tests run beside it, and a
+flood of their doorbells would turn their rings into Ray calls), and sends them what an
+attacker would: pickles that run code, rings that forge weights or
 name a FIFO, junk, floods. It knows raysync's formats (they are public) but none of its
 secrets. It speaks both the old doorbell (pickled rings naming a file in ``/dev/shm``)
 and the current one (binary rings with a MAC, a segment passed as a descriptor), so the
@@ -26,8 +28,12 @@ import types
 _NONE = -(1 << 63)
 
 
+_PIDS: set[int] = set()  # the processes whose sockets are attacked (main() sets them)
+
+
 def targets(kinds: tuple[str, ...] = ("sub-", "relay-")) -> list[str]:
-    """Every raysync doorbell socket this process can see (abstract ones start with NUL)."""
+    """Every raysync doorbell socket this process can see (abstract ones start with NUL) of the
+    processes in ``_PIDS`` (a socket's name is ``<kind><pid>-<random>``)."""
     found = []
     with open("/proc/net/unix") as table:
         next(table)
@@ -36,9 +42,14 @@ def targets(kinds: tuple[str, ...] = ("sub-", "relay-")) -> list[str]:
             if len(parts) < 8 or "raysync" not in parts[7]:
                 continue
             path = parts[7]
-            if any(k in path for k in kinds):
+            name = os.path.basename(path)
+            if any(name.startswith(k) and name[len(k) :].split("-")[0] in _ours() for k in kinds):
                 found.append("\0" + path[1:] if path.startswith("@") else path)
     return sorted(set(found))
+
+
+def _ours() -> set[str]:
+    return {str(pid) for pid in _PIDS}
 
 
 class _Sender:
@@ -211,7 +222,7 @@ class _Run:
 
 
 def attack_pickle(s: _Sender, marker: str) -> None:
-    """A pickle that runs a command where it is loaded, to every raysync socket (subscribers, relays, hub)."""
+    """A pickle that runs a command where it is loaded, to every raysync socket of the processes named."""
     payload = pickle.dumps(_Run(marker))
     for address in targets():
         s.send(address, payload)
@@ -229,10 +240,10 @@ def attack_fifo(s: _Sender, fifo: str, sub_ids: list[str]) -> None:
     os.close(fd)
 
 
-def attack_junk(s: _Sender, count: int, seconds: float = 0.0, only: list[str] | None = None) -> None:
+def attack_junk(s: _Sender, count: int, seconds: float = 0.0) -> None:
     """Random bytes, ring-shaped records with made-up MACs and descriptors, silent connections,
     to every socket; ``count`` each, or as many as fit in ``seconds``."""
-    found = only or targets()
+    found = targets()
     fd, st = _memfd(b"\0" * 4096)
     deadline = time.monotonic() + seconds
     i = 0
@@ -258,6 +269,7 @@ def attack_junk(s: _Sender, count: int, seconds: float = 0.0, only: list[str] | 
 
 def main() -> None:
     mode, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    _PIDS.update(args.get("pids", ()))
     s = _Sender()
     t0 = time.monotonic()
     if mode == "forge":
@@ -267,7 +279,7 @@ def main() -> None:
     elif mode == "fifo":
         attack_fifo(s, args["fifo"], args["sub_ids"])
     elif mode == "junk":
-        attack_junk(s, args.get("count", 0), args.get("seconds", 0.0), args.get("targets"))
+        attack_junk(s, args.get("count", 0), args.get("seconds", 0.0))
     else:
         raise SystemExit(f"unknown mode {mode}")
     summary = {"uid": os.getuid(), "targets": targets(), "sent": s.sent, "refused": s.refused}
