@@ -192,7 +192,8 @@ class NodeDelivery:
         for sub_id in busy:  # its doorbell's queue is full (say, flooded): call it this time
             called[sub_id] = bells[sub_id]
         self.not_rung["process gone or unreachable"] += len(gone)
-        self.not_rung["doorbell busy"] += len(busy)
+        for why, n in collections.Counter(busy.values()).items():  # a key per queue: bounded
+            self.not_rung[f"doorbell busy: {why}"] += n
         return tokens, called
 
     async def _rung_acks(self, tokens: list[int]) -> tuple[list[RelayAck], list[str]]:
@@ -328,10 +329,11 @@ def rings(manifest: Any, limit: int) -> bool:
 
 def _write_and_ring(
     ringer: doorbell.Ringer, writer: doorbell.SegmentWriter, a: Announcement, bells: dict[str, RelayMember]
-) -> tuple[list[int], list[str], list[str]]:
+) -> tuple[list[int], list[str], dict[str, str]]:
     """Fetch a version's buckets (zero-copy on this node), write them into a new segment, and
     ring every process in ``bells``; the rings' tokens, the subscriptions whose process is gone
-    (or cannot be rung from here) and those whose doorbell is busy (call them this time).
+    (or cannot be rung from here) and those whose doorbell is busy, with which of its queues was
+    full (call them this time).
 
     A sharded trainer's version goes in whole: its tensors assembled from the ranks' pieces
     once here, as one writer's buckets (subscribers read them as any other version's).
@@ -350,14 +352,15 @@ def _write_and_ring(
         by_process.setdefault((member.doorbell, member.doorbell_key), []).append(sub_id)  # type: ignore[arg-type]
     tokens: list[int] = []
     gone: list[str] = []
-    busy: list[str] = []
+    busy: dict[str, str] = {}
     try:
         for (address, key), sub_ids in by_process.items():
             try:
                 tokens += ringer.ring(address, key, a.model_id, a.version, segment, sub_ids)
             except (BlockingIOError, InterruptedError) as err:
                 logger.debug("doorbell of %s busy: %s", sub_ids[0], err)
-                busy += sub_ids
+                connecting = err.strerror == doorbell.CONNECTIONS_QUEUED_FULL
+                busy.update(dict.fromkeys(sub_ids, str(err.strerror) if connecting else "rings queued full"))
             except (OSError, ValueError) as err:
                 logger.debug("doorbell of %s: %s", sub_ids[0], err)
                 gone += sub_ids

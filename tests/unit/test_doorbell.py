@@ -404,6 +404,54 @@ def test_a_newer_ring_supersedes_one_queued_behind_it() -> None:
     assert model.version == 3 and model.data == _flat(_buckets(3))
 
 
+def test_a_flood_of_connections_holds_back_new_ringers_only_and_says_which_queue_is_full() -> None:
+    """Silent connections beyond what a doorbell takes fill its queue of new connections: a ringer
+    that connects then is told so (its relay calls the process instead: "doorbell busy: new
+    connections queued full" in its stats), while a ringer connected before still rings."""
+    bell = Doorbell()
+    model = _Model()
+    bell.register("s", model)
+    key = bell.key
+
+    async def run() -> None:
+        trusted = Ringer()
+        segment = SegmentWriter().write("policy", 1, _MANIFEST, ["x"], _buckets(1))
+        acks, missing = await trusted.wait(trusted.ring(bell.address, key, "policy", 1, segment, ["s"]), 10)
+        assert missing == [] and model.version == 1
+        flood: list[socket.socket] = []
+        try:
+            for _ in range(4 * (doorbell.bell.PROBATION + 16)):  # probation, then the kernel's queue
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.setblocking(False)
+                try:
+                    sock.connect(bell.address)
+                except BlockingIOError:
+                    sock.close()
+                    break
+                flood.append(sock)
+            else:
+                pytest.fail("the doorbell took every connection: nothing was queued")
+            late = Ringer()
+            with pytest.raises(BlockingIOError) as err:
+                late.ring(bell.address, key, "policy", 2, segment, ["s"])
+            assert err.value.strerror == doorbell.CONNECTIONS_QUEUED_FULL
+            late.close()
+            segment.close()
+            segment = SegmentWriter().write("policy", 2, _MANIFEST, ["x"], _buckets(2))
+            acks, missing = await trusted.wait(
+                trusted.ring(bell.address, key, "policy", 2, segment, ["s"]), 10
+            )
+            assert missing == [] and [a.report.applied for a in acks] == [2] and model.version == 2
+        finally:
+            for sock in flood:
+                sock.close()
+            segment.close()
+            trusted.close()
+
+    asyncio.run(run())
+    bell.close()
+
+
 def test_ringing_a_process_that_is_gone_raises_and_removes_its_socket() -> None:
     base = doorbell.runtime_dir()
     assert base is not None

@@ -41,11 +41,12 @@ Example:
 """
 
 from raysync.transports.doorbell.bell import Doorbell, Handler, doorbell
-from raysync.transports.doorbell.ringer import Ringer
+from raysync.transports.doorbell.ringer import CONNECTIONS_QUEUED_FULL, Ringer
 from raysync.transports.doorbell.segments import Segment, SegmentHandle, SegmentWriter, read_segment
 from raysync.transports.doorbell.sockets import LOG_EVERY_S, available, runtime_dir
 
 __all__ = [
+    "CONNECTIONS_QUEUED_FULL",
     "LOG_EVERY_S",
     "Doorbell",
     "Handler",

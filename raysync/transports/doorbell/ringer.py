@@ -26,13 +26,17 @@ from raysync.transports.doorbell import wire
 from raysync.transports.doorbell.segments import SegmentHandle
 from raysync.transports.doorbell.sockets import Drops, Message, connect, receive, runtime_dir, sweep, unlink
 
-__all__ = ["Ringer"]
+__all__ = ["CONNECTIONS_QUEUED_FULL", "Ringer"]
 
 logger = logging.getLogger(__name__)
 
 _STALE_S = 300.0  # a ring unanswered this long is forgotten
 _BATCH = 256  # acks read per callback: the event loop gets its turn
 _GONE = (errno.ECONNREFUSED, errno.ENOENT, errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+CONNECTIONS_QUEUED_FULL = "new connections queued full"
+"""Why :meth:`Ringer.ring` found a doorbell busy when it could not connect: its process is slow
+to accept, or others flood it with connections (a ring on a connection already made is not held
+back by that)."""
 
 
 class Ringer:
@@ -73,8 +77,8 @@ class Ringer:
 
         Raises:
             OSError: the process is gone (``ECONNREFUSED``, ``ENOENT``, ``EPIPE``: stop
-                ringing it), or busy (``EAGAIN``: its queue is full, call it the Ray way
-                this time).
+                ringing it), or busy (``BlockingIOError``: its queue of rings is full, or of
+                new connections, :data:`CONNECTIONS_QUEUED_FULL`; call it the Ray way this time).
             ValueError: a ring the wire format cannot carry: call it the Ray way.
         """
         if len(key) != wire.KEY_BYTES:
@@ -105,6 +109,8 @@ class Ringer:
             return conn
         try:
             conn = connect(address)
+        except BlockingIOError as err:  # its queue of connections not yet accepted is full
+            raise BlockingIOError(err.errno, CONNECTIONS_QUEUED_FULL) from err
         except OSError as err:
             if err.errno == errno.ECONNREFUSED:
                 _remove_dead_socket(address)
