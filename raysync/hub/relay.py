@@ -359,14 +359,20 @@ def _write_and_ring(
                 tokens += ringer.ring(address, key, a.model_id, a.version, segment, sub_ids)
             except (BlockingIOError, InterruptedError) as err:
                 logger.debug("doorbell of %s busy: %s", sub_ids[0], err)
-                connecting = err.strerror == doorbell.CONNECTIONS_QUEUED_FULL
-                busy.update(dict.fromkeys(sub_ids, str(err.strerror) if connecting else "rings queued full"))
+                busy.update(dict.fromkeys(sub_ids, _busy_reason(err)))
             except (OSError, ValueError) as err:
                 logger.debug("doorbell of %s: %s", sub_ids[0], err)
                 gone += sub_ids
     finally:
         segment.close()  # each process rung holds its own descriptor: freed when the last lets go
     return tokens, gone, busy
+
+
+def _busy_reason(err: OSError) -> str:
+    """Which queue of a busy doorbell was full (``not_rung``'s "doorbell busy: ..." keys, a few)."""
+    if err.strerror == doorbell.CONNECTIONS_QUEUED_FULL:
+        return doorbell.CONNECTIONS_QUEUED_FULL
+    return "rings queued full" if isinstance(err, BlockingIOError) else "interrupted"
 
 
 ACK_WINDOW_S = 0.2
