@@ -111,6 +111,14 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key
 
 
+def raysync_files_in_shm() -> set[str]:
+    """Names in /dev/shm that raysync made or would make (other processes on the machine, such
+    as the other pytest worker's torch or Ray, come and go there too)."""
+    return (
+        {n for n in os.listdir("/dev/shm") if n.startswith("raysync")} if os.path.isdir("/dev/shm") else set()
+    )
+
+
 def in_shared_memory(buckets: list[list[np.ndarray]]) -> tuple[mmap.mmap, list[list[np.ndarray]]]:
     """The buckets copied into one shared, writable mapping, as Ray's object store holds them.
 

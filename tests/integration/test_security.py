@@ -33,7 +33,7 @@ import torch
 
 import raysync
 from raysync.transports import doorbell
-from tests._support import PATH_RING_ACK_S, assert_same_weights, small_policy
+from tests._support import PATH_RING_ACK_S, assert_same_weights, raysync_files_in_shm, small_policy
 
 pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux (memfd, SO_PASSCRED)")
 
@@ -193,12 +193,6 @@ def test_floods_of_junk_are_logged_once_per_interval(
         assert all("refused what was not from raysync" in line for line in logged), logged[:3]
 
 
-def _raysync_files_in_shm() -> set[str]:
-    """Names in /dev/shm that raysync made or would make (other processes on the machine, such
-    as another test worker's torch or Ray, come and go there too)."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith("raysync")}
-
-
 def test_segments_of_other_namespaces_are_left_alone(hub: raysync.HubClient, hub_name: str) -> None:
     """Nothing in /dev/shm is raysync's any more: nothing there is written, swept or deleted.
 
@@ -209,13 +203,13 @@ def test_segments_of_other_namespaces_are_left_alone(hub: raysync.HubClient, hub
         pytest.skip("no /dev/shm")
     other = Path(f"/dev/shm/raysync-v-4194000-policy-{uuid.uuid4().hex[:8]}-1")  # a pid not visible here
     other.write_bytes(b"a live writer's segment in another PID namespace")
-    before = _raysync_files_in_shm() - {other.name}
+    before = raysync_files_in_shm() - {other.name}
     try:
         victim = _victim(hub_name)
         for seed in (1, 2):
             _push_and_check(hub, [victim], seed)
         assert other.exists()
-        assert _raysync_files_in_shm() - {other.name} == before  # no file of ours appeared
+        assert raysync_files_in_shm() - {other.name} == before  # no file of ours appeared
     finally:
         other.unlink(missing_ok=True)
 

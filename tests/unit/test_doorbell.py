@@ -22,6 +22,7 @@ from raysync._protocol import ApplyReport, RelayAck, Ring, compact
 from raysync.core.layout import plan_layout
 from raysync.transports import doorbell
 from raysync.transports.doorbell import Doorbell, Ringer, Segment, SegmentWriter, read_segment, sockets, wire
+from tests._support import raysync_files_in_shm
 
 pytestmark = pytest.mark.skipif(not doorbell.available(), reason="needs Linux (memfd, SO_PASSCRED)")
 
@@ -42,7 +43,7 @@ def _ring_for(segment: doorbell.SegmentHandle, version: int = 7) -> Ring:
 
 
 def test_a_segment_reads_back_bit_for_bit_and_leaves_no_file() -> None:
-    before = _shm_names()
+    before = raysync_files_in_shm()
     segment = SegmentWriter().write("policy", 7, _MANIFEST, ["a"], _buckets(1))
     seg = read_segment(segment.fd, _ring_for(segment))
     assert (seg.model_id, seg.version, seg.manifest, seg.ids) == ("policy", 7, _MANIFEST, ["a"])
@@ -50,15 +51,7 @@ def test_a_segment_reads_back_bit_for_bit_and_leaves_no_file() -> None:
     assert not seg.buckets[0][1].flags.writeable  # readers cannot scribble on what others read
     segment.close()
     assert _flat(seg.buckets) == _flat(_buckets(1))  # a reader keeps what it mapped
-    assert _shm_names() == before  # nothing named anywhere: nothing to sweep, guess or delete
-
-
-def _shm_names() -> set[str]:
-    """What raysync made or would make in /dev/shm (the other pytest worker's torch and Ray come
-    and go there too)."""
-    return (
-        {n for n in os.listdir("/dev/shm") if n.startswith("raysync")} if os.path.isdir("/dev/shm") else set()
-    )
+    assert raysync_files_in_shm() == before  # nothing named anywhere: nothing to sweep, guess or delete
 
 
 def test_a_sealed_segment_cannot_be_rewritten_even_by_its_own_user() -> None:
