@@ -28,7 +28,7 @@ import types
 _NONE = -(1 << 63)
 
 
-_PIDS: set[int] = set()  # the processes whose sockets are attacked (main() sets them)
+_PIDS: set[str] = set()  # the processes whose sockets are attacked, as in socket names (main() sets them)
 
 
 def targets(kinds: tuple[str, ...] = ("sub-", "relay-")) -> list[str]:
@@ -43,13 +43,9 @@ def targets(kinds: tuple[str, ...] = ("sub-", "relay-")) -> list[str]:
                 continue
             path = parts[7]
             name = os.path.basename(path)
-            if any(name.startswith(k) and name[len(k) :].split("-")[0] in _ours() for k in kinds):
+            if any(name.startswith(k) and name[len(k) :].split("-")[0] in _PIDS for k in kinds):
                 found.append("\0" + path[1:] if path.startswith("@") else path)
     return sorted(set(found))
-
-
-def _ours() -> set[str]:
-    return {str(pid) for pid in _PIDS}
 
 
 class _Sender:
@@ -269,7 +265,7 @@ def attack_junk(s: _Sender, count: int, seconds: float = 0.0) -> None:
 
 def main() -> None:
     mode, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    _PIDS.update(args.get("pids", ()))
+    _PIDS.update(str(pid) for pid in args.get("pids", ()))
     s = _Sender()
     t0 = time.monotonic()
     if mode == "forge":
