@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from raysync.channels.broadcast import _BroadcastTransport
+from raysync.channels.broadcast import BroadcastTransport
 from raysync.errors import RaySyncError
 
 __all__ = []
@@ -83,7 +83,7 @@ def _dist_worker(
 
     _watch_parent(parent)
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    transport = _BroadcastTransport(store, index, timeout=timeout, channel=channel)
+    transport = BroadcastTransport(store, index, timeout=timeout, channel=channel)
     scheme = DistributedWeightSyncScheme(timeout=timeout)
     scheme.init_on_receiver(model_id=model_id, endpoint=transport, model=model_factory())
     _run_user_fn(scheme.get_receiver(), fn, args, name)

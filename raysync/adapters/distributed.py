@@ -12,7 +12,8 @@ from typing import Any
 
 from raysync.adapters._workers import _dist_worker
 from raysync.adapters.base import _Adapter, _Receiver
-from raysync.channels.broadcast import _join_group
+from raysync.channels._p2p import wait_until
+from raysync.channels.broadcast import _join_group, broadcast_buckets
 from raysync.core import codec
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError
@@ -86,10 +87,6 @@ class DistributedAdapter(_Adapter):
     def _fan_out(
         self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
     ) -> None:
-        import torch.distributed as dist
-
-        from raysync.channels._p2p import Transfer, wait_until
-
         numbers = {}
         for r in live:
             message = {"kind": "weights", "model_id": model_id, "manifest": manifest, "tags": [], "src": 0}
@@ -119,10 +116,10 @@ class DistributedAdapter(_Adapter):
             _join_group(self._store, self._channel, self._generation, 0, len(ready) + 1, self.timeout)
             self._joined = self._generation
         # One broadcast per bucket, straight from the object store (rank 0 only reads them).
-        flats = codec.flats_of(manifest, buckets)
-        works = [dist.broadcast(f, src=0, async_op=True) for f in flats if f.numel()]
         try:
-            Transfer(works, flats).wait(time.monotonic() + self.timeout, f"broadcast of version {version}")
+            broadcast_buckets(
+                codec.flats_of(manifest, buckets), self.timeout, f"broadcast of version {version}"
+            )
         except RaySyncError as err:
             self._members = None  # the group is unusable after a failed collective: form a new one
             for r in ready:

@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
+from raysync.channels._p2p import Transfer, wait_until
+from raysync.channels.distributed import DistributedTransport
 from raysync.core import codec
 from raysync.core.layout import Manifest
 from raysync.errors import SyncTimeoutError
 
-__all__: list[str] = []
+__all__ = ["BroadcastTransport", "broadcast_buckets"]
 
 
 def _join_group(store: Any, channel: str, generation: int, rank: int, world: int, timeout: float) -> None:
@@ -35,59 +37,36 @@ def _join_group(store: Any, channel: str, generation: int, rank: int, world: int
     )
 
 
-def _broadcast_transport_class() -> type:
-    from raysync.channels._p2p import Transfer, wait_until
-    from raysync.channels.distributed import DistributedTransport
+def broadcast_buckets(flats: list[torch.Tensor], timeout: float, what: str) -> list[torch.Tensor]:
+    """One ``broadcast`` from rank 0 per non-empty bucket (rank 0 sends ``flats``, the others fill
+    theirs); raises :class:`SyncTimeoutError` past ``timeout``."""
+    import torch.distributed as dist
 
-    class BroadcastTransport(DistributedTransport):  # type: ignore[misc]
-        """Worker side of a DistributedAdapter: the mailbox of DistributedTransport, bytes by broadcast.
-
-        For each version: take the message, say "ready", wait for "go" (the
-        group generation and this worker's rank in it), join that group if it
-        is new, then receive every bucket by ``broadcast`` from rank 0.
-        """
-
-        generation: int | None = None
-
-        def receive_snapshot(
-            self, timeout: float | None = 1.0
-        ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
-            import torch.distributed as dist
-
-            store = self._store()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            message = self._take_next(deadline, keep_weights=False)
-            if message is None:
-                return None
-            number, payload = message
-            store.set(self._key("ready", number), b"1")
-            go_key = self._key("go", number)
-            if not wait_until(lambda: bool(store.check([go_key])), time.monotonic() + self.timeout):
-                raise SyncTimeoutError(f"the adapter did not start broadcasting message {number}")
-            go = pickle.loads(bytes(store.get(go_key)))
-            store.delete_key(go_key)
-            if go["generation"] != self.generation:
-                _join_group(store, self.channel, go["generation"], go["rank"], go["world"], self.timeout)
-                self.generation = go["generation"]
-            manifest: Manifest = payload["manifest"]
-            flats = codec.allocate(manifest)
-            works = [dist.broadcast(f, src=0, async_op=True) for f in flats if f.numel()]
-            Transfer(works, flats).wait(time.monotonic() + self.timeout, f"broadcast of message {number}")
-            self._last = number
-            return payload["model_id"], manifest, flats
-
-    return BroadcastTransport
+    works = [dist.broadcast(f, src=0, async_op=True) for f in flats if f.numel()]
+    Transfer(works, flats).wait(time.monotonic() + timeout, what)
+    return flats
 
 
-class _LazyBroadcastTransport:
-    """Builds the BroadcastTransport class on first use (torch.distributed imports lazily)."""
+class BroadcastTransport(DistributedTransport):
+    """Worker side of a DistributedAdapter: the mailbox of DistributedTransport, bytes by broadcast.
 
-    _cls: type | None = None
+    For each version: take the message, say "ready", wait for "go" (the
+    group generation and this worker's rank in it), join that group if it
+    is new, then receive every bucket by ``broadcast`` from rank 0.
+    """
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._cls is None:
-            self._cls = _broadcast_transport_class()
-        return self._cls(*args, **kwargs)
+    generation: int | None = None
 
-
-_BroadcastTransport = _LazyBroadcastTransport()
+    def _receive_buckets(self, number: int, payload: dict[str, Any]) -> list[torch.Tensor]:
+        store = self._store()
+        store.set(self.mailbox_key("ready", number), b"1")
+        go_key = self.mailbox_key("go", number)
+        if not wait_until(lambda: bool(store.check([go_key])), time.monotonic() + self.timeout):
+            raise SyncTimeoutError(f"the adapter did not start broadcasting message {number}")
+        go = pickle.loads(bytes(store.get(go_key)))
+        store.delete_key(go_key)
+        if go["generation"] != self.generation:
+            _join_group(store, self.channel, go["generation"], go["rank"], go["world"], self.timeout)
+            self.generation = go["generation"]
+        manifest: Manifest = payload["manifest"]
+        return broadcast_buckets(codec.allocate(manifest), self.timeout, f"broadcast of message {number}")

@@ -140,7 +140,8 @@ class DistributedTransport(P2PTransport):
     def __repr__(self) -> str:
         return f"DistributedTransport(rank={self.rank}, channel={self.channel!r}, timeout={self.timeout})"
 
-    def _key(self, *parts: object) -> str:
+    def mailbox_key(self, *parts: object) -> str:
+        """The store key of this worker's mailbox entry ``parts`` (``"ready"``, number...)."""
         return "/".join(["raysync", self.channel, str(self._rank()), *map(str, parts)])
 
     def _rank(self) -> int:
@@ -182,7 +183,7 @@ class DistributedTransport(P2PTransport):
             "tags": tags,
             "src": dist.get_rank(),
         }
-        number = self._post(message)
+        number = self.announce(message)
         outgoing = post_sends(packed, self.rank, tags)
         if self._pending is not None:
             self._abandoned = [*self._abandoned[-999:], self._pending.number]  # bounded if a worker died
@@ -201,29 +202,19 @@ class DistributedTransport(P2PTransport):
         if not isinstance(message, bytes) or message.startswith(_MAGIC):
             raise ValueError(f"a control message must be bytes not starting with {_MAGIC!r}")
         store = self._store()
-        number = int(store.add(self._key("in", "next"), 1))
-        store.set(self._key("in", number), message)
+        number = int(store.add(self.mailbox_key("in", "next"), 1))
+        store.set(self.mailbox_key("in", number), message)
         return number
 
-    def _post(self, message: dict[str, Any]) -> int:
-        store = self._store()
-        number = int(store.add(self._key("in", "next"), 1))
-        store.set(self._key("in", number), _MAGIC + pickle.dumps(message | {"number": number}))
-        return number
-
-    # What a sender that moves the bytes itself (a broadcast) uses: post, signal, expect the ack.
     def announce(self, message: dict[str, Any]) -> int:
-        """Sender: post a control message (a dict) in the worker's mailbox; returns its number."""
-        return self._post(message)
-
-    def mailbox_key(self, *parts: object) -> str:
-        """The store key of this worker's mailbox entry ``parts`` (``"ready"``, number...)."""
-        return self._key(*parts)
+        """Sender: post a message (a dict) in the worker's mailbox; returns its number."""
+        store = self._store()
+        number = int(store.add(self.mailbox_key("in", "next"), 1))
+        store.set(self.mailbox_key("in", number), _MAGIC + pickle.dumps(message | {"number": number}))
+        return number
 
     def expect_ack(self, number: int, model_id: str) -> None:
         """Sender: message ``number`'s bytes went by other means; :meth:`wait_ack` waits for its ack."""
-        from raysync.channels._p2p import Transfer
-
         self._pending = _Pending(number, model_id, Transfer([], []))
 
     def wait_ack(self, timeout: float | None = None) -> None:
@@ -256,7 +247,7 @@ class DistributedTransport(P2PTransport):
                 f"{where} did not receive {what} within {limit} s (is it calling receive_weights()?)",
                 laggard,
             ) from err
-        key = self._key("ack", pending.number)
+        key = self.mailbox_key("ack", pending.number)
         if not wait_until(functools.partial(store.check, [key]), deadline):
             raise SyncTimeoutError(f"{where} did not acknowledge {what} within {limit} s", laggard)
         message = bytes(store.get(key)).decode(errors="replace")
@@ -267,7 +258,7 @@ class DistributedTransport(P2PTransport):
     def _drop_late_acks(self) -> None:
         store = self._store()
         for number in list(self._abandoned):
-            if store.delete_key(self._key("ack", number)):
+            if store.delete_key(self.mailbox_key("ack", number)):
                 self._abandoned.remove(number)
 
     def check_connection(self) -> bool:
@@ -282,7 +273,7 @@ class DistributedTransport(P2PTransport):
         if self.store is None or not dist.is_initialized():
             return False
         try:
-            self.store.check([self._key("in", "next")])
+            self.store.check([self.mailbox_key("in", "next")])
         except Exception:
             return False
         return True
@@ -302,21 +293,23 @@ class DistributedTransport(P2PTransport):
             >>> model_id, manifest, buckets = transport.receive_snapshot(timeout=5)  # doctest: +SKIP
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            message = self._take_next(deadline, keep_weights=False)
-            if message is None:
-                return None
-            number, payload = message
-            manifest: Manifest = payload["manifest"]
-            buckets = receive_version(
-                manifest,
-                payload["src"],
-                payload["tags"],
-                timeout=self.timeout,
-                what=f"message {number} ({payload['model_id']!r})",
-            )
-            self._last = number
-            return payload["model_id"], manifest, buckets
+        message = self._take_next(deadline, keep_weights=False)
+        if message is None:
+            return None
+        number, payload = message
+        buckets = self._receive_buckets(number, payload)
+        self._last = number
+        return payload["model_id"], payload["manifest"], buckets
+
+    def _receive_buckets(self, number: int, payload: dict[str, Any]) -> list[torch.Tensor]:
+        """The bytes of weights message ``number``, from its sender's ``isend``s."""
+        return receive_version(
+            payload["manifest"],
+            payload["src"],
+            payload["tags"],
+            timeout=self.timeout,
+            what=f"message {number} ({payload['model_id']!r})",
+        )
 
     def _take_next(self, deadline: float | None, *, keep_weights: bool) -> tuple[int, dict[str, Any]] | None:
         """Take mailbox messages in order until a weights message (returned) or ``deadline``.
@@ -326,8 +319,8 @@ class DistributedTransport(P2PTransport):
         """
         store = self._store()
         while True:
-            number = int(store.add(self._key("in", "read"), 0)) + 1
-            key = self._key("in", number)
+            number = int(store.add(self.mailbox_key("in", "read"), 0)) + 1
+            key = self.mailbox_key("in", number)
             if not wait_until(functools.partial(store.check, [key]), deadline):
                 return None
             raw = bytes(store.get(key))
@@ -337,7 +330,7 @@ class DistributedTransport(P2PTransport):
             if is_weights and keep_weights:
                 return None
             store.delete_key(key)
-            store.add(self._key("in", "read"), 1)
+            store.add(self.mailbox_key("in", "read"), 1)
             if is_weights:
                 assert payload is not None
                 return number, payload
@@ -383,4 +376,4 @@ class DistributedTransport(P2PTransport):
             raise RuntimeError(
                 "send_ack() before receive_weights() returned a version: nothing to acknowledge"
             )
-        self._store().set(self._key("ack", self._last), message.encode())
+        self._store().set(self.mailbox_key("ack", self._last), message.encode())
