@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from raysync._checks import check_timeout
+from raysync.channels.base import ack_error, split_send_args
 from raysync.core import codec
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest, plan_layout
@@ -27,6 +28,7 @@ from raysync.errors import RaySyncError, SyncTimeoutError
 __all__ = [
     "P2PTransport",
     "Packed",
+    "Pending",
     "Transfer",
     "check_group",
     "next_tags",
@@ -186,20 +188,34 @@ def wait_until(predicate: Callable[[], bool], deadline: float | None) -> bool:
         interval = min(interval * 2, 0.02)
 
 
-class P2PTransport:
-    """What the torch.distributed transports share: configuration, pickling, the blocking send and
-    the worker's receive.
+@dataclass
+class Pending:
+    """The newest send of a sender transport, until its ack arrives."""
 
-    Subclasses provide ``_init_runtime``, ``send_weights_async``, ``wait_ack`` and
-    ``receive_snapshot``, and name in ``_config`` the attributes pickling keeps and in
-    ``_handles`` the live handles it drops (``None`` after unpickling).
+    number: int  # the send's number (RPC: its sequence number; store: its mailbox message)
+    model_id: str
+    outgoing: Transfer
+    future: Any = None  # RPC: the torch.futures.Future of the signal ("received" or the worker's error)
+
+
+class P2PTransport:
+    """What the torch.distributed transports share: configuration, pickling, the send, the wait for
+    the ack and the worker's receive and ack; they differ in how they signal.
+
+    Subclasses provide ``_init_runtime``, ``_check_peer``, ``_rank``, ``_signal``, ``_await_ack``,
+    ``receive_snapshot`` and ``_post_ack``, and name in ``_config`` the attributes pickling keeps
+    and in ``_handles`` the live handles it drops (``None`` after unpickling).
     """
 
+    keeps_snapshot = True
+    """Received buckets are private to each version: a receiver may adopt them without a copy."""
     _config: tuple[str, ...] = ("timeout", "channel", "bucket_bytes")
     _handles: tuple[str, ...] = ()
     timeout: float
     channel: str
     bucket_bytes: int
+    _pending: Pending | None  # sender: the newest send until its ack
+    _last: Any  # worker: what acknowledges the version receive_snapshot last returned (None: none)
 
     def _configure(self, timeout: float, channel: str, bucket_bytes: int) -> None:
         check_timeout(timeout, allow_none=False, positive=True)
@@ -220,16 +236,70 @@ class P2PTransport:
             setattr(self, handle, None)
         self._init_runtime()
 
-    def send_weights_async(self, *args: Any) -> None:
+    # ------------------------------------------------------------------ sender side
+
+    def _check_peer(self) -> None:
+        """Raise unless this transport knows the worker to send to."""
         raise NotImplementedError
+
+    def _rank(self) -> int:
+        """The worker's rank in the default process group."""
+        raise NotImplementedError
+
+    def _signal(self, message: dict[str, Any]) -> tuple[int, Any]:
+        """Announce a version (``message``: model id, manifest, tags, source rank) to the worker;
+        return its number and (RPC) the future of the signal."""
+        raise NotImplementedError
+
+    def _await_ack(self, pending: Pending, deadline: float, limit: float) -> tuple[str, str]:
+        """Wait for ``pending``'s bytes to go and its ack to come; return the ack and who sent it."""
+        raise NotImplementedError
+
+    def send_weights_async(self, *args: Any) -> None:
+        """Sender: snapshot and start sending a version; returns once the transfer is started.
+
+        The caller may change its model as soon as this returns. Call :meth:`wait_ack`
+        for the worker's ack.
+
+        Example:
+            >>> transport.send_weights_async(model); transport.wait_ack()  # doctest: +SKIP
+        """
+        import torch.distributed as dist
+
+        model_id, weights = split_send_args(args)
+        self._check_peer()
+        packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
+        check_group()
+        tags = next_tags(packed.manifest.num_buckets)
+        message = {"model_id": model_id, "manifest": packed.manifest, "tags": tags, "src": dist.get_rank()}
+        # 1. signal first (non-blocking): the worker starts receiving; 2. then post the sends.
+        number, future = self._signal(message)
+        outgoing = post_sends(packed, self._rank(), tags)
+        self._pending = Pending(number, model_id, outgoing, future)
+        logger.debug(
+            "sent %r #%d to rank %d (%d bytes)", model_id, number, self._rank(), packed.manifest.total_nbytes
+        )
 
     def wait_ack(self, timeout: float | None = None) -> None:
-        raise NotImplementedError
+        """Sender: wait for the worker's ack of the newest send.
 
-    def receive_snapshot(
-        self, timeout: float | None = 1.0
-    ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
-        raise NotImplementedError
+        Args:
+            timeout: seconds; defaults to the transport's ``timeout``.
+
+        Raises:
+            SyncTimeoutError: the bytes or the ack did not come in time.
+            ApplyError: the worker could not receive the version or acked an error.
+
+        Example:
+            >>> transport.wait_ack(timeout=5)  # doctest: +SKIP
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        limit = self.timeout if timeout is None else timeout
+        message, worker = self._await_ack(pending, time.monotonic() + limit, limit)
+        self._pending = None
+        ack_error(message, worker=worker)
 
     def send_weights(self, *args: Any) -> None:
         """Sender: send a version and wait for the worker's ack.
@@ -253,6 +323,21 @@ class P2PTransport:
     def setup_connection_and_weights_on_receiver(self, *, worker_idx: int | None = None, **_: Any) -> None:
         """No-op (torchrl call shape): versions arrive through :meth:`receive_weights`."""
 
+    # ------------------------------------------------------------------ worker side
+
+    def receive_snapshot(
+        self, timeout: float | None = 1.0
+    ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
+        """Worker: ``(model_id, manifest, buckets)`` of the next version, as received (no copy).
+
+        The flat uint8 buckets belong to this version alone, so a receiver may
+        adopt them as its parameters' storage (``keeps_snapshot``).
+
+        Example:
+            >>> model_id, manifest, buckets = transport.receive_snapshot(timeout=5)  # doctest: +SKIP
+        """
+        raise NotImplementedError
+
     def receive_weights(self, timeout: float | None = 1.0) -> tuple[str, dict[str, torch.Tensor]] | None:
         """Worker: the next whole version, oldest first, or None if none arrives in time.
 
@@ -273,3 +358,23 @@ class P2PTransport:
             return None
         model_id, manifest, buckets = snapshot
         return model_id, codec.views(manifest, buckets)
+
+    def _post_ack(self, last: Any, message: str) -> None:
+        """Send the ack ``message`` of the version ``last`` names."""
+        raise NotImplementedError
+
+    def send_ack(self, message: str = "updated") -> None:
+        """Worker: acknowledge the version :meth:`receive_weights` last returned.
+
+        Args:
+            message: ``"updated"``, or ``"error: <text>"`` if it could not be applied
+                (the sender's ``wait_ack`` then raises :class:`raysync.ApplyError`).
+
+        Example:
+            >>> transport.send_ack("error: shapes differ")  # doctest: +SKIP
+        """
+        if self._last is None:
+            raise RuntimeError(
+                "send_ack() before receive_weights() returned a version: nothing to acknowledge"
+            )
+        self._post_ack(self._last, message)

@@ -50,22 +50,12 @@ import functools
 import logging
 import pickle
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from raysync.channels._p2p import (
-    P2PTransport,
-    Transfer,
-    check_group,
-    next_tags,
-    pack_version,
-    post_sends,
-    receive_version,
-    wait_until,
-)
-from raysync.channels.base import DEFAULT_TIMEOUT, ack_error, split_send_args
+from raysync.channels._p2p import P2PTransport, Pending, Transfer, receive_version, wait_until
+from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest
 from raysync.errors import SyncTimeoutError
 
@@ -75,13 +65,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHANNEL = "raysync"
 _MAGIC = b"raysync/1:"  # our messages; anything else in the mailbox is kept for the caller
-
-
-@dataclass
-class _Pending:
-    number: int
-    model_id: str
-    outgoing: Transfer
 
 
 class DistributedTransport(P2PTransport):
@@ -109,8 +92,6 @@ class DistributedTransport(P2PTransport):
         >>> sender.send_weights(model)        # model_id "policy"  # doctest: +SKIP
     """
 
-    keeps_snapshot = True
-    """Received buckets are private to each version: a receiver may adopt them without a copy."""
     _config = ("rank", "sync", *P2PTransport._config)
     _handles = ("store",)  # pickling drops the store connection
 
@@ -132,7 +113,7 @@ class DistributedTransport(P2PTransport):
         self._init_runtime()
 
     def _init_runtime(self) -> None:
-        self._pending: _Pending | None = None
+        self._pending = None
         self._abandoned: list[int] = []  # messages whose ack wait timed out: their late acks get deleted
         self._messages: collections.deque[bytes] = collections.deque()
         self._last: int | None = None
@@ -161,34 +142,16 @@ class DistributedTransport(P2PTransport):
 
     # ------------------------------------------------------------------ sender side
 
-    def send_weights_async(self, *args: Any) -> None:
-        """Sender: snapshot, post the manifest and start the sends; returns at once.
-
-        Example:
-            >>> transport.send_weights_async(model); transport.wait_ack()  # doctest: +SKIP
-        """
-        import torch.distributed as dist
-
-        model_id, weights = split_send_args(args)
+    def _check_peer(self) -> None:
         self._store()
         if self.rank is None:
             raise ValueError("the sender's DistributedTransport needs the worker's rank")
-        packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
-        check_group()
-        tags = next_tags(packed.manifest.num_buckets)
-        message = {
-            "kind": "weights",
-            "model_id": model_id,
-            "manifest": packed.manifest,
-            "tags": tags,
-            "src": dist.get_rank(),
-        }
-        number = self.announce(message)
-        outgoing = post_sends(packed, self.rank, tags)
+
+    def _signal(self, message: dict[str, Any]) -> tuple[int, Any]:
+        number = self.announce(message | {"kind": "weights"})
         if self._pending is not None:
             self._abandoned = [*self._abandoned[-999:], self._pending.number]  # bounded if a worker died
-        self._pending = _Pending(number, model_id, outgoing)
-        logger.debug("sent %r as message %d to rank %d", model_id, number, self.rank)
+        return number, None
 
     def send_message(self, message: bytes) -> int:
         """Sender: put a raw control message in the worker's mailbox; returns its number.
@@ -215,28 +178,11 @@ class DistributedTransport(P2PTransport):
 
     def expect_ack(self, number: int, model_id: str) -> None:
         """Sender: message ``number`'s bytes went by other means; :meth:`wait_ack` waits for its ack."""
-        self._pending = _Pending(number, model_id, Transfer([], []))
+        self._pending = Pending(number, model_id, Transfer([], []))
 
-    def wait_ack(self, timeout: float | None = None) -> None:
-        """Sender: wait for the worker's ack of the newest send.
-
-        Args:
-            timeout: seconds; defaults to the transport's ``timeout``.
-
-        Raises:
-            SyncTimeoutError: the worker did not take the bytes or ack in time.
-            ApplyError: the worker acked an error.
-
-        Example:
-            >>> transport.wait_ack(timeout=5)  # doctest: +SKIP
-        """
-        pending = self._pending
-        if pending is None:
-            return
+    def _await_ack(self, pending: Pending, deadline: float, limit: float) -> tuple[str, str]:
         store = self._store()
         self._drop_late_acks()
-        limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
         where = f"worker rank {self.rank}"
         what = f"message {pending.number} ({pending.model_id!r})"
         laggard = [{"subscriber": f"rank {self.rank}", "actor": None, "applied": None, "error": None}]
@@ -252,8 +198,7 @@ class DistributedTransport(P2PTransport):
             raise SyncTimeoutError(f"{where} did not acknowledge {what} within {limit} s", laggard)
         message = bytes(store.get(key)).decode(errors="replace")
         store.delete_key(key)
-        self._pending = None
-        ack_error(message, worker=f"{where} ({what})")
+        return message, f"{where} ({what})"
 
     def _drop_late_acks(self) -> None:
         store = self._store()
@@ -362,18 +307,5 @@ class DistributedTransport(P2PTransport):
         """
         return list(self._messages)
 
-    def send_ack(self, message: str = "updated") -> None:
-        """Worker: acknowledge the version :meth:`receive_weights` last returned.
-
-        Args:
-            message: ``"updated"``, or ``"error: <text>"`` if it could not be applied
-                (the sender's ``wait_ack`` then raises :class:`raysync.ApplyError`).
-
-        Example:
-            >>> transport.send_ack()  # doctest: +SKIP
-        """
-        if self._last is None:
-            raise RuntimeError(
-                "send_ack() before receive_weights() returned a version: nothing to acknowledge"
-            )
-        self._store().set(self.mailbox_key("ack", self._last), message.encode())
+    def _post_ack(self, last: int, message: str) -> None:
+        self._store().set(self.mailbox_key("ack", last), message.encode())

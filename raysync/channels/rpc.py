@@ -60,17 +60,8 @@ from typing import Any
 
 import torch
 
-from raysync.channels._p2p import (
-    P2PTransport,
-    Transfer,
-    check_group,
-    next_tags,
-    pack_version,
-    post_sends,
-    receive_version,
-    wait_until,
-)
-from raysync.channels.base import DEFAULT_TIMEOUT, ack_error, split_send_args
+from raysync.channels._p2p import P2PTransport, Pending, receive_version, wait_until
+from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import DEFAULT_BUCKET_BYTES, Manifest
 from raysync.errors import ApplyError, SyncTimeoutError
 
@@ -91,16 +82,6 @@ class _Delivery:
     reply_to: str
     uid: str
     seq: int
-
-
-@dataclass
-class _Pending:
-    """The newest send of a sender transport, until its ack arrives."""
-
-    seq: int
-    model_id: str
-    future: Any  # torch.futures.Future of the signal RPC ("received" or the worker's error)
-    outgoing: Transfer
 
 
 # Worker side: one inbox per channel, filled by the signal RPC. Sender side: one ack box per
@@ -181,8 +162,6 @@ class RPCTransport(P2PTransport):
         >>> sender.send_weights(model)          # model_id "policy"      # doctest: +SKIP
     """
 
-    keeps_snapshot = True
-    """Received buckets are private to each version: a receiver may adopt them without a copy."""
     _config = ("worker_name", "worker_rank", *P2PTransport._config)
     _handles = ("collector_rref", "collector_class")  # pickling drops pending sends and handles
 
@@ -207,7 +186,7 @@ class RPCTransport(P2PTransport):
     def _init_runtime(self) -> None:
         self._uid = uuid.uuid4().hex
         self._seq = itertools.count(1)
-        self._pending: _Pending | None = None
+        self._pending = None
         self._last: tuple[str, str, int] | None = None  # (reply_to, uid, seq) of the last version taken
         self._acks: queue.Queue[tuple[int, str]] = queue.Queue()
         if self.worker_name is not None:
@@ -222,50 +201,36 @@ class RPCTransport(P2PTransport):
 
     # ------------------------------------------------------------------ sender side
 
-    def send_weights_async(self, *args: Any) -> None:
-        """Sender: snapshot and start sending a version; returns once the transfer is started.
-
-        Call :meth:`wait_ack` for the worker's ack.
-
-        Example:
-            >>> transport.send_weights_async(model); transport.wait_ack()  # doctest: +SKIP
-        """
-        import torch.distributed as dist
-        from torch.distributed import rpc
-
-        model_id, weights = split_send_args(args)
+    def _check_peer(self) -> None:
         if self.worker_name is None:
             raise ValueError(
                 "this RPCTransport has no worker to send to: create the sender's transport "
                 "with the worker's RPC name, RPCTransport(collector_info='worker1', worker_rank=1)"
             )
-        packed = pack_version(model_id, weights, bucket_bytes=self.bucket_bytes)
-        check_group()
-        self._await_received()
-        if self.worker_rank is None:
-            self.worker_rank = rpc.get_worker_info(self.worker_name).id
 
+    def _rank(self) -> int:
+        if self.worker_rank is None:
+            from torch.distributed import rpc
+
+            self.worker_rank = rpc.get_worker_info(self.worker_name).id
+        return self.worker_rank
+
+    def _signal(self, message: dict[str, Any]) -> tuple[int, Any]:
+        from torch.distributed import rpc
+
+        self._await_received()
+        self._rank()
         seq = next(self._seq)
-        tags = next_tags(packed.manifest.num_buckets)
-        message = {
-            "model_id": model_id,
-            "manifest": packed.manifest,
-            "tags": tags,
-            "src": dist.get_rank(),
+        message |= {
             "reply_to": rpc.get_worker_info().name,
             "uid": self._uid,
             "seq": seq,
             "timeout": self.timeout,
         }
-        # 1. signal first (non-blocking): the worker starts receiving; 2. then post the sends.
         future = rpc.rpc_async(
             self.worker_name, _on_weights, args=(self.channel, message), timeout=self.timeout + 5.0
         )
-        outgoing = post_sends(packed, self.worker_rank, tags)
-        self._pending = _Pending(seq, model_id, future, outgoing)
-        logger.debug(
-            "sent %r #%d to %s (%d bytes)", model_id, seq, self.worker_name, packed.manifest.total_nbytes
-        )
+        return seq, future
 
     def _await_received(self) -> None:
         # Versions go in order: the worker must hold the previous one before the next is announced.
@@ -279,26 +244,9 @@ class RPCTransport(P2PTransport):
                 [{"subscriber": self.worker_name, "actor": None, "applied": None, "error": None}],
             )
 
-    def wait_ack(self, timeout: float | None = None) -> None:
-        """Sender: wait for the worker's ack of the newest send.
-
-        Args:
-            timeout: seconds; defaults to the transport's ``timeout``.
-
-        Raises:
-            SyncTimeoutError: the bytes or the ack did not come in time.
-            ApplyError: the worker could not receive the version or acked an error.
-
-        Example:
-            >>> transport.wait_ack(timeout=5)  # doctest: +SKIP
-        """
-        pending = self._pending
-        if pending is None:
-            return
-        limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+    def _await_ack(self, pending: Pending, deadline: float, limit: float) -> tuple[str, str]:
         where = f"worker {self.worker_name!r}"
-        what = f"version #{pending.seq} of {pending.model_id!r}"
+        what = f"version #{pending.number} of {pending.model_id!r}"
         laggard = [{"subscriber": self.worker_name, "actor": None, "applied": None, "error": None}]
         if not wait_until(pending.future.done, deadline):
             raise SyncTimeoutError(f"{where} did not receive {what} within {limit} s", laggard)
@@ -320,11 +268,9 @@ class RPCTransport(P2PTransport):
                     "(it holds the version: is it calling receive_weights() and send_ack()?)",
                     laggard,
                 ) from None
-            if seq == pending.seq:
-                break
+            if seq == pending.number:
+                return message, f"{where} ({what})"
             logger.debug("late ack %r for send #%d ignored", message, seq)  # from a send that timed out
-        self._pending = None
-        ack_error(message, worker=f"{where} ({what})")
 
     def check_connection(self) -> bool:
         """Whether the process group and RPC are up (and, on the sender, the worker is known).
@@ -355,14 +301,6 @@ class RPCTransport(P2PTransport):
     def receive_snapshot(
         self, timeout: float | None = 1.0
     ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
-        """Worker: ``(model_id, manifest, buckets)`` of the next version, as received (no copy).
-
-        The flat uint8 buckets belong to this version alone, so a receiver may
-        adopt them as its parameters' storage (``keeps_snapshot``).
-
-        Example:
-            >>> model_id, manifest, buckets = transport.receive_snapshot(timeout=5)  # doctest: +SKIP
-        """
         try:
             delivery = _inbox(self.channel).get(timeout=timeout)
         except queue.Empty:
@@ -370,22 +308,8 @@ class RPCTransport(P2PTransport):
         self._last = (delivery.reply_to, delivery.uid, delivery.seq)  # not the buckets: they may be adopted
         return delivery.model_id, delivery.manifest, delivery.buckets
 
-    def send_ack(self, message: str = "updated") -> None:
-        """Worker: acknowledge the version :meth:`receive_weights` last returned.
-
-        Args:
-            message: ``"updated"``, or ``"error: <text>"`` if it could not be applied
-                (the sender's ``wait_ack`` then raises :class:`raysync.ApplyError`).
-
-        Example:
-            >>> transport.send_ack("error: shapes differ")  # doctest: +SKIP
-        """
+    def _post_ack(self, last: tuple[str, str, int], message: str) -> None:
         from torch.distributed import rpc
 
-        last = self._last
-        if last is None:
-            raise RuntimeError(
-                "send_ack() before receive_weights() returned a version: nothing to acknowledge"
-            )
         reply_to, uid, seq = last
         rpc.rpc_sync(reply_to, _on_ack, args=(uid, seq, message), timeout=self.timeout)
