@@ -1,4 +1,5 @@
-"""The receiver processes' entry points: pipe workers, distributed ranks, RPC workers.
+"""The receiver processes' entry point and how each kind connects: pipe workers, distributed ranks,
+RPC workers.
 
 Each runs ``fn(receiver, *args)`` (the user's loop) and exits when its adapter dies.
 """
@@ -36,84 +37,58 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=loop, name="raysync-parent-watch", daemon=True).start()
 
 
-def _run_user_fn(receiver: Any, fn: Callable[..., Any], args: Sequence[Any], name: str) -> None:
+def _receiver_main(
+    connect: Callable[[float], tuple[Any, dict[str, Any]]],
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    model_factory: Callable[[], Any],
+    model_id: str,
+    timeout: float,
+    parent: int,
+    name: str,
+) -> None:
+    """Entry point of an adapter's receiver process: ``connect(timeout)`` gives the scheme and its
+    endpoint (one of the functions below, bound to the adapter's side), then ``fn`` runs."""
+    _watch_parent(parent)
+    scheme, endpoint = connect(timeout)
+    scheme.init_on_receiver(model_id=model_id, **endpoint, model=model_factory())
     try:
-        fn(receiver, *args)
+        fn(scheme.get_receiver(), *args)
     except RaySyncError as err:
         # The adapter closed its end (shutdown or death): a normal way for the loop to end.
         logger.info("%s: stopping: %s", name, err)
 
 
-def _pipe_worker(
-    conn: Any,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    model_factory: Callable[[], Any],
-    model_id: str,
-    timeout: float,
-    parent: int,
-    name: str,
-) -> None:
-    """Entry point of a PipeAdapter worker process."""
+def _pipe_end(conn: Any, timeout: float) -> tuple[Any, dict[str, Any]]:
+    """A PipeAdapter worker: its end of the pipe."""
     from raysync.torchrl.schemes import MultiProcessWeightSyncScheme
 
-    _watch_parent(parent)
-    scheme = MultiProcessWeightSyncScheme(timeout=timeout)
-    scheme.init_on_receiver(model_id=model_id, pipe=conn, model=model_factory())
-    _run_user_fn(scheme.get_receiver(), fn, args, name)
+    return MultiProcessWeightSyncScheme(timeout=timeout), {"pipe": conn}
 
 
-def _dist_worker(
-    host: str,
-    port: int,
-    index: int,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    model_factory: Callable[[], Any],
-    model_id: str,
-    timeout: float,
-    channel: str,
-    parent: int,
-    name: str,
-) -> None:
-    """Entry point of a DistributedAdapter worker process."""
+def _broadcast_rank(
+    host: str, port: int, index: int, channel: str, timeout: float
+) -> tuple[Any, dict[str, Any]]:
+    """A DistributedAdapter worker: the adapter's store, bytes by broadcast."""
     import torch.distributed as dist
 
     from raysync.torchrl.schemes import DistributedWeightSyncScheme
 
-    _watch_parent(parent)
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     transport = BroadcastTransport(store, index, timeout=timeout, channel=channel)
-    scheme = DistributedWeightSyncScheme(timeout=timeout)
-    scheme.init_on_receiver(model_id=model_id, endpoint=transport, model=model_factory())
-    _run_user_fn(scheme.get_receiver(), fn, args, name)
+    return DistributedWeightSyncScheme(timeout=timeout), {"endpoint": transport}
 
 
-def _rpc_worker(
-    host: str,
-    port: int,
-    rpc_port: int,
-    rank: int,
-    world: int,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    model_factory: Callable[[], Any],
-    model_id: str,
-    timeout: float,
-    channel: str,
-    parent: int,
-    name: str,
-) -> None:
-    """Entry point of an RPCAdapter worker process (rank ``rank`` of the gloo and RPC groups)."""
+def _rpc_rank(
+    host: str, port: int, rpc_port: int, rank: int, world: int, channel: str, timeout: float
+) -> tuple[Any, dict[str, Any]]:
+    """An RPCAdapter worker: rank ``rank`` of the gloo and RPC groups."""
     from raysync.channels.rpc import RPCTransport
     from raysync.torchrl.schemes import RPCWeightSyncScheme
 
-    _watch_parent(parent)
     _join_rpc(host, port, rpc_port, rank, world, timeout)
     scheme = RPCWeightSyncScheme(timeout=timeout)
-    transport = RPCTransport(timeout=timeout, channel=channel)
-    scheme.init_on_receiver(model_id=model_id, endpoint=transport, model=model_factory())
-    _run_user_fn(scheme.get_receiver(), fn, args, name)
+    return scheme, {"endpoint": RPCTransport(timeout=timeout, channel=channel)}
 
 
 def _join_rpc(host: str, port: int, rpc_port: int, rank: int, world: int, timeout: float) -> None:

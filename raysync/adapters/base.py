@@ -22,6 +22,7 @@ from raysync._protocol import (
     Registration,
     SubscriberInfo,
 )
+from raysync.adapters._workers import _receiver_main
 from raysync.adapters.placement import placement_of
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest
@@ -122,8 +123,8 @@ class _Adapter:
         self.model_id = model_id
         self.timeout = float(timeout)
         self.name = name or f"{self.kind}-adapter-{os.getpid()}"
-        self._hub_name = hub
-        self._namespace = namespace
+        self.hub_name = hub  # the hub protocol's names (a Member)
+        self.hub_namespace = namespace
         self._lock = threading.Lock()  # one version at a time
         self._applier = Applier(_FanOut(self), verify="if_present", timeout=self.timeout, label=self.name)
         self._model_id = model_id
@@ -133,12 +134,13 @@ class _Adapter:
         self._receivers: list[_Receiver] = []
         self._placement = placement_of()
         self._mp: Any = multiprocessing.get_context(start_method)
-        self._start_receivers(fn, tuple(args), model_factory, num_receivers)
-        self._sub_id = ""
+        self._work = (fn, tuple(args), model_factory)
+        self._start_receivers(num_receivers)
+        self.sub_id = ""
         self._in_hub = False
         ctx = ray.get_runtime_context()
         if ctx.get_actor_id() is not None:
-            self._sub_id = f"{ctx.get_actor_id()}:{self.model_id}"
+            self.sub_id = f"{ctx.get_actor_id()}:{self.model_id}"
             self._info = SubscriberInfo(
                 mode="push",
                 apply=f"adapter/{self.kind}",
@@ -153,20 +155,8 @@ class _Adapter:
             self._in_hub = True
 
     # -------------------------------------------------------------- hub protocol (a Member)
-    @property
-    def sub_id(self) -> str:
-        return self._sub_id
-
-    @property
-    def hub_name(self) -> str:
-        return self._hub_name
-
-    @property
-    def hub_namespace(self) -> str | None:
-        return self._namespace
-
     def registration(self) -> Registration:
-        return Registration(self._sub_id, self.model_id, True, self._info, None, self._applied())
+        return Registration(self.sub_id, self.model_id, True, self._info, None, self._applied())
 
     def start_from(self, newest: Announcement | None) -> None:
         if newest is not None:
@@ -256,10 +246,16 @@ class _Adapter:
                 self._failed(
                     r, version, err if isinstance(err, RaySyncError) else RaySyncError(str(err)), sent=False
                 )
-        deadline = time.monotonic() + self.timeout
-        for r in started:
+        self._collect_acks(version, started, time.monotonic() + self.timeout)
+
+    def _collect_acks(
+        self, version: int, receivers: list[_Receiver], deadline: float, grace: float = 0.0
+    ) -> None:
+        """Wait for each receiver's ack of ``version`` (one deadline for all, each wait ``grace`` s
+        longer) and record it."""
+        for r in receivers:
             try:
-                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01))
+                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01) + grace)
             except RaySyncError as err:
                 self._failed(r, version, err, sent=True)
                 continue
@@ -269,10 +265,21 @@ class _Adapter:
         """A receiver's send (``sent=False``) or ack (``sent=True``) failed."""
         self._check(r, version, err)
 
-    def _start_receivers(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
-    ) -> None:
+    def _start_receivers(self, count: int) -> None:
+        """Start ``count`` receiver processes (with :meth:`_start_process`) and their transports."""
         raise NotImplementedError
+
+    def _start_process(self, name: str, connect: Callable[[float], Any]) -> Any:
+        """Start one receiver process: it connects with ``connect`` (see ``_workers``), then runs ``fn``."""
+        fn, args, model_factory = self._work
+        process = self._mp.Process(
+            target=_receiver_main,
+            args=(connect, fn, args, model_factory, self.model_id, self.timeout, os.getpid(), name),
+            name=name,
+            daemon=True,
+        )
+        process.start()
+        return process
 
     def _fan_out(
         self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]

@@ -7,10 +7,9 @@ import functools
 import os
 import pickle
 import time
-from collections.abc import Callable
 from typing import Any
 
-from raysync.adapters._workers import _dist_worker
+from raysync.adapters._workers import _broadcast_rank
 from raysync.adapters.base import _Adapter, _Receiver
 from raysync.channels._p2p import wait_until
 from raysync.channels.broadcast import _join_group, broadcast_buckets
@@ -39,10 +38,10 @@ class DistributedAdapter(_Adapter):
 
     kind = "distributed"
 
-    def _start_receivers(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
-    ) -> None:
+    def _start_receivers(self, count: int) -> None:
         import torch.distributed as dist
+
+        from raysync.channels.distributed import DistributedTransport
 
         self._channel = f"adapter-{os.getpid()}"
         self._store = dist.TCPStore(
@@ -55,29 +54,10 @@ class DistributedAdapter(_Adapter):
         self._generation = 0
         self._members: list[int] | None = None
         port = int(self._store.port)
-        from raysync.channels.distributed import DistributedTransport
-
         for i in range(count):
             name = f"{self.name}/rank-{i + 1}"
-            process = self._mp.Process(
-                target=_dist_worker,
-                args=(
-                    "127.0.0.1",
-                    port,
-                    i,
-                    fn,
-                    args,
-                    model_factory,
-                    self.model_id,
-                    self.timeout,
-                    self._channel,
-                    os.getpid(),
-                    name,
-                ),
-                name=name,
-                daemon=True,
-            )
-            process.start()
+            connect = functools.partial(_broadcast_rank, "127.0.0.1", port, i, self._channel)
+            process = self._start_process(name, connect)
             transport = DistributedTransport(self._store, i, timeout=self.timeout, channel=self._channel)
             self._receivers.append(_Receiver(i, name, process, transport))
 
@@ -127,9 +107,4 @@ class DistributedAdapter(_Adapter):
             return
         for r in ready:
             r.transport.expect_ack(numbers[r.index], model_id)
-            try:
-                r.transport.wait_ack(max(deadline - time.monotonic(), 0.01) + self.timeout)
-            except RaySyncError as err:
-                self._check(r, version, err)
-                continue
-            self._check(r, version, None)
+        self._collect_acks(version, ready, deadline, grace=self.timeout)

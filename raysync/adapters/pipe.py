@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+import functools
 from typing import Any
 
-from raysync.adapters._workers import _pipe_worker
+from raysync.adapters._workers import _pipe_end
 from raysync.adapters.base import _Adapter, _Receiver
 from raysync.core.codec import unpack
 from raysync.core.layout import Manifest
@@ -45,22 +44,14 @@ class PipeAdapter(_Adapter):
 
     kind = "pipe"
 
-    def _start_receivers(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
-    ) -> None:
+    def _start_receivers(self, count: int) -> None:
         from raysync.channels.pipe import MPTransport, SnapshotPool
 
         self._pool = SnapshotPool()
         for i in range(count):
             parent, child = self._mp.Pipe()
             name = f"{self.name}/pipe-{i}"
-            process = self._mp.Process(
-                target=_pipe_worker,
-                args=(child, fn, args, model_factory, self.model_id, self.timeout, os.getpid(), name),
-                name=name,
-                daemon=True,
-            )
-            process.start()
+            process = self._start_process(name, functools.partial(_pipe_end, child))
             child.close()
             self._receivers.append(_Receiver(i, name, process, MPTransport(parent, timeout=self.timeout)))
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
-from raysync.adapters._workers import _free_port, _join_rpc, _rpc_worker
+from raysync.adapters._workers import _free_port, _join_rpc, _rpc_rank
 from raysync.adapters.base import _Adapter, _Receiver
 from raysync.channels._p2p import Packed
 from raysync.core import codec
@@ -34,9 +34,7 @@ class RPCAdapter(_Adapter):
 
     kind = "rpc"
 
-    def _start_receivers(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], model_factory: Callable[[], Any], count: int
-    ) -> None:
+    def _start_receivers(self, count: int) -> None:
         from raysync.channels.rpc import RPCTransport
 
         host = "127.0.0.1"
@@ -45,27 +43,8 @@ class RPCAdapter(_Adapter):
         channel = f"adapter-{os.getpid()}"
         for i in range(count):
             name = f"{self.name}/rank{i + 1}"
-            process = self._mp.Process(
-                target=_rpc_worker,
-                args=(
-                    host,
-                    port,
-                    rpc_port,
-                    i + 1,
-                    world,
-                    fn,
-                    args,
-                    model_factory,
-                    self.model_id,
-                    self.timeout,
-                    channel,
-                    os.getpid(),
-                    name,
-                ),
-                name=name,
-                daemon=True,
-            )
-            process.start()
+            connect = functools.partial(_rpc_rank, host, port, rpc_port, i + 1, world, channel)
+            process = self._start_process(name, connect)
             transport = RPCTransport(f"rank{i + 1}", worker_rank=i + 1, timeout=self.timeout, channel=channel)
             self._receivers.append(_Receiver(i, name, process, transport))
         _join_rpc(host, port, rpc_port, 0, world, self.timeout)
