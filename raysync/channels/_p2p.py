@@ -1,5 +1,24 @@
 """Shared plumbing of the torch.distributed transports (:mod:`.rpc`, :mod:`.distributed`).
 
+Both move a version alike and differ only in how they signal (an RPC, or a TCPStore
+mailbox). Lifecycle of one version, and which side runs what:
+
+1. **sender** ``send_weights_async(model_id, weights)``: snapshots the weights
+   into flat uint8 buckets laid out by :func:`raysync.core.layout.plan_layout`
+   (the trainer may change its model as soon as this returns), signals the
+   worker with the :class:`~raysync.core.layout.Manifest` and one tag per bucket,
+   then posts one ``isend`` per bucket (signal first: the deadlock-free order
+   torchrl documents).
+2. **worker**: allocates the buckets from the manifest and receives them, always
+   whole (even a version the worker will refuse, so the sender is never left
+   blocked in a send); ``receive_weights(timeout)`` returns ``(model_id, {key:
+   tensor})`` in canonical key order, backed by private memory.
+3. **worker** ``send_ack("updated")`` or ``send_ack("error: <text>")``.
+4. **sender** ``wait_ack(timeout)``: waits for the bytes to go and the ack to
+   come; raises :class:`raysync.SyncTimeoutError` past the timeout and
+   :class:`raysync.ApplyError` on an error ack. Never hangs. ``send_weights`` is
+   ``send_weights_async`` + ``wait_ack``.
+
 Bytes travel as one flat uint8 tensor per bucket, laid out exactly as
 :func:`raysync.core.layout.plan_layout` says (so a receiver allocates each bucket
 from the manifest and rebuilds tensors with :func:`raysync.core.codec.unpack`).
@@ -33,7 +52,7 @@ __all__ = [
     "check_group",
     "next_tags",
     "pack_version",
-    "post_sends",
+    "post_buckets",
     "receive_version",
     "wait_until",
 ]
@@ -84,10 +103,6 @@ class Transfer:
         finally:
             self._event.set()
 
-    def done(self) -> bool:
-        """Whether every work finished (successfully or not)."""
-        return self._event.is_set()
-
     def wait(self, deadline: float | None, what: str) -> None:
         """Wait until done; raise the transfer's error, or :class:`SyncTimeoutError` past ``deadline``."""
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -117,7 +132,7 @@ def next_tags(count: int) -> list[int]:
         return [next(_TAGS) % _TAG_SPACE or 1 for _ in range(count)]
 
 
-def check_group(group: Any = None) -> None:
+def check_group() -> None:
     """Raise unless the process group is up and moves CPU tensors (gloo)."""
     import torch.distributed as dist
 
@@ -126,7 +141,7 @@ def check_group(group: Any = None) -> None:
             "torch.distributed is not initialised: call init_process_group('gloo', ...) in every "
             "process before sending or receiving weights"
         )
-    backend = str(dist.get_backend(group))
+    backend = str(dist.get_backend())
     if backend != "gloo":
         raise ValueError(
             f"the process group's backend is {backend!r}; these transports move CPU buckets and "
@@ -134,27 +149,18 @@ def check_group(group: Any = None) -> None:
         )
 
 
-def post_sends(packed: Packed, dst: int, tags: Sequence[int], *, group: Any = None) -> Transfer:
-    """``isend`` every non-empty bucket to ``dst``; returns at once."""
-    import torch.distributed as dist
-
-    check_group(group)
-    works = [
-        dist.isend(flat, dst, group=group, tag=tag)
-        for flat, tag in zip(packed.buckets, tags, strict=True)
-        if flat.numel()
-    ]
-    return Transfer(works, packed.buckets)
+def post_buckets(
+    op: Callable[..., Any], flats: list[torch.Tensor], peer: int, tags: Sequence[int]
+) -> Transfer:
+    """Post ``op`` (``dist.isend`` or ``dist.irecv``) of every non-empty bucket with ``peer``, a tag
+    each; returns at once."""
+    check_group()
+    works = [op(flat, peer, tag=tag) for flat, tag in zip(flats, tags, strict=True) if flat.numel()]
+    return Transfer(works, flats)
 
 
 def receive_version(
-    manifest: Manifest,
-    src: int,
-    tags: Sequence[int],
-    *,
-    timeout: float,
-    group: Any = None,
-    what: str = "version",
+    manifest: Manifest, src: int, tags: Sequence[int], *, timeout: float, what: str = "version"
 ) -> list[torch.Tensor]:
     """Receive every bucket of a version from ``src`` into fresh buffers allocated from ``manifest``.
 
@@ -163,15 +169,11 @@ def receive_version(
     """
     import torch.distributed as dist
 
-    check_group(group)
     flats = codec.allocate(manifest)
-    works = [
-        dist.irecv(flat, src, group=group, tag=tag)
-        for flat, tag in zip(flats, tags, strict=True)
-        if flat.numel()
-    ]
     # On a timeout the receives stay posted; the transfer's thread keeps their buffers alive.
-    Transfer(works, flats).wait(time.monotonic() + timeout, f"the bytes of {what} from rank {src}")
+    post_buckets(dist.irecv, flats, src, tags).wait(
+        time.monotonic() + timeout, f"the bytes of {what} from rank {src}"
+    )
     return flats
 
 
@@ -274,7 +276,7 @@ class P2PTransport:
         message = {"model_id": model_id, "manifest": packed.manifest, "tags": tags, "src": dist.get_rank()}
         # 1. signal first (non-blocking): the worker starts receiving; 2. then post the sends.
         number, future = self._signal(message)
-        outgoing = post_sends(packed, self._rank(), tags)
+        outgoing = post_buckets(dist.isend, packed.buckets, self._rank(), tags)
         self._pending = Pending(number, model_id, outgoing, future)
         logger.debug(
             "sent %r #%d to rank %d (%d bytes)", model_id, number, self._rank(), packed.manifest.total_nbytes

@@ -11,28 +11,13 @@ message is ever overwritten or lost:
   (``in/next`` counts them, ``in/read`` how many the worker took);
 - ``raysync/<channel>/<rank>/ack/<n>``: the worker's ack of message n.
 
-Lifecycle of one version, and which side runs what:
+A version goes as :mod:`raysync.channels._p2p` says; the signal is message n in the
+worker's mailbox, and the ack the worker writes for it. ``receive_weights``
+takes the messages in order: any that is not a version (for instance a
+reference-style ``b"update_weights"``) is kept, never dropped: read it with
+:meth:`DistributedTransport.next_message`.
 
-1. **sender** ``send_weights_async(model_id, weights)``: snapshots the weights
-   into flat uint8 buckets laid out by :func:`raysync.core.layout.plan_layout`
-   (the trainer may change its model as soon as this returns), posts the
-   :class:`~raysync.core.layout.Manifest` and the buckets' tags as message n, then
-   one ``isend`` per bucket.
-2. **worker** ``receive_weights(timeout)``: takes the messages in order. A
-   weights message makes it allocate the buckets from the manifest, receive
-   them (always whole, even if the worker later refuses the version, so the
-   sender is never left blocked) and return ``(model_id, {key: tensor})`` in
-   canonical key order, backed by private memory. Any other message (for
-   instance a reference-style ``b"update_weights"``) is kept, never dropped:
-   read it with :meth:`DistributedTransport.next_message`.
-3. **worker** ``send_ack("updated")`` or ``send_ack("error: <text>")``: writes
-   the ack of that message.
-4. **sender** ``wait_ack(timeout)``: waits for the bytes to be taken and the
-   ack to appear; raises :class:`raysync.SyncTimeoutError` past the timeout
-   and :class:`raysync.ApplyError` on an error ack. Never hangs.
-
-``send_weights`` is ``send_weights_async`` + ``wait_ack``. Every wait polls
-with a deadline; nothing blocks on the store without one. One receiving
+Every wait polls with a deadline; nothing blocks on the store without one. One receiving
 transport per (rank, channel): two would take each other's messages.
 
 Example:
@@ -228,15 +213,8 @@ class DistributedTransport(P2PTransport):
     def receive_snapshot(
         self, timeout: float | None = 1.0
     ) -> tuple[str, Manifest, list[torch.Tensor]] | None:
-        """Worker: ``(model_id, manifest, buckets)`` of the next version, as received (no copy).
-
-        The flat uint8 buckets belong to this version alone, so a receiver may
-        adopt them as its parameters' storage (``keeps_snapshot``). Control
-        messages met on the way are kept for :meth:`next_message`.
-
-        Example:
-            >>> model_id, manifest, buckets = transport.receive_snapshot(timeout=5)  # doctest: +SKIP
-        """
+        """Worker: as :meth:`P2PTransport.receive_snapshot`; control messages met on the way are
+        kept for :meth:`next_message`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         message = self._take_next(deadline, keep_weights=False)
         if message is None:

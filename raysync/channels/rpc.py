@@ -4,33 +4,15 @@ One transport object serves one receiver (one worker), as in torchrl. The
 processes must already have joined a default process group
 (``torch.distributed.init_process_group``, gloo on CPU) and an RPC group
 (``torch.distributed.rpc.init_rpc``). Lifecycle of one version, and which side
-runs what:
+runs what: as :mod:`raysync.channels._p2p` says, with a non-blocking
+``rpc_async`` for the signal and an RPC back to the sender, naming the version,
+for the ack. On the worker the signal's RPC thread (no user code) receives the
+bytes (bounded by the sender's ``timeout``) and queues the whole version in the
+worker's inbox for its ``channel``, so bytes flow even while the worker's main
+thread is busy; ``receive_weights`` takes the next version from the inbox,
+oldest first. Every delivery is queued until taken; nothing is dropped.
 
-1. **sender** ``send_weights_async(model_id, weights)``: snapshots the weights
-   into flat uint8 buckets laid out by :func:`raysync.core.layout.plan_layout`
-   (the trainer may change its model as soon as this returns), then, in the
-   deadlock-free order torchrl documents, (a) signals the worker with a
-   non-blocking ``rpc_async`` that carries the
-   :class:`~raysync.core.layout.Manifest` and one tag per bucket, and (b) posts
-   one ``isend`` per bucket.
-2. **worker, RPC thread** (no user code): the signal allocates the buckets
-   from the manifest, receives them (bounded by the sender's ``timeout``) and
-   queues the whole version in the worker's inbox for its ``channel``. Bytes
-   therefore flow even while the worker's main thread is busy, and a version
-   the worker will refuse is still consumed whole: the sender is never left
-   blocked in a send.
-3. **worker** ``receive_weights(timeout)``: takes the next version from the
-   inbox, oldest first, and returns ``(model_id, {key: tensor})`` in
-   canonical key order, backed by private memory. Every delivery is queued
-   until taken; nothing is dropped.
-4. **worker** ``send_ack("updated")`` or ``send_ack("error: <text>")``: an
-   RPC back to the sender naming the version.
-5. **sender** ``wait_ack(timeout)``: waits for the bytes to land and for the
-   ack of the newest send; raises :class:`raysync.SyncTimeoutError` past the
-   timeout and :class:`raysync.ApplyError` on an error ack. Never hangs.
-
-``send_weights`` is ``send_weights_async`` + ``wait_ack``; ``close()`` (sender)
-unregisters the transport's ack box. A new send waits
+``close()`` (sender) unregisters the transport's ack box. A new send waits
 (bounded) until the worker holds the previous one, so versions arrive in the
 order they were sent. Transports on one worker share an inbox per
 ``channel``: give each receiving transport in a process its own channel (and
