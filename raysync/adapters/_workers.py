@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from raysync.channels.broadcast import BroadcastTransport
+from raysync.channels.rpc import RPCTransport
 from raysync.errors import RaySyncError
 
 __all__ = []
@@ -83,7 +84,6 @@ def _rpc_rank(
     host: str, port: int, rpc_port: int, rank: int, world: int, channel: str, timeout: float
 ) -> tuple[Any, dict[str, Any]]:
     """An RPCAdapter worker: rank ``rank`` of the gloo and RPC groups."""
-    from raysync.channels.rpc import RPCTransport
     from raysync.torchrl.schemes import RPCWeightSyncScheme
 
     _join_rpc(host, port, rpc_port, rank, world, timeout)

@@ -13,6 +13,7 @@ from raysync.adapters._workers import _broadcast_rank
 from raysync.adapters.base import _Adapter, _Receiver
 from raysync.channels._p2p import wait_until
 from raysync.channels.broadcast import _join_group, broadcast_buckets
+from raysync.channels.distributed import DistributedTransport
 from raysync.core import codec
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError
@@ -40,8 +41,6 @@ class DistributedAdapter(_Adapter):
 
     def _start_receivers(self, count: int) -> None:
         import torch.distributed as dist
-
-        from raysync.channels.distributed import DistributedTransport
 
         self._channel = f"adapter-{os.getpid()}"
         self._store = dist.TCPStore(

@@ -7,6 +7,7 @@ from typing import Any
 
 from raysync.adapters._workers import _pipe_end
 from raysync.adapters.base import _Adapter, _Receiver
+from raysync.channels.pipe import MPTransport, SnapshotPool
 from raysync.core.codec import unpack
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError
@@ -45,8 +46,6 @@ class PipeAdapter(_Adapter):
     kind = "pipe"
 
     def _start_receivers(self, count: int) -> None:
-        from raysync.channels.pipe import MPTransport, SnapshotPool
-
         self._pool = SnapshotPool()
         for i in range(count):
             parent, child = self._mp.Pipe()
@@ -58,15 +57,11 @@ class PipeAdapter(_Adapter):
     def _fan_out(
         self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]
     ) -> None:
-        from raysync.channels.pipe import SnapshotPool
-
         # The one copy of the version on this side: object store -> shared memory.
-        if self._pool is None:
-            self._pool = SnapshotPool()
         snapshot = self._pool.write(unpack(manifest, buckets), manifest)
         self._send_all(model_id, version, snapshot, live)
 
     def _failed(self, r: _Receiver, version: int, err: RaySyncError, *, sent: bool) -> None:
         self._check(r, version, err)
-        if self._pool is not None and (not sent or r.state == "dead"):
+        if not sent or r.state == "dead":
             self._pool.forget(r.transport.reader)  # the snapshot sets it held may be reused

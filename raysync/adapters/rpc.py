@@ -9,6 +9,7 @@ from typing import Any
 from raysync.adapters._workers import _free_port, _join_rpc, _rpc_rank
 from raysync.adapters.base import _Adapter, _Receiver
 from raysync.channels._p2p import Packed
+from raysync.channels.rpc import RPCTransport
 from raysync.core import codec
 from raysync.core.layout import Manifest
 from raysync.errors import RaySyncError
@@ -35,8 +36,6 @@ class RPCAdapter(_Adapter):
     kind = "rpc"
 
     def _start_receivers(self, count: int) -> None:
-        from raysync.channels.rpc import RPCTransport
-
         host = "127.0.0.1"
         port, rpc_port = _free_port(), _free_port()
         world = count + 1
