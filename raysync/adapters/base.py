@@ -166,24 +166,20 @@ class _Adapter:
         return True
 
     def _raysync_notify(self, announcement: Announcement) -> ApplyReport:
-        """The hub delivers a version: fetch it once, hand it to every receiver, reply with their acks."""
-        a = announcement
-        with self._lock:
-            return self._deliver(a.model_id, a.version, a.manifest, list(a.refs))
+        """The hub delivers a version: fetch it once, hand it to every receiver, reply with their acks.
 
-    def _deliver(
-        self, model_id: str, version: int, manifest: Manifest, refs: list[ray.ObjectRef]
-    ) -> ApplyReport:
-        """raysync's apply path (:class:`~raysync.receivers.pipeline.Applier`): through the version's
+        raysync's apply path (:class:`~raysync.receivers.pipeline.Applier`): through the version's
         data path (one that receives in place is refused), checksums verified where the pusher added
         them; the fan-out to the receivers is the commit."""
-        self._reap()
-        self._model_id, self._problem = model_id, None
-        report = self._applier.apply(version, manifest, refs)
-        error = report.error or self._problem  # a dropped receiver is reported; the others got it
-        return dataclasses.replace(
-            report, applied=self._applied(), error=error, receivers=tuple(self.receivers())
-        )
+        a = announcement
+        with self._lock:
+            self._reap()
+            self._model_id, self._problem = a.model_id, None
+            report = self._applier.apply(a.version, a.manifest, list(a.refs))
+            error = report.error or self._problem  # a dropped receiver is reported; the others got it
+            return dataclasses.replace(
+                report, applied=self._applied(), error=error, receivers=tuple(self.receivers())
+            )
 
     def _commit(self, incoming: Incoming) -> None:
         """The fan-out: every live receiver gets the version; it is in once all of them applied it."""

@@ -76,10 +76,7 @@ _ACK_BOXES: dict[str, queue.Queue[tuple[int, str]]] = {}
 
 def _inbox(channel: str) -> queue.Queue[_Delivery]:
     with _LOCK:
-        box = _INBOXES.get(channel)
-        if box is None:
-            box = _INBOXES[channel] = queue.Queue()
-        return box
+        return _INBOXES.setdefault(channel, queue.Queue())
 
 
 def _on_weights(channel: str, message: dict[str, Any]) -> str:
