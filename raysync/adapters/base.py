@@ -262,11 +262,12 @@ class _Adapter:
         self._check(r, version, err)
 
     def _start_receivers(self, count: int) -> None:
-        """Start ``count`` receiver processes (with :meth:`_start_process`) and their transports."""
+        """Start ``count`` receivers (with :meth:`_add_receiver`)."""
         raise NotImplementedError
 
-    def _start_process(self, name: str, connect: Callable[[float], Any]) -> Any:
-        """Start one receiver process: it connects with ``connect`` (see ``_workers``), then runs ``fn``."""
+    def _add_receiver(self, index: int, name: str, connect: Callable[[float], Any], transport: Any) -> None:
+        """Start one receiver process (it connects with ``connect``, see ``_workers``, then runs ``fn``)
+        and keep it, with the transport that reaches it."""
         fn, args, model_factory = self._work
         process = self._mp.Process(
             target=_receiver_main,
@@ -275,7 +276,7 @@ class _Adapter:
             daemon=True,
         )
         process.start()
-        return process
+        self._receivers.append(_Receiver(index, name, process, transport))
 
     def _fan_out(
         self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]

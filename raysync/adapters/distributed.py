@@ -54,11 +54,9 @@ class DistributedAdapter(_Adapter):
         self._members: list[int] | None = None
         port = int(self._store.port)
         for i in range(count):
-            name = f"{self.name}/rank-{i + 1}"
             connect = functools.partial(_broadcast_rank, "127.0.0.1", port, i, self._channel)
-            process = self._start_process(name, connect)
             transport = DistributedTransport(self._store, i, timeout=self.timeout, channel=self._channel)
-            self._receivers.append(_Receiver(i, name, process, transport))
+            self._add_receiver(i, f"{self.name}/rank-{i + 1}", connect, transport)
 
     def _ready_or_gone(self, key: str, r: _Receiver) -> bool:
         return bool(self._store.check([key])) or not r.process.is_alive()

@@ -49,10 +49,9 @@ class PipeAdapter(_Adapter):
         self._pool = SnapshotPool()
         for i in range(count):
             parent, child = self._mp.Pipe()
-            name = f"{self.name}/pipe-{i}"
-            process = self._start_process(name, functools.partial(_pipe_end, child))
+            transport = MPTransport(parent, timeout=self.timeout)
+            self._add_receiver(i, f"{self.name}/pipe-{i}", functools.partial(_pipe_end, child), transport)
             child.close()
-            self._receivers.append(_Receiver(i, name, process, MPTransport(parent, timeout=self.timeout)))
 
     def _fan_out(
         self, model_id: str, version: int, manifest: Manifest, buckets: list[Any], live: list[_Receiver]

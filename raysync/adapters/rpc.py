@@ -41,11 +41,9 @@ class RPCAdapter(_Adapter):
         world = count + 1
         channel = f"adapter-{os.getpid()}"
         for i in range(count):
-            name = f"{self.name}/rank{i + 1}"
             connect = functools.partial(_rpc_rank, host, port, rpc_port, i + 1, world, channel)
-            process = self._start_process(name, connect)
             transport = RPCTransport(f"rank{i + 1}", worker_rank=i + 1, timeout=self.timeout, channel=channel)
-            self._receivers.append(_Receiver(i, name, process, transport))
+            self._add_receiver(i, f"{self.name}/rank{i + 1}", connect, transport)
         _join_rpc(host, port, rpc_port, 0, world, self.timeout)
 
     def _fan_out(
