@@ -90,9 +90,6 @@ class SharedMemTransport(MPTransport):
             return super().__getstate__()  # raises: a live pipe does not pickle
         return self.__dict__.copy()
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
     # ------------------------------------------------------------------ torchrl 0.14's shapes
     @property
     def unique_weights(self) -> list[Any]:
