@@ -133,10 +133,13 @@ class DistributedTransport(P2PTransport):
             raise ValueError("the sender's DistributedTransport needs the worker's rank")
 
     def _signal(self, message: dict[str, Any]) -> tuple[int, Any]:
-        number = self.announce(message | {"kind": "weights"})
-        if self._pending is not None:
-            self._abandoned = [*self._abandoned[-999:], self._pending.number]  # bounded if a worker died
-        return number, None
+        return self.announce(message | {"kind": "weights"}), None
+
+    def send_weights_async(self, *args: Any) -> None:
+        previous = self._pending
+        super().send_weights_async(*args)
+        if previous is not None:  # replaced before its ack came: its late ack gets deleted
+            self._abandoned = [*self._abandoned[-999:], previous.number]  # bounded if a worker died
 
     def send_message(self, message: bytes) -> int:
         """Sender: put a raw control message in the worker's mailbox; returns its number.
