@@ -29,11 +29,10 @@ from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest
 from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, UnknownModelError
-from raysync.receivers import apply
 from raysync.receivers.attr_hint import missing_module_message
 from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
-from raysync.receivers.pipeline import Applier, Prepared
+from raysync.receivers.pipeline import Applier, Prepared, skipped
 from raysync.receivers.pull import PullSync
 from raysync.receivers.target import ModuleTarget, Target, is_target
 from raysync.transports.doorbell import Segment, doorbell
@@ -192,7 +191,7 @@ class _Subscription(PullSync, LocalChanges):
         the segment is gone): nothing to do, a newer version is on its way.
         """
         if segment is None:
-            return apply.skipped(self.version, ring.version)
+            return skipped(self.version, ring.version)
         self.check_binding()
         return self.applier.finish(
             self.applier.prepare(
@@ -427,5 +426,5 @@ class _Subscription(PullSync, LocalChanges):
         finally:
             self.applier.stage_lock.release()
         if self.version is not None and self.version >= version:
-            return reply or apply.skipped(self.version, version)
+            return reply or skipped(self.version, version)
         return None

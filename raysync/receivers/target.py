@@ -3,7 +3,7 @@
 A target says what it holds (so a version is checked against it before any byte is
 fetched: :meth:`Target.check`), which buckets it lacks (:meth:`Target.needed`), and how a
 fetched and verified version goes in, whole or not at all (:meth:`Target.commit`, handed
-an :class:`Incoming`). :mod:`raysync.receivers.apply` drives every receiver through
+an :class:`Incoming`). :mod:`raysync.receivers.pipeline` drives every receiver through
 these calls. :class:`ModuleTarget` binds an ``nn.Module`` (a copy into its own buffers,
 or read-only views of the store: :class:`~raysync.core.bound.BoundModel`);
 :class:`~raysync.receivers.loader.WeightsLoader` hands ``(name, tensor)`` pairs to a
@@ -103,7 +103,7 @@ class Incoming:
 class Target(Protocol):
     """Where a receiver puts versions: what it holds, and how a version goes in whole.
 
-    The apply path (:mod:`raysync.receivers.apply`) calls, for each version newer than
+    The apply path (:mod:`raysync.receivers.pipeline`) calls, for each version newer than
     the one held: :meth:`check` (before any fetch), :meth:`needed`, then fetches and
     verifies those buckets, then :meth:`commit` once, under the receiver's write lock.
     A ``commit`` that raises must leave the target as it was, or make :meth:`intact`
