@@ -310,13 +310,17 @@ class Applier:
     ) -> ApplyReport:
         """:meth:`apply` on an event loop; ``guard`` an async context manager factory (the loop's lock)."""
         step = await self.prepare_async(version, manifest, refs, timeout=timeout)
-        if isinstance(step, ApplyReport):
-            return step
+        return step if isinstance(step, ApplyReport) else await self.commit_async(step, guard)
+
+    async def commit_async(
+        self, step: Prepared, guard: Callable[[], AbstractAsyncContextManager[Any]]
+    ) -> ApplyReport:
+        """:meth:`commit` on an event loop, under ``guard`` (an async context manager factory)."""
         try:
             async with guard():
                 return self.commit(step, guard=contextlib.nullcontext)
         except Exception as err:
-            return self.report(version, step.t0, err)
+            return self.report(step.version, step.t0, err)
 
     def report(
         self,

@@ -155,12 +155,7 @@ class PullSync:
         return self._synced(info.version, reply)
 
     async def _commit_when_free(self, step: Prepared) -> None:
-        try:
-            async with self.sync.async_lock.write():
-                reply = self.applier.commit(step, guard=contextlib.nullcontext)
-        except Exception as err:
-            reply = self.applier.report(step.version, step.t0, err)
-        self.report(reply)
+        self.report(await self.applier.commit_async(step, self.sync.async_lock.write))
 
 
 def deadline_of(timeout: float | None) -> float | None:
