@@ -86,8 +86,7 @@ from raysync import _protocol as proto
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest, validate
 from raysync.errors import EngineNotReadyError, RaySyncError, SyncTimeoutError
-from raysync.receivers.first_version import wait_for_first
-from raysync.receivers.follower import Follower
+from raysync.receivers.follower import Follower, wait_for_first
 from raysync.receivers.target import Incoming
 
 __all__ = ["Generation", "VLLMEngine", "follow_engine", "hf_schema", "start_following"]

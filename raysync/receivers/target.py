@@ -32,7 +32,7 @@ from raysync.core.layout import Manifest, TensorEntry, schema_of, validate
 from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, WeightMismatchError
 
-__all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "TensorsTarget", "is_target"]
+__all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "TensorsTarget", "is_target", "weightless"]
 
 
 Schema = Mapping[str, tuple[tuple[int, ...], str]]
@@ -234,7 +234,7 @@ class ModuleTarget:
     def bind(self, manifest: Manifest) -> BoundModel:
         """A fresh binding of the module to ``manifest``'s layout (validated), made current."""
         module = self.module
-        if self.materialize and self.bound is None and _weightless(module, self.non_persistent):
+        if self.materialize and self.bound is None and weightless(module, self.non_persistent):
             module.to_empty(device="cpu")  # the version being applied fills it before anything reads it
         self.bound = BoundModel(module, manifest, view=self.view, non_persistent=self.non_persistent)
         return self.bound
@@ -327,8 +327,9 @@ class TensorsTarget:
         pass
 
 
-def _weightless(module: torch.nn.Module, non_persistent: bool) -> bool:
-    """Whether the weights a version fills are on the meta device (no memory yet)."""
+def weightless(module: torch.nn.Module, non_persistent: bool) -> bool:
+    """Whether the weights a version fills are on the meta device (no memory yet); with
+    ``non_persistent``, whether any of its parameters or buffers is."""
     held: list[Any] = list(module.state_dict().values())
     if non_persistent:
         held += list(module.buffers())
