@@ -186,8 +186,8 @@ class Follower:
         actor_id = ctx.get_actor_id()
         job_id = ctx.get_job_id()
         self.model_id = model_id
-        self._hub = hub
-        self._namespace = namespace
+        self.hub_name = hub  # the hub's name and namespace (a Member's)
+        self.hub_namespace = namespace
         self.sub_id = sub_id or _default_sub_id(f"{actor_id or 'job-' + job_id}/pid{os.getpid()}:{model_id}")
         self.timeout = float(timeout)
         self.on_apply = on_apply
@@ -220,14 +220,6 @@ class Follower:
         return self.applier.version
 
     # ------------------------------------------------------------------ Member (see membership)
-    @property
-    def hub_name(self) -> str:
-        return self._hub
-
-    @property
-    def hub_namespace(self) -> str | None:
-        return self._namespace
-
     def registration(self) -> Registration:
         # a whole module's schema, which the hub checks pushes against; other targets (and modules
         # holding parts: placement=) check each version themselves
@@ -260,7 +252,7 @@ class Follower:
         membership().serve(self, self, alone=True)  # before joining: the hub may deliver at once
         membership().join(self)
         if self.version is None:  # one line naming the models there
-            note_absent(self._hub, self.model_id, self._status, FOLLOWING, always=True)
+            note_absent(self.hub_name, self.model_id, self._status, FOLLOWING, always=True)
         module = self._module()
         if self.version is None and module is not None and weightless(module, non_persistent=True):
             deadline = time.monotonic() + self.timeout
@@ -270,7 +262,8 @@ class Follower:
                     if left <= 0:
                         raise SyncTimeoutError(
                             f"{self.label}: its module has no weights (meta tensors) and hub "
-                            f"{self._hub!r} had no version of {self.model_id!r} within {self.timeout:.0f} s"
+                            f"{self.hub_name!r} had no version of {self.model_id!r} within "
+                            f"{self.timeout:.0f} s"
                         )
                     self.applier.held.wait(min(left, 1.0))  # a failure does not notify: look again
             if self.version is None:

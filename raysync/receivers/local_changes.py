@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +31,7 @@ from raysync._protocol import ApplyReport
 from raysync.core.bound import BoundModel
 
 if TYPE_CHECKING:
+    from raysync.receivers.pipeline import Applier
     from raysync.receivers.subscription import SyncSpec
 
 __all__ = ["LocalChanges", "running_stats_in_training"]
@@ -54,8 +54,7 @@ class LocalChanges:
 
         _info: Any
 
-        @property
-        def _binding_lock(self) -> threading.Lock: ...
+        applier: Applier
 
     _told_modified: int | None = None  # what the hub was last told (heartbeat_report)
     _warned_modified = False
@@ -68,7 +67,7 @@ class LocalChanges:
         buckets changed are fetched again whatever the version changed). The first
         time it finds a change, it logs why and what to do (unless opted in).
         """
-        with self._binding_lock:
+        with self.applier.lock:  # a commit and this check never interleave
             bound, version = self.bound, self.version
             if bound is None or version is None or not bound.intact() or not bound.written():
                 return None

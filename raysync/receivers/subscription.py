@@ -100,10 +100,6 @@ class _Subscription(PullSync, LocalChanges):
         """The module's ModuleTarget, or the Target in ``self.<attr>`` (None before first use)."""
         return self.applier.resolved
 
-    @property
-    def _binding_lock(self) -> threading.Lock:
-        return self.applier.lock
-
     # -------------------------------------------------------------- registration
     def module(self) -> torch.nn.Module:
         module = getattr(self.sync.owner, self.spec.attr, None)
@@ -115,9 +111,6 @@ class _Subscription(PullSync, LocalChanges):
     def bound(self) -> BoundModel | None:
         """The module's binding (``None`` for targets that are not modules, or before the first apply)."""
         return self.target.bound if isinstance(self.target, ModuleTarget) else None
-
-    def _target(self) -> Target:
-        return self.applier.target
 
     def _resolve_target(self) -> Target:
         held = getattr(self.sync.owner, self.spec.attr, None)
@@ -152,7 +145,7 @@ class _Subscription(PullSync, LocalChanges):
         actor_id = ctx.get_actor_id()
         self.sub_id = f"{actor_id}:{self.spec.model_id}"
         self.applier.label = f"{self.sub_id} ({self.spec.model_id!r})"
-        if isinstance(self._target(), ModuleTarget):
+        if isinstance(self.applier.target, ModuleTarget):
             self.warn_train_mode(type(self.sync.owner).__name__, self.module())
         self._info = SubscriberInfo(
             mode=self.spec.mode,
@@ -203,7 +196,7 @@ class _Subscription(PullSync, LocalChanges):
         assert self._info is not None
         self._told_modified = None  # a hub that (re-)registers it knows nothing of local changes
         # the hub checks pushes against a whole module's schema; others check each version themselves
-        whole = isinstance(self._target(), ModuleTarget) and self.spec.placement is None
+        whole = isinstance(self.applier.target, ModuleTarget) and self.spec.placement is None
         schema = module_schema(self.module()) if whole else None
         bell = doorbell() if self._info.doorbell else None
         return Registration(
