@@ -5,18 +5,20 @@ and commits under the actor's write lock into the subscription's target: the mod
 ``self.<attr>`` (one ``copy_`` per changed bucket with ``apply="copy"``, a pointer swap
 for ``"view"``, prefetched or NIXL versions), or a :class:`~raysync.receivers.target.Target`
 held there (e.g. a :class:`~raysync.WeightsLoader`). A failed apply leaves the previous
-version and is reported.
+version and is reported. An ``attr`` that holds neither is refused naming the attributes
+that could be meant (:func:`missing_module_message`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +31,6 @@ from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest
 from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, UnknownModelError
-from raysync.receivers.attr_hint import missing_module_message
 from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
 from raysync.receivers.pipeline import Applier, Prepared, skipped
@@ -40,7 +41,7 @@ from raysync.transports.doorbell import Segment, doorbell
 if TYPE_CHECKING:
     from raysync.receivers.synced import _ActorSync
 
-__all__ = ["ApplyKind", "Mode", "SyncSpec"]
+__all__ = ["ApplyKind", "Mode", "SyncSpec", "missing_attr", "missing_module_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -421,3 +422,48 @@ class _Subscription(PullSync, LocalChanges):
         if self.version is not None and self.version >= version:
             return reply or skipped(self.version, version)
         return None
+
+
+def missing_module_message(owner: Any, attr: str) -> str:
+    """Why ``owner.<attr>`` cannot be synced, naming the attributes that could, closest first.
+
+    Example:
+        >>> class Actor:
+        ...     def __init__(self):
+        ...         self.policy = torch.nn.Linear(2, 2)
+        >>> missing_module_message(Actor(), "polcy")[:78]
+        "@synced_model(attr='polcy'): self.polcy is missing; did you mean attr='policy'"
+    """
+    held = getattr(owner, attr, None)
+    candidates = sorted(
+        name
+        for name, value in vars(owner).items()
+        if not name.startswith("_raysync") and (isinstance(value, torch.nn.Module) or is_target(value))
+    )
+    close = difflib.get_close_matches(attr, candidates, n=1, cutoff=0.5)
+    found = "is missing" if not hasattr(owner, attr) else f"holds a {type(held).__name__} object"
+    hint = (
+        f"; did you mean attr={close[0]!r}?"
+        if close
+        else f"; the actor's modules: {candidates}"
+        if candidates
+        else "; the actor holds no nn.Module attribute"
+    )
+    return (
+        f"@synced_model(attr={attr!r}): self.{attr} {found}{hint} It must hold the nn.Module (or a "
+        f"raysync Target such as a WeightsLoader) once __init__ returns; the first positional argument "
+        "of @synced_model is that attribute's name (model_id= names the model)"
+    )
+
+
+def missing_attr(owner: Any, attrs: Iterable[str]) -> str | None:
+    """The :func:`missing_module_message` of the first of ``attrs`` holding no module or target, or None.
+
+    The actor's ``__init__`` raises it as a ``TypeError`` itself, before anything registers,
+    so that the actor's creation error is this message after one frame of traceback.
+    """
+    for attr in attrs:
+        held = getattr(owner, attr, None)
+        if not isinstance(held, torch.nn.Module) and not is_target(held):
+            return missing_module_message(owner, attr)
+    return None

@@ -37,9 +37,8 @@ from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
 from raysync.core.placement import TensorParallel
 from raysync.core.readonly import view_training_error
 from raysync.errors import AmbiguousModelError, RaySyncError
-from raysync.receivers.attr_hint import missing_attr
 from raysync.receivers.locks import AsyncRWLock, RWLock
-from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription
+from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription, missing_attr
 
 __all__ = ["synced_model"]
 
