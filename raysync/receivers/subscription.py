@@ -96,11 +96,6 @@ class _Subscription(PullSync, LocalChanges):
         """The version held (the pipeline's)."""
         return self.applier.version
 
-    @property
-    def target(self) -> Target | None:
-        """The module's ModuleTarget, or the Target in ``self.<attr>`` (None before first use)."""
-        return self.applier.resolved
-
     # -------------------------------------------------------------- registration
     def module(self) -> torch.nn.Module:
         module = getattr(self.sync.owner, self.spec.attr, None)
@@ -111,7 +106,8 @@ class _Subscription(PullSync, LocalChanges):
     @property
     def bound(self) -> BoundModel | None:
         """The module's binding (``None`` for targets that are not modules, or before the first apply)."""
-        return self.target.bound if isinstance(self.target, ModuleTarget) else None
+        target = self.applier.resolved
+        return target.bound if isinstance(target, ModuleTarget) else None
 
     def _resolve_target(self) -> Target:
         held = getattr(self.sync.owner, self.spec.attr, None)

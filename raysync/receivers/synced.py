@@ -410,7 +410,7 @@ def _raysync_sync_async_actor(self: Any, timeout: float | None = None, model_id:
     """
     if _called_from_coroutine(sys._getframe(1)):
         return _raysync_sync_coroutine(self, timeout, model_id)
-    return any([sub.sync_newest_on_loop(timeout) for sub in _to_sync(self, timeout, model_id)])
+    return any([sub.sync_newest(timeout, on_loop=True) for sub in _to_sync(self, timeout, model_id)])
 
 
 def _called_from_coroutine(frame: Any) -> bool:
