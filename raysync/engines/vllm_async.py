@@ -109,7 +109,11 @@ class VLLMAsyncEngine(VLLMEngine):
     # ------------------------------------------------------------------ vLLM calls
     def _run(self, coro: Any) -> Any:
         """Run ``coro`` on the engine's loop from the follower's thread; its result."""
-        if _on_loop(self.loop):
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
             coro.close()
             raise RaySyncError(f"{self.name}: called on the engine's own event loop; use a thread")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -139,13 +143,6 @@ class VLLMAsyncEngine(VLLMEngine):
 
     def _set_version(self, version: str) -> None:
         """Set already, before requests resume (:meth:`_load`)."""
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 async def follow_async_engine(
