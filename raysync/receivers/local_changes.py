@@ -103,19 +103,12 @@ class LocalChanges:
         self._told_modified = modified
         return None if modified is None else ApplyReport(modified_since=modified)
 
-    def warn_train_mode(self, owner: str, module: torch.nn.Module) -> bool:
-        """Once, at registration: warn if ``module`` is in training mode with running statistics.
-
-        Args:
-            owner: the actor's class name.
-            module: the synced module.
-
-        Returns:
-            Whether it warned.
-        """
+    def warn_train_mode(self, owner: str, module: torch.nn.Module) -> None:
+        """Once, at registration: warn if ``module`` (of class ``owner``'s actor) is in training mode
+        with running statistics."""
         found = [] if self.spec.allow_train_mode else running_stats_in_training(module)
         if not found:
-            return False
+            return
         logger.warning(
             "%s: self.%s is in training mode and %s running statistics: every forward changes the "
             "weights raysync applied (raysync_version() keeps saying the version applied; "
@@ -128,7 +121,6 @@ class LocalChanges:
             f"{'updates' if len(found) == 1 else 'update'}",
             self.spec.attr,
         )
-        return True
 
 
 def running_stats_in_training(module: torch.nn.Module) -> list[str]:
