@@ -86,8 +86,7 @@ from raysync import _protocol as proto
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest, validate
 from raysync.errors import EngineNotReadyError, RaySyncError, SyncTimeoutError
-from raysync.receivers.first_version import wait_for_first
-from raysync.receivers.follower import Follower
+from raysync.receivers.follower import Follower, wait_for_first
 from raysync.receivers.target import Incoming
 
 __all__ = ["Generation", "VLLMEngine", "follow_engine", "hf_schema", "start_following"]
@@ -183,7 +182,6 @@ class VLLMEngine:
         self._failed: tuple[list[str | None], str] | None = None  # a failed version's ids, why
         self._lock = threading.RLock()  # generate() and every update: never both at once
         self._unwritten: set[str] = set()  # layouts a guarded load went in with (see _weights)
-        self.updates = 0  # updates that went in whole
         self._rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
 
     def __repr__(self) -> str:
@@ -199,12 +197,7 @@ class VLLMEngine:
             EngineNotReadyError: the engine holds no whole version (none yet, or torn).
         """
         with self._lock:
-            version = self.version
-            if version is None or self._torn:
-                raise EngineNotReadyError(
-                    f"{self.name} holds no whole version "
-                    + ("(a failed update tore it; the next version goes in whole)" if self._torn else "yet")
-                )
+            version = self._ready()
             kwargs.setdefault("use_tqdm", False)
             outputs = list(self.llm.generate(prompts, sampling_params, **kwargs))
         stamp = str(version)
@@ -214,6 +207,19 @@ class VLLMEngine:
                 wrong = [s.version for s in spans if s.version != stamp]
                 assert not wrong, f"{self.name}: output stamped {wrong} by vLLM, not version {stamp}"
         return Generation(outputs, version)
+
+    def _ready(self) -> int:
+        """The version held whole.
+
+        Raises:
+            EngineNotReadyError: none (none yet, or torn).
+        """
+        if self.version is None or self._torn:
+            raise EngineNotReadyError(
+                f"{self.name} holds no whole version "
+                + ("(a failed update tore it; the next version goes in whole)" if self._torn else "yet")
+            )
+        return self.version
 
     def weight_version(self) -> str:
         """The version vLLM itself reports (``llm_engine.get_weight_version()``), a string."""
@@ -264,7 +270,6 @@ class VLLMEngine:
             self._set_version(str(incoming.version))
             self.version, self._torn = incoming.version, False
             self._unwritten.add(incoming.manifest.layout_hash)
-            self.updates += 1
             if self.rollback:  # what a failed update goes back to
                 self._previous = [(name, t.clone()) for name, t in pairs]
         del pairs

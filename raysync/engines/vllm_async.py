@@ -90,11 +90,7 @@ class VLLMAsyncEngine(VLLMEngine):
         Raises:
             EngineNotReadyError: the engine holds no whole version (none yet, or torn).
         """
-        if self.version is None or self._torn:
-            raise EngineNotReadyError(
-                f"{self.name} holds no whole version "
-                + ("(a failed update tore it; the next version goes in whole)" if self._torn else "yet")
-            )
+        self._ready()
         final = None
         async for out in self.llm.generate(prompt, sampling_params, request_id or uuid.uuid4().hex, **kwargs):
             final = out
@@ -105,8 +101,7 @@ class VLLMAsyncEngine(VLLMEngine):
                 f"{self.name}: the output was made while a failed update tore the engine"
             )
         assert len(stamps) <= 1, f"{self.name}: one output stamped by several versions {sorted(stamps)}"
-        version = int(stamps.pop()) if stamps else self.version
-        return Generation([final], int(version))
+        return Generation([final], int(stamps.pop()) if stamps else self._ready())
 
     def weight_version(self) -> str:
         return str(self._run(self.llm.get_weight_version()))
@@ -114,7 +109,11 @@ class VLLMAsyncEngine(VLLMEngine):
     # ------------------------------------------------------------------ vLLM calls
     def _run(self, coro: Any) -> Any:
         """Run ``coro`` on the engine's loop from the follower's thread; its result."""
-        if _on_loop(self.loop):
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
             coro.close()
             raise RaySyncError(f"{self.name}: called on the engine's own event loop; use a thread")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -132,32 +131,18 @@ class VLLMAsyncEngine(VLLMEngine):
             self._run(self.llm.resume_generation())
 
     def _load(self, pairs: list[Any], *, version: str | None = None) -> None:
-        self._run(self._load_async(pairs, version))
-
-    async def _load_async(self, pairs: list[Any], version: str | None) -> None:
-        from raysync.engines.vllm_transfer import wire
-
         try:
-            await self.llm.collective_rpc("start_weight_update")
-            await self.llm.collective_rpc("update_weights", kwargs={"update_info": wire(pairs)})
-            await self.llm.collective_rpc("finish_weight_update")
+            super()._load(pairs)
         except BaseException:
             # Until a version goes in whole (the held one again, with rollback), what the
             # engine makes is stamped TORN, and generate() refuses it.
-            await self.llm.update_weight_version(TORN)
+            self._run(self.llm.update_weight_version(TORN))
             raise
         if version is not None:  # before requests resume: outputs are stamped right
-            await self.llm.update_weight_version(version)
+            self._run(self.llm.update_weight_version(version))
 
     def _set_version(self, version: str) -> None:
-        """Set already, before requests resume (:meth:`_load_async`)."""
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
+        """Set already, before requests resume (:meth:`_load`)."""
 
 
 async def follow_async_engine(

@@ -10,6 +10,12 @@ relay, or the hub on its own node), through its process's poll
 one) or into another target (``target=raysync.WeightsLoader(engine.load_weights)``),
 and the answer to the delivery's call acknowledges it.
 
+A follower may start before any version of its model (before its trainer): it then holds
+nothing and says so in one log line per hub and model id, naming the models the hub holds
+(a warning when it holds others: a typo'd id is then seen at once). A receiver whose docs
+promise the newest version on return (``follow_engine``) waits for a first one with
+:func:`wait_for_first`.
+
 Example:
     >>> import ray, torch, raysync
     >>> ray.init(address="auto")  # doctest: +SKIP
@@ -31,7 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -41,18 +47,21 @@ from raysync._checks import wait_timeout
 from raysync._protocol import Announcement, ApplyReport, Registration, SubscriberInfo
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.client import background
+from raysync.client.hub_calls import calls_to
+from raysync.client.model_ids import describe_models, models_there, note_absent
 from raysync.core.extract import module_schema
 from raysync.core.placement import TensorParallel
 from raysync.errors import RayNotRunningError, RaySyncError, SyncTimeoutError
-from raysync.receivers.first_version import note_no_version
 from raysync.receivers.membership import membership
 from raysync.receivers.pipeline import Applier
-from raysync.receivers.target import ModuleTarget, Target, is_target
+from raysync.receivers.target import ModuleTarget, Target, is_target, weightless
 
-__all__ = ["Follower", "follow"]
+__all__ = ["Follower", "follow", "wait_for_first"]
 
 logger = logging.getLogger(__name__)
 
+FOLLOWING = "following it until one is pushed"
+"""What a follower of a model id with no version does meanwhile, as its line says."""
 _RETRY_S = (0.05, 5.0)  # a version that failed to apply is tried again after this (doubling) back-off
 _SUB_IDS: dict[str, int] = {}  # default sub ids handed out in this process: how many per stem
 _SUB_IDS_LOCK = threading.Lock()
@@ -93,10 +102,6 @@ def _install_hooks(module: torch.nn.Module, lock: threading.RLock) -> None:
 
     module.register_forward_pre_hook(acquire)
     module.register_forward_hook(release, always_call=True)
-
-
-def _is_weightless(module: torch.nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
 
 
 class Follower:
@@ -164,33 +169,28 @@ class Follower:
             raise TypeError("a Follower takes a module (or a callable returning one) or target=, exactly one")
         if placement is not None and target is not None:
             raise TypeError("placement= is for a module; give a WeightsLoader its own placement= instead")
+        self.label = label or f"follower pid {os.getpid()}"
+        self.non_persistent = bool(non_persistent)
+        self._module: Callable[[], torch.nn.Module | None] = lambda: None
         if target is not None:
             if not is_target(target):
                 raise TypeError(
                     f"target must be a raysync Target (e.g. WeightsLoader), got {type(target).__name__}"
                 )
-            self._module: Callable[[], torch.nn.Module | None] = lambda: None
             self.target: Target = target
-        elif isinstance(module, torch.nn.Module):
-            ref = module
-            self._module = lambda: ref
-        elif callable(module):
-            self._module = module
-        else:
-            raise TypeError(
-                f"module must be an nn.Module or a callable returning one, got {type(module).__name__}"
-            )
+        else:  # the module target checks what `module` is
+            mod = cast("torch.nn.Module | Callable[[], torch.nn.Module | None]", module)
+            own = ModuleTarget(mod, non_persistent=self.non_persistent, label=self.label, placement=placement)
+            self.target, self._module = own, own._get
         ctx = ray.get_runtime_context()
         actor_id = ctx.get_actor_id()
         job_id = ctx.get_job_id()
         self.model_id = model_id
-        self._hub = hub
-        self._namespace = namespace
+        self.hub_name = hub  # the hub's name and namespace (a Member's)
+        self.hub_namespace = namespace
         self.sub_id = sub_id or _default_sub_id(f"{actor_id or 'job-' + job_id}/pid{os.getpid()}:{model_id}")
-        self.label = label or f"follower pid {os.getpid()}"
         self.timeout = float(timeout)
         self.on_apply = on_apply
-        self.non_persistent = bool(non_persistent)
         self.last_error: BaseException | None = None
         self._info = SubscriberInfo(
             mode="follow",
@@ -201,10 +201,6 @@ class Follower:
             pid=os.getpid(),
             job_id=job_id,
         )
-        if target is None:
-            self.target = ModuleTarget(
-                self._module, non_persistent=self.non_persistent, label=self.label, placement=placement
-            )
         self._apply_lock = threading.Lock()  # one apply at a time (poll thread, re-registration)
         self._pause = threading.RLock()  # held by paused(): no apply meanwhile
         self._stop = threading.Event()
@@ -224,14 +220,6 @@ class Follower:
         return self.applier.version
 
     # ------------------------------------------------------------------ Member (see membership)
-    @property
-    def hub_name(self) -> str:
-        return self._hub
-
-    @property
-    def hub_namespace(self) -> str | None:
-        return self._namespace
-
     def registration(self) -> Registration:
         # a whole module's schema, which the hub checks pushes against; other targets (and modules
         # holding parts: placement=) check each version themselves
@@ -263,10 +251,10 @@ class Follower:
         self._started = True
         membership().serve(self, self, alone=True)  # before joining: the hub may deliver at once
         membership().join(self)
-        if self.version is None:
-            note_no_version(self)
+        if self.version is None:  # one line naming the models there
+            note_absent(self.hub_name, self.model_id, self._status, FOLLOWING, always=True)
         module = self._module()
-        if self.version is None and module is not None and _is_weightless(module):
+        if self.version is None and module is not None and weightless(module, non_persistent=True):
             deadline = time.monotonic() + self.timeout
             with self.applier.held:  # the hub delivers the first version pushed
                 while self.version is None and self.last_error is None:
@@ -274,7 +262,8 @@ class Follower:
                     if left <= 0:
                         raise SyncTimeoutError(
                             f"{self.label}: its module has no weights (meta tensors) and hub "
-                            f"{self._hub!r} had no version of {self.model_id!r} within {self.timeout:.0f} s"
+                            f"{self.hub_name!r} had no version of {self.model_id!r} within "
+                            f"{self.timeout:.0f} s"
                         )
                     self.applier.held.wait(min(left, 1.0))  # a failure does not notify: look again
             if self.version is None:
@@ -320,6 +309,9 @@ class Follower:
         membership().unserve(self)
 
     # ------------------------------------------------------------------ internals
+    def _status(self) -> dict[str, Any]:
+        return calls_to(membership().hub(self).handle, timeout=5.0).status()
+
     def _raysync_notify(self, announcement: Announcement) -> ApplyReport:
         """Its node's delivery hands it a version (:data:`~raysync._protocol.NOTIFY`): apply it;
         the report is the call's answer. A version that failed is tried again after a back-off."""
@@ -422,3 +414,30 @@ def follow(
         target=target,
         placement=placement,
     ).start()
+
+
+def wait_for_first(follower: Follower, timeout: float) -> int:
+    """Block until ``follower`` holds a version (the hub's newest); return it.
+
+    Raises:
+        SyncTimeoutError: none within ``timeout`` seconds; the message names the model id and
+            the models the hub holds (and why a version that came failed to apply, if one did).
+
+    Example:
+        >>> wait_for_first(raysync.Follower(target=loader, model_id="policy").start(), 60)  # doctest: +SKIP
+        3
+    """
+    try:
+        return follower.wait_for(1, timeout=timeout)
+    except SyncTimeoutError:
+        pass
+    try:
+        there = describe_models(models_there(follower._status()))
+    except Exception as err:  # the hub did not answer: say so instead of the models
+        there = f"not listed: {err}"
+    failed = f"; a version came but failed to apply: {follower.last_error}" if follower.last_error else ""
+    raise SyncTimeoutError(
+        f"{follower.label}: hub {follower.hub_name!r} had no version of model {follower.model_id!r} "
+        f"within {timeout:g} s (models there: {there}){failed}. Push one first "
+        f"(hub.push(model, model_id={follower.model_id!r})), check the model id, or raise timeout="
+    )

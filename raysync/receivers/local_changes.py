@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +31,7 @@ from raysync._protocol import ApplyReport
 from raysync.core.bound import BoundModel
 
 if TYPE_CHECKING:
+    from raysync.receivers.pipeline import Applier
     from raysync.receivers.subscription import SyncSpec
 
 __all__ = ["LocalChanges", "running_stats_in_training"]
@@ -54,8 +54,7 @@ class LocalChanges:
 
         _info: Any
 
-        @property
-        def _binding_lock(self) -> threading.Lock: ...
+        applier: Applier
 
     _told_modified: int | None = None  # what the hub was last told (heartbeat_report)
     _warned_modified = False
@@ -68,7 +67,7 @@ class LocalChanges:
         buckets changed are fetched again whatever the version changed). The first
         time it finds a change, it logs why and what to do (unless opted in).
         """
-        with self._binding_lock:
+        with self.applier.lock:  # a commit and this check never interleave
             bound, version = self.bound, self.version
             if bound is None or version is None or not bound.intact() or not bound.written():
                 return None
@@ -104,19 +103,12 @@ class LocalChanges:
         self._told_modified = modified
         return None if modified is None else ApplyReport(modified_since=modified)
 
-    def warn_train_mode(self, owner: str, module: torch.nn.Module) -> bool:
-        """Once, at registration: warn if ``module`` is in training mode with running statistics.
-
-        Args:
-            owner: the actor's class name.
-            module: the synced module.
-
-        Returns:
-            Whether it warned.
-        """
+    def warn_train_mode(self, owner: str, module: torch.nn.Module) -> None:
+        """Once, at registration: warn if ``module`` (of class ``owner``'s actor) is in training mode
+        with running statistics."""
         found = [] if self.spec.allow_train_mode else running_stats_in_training(module)
         if not found:
-            return False
+            return
         logger.warning(
             "%s: self.%s is in training mode and %s running statistics: every forward changes the "
             "weights raysync applied (raysync_version() keeps saying the version applied; "
@@ -129,7 +121,6 @@ class LocalChanges:
             f"{'updates' if len(found) == 1 else 'update'}",
             self.spec.attr,
         )
-        return True
 
 
 def running_stats_in_training(module: torch.nn.Module) -> list[str]:

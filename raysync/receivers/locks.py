@@ -209,14 +209,6 @@ class AsyncRWLock:
             self._cond = asyncio.Condition()
         return self._cond
 
-    def readers(self) -> int:
-        """Methods running (or suspended mid-call) now."""
-        return sum(self._state.count.values())
-
-    def held(self) -> bool:
-        """Whether the current task runs inside a guarded method."""
-        return _async_held.get()[0] > 0
-
     def try_write(self) -> bool:
         """Take the write side now if nothing reads or writes (no waiting); see :meth:`release_write`."""
         if not self._state.free():

@@ -135,7 +135,7 @@ class Membership:
         self._hubs: dict[tuple[str, str | None], _Hub] = {}
         self._members: dict[str, Member] = {}
         self._thread: threading.Thread | None = None
-        self._session: tuple[str, str] | None = None  # the Ray they belong to (_session())
+        self._session: tuple[str, str] | None = None  # the Ray they belong to (poller.ray_session())
 
     def hub(self, member: Member) -> _Hub:
         key = (member.hub_name, member.hub_namespace)
@@ -164,7 +164,7 @@ class Membership:
 
     def join(self, member: Member) -> None:
         """Register ``member`` and start it from the newest version; keep it known from now on."""
-        session = _session()
+        session = poller.ray_session()
         with self._lock:
             if session != self._session:  # a new ray.init(): what was known went with the old Ray
                 self._members.clear()
@@ -205,7 +205,7 @@ class Membership:
             while True:
                 time.sleep(proto.HEARTBEAT_S)
                 with background.held("check in with the hub"):
-                    if _session() != session:
+                    if poller.ray_session() != session:
                         raise RayNotRunningError("ray.shutdown(), then another ray.init()")
                 with self._lock:
                     by_hub: dict[tuple[str, str | None], list[Member]] = {}
@@ -259,12 +259,6 @@ class Membership:
                     self.report(member, report)
             except Exception as err:  # never let one member stop the heartbeat
                 logger.warning("%s could not tell the hub of local changes: %s", member.sub_id, err)
-
-
-def _session() -> tuple[str, str]:
-    """Which Ray this process is connected to: its node and job (a new ``ray.init()`` changes one)."""
-    ctx = ray.get_runtime_context()
-    return ctx.get_node_id(), ctx.get_job_id()
 
 
 _MEMBERSHIP: Membership | None = None

@@ -3,11 +3,14 @@
 Every receiver applies versions through one: ``@synced_model`` subscriptions (push, pull,
 doorbell, async, deferred; ``RayModuleTransform`` hosts are one), :class:`~raysync.Follower`
 and what it feeds (a :class:`~raysync.WeightsLoader`, a vLLM engine), adapters (their
-receivers are one target), torchrl's receivers and strategy. The steps are
-:mod:`raysync.receivers.apply`'s, in one order: :meth:`Applier.prepare` plans (a misfit is
-refused before any byte is fetched), fetches what the target lacks (or takes it from
-buckets at hand: a doorbell segment) and verifies; :meth:`Applier.commit` has the target
-take it whole under the receiver's guard and reports. Receivers whose commit must wait (a
+receivers are one target), torchrl's receivers and strategy. The steps, in one order:
+:meth:`Applier.prepare` plans (:func:`plan`: not newer than the version held, skip; else the
+target checks the manifest, so a misfit is refused naming the tensor before any byte is
+fetched, and says which buckets it lacks), fetches those (or takes them from buckets at
+hand: a doorbell segment) through the version's data path (:mod:`raysync.transports.fetch`,
+which a trainer's ``pull`` takes bytes through too) and verifies; :meth:`Applier.commit` has
+the target take it whole (:func:`commit`) under the receiver's guard and reports
+(:func:`failed`, :func:`skipped` for a version not applied). Receivers whose commit must wait (a
 threaded actor's running methods, an async actor's loop) hand on the :class:`Prepared`
 version. A version over a data path that receives in place (NIXL) and a prefetcher's
 staged copy are swapped into the module's spare buffer set here, never by a receiver.
@@ -25,23 +28,24 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import ObjectLostError
+
 from raysync._protocol import ApplyReport, bucket_ids
 from raysync.core.codec import require_checksums
 from raysync.core.layout import Manifest
-from raysync.errors import RaySyncError
-from raysync.receivers import apply
-from raysync.receivers.target import ModuleTarget, Target
+from raysync.errors import ApplyError, RaySyncError
+from raysync.receivers.target import Incoming, ModuleTarget, Target
 from raysync.transports import fetch
-from raysync.transports.fetch import Verify
+from raysync.transports.fetch import Verify, view
 from raysync.transports.registry import info as transport_info
 from raysync.transports.registry import transport_class
 
-__all__ = ["Applier", "Prepared"]
+__all__ = ["Applier", "Prepared", "commit", "failed", "plan", "portable", "skipped"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +177,7 @@ class Applier:
         try:
             needed = self._plan(version, manifest, ids)
             if needed is None:
-                return apply.skipped(self.version, version)
+                return skipped(self.version, version)
             if at_hand is not None:
                 fetched = fetch.at_hand(self.target, manifest, at_hand, needed, verify=self.verify)
             else:
@@ -196,7 +200,7 @@ class Applier:
         try:
             needed = self._plan(version, manifest, ids)
             if needed is None:
-                return apply.skipped(self.version, version)
+                return skipped(self.version, version)
             timeout = self.timeout if timeout is None else timeout
             fetched = await fetch.fetch_async(
                 manifest, refs, needed, timeout=timeout, verify=self.verify, target=self.target
@@ -207,7 +211,7 @@ class Applier:
 
     def _plan(self, version: int, manifest: Manifest, ids: list[str | None]) -> list[int] | None:
         self.forget_if_torn()
-        return apply.plan(self.target, version, manifest, ids, self.version)
+        return plan(self.target, version, manifest, ids, self.version)
 
     def commit(self, prepared: Prepared, *, guard: Guard | None = None) -> ApplyReport:
         """The target takes ``prepared`` whole under ``guard`` (default: the receiver's); the report."""
@@ -231,7 +235,7 @@ class Applier:
                 self.version = None
                 target.forget()
             try:
-                apply.commit(target, prepared.version, prepared.manifest, prepared.ids, prepared.fetched)
+                commit(target, prepared.version, prepared.manifest, prepared.ids, prepared.fetched)
             except BaseException:
                 if not target.intact():  # a commit that failed part-way: it holds nothing known
                     self.version = None
@@ -306,13 +310,17 @@ class Applier:
     ) -> ApplyReport:
         """:meth:`apply` on an event loop; ``guard`` an async context manager factory (the loop's lock)."""
         step = await self.prepare_async(version, manifest, refs, timeout=timeout)
-        if isinstance(step, ApplyReport):
-            return step
+        return step if isinstance(step, ApplyReport) else await self.commit_async(step, guard)
+
+    async def commit_async(
+        self, step: Prepared, guard: Callable[[], AbstractAsyncContextManager[Any]]
+    ) -> ApplyReport:
+        """:meth:`commit` on an event loop, under ``guard`` (an async context manager factory)."""
         try:
             async with guard():
                 return self.commit(step, guard=contextlib.nullcontext)
         except Exception as err:
-            return self.report(version, step.t0, err)
+            return self.report(step.version, step.t0, err)
 
     def report(
         self,
@@ -339,7 +347,7 @@ class Applier:
         logger.warning(
             "%s could not apply version %d, keeps version %s: %s", self.label, version, self.version, error
         )
-        return apply.failed(version, self.version, error)
+        return failed(version, self.version, error)
 
     # ------------------------------------------------------------------ in place, staged
     def _spare_set(self, transport: str) -> ModuleTarget:
@@ -365,7 +373,7 @@ class Applier:
                 require_checksums(manifest)  # such versions carry none: refused, not taken unchecked
             with self.stage_lock:
                 if self._version is not None and version <= self._version:
-                    return apply.skipped(self._version, version)
+                    return skipped(self._version, version)
                 bound = target.binding(manifest)
                 if bound is None:
                     target.check(manifest)
@@ -436,3 +444,51 @@ class Applier:
             prefetched=True,
             bytes_fetched=staged[1],
         )
+
+
+def plan(
+    target: Target, version: int, manifest: Manifest, ids: Sequence[str | None], held: int | None
+) -> list[int] | None:
+    """The buckets to fetch for ``version``, or None if it is not newer than ``held``.
+
+    Raises:
+        WeightMismatchError: the version does not fit the target (nothing fetched).
+    """
+    if held is not None and version <= held:
+        return None
+    manifest = view(target, manifest)
+    target.check(manifest)
+    return target.needed(manifest, ids)
+
+
+def commit(
+    target: Target, version: int, manifest: Manifest, ids: Sequence[str | None], fetched: Any
+) -> float:
+    """Hand the version to the target, whole; the seconds it took."""
+    t0 = time.perf_counter()
+    target.commit(Incoming(version, view(target, manifest), list(ids), fetched))
+    return time.perf_counter() - t0
+
+
+def failed(version: int, held: int | None, error: BaseException) -> ApplyReport:
+    """The report of a version not applied: the receiver keeps ``held``."""
+    return ApplyReport(
+        applied=held,
+        failed=version,
+        error=portable(error),
+        timed_out=isinstance(error, TimeoutError),
+        # its bytes are gone (the pusher died): the hub stops offering it
+        lost=version if isinstance(error, ObjectLostError) else None,
+    )
+
+
+def skipped(held: int | None, version: int) -> ApplyReport:
+    """The report of a version not newer than the one held."""
+    return ApplyReport(applied=held, skipped=version)
+
+
+def portable(error: BaseException) -> BaseException:
+    """The error itself if it pickles across Ray (raysync's do), else an ApplyError that says what it was."""
+    if isinstance(error, RaySyncError):
+        return error
+    return ApplyError(f"{type(error).__name__}: {str(error)[:1000]}")

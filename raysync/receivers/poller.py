@@ -44,7 +44,7 @@ from raysync import _protocol as proto
 from raysync._protocol import Answer, Caller, PollReply, Request
 from raysync.client import background
 
-__all__ = ["POLL_S", "address", "serve", "unserve"]
+__all__ = ["POLL_S", "address", "ray_session", "serve", "unserve"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def serve(hub: Any, owner: Any, *, sub_id: str | None = None) -> None:
     if sub_id is None and ctx.get_actor_id() is None:
         raise RuntimeError("only a Ray actor answers the hub's calls for itself")
     key = (hub.name, hub.namespace)
-    session = (ctx.get_node_id(), ctx.get_job_id())
+    session = ray_session()
     with _LOCK:
         endpoint = _SERVED.get(key)
         if endpoint is not None and (endpoint.stopped or endpoint.session != session):
@@ -101,6 +101,12 @@ def serve(hub: Any, owner: Any, *, sub_id: str | None = None) -> None:
             endpoint.session, endpoint.key = session, key
             endpoint.start()
         endpoint.runner.add(owner, loop, sub_id)  # under _LOCK: the poll cannot end idle meanwhile
+
+
+def ray_session() -> tuple[str, str]:
+    """Which Ray this process is connected to: its node and job (a new ``ray.init()`` changes one)."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_node_id(), ctx.get_job_id()
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -240,9 +246,6 @@ class _Endpoint:
                     self.parent.caller = Caller(self.caller.actor_id, self.caller.pid, self.caller.node_id)
                     return
                 fresh = True
-                time.sleep(delay)
-                delay = min(delay * 2, _RETRY_S[1])
-                continue
             except Exception as err:  # restarting, busy, or Ray shutting down
                 if not ray.is_initialized():
                     self.stop()
@@ -250,13 +253,14 @@ class _Endpoint:
                 logger.debug("%s: poll failed (%s); polling again", self.what, err)
                 with self.lock:
                     self.outbox[:0] = answers  # not known to have arrived: carried again
-                time.sleep(delay)
-                delay = min(delay * 2, _RETRY_S[1])
+            else:
+                fresh, delay = False, _RETRY_S[0]
+                if reply.relay is not None:
+                    self._follow_relay(*reply.relay)
+                self._run(reply.requests)
                 continue
-            fresh, delay = False, _RETRY_S[0]
-            if reply.relay is not None:
-                self._follow_relay(*reply.relay)
-            self._run(reply.requests)
+            time.sleep(delay)  # the poll failed: again after a back-off
+            delay = min(delay * 2, _RETRY_S[1])
 
     def _ends_idle(self) -> bool:
         """A hub's endpoint with nothing left to answer stops, under the lock :func:`serve` adds

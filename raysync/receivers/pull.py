@@ -90,15 +90,29 @@ class PullSync:
             raise error(f"raysync_sync could not apply version {version}: {reply.error_text()}")
         return reply.skipped is None and reply.deferred is None
 
-    def sync_newest(self, timeout: float | None) -> bool:
+    def sync_newest(self, timeout: float | None, *, on_loop: bool = False) -> bool:
+        """``raysync_sync`` from a plain method; ``on_loop``: of an async actor (on its event loop,
+        or a thread of it, whose apply takes the write lock through the loop)."""
+        try:
+            loop = asyncio.get_running_loop() if on_loop else None
+        except RuntimeError:
+            loop = None
         if self._info is None:
             return False
+        if loop is not None:
+            self.sync.loop = loop
         deadline = deadline_of(timeout)
         info = self._newer(timeout)
         if info is None:
             return False
-        reply = self.receive(info.version, info.manifest, list(info.refs), fetch_timeout=left_of(deadline))
-        return self._synced(info.version, reply)
+        refs = list(info.refs)
+        if loop is None:
+            reply: ApplyReport | None = self.receive(
+                info.version, info.manifest, refs, fetch_timeout=left_of(deadline)
+            )
+        else:
+            reply = self._receive_on_loop(info.version, info.manifest, refs, left_of(deadline), loop)
+        return reply is not None and self._synced(info.version, reply)
 
     async def sync_newest_async(self, timeout: float | None) -> bool:
         if self._info is None:
@@ -124,43 +138,26 @@ class PullSync:
         )
         return self._synced(info.version, reply)
 
-    def sync_newest_on_loop(self, timeout: float | None) -> bool:
-        """``raysync_sync`` from a plain method of an async actor (on its event loop, or a thread)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a thread of the actor: the apply takes the write lock through the loop
-            return self.sync_newest(timeout)
-        if self._info is None:
-            return False
-        self.sync.loop = loop
-        deadline = deadline_of(timeout)
-        info = self._newer(timeout)
-        if info is None:
-            return False
+    def _receive_on_loop(
+        self, version: int, manifest: Any, refs: list[Any], timeout: float | None, loop: Any
+    ) -> ApplyReport | None:
+        """Apply on an async actor's event loop; None: the commit waits for suspended async methods."""
         self.check_binding()
-        step = self.applier.prepare(
-            info.version, info.manifest, list(info.refs), timeout=left_of(deadline), on_loop=True
-        )
+        step = self.applier.prepare(version, manifest, refs, timeout=timeout, on_loop=True)
         if isinstance(step, ApplyReport):
-            return self._synced(info.version, step)
+            return step
         lock = self.sync.async_lock
         if not lock.try_write():
             # Async methods are suspended mid-call: the apply waits for them on the loop.
             self._deferred = loop.create_task(self._commit_when_free(step))
-            return False
+            return None
         try:
-            reply = self.applier.commit(step, guard=contextlib.nullcontext)
+            return self.applier.commit(step, guard=contextlib.nullcontext)
         finally:
             lock.release_write()
-        return self._synced(info.version, reply)
 
     async def _commit_when_free(self, step: Prepared) -> None:
-        try:
-            async with self.sync.async_lock.write():
-                reply = self.applier.commit(step, guard=contextlib.nullcontext)
-        except Exception as err:
-            reply = self.applier.report(step.version, step.t0, err)
-        self.report(reply)
+        self.report(await self.applier.commit_async(step, self.sync.async_lock.write))
 
 
 def deadline_of(timeout: float | None) -> float | None:

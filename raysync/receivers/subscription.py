@@ -5,18 +5,20 @@ and commits under the actor's write lock into the subscription's target: the mod
 ``self.<attr>`` (one ``copy_`` per changed bucket with ``apply="copy"``, a pointer swap
 for ``"view"``, prefetched or NIXL versions), or a :class:`~raysync.receivers.target.Target`
 held there (e.g. a :class:`~raysync.WeightsLoader`). A failed apply leaves the previous
-version and is reported.
+version and is reported. An ``attr`` that holds neither is refused naming the attributes
+that could be meant (:func:`missing_module_message`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,11 +31,9 @@ from raysync.core.extract import module_schema
 from raysync.core.layout import Manifest
 from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, UnknownModelError
-from raysync.receivers import apply
-from raysync.receivers.attr_hint import missing_module_message
 from raysync.receivers.local_changes import LocalChanges
 from raysync.receivers.membership import membership
-from raysync.receivers.pipeline import Applier, Prepared
+from raysync.receivers.pipeline import Applier, Prepared, skipped
 from raysync.receivers.pull import PullSync
 from raysync.receivers.target import ModuleTarget, Target, is_target
 from raysync.transports.doorbell import Segment, doorbell
@@ -41,7 +41,7 @@ from raysync.transports.doorbell import Segment, doorbell
 if TYPE_CHECKING:
     from raysync.receivers.synced import _ActorSync
 
-__all__ = ["ApplyKind", "Mode", "SyncSpec"]
+__all__ = ["ApplyKind", "Mode", "SyncSpec", "missing_attr", "missing_module_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +96,6 @@ class _Subscription(PullSync, LocalChanges):
         """The version held (the pipeline's)."""
         return self.applier.version
 
-    @property
-    def target(self) -> Target | None:
-        """The module's ModuleTarget, or the Target in ``self.<attr>`` (None before first use)."""
-        return self.applier.resolved
-
-    @property
-    def _binding_lock(self) -> threading.Lock:
-        return self.applier.lock
-
     # -------------------------------------------------------------- registration
     def module(self) -> torch.nn.Module:
         module = getattr(self.sync.owner, self.spec.attr, None)
@@ -115,10 +106,8 @@ class _Subscription(PullSync, LocalChanges):
     @property
     def bound(self) -> BoundModel | None:
         """The module's binding (``None`` for targets that are not modules, or before the first apply)."""
-        return self.target.bound if isinstance(self.target, ModuleTarget) else None
-
-    def _target(self) -> Target:
-        return self.applier.target
+        target = self.applier.resolved
+        return target.bound if isinstance(target, ModuleTarget) else None
 
     def _resolve_target(self) -> Target:
         held = getattr(self.sync.owner, self.spec.attr, None)
@@ -153,7 +142,7 @@ class _Subscription(PullSync, LocalChanges):
         actor_id = ctx.get_actor_id()
         self.sub_id = f"{actor_id}:{self.spec.model_id}"
         self.applier.label = f"{self.sub_id} ({self.spec.model_id!r})"
-        if isinstance(self._target(), ModuleTarget):
+        if isinstance(self.applier.target, ModuleTarget):
             self.warn_train_mode(type(self.sync.owner).__name__, self.module())
         self._info = SubscriberInfo(
             mode=self.spec.mode,
@@ -192,7 +181,7 @@ class _Subscription(PullSync, LocalChanges):
         the segment is gone): nothing to do, a newer version is on its way.
         """
         if segment is None:
-            return apply.skipped(self.version, ring.version)
+            return skipped(self.version, ring.version)
         self.check_binding()
         return self.applier.finish(
             self.applier.prepare(
@@ -204,7 +193,7 @@ class _Subscription(PullSync, LocalChanges):
         assert self._info is not None
         self._told_modified = None  # a hub that (re-)registers it knows nothing of local changes
         # the hub checks pushes against a whole module's schema; others check each version themselves
-        whole = isinstance(self._target(), ModuleTarget) and self.spec.placement is None
+        whole = isinstance(self.applier.target, ModuleTarget) and self.spec.placement is None
         schema = module_schema(self.module()) if whole else None
         bell = doorbell() if self._info.doorbell else None
         return Registration(
@@ -427,5 +416,50 @@ class _Subscription(PullSync, LocalChanges):
         finally:
             self.applier.stage_lock.release()
         if self.version is not None and self.version >= version:
-            return reply or apply.skipped(self.version, version)
+            return reply or skipped(self.version, version)
         return None
+
+
+def missing_module_message(owner: Any, attr: str) -> str:
+    """Why ``owner.<attr>`` cannot be synced, naming the attributes that could, closest first.
+
+    Example:
+        >>> class Actor:
+        ...     def __init__(self):
+        ...         self.policy = torch.nn.Linear(2, 2)
+        >>> missing_module_message(Actor(), "polcy")[:78]
+        "@synced_model(attr='polcy'): self.polcy is missing; did you mean attr='policy'"
+    """
+    held = getattr(owner, attr, None)
+    candidates = sorted(
+        name
+        for name, value in vars(owner).items()
+        if not name.startswith("_raysync") and (isinstance(value, torch.nn.Module) or is_target(value))
+    )
+    close = difflib.get_close_matches(attr, candidates, n=1, cutoff=0.5)
+    found = "is missing" if not hasattr(owner, attr) else f"holds a {type(held).__name__} object"
+    hint = (
+        f"; did you mean attr={close[0]!r}?"
+        if close
+        else f"; the actor's modules: {candidates}"
+        if candidates
+        else "; the actor holds no nn.Module attribute"
+    )
+    return (
+        f"@synced_model(attr={attr!r}): self.{attr} {found}{hint} It must hold the nn.Module (or a "
+        f"raysync Target such as a WeightsLoader) once __init__ returns; the first positional argument "
+        "of @synced_model is that attribute's name (model_id= names the model)"
+    )
+
+
+def missing_attr(owner: Any, attrs: Iterable[str]) -> str | None:
+    """The :func:`missing_module_message` of the first of ``attrs`` holding no module or target, or None.
+
+    The actor's ``__init__`` raises it as a ``TypeError`` itself, before anything registers,
+    so that the actor's creation error is this message after one frame of traceback.
+    """
+    for attr in attrs:
+        held = getattr(owner, attr, None)
+        if not isinstance(held, torch.nn.Module) and not is_target(held):
+            return missing_module_message(owner, attr)
+    return None

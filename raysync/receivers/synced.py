@@ -37,9 +37,8 @@ from raysync._protocol import DEFAULT_HUB, Announcement, ApplyReport
 from raysync.core.placement import TensorParallel
 from raysync.core.readonly import view_training_error
 from raysync.errors import AmbiguousModelError, RaySyncError
-from raysync.receivers.attr_hint import missing_attr
 from raysync.receivers.locks import AsyncRWLock, RWLock
-from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription
+from raysync.receivers.subscription import ApplyKind, Mode, SyncSpec, _Subscription, missing_attr
 
 __all__ = ["synced_model"]
 
@@ -302,12 +301,8 @@ def _raysync_version(self: Any, model_id: str | None = None) -> int | None:
     Raises:
         AmbiguousModelError: no ``model_id`` on an actor that syncs several models.
     """
-    sync = _ActorSync.of(self)
-    if sync is None:
-        return None
-    sub = sync.subscription(model_id, "raysync_version")
-    sub.check_binding()
-    return sub.version
+    sub = _checked(self, model_id, "raysync_version")
+    return None if sub is None else sub.version
 
 
 def _raysync_modified_since(self: Any, model_id: str | None = None) -> int | None:
@@ -333,12 +328,18 @@ def _raysync_modified_since(self: Any, model_id: str | None = None) -> int | Non
         ...     out = self.policy(obs)   # a BatchNorm left in training mode changes the weights
         ...     return out, self.raysync_version(), self.raysync_modified_since()   # (out, 3, 3)
     """
+    sub = _checked(self, model_id, "raysync_modified_since")
+    return None if sub is None else sub.modified_since()
+
+
+def _checked(self: Any, model_id: str | None, method: str) -> _Subscription | None:
+    """The subscription ``method`` asks of (None outside an actor), its binding checked."""
     sync = _ActorSync.of(self)
     if sync is None:
         return None
-    sub = sync.subscription(model_id, "raysync_modified_since")
+    sub = sync.subscription(model_id, method)
     sub.check_binding()
-    return sub.modified_since()
+    return sub
 
 
 def _raysync_ping(self: Any) -> bool:
@@ -382,21 +383,20 @@ def _raysync_sync(self: Any, timeout: float | None = None, model_id: str | None 
         >>> def rollout(self):
         ...     self.raysync_sync(timeout=10)    # the newest version for this episode
     """
+    return any([sub.sync_newest(timeout) for sub in _to_sync(self, timeout, model_id)])
+
+
+def _to_sync(self: Any, timeout: float | None, model_id: str | None) -> list[_Subscription]:
+    """The subscriptions ``raysync_sync`` syncs (``timeout`` checked; none outside an actor)."""
     check_timeout(timeout)
     sync = _ActorSync.of(self)
     if sync is None:
-        return False
-    subs = [sync.subscription(model_id)] if model_id else list(sync.subs.values())
-    return any([sub.sync_newest(timeout) for sub in subs])
+        return []
+    return [sync.subscription(model_id)] if model_id else list(sync.subs.values())
 
 
 async def _raysync_sync_coroutine(self: Any, timeout: float | None, model_id: str | None) -> bool:
-    check_timeout(timeout)
-    sync = _ActorSync.of(self)
-    if sync is None:
-        return False
-    subs = [sync.subscription(model_id)] if model_id else list(sync.subs.values())
-    results = [await sub.sync_newest_async(timeout) for sub in subs]
+    results = [await sub.sync_newest_async(timeout) for sub in _to_sync(self, timeout, model_id)]
     return any(results)
 
 
@@ -410,12 +410,7 @@ def _raysync_sync_async_actor(self: Any, timeout: float | None = None, model_id:
     """
     if _called_from_coroutine(sys._getframe(1)):
         return _raysync_sync_coroutine(self, timeout, model_id)
-    check_timeout(timeout)
-    sync = _ActorSync.of(self)
-    if sync is None:
-        return False
-    subs = [sync.subscription(model_id)] if model_id else list(sync.subs.values())
-    return any([sub.sync_newest_on_loop(timeout) for sub in subs])
+    return any([sub.sync_newest(timeout, on_loop=True) for sub in _to_sync(self, timeout, model_id)])
 
 
 def _called_from_coroutine(frame: Any) -> bool:

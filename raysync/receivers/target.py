@@ -3,7 +3,7 @@
 A target says what it holds (so a version is checked against it before any byte is
 fetched: :meth:`Target.check`), which buckets it lacks (:meth:`Target.needed`), and how a
 fetched and verified version goes in, whole or not at all (:meth:`Target.commit`, handed
-an :class:`Incoming`). :mod:`raysync.receivers.apply` drives every receiver through
+an :class:`Incoming`). :mod:`raysync.receivers.pipeline` drives every receiver through
 these calls. :class:`ModuleTarget` binds an ``nn.Module`` (a copy into its own buffers,
 or read-only views of the store: :class:`~raysync.core.bound.BoundModel`);
 :class:`~raysync.receivers.loader.WeightsLoader` hands ``(name, tensor)`` pairs to a
@@ -32,7 +32,7 @@ from raysync.core.layout import Manifest, TensorEntry, schema_of, validate
 from raysync.core.placement import TensorParallel
 from raysync.errors import RaySyncError, WeightMismatchError
 
-__all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "TensorsTarget", "is_target"]
+__all__ = ["Incoming", "ModuleTarget", "Schema", "Target", "TensorsTarget", "is_target", "weightless"]
 
 
 Schema = Mapping[str, tuple[tuple[int, ...], str]]
@@ -103,7 +103,7 @@ class Incoming:
 class Target(Protocol):
     """Where a receiver puts versions: what it holds, and how a version goes in whole.
 
-    The apply path (:mod:`raysync.receivers.apply`) calls, for each version newer than
+    The apply path (:mod:`raysync.receivers.pipeline`) calls, for each version newer than
     the one held: :meth:`check` (before any fetch), :meth:`needed`, then fetches and
     verifies those buckets, then :meth:`commit` once, under the receiver's write lock.
     A ``commit`` that raises must leave the target as it was, or make :meth:`intact`
@@ -234,7 +234,7 @@ class ModuleTarget:
     def bind(self, manifest: Manifest) -> BoundModel:
         """A fresh binding of the module to ``manifest``'s layout (validated), made current."""
         module = self.module
-        if self.materialize and self.bound is None and _weightless(module, self.non_persistent):
+        if self.materialize and self.bound is None and weightless(module, self.non_persistent):
             module.to_empty(device="cpu")  # the version being applied fills it before anything reads it
         self.bound = BoundModel(module, manifest, view=self.view, non_persistent=self.non_persistent)
         return self.bound
@@ -327,8 +327,9 @@ class TensorsTarget:
         pass
 
 
-def _weightless(module: torch.nn.Module, non_persistent: bool) -> bool:
-    """Whether the weights a version fills are on the meta device (no memory yet)."""
+def weightless(module: torch.nn.Module, non_persistent: bool) -> bool:
+    """Whether the weights a version fills are on the meta device (no memory yet); with
+    ``non_persistent``, whether any of its parameters or buffers is."""
     held: list[Any] = list(module.state_dict().values())
     if non_persistent:
         held += list(module.buffers())

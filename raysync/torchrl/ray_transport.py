@@ -12,7 +12,7 @@ Lifecycle of one version (which side runs what):
   for the reply with a timeout.
 - **actor** (:func:`apply_in_actor`, run through Ray's ``__ray_call__``, so any
   actor works, no method to add): raysync's apply path
-  (:mod:`raysync.receivers.apply`): check the version against the actor's
+  (:mod:`raysync.receivers.pipeline`): check the version against the actor's
   target, fetch the buckets it lacks (zero-copy on the same node) and commit the
   version whole (a module through :class:`raysync.core.bound.BoundModel`, or a
   :class:`raysync.WeightsLoader` there). The model is the receiver that

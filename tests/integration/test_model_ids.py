@@ -33,7 +33,7 @@ def test_latest_of_a_typod_model_id_is_none_and_warns_once_naming_the_models_the
 def test_a_follower_of_a_typod_model_id_says_so_and_a_bounded_wait_names_the_models(
     hub: raysync.HubClient, hub_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from raysync.receivers.first_version import wait_for_first
+    from raysync.receivers.follower import wait_for_first
 
     hub.push(small_policy(1))
     with caplog.at_level(logging.INFO):
@@ -61,7 +61,7 @@ def test_a_follower_of_a_typod_model_id_says_so_and_a_bounded_wait_names_the_mod
 def test_a_follower_that_starts_before_any_push_logs_one_info_line(
     hub: raysync.HubClient, hub_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from raysync.receivers.first_version import wait_for_first
+    from raysync.receivers.follower import wait_for_first
 
     with caplog.at_level(logging.INFO):
         follower = raysync.follow(small_policy(0), "policy", hub=hub_name)

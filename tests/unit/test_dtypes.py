@@ -21,7 +21,7 @@ from raysync.core.extract import extract_tensors
 from raysync.core.layout import Manifest, plan_layout
 from raysync.core.placement import TensorParallel
 from raysync.core.shards import ShardPart, ShardPiece, TensorSpec, merge
-from raysync.receivers import apply
+from raysync.receivers import pipeline
 from raysync.receivers.target import ModuleTarget
 from raysync.transports import fetch
 from raysync.transports.sharded import Assembly
@@ -146,7 +146,7 @@ def test_every_dtype_applies_bit_exactly_from_a_sharded_version_whole_or_in_part
             module.register_buffer(key, _zeros(t))
         target = ModuleTarget(module, placement=placement)
         ids = [f"v1-{b}" for b in range(manifest.num_buckets)]
-        needed = apply.plan(target, 1, manifest, ids, held=None)
+        needed = pipeline.plan(target, 1, manifest, ids, held=None)
         laid = fetch.view(target, manifest)
-        apply.commit(target, 1, manifest, ids, {b: Assembly(laid, b, rank_arrays) for b in needed})
+        pipeline.commit(target, 1, manifest, ids, {b: Assembly(laid, b, rank_arrays) for b in needed})
         assert_same_weights(_state(module), want)

@@ -24,7 +24,7 @@ from raysync.core.layout import Manifest, plan_layout
 from raysync.core.placement import TensorParallel, one_writer, reshard
 from raysync.core.shards import ShardPart, ShardPiece, TensorSpec, merge
 from raysync.errors import ChecksumError, InvalidWeightsError, WeightMismatchError
-from raysync.receivers import apply
+from raysync.receivers import pipeline
 from raysync.receivers.target import ModuleTarget
 from raysync.transports import fetch
 from raysync.transports.sharded import Assembly, verify_fetched
@@ -397,11 +397,11 @@ def test_a_module_holding_its_parts_takes_only_them_whoever_pushed(writers: int)
         module.register_buffer(key, torch.zeros_like(t))
     target = ModuleTarget(module, placement=tp, label="rank 1's module")
     ids = [f"v1-{b}" for b in range(manifest.num_buckets)]
-    needed = apply.plan(target, 1, manifest, ids, held=None)
+    needed = pipeline.plan(target, 1, manifest, ids, held=None)
     assert needed == list(range(manifest.num_buckets))
     view = fetch.view(target, manifest)
     assert view.shards is not None and view.shards.world == writers
-    apply.commit(target, 1, manifest, ids, {b: Assembly(view, b, rank_arrays) for b in needed})
+    pipeline.commit(target, 1, manifest, ids, {b: Assembly(view, b, rank_arrays) for b in needed})
     assert_same_weights(dict(module.state_dict()), want)
     # what it took: exactly its parts and the whole replicated tensors (plus Ray's buffer alignment)
     own = sum(t.numel() * t.element_size() for t in want.values())
@@ -409,7 +409,7 @@ def test_a_module_holding_its_parts_takes_only_them_whoever_pushed(writers: int)
     if writers == 1:
         nixl = dataclasses.replace(manifest, transport="nixl")
         with pytest.raises(WeightMismatchError, match=r"module .* \('nixl'\) hands out whole") as info:
-            apply.plan(target, 2, nixl, ids, held=1)
+            pipeline.plan(target, 2, nixl, ids, held=1)
         assert info.value.shape_mismatch == {"rows": ((6, 4), (6, 2)), "cols": ((3, 5), (1, 5))}
     with pytest.raises(ValueError, match="copies only"):
         ModuleTarget(module, placement=tp, view=True)

@@ -9,7 +9,7 @@ import raysync
 from raysync.core.codec import pack
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import plan_layout, validate
-from raysync.receivers import apply
+from raysync.receivers import pipeline
 from raysync.receivers.target import Incoming, ModuleTarget, Target, is_target
 from tests._support import assert_same_weights, small_policy
 
@@ -84,7 +84,7 @@ def test_the_module_target_commits_only_what_changed() -> None:
     target = ModuleTarget(module)
     tensors, incoming = _version(1, bucket_bytes=256)
     target.check(incoming.manifest)
-    assert apply.commit(target, 1, incoming.manifest, incoming.ids, incoming.buckets) >= 0
+    assert pipeline.commit(target, 1, incoming.manifest, incoming.ids, incoming.buckets) >= 0
     assert_same_weights(module.state_dict(), tensors)
     assert target.needed(incoming.manifest, incoming.ids) == []
     assert target.intact()
