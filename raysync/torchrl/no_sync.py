@@ -15,15 +15,7 @@ __all__ = ["NoWeightSyncScheme"]
 class _NoOpSender(WeightSender):
     """The sender of :class:`NoWeightSyncScheme`: every send does nothing (the reference's no-op sender)."""
 
-    def send(
-        self,
-        weights: Any = None,
-        worker_ids: int | Sequence[int] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> None:
-        """Do nothing (no workers, no weights needed)."""
-
+    # send() and update_weights() are send_async() then wait_async(): nothing either.
     def send_async(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
         """Do nothing."""
 

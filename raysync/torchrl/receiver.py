@@ -28,8 +28,6 @@ from raysync.torchrl.strategy import (
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
 
-    pass
-
 __all__ = ["BackgroundReceiver", "WeightReceiver", "receiver_for"]
 
 logger = logging.getLogger(__name__)
@@ -157,16 +155,11 @@ class WeightReceiver:
         return self._applier[1]
 
     def _route(self, model_id: str) -> WeightReceiver:
-        if model_id == self._model_id:
-            return self
-        with _RECEIVERS_LOCK:
-            other = _RECEIVERS.get(model_id)
-        if other is None:
-            raise UnknownModelError(
-                f"unknown model_id {model_id!r}: this worker has receivers for "
-                f"{sorted(set(_RECEIVERS) | {self._model_id})}"
-            )
-        return other
+        return self if model_id == self._model_id else receiver_for(model_id)
+
+    def _locked(self) -> Any:
+        """The model's forward guard, held while a version goes in (nothing without one)."""
+        return self._guard.lock if self._guard is not None else contextlib.nullcontext()
 
     def receive(self, timeout: float | None = 0.001) -> bool:
         """Apply a version if one arrives within ``timeout`` seconds.
@@ -197,7 +190,7 @@ class WeightReceiver:
 
     def _finish(self, apply: Any) -> bool:
         try:
-            with self._guard.lock if self._guard is not None else contextlib.nullcontext():
+            with self._locked():
                 apply()
         except Exception as err:  # every failure is acked: the sender raises it, naming this worker
             self.last_error = err
@@ -217,7 +210,7 @@ class WeightReceiver:
         """
         tensors, extra = split_extra_state(weights)
         applier = self._get_applier()
-        with self._guard.lock if self._guard is not None else contextlib.nullcontext():
+        with self._locked():
             apply_tensors(applier, tensors, extra_state=extra)
         self.version_count += 1
 
@@ -231,12 +224,9 @@ class WeightReceiver:
             WeightMismatchError: the version does not fit the model (nothing fetched).
         """
         receiver = self._route(model_id)
-        guard = receiver._guard
         applier = receiver._get_applier()
         step = applier.prepare(applier.next_version, manifest, list(refs))
-        if not isinstance(step, ApplyReport):
-            step = applier.commit(step, guard=(lambda: guard.lock) if guard is not None else None)
-        raise_failed(step)
+        raise_failed(step if isinstance(step, ApplyReport) else applier.commit(step, guard=receiver._locked))
         receiver.version_count += 1
 
     def __getstate__(self) -> dict[str, Any]:

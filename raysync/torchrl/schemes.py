@@ -127,14 +127,14 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
     def _worker_endpoint(self, context: Any, kwargs: dict[str, Any]) -> Any:
         pipe = kwargs.get("pipe") or getattr(context, "pipe", None)
         self._in_background = False
-        if pipe is None and self._worker_idx in self._worker_ends:
+        if pipe is None and self.worker_idx in self._worker_ends:
             self._in_background = True  # torchrl's workers never call receive(): a thread does
-            return self._worker_ends[self._worker_idx]
+            return self._worker_ends[self.worker_idx]
         if pipe is None:
             raise ValueError(
                 f"{type(self).__name__}.init_on_receiver needs pipe= (or a context with .pipe), or "
                 f"worker_idx= of a scheme a torchrl collector initialised (worker_idx="
-                f"{self._worker_idx!r}; this scheme has channels for workers {sorted(self._worker_ends)})"
+                f"{self.worker_idx!r}; this scheme has channels for workers {sorted(self._worker_ends)})"
             )
         return pipe
 
@@ -180,7 +180,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
             super()._connect_receiver()
         receiver._install_guard()
         self._background = BackgroundReceiver(
-            receiver, name=f"{receiver.model_id}-{self._worker_idx}", on_applied=self._after_apply
+            receiver, name=f"{receiver.model_id}-{self.worker_idx}", on_applied=self._after_apply
         )
         self._background.start()
 

@@ -22,14 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["WeightSender"]
 
 
-def _worker_list(worker_ids: int | Sequence[int] | None) -> list[int] | None:
-    if worker_ids is None:
-        return None
-    if isinstance(worker_ids, int):
-        return [worker_ids]
-    return [int(w) for w in worker_ids]
-
-
 class WeightSender:
     """Sends the weights of ONE model to workers (all of them or some).
 
@@ -70,9 +62,9 @@ class WeightSender:
             self._transports[worker_idx] = transport
 
     def _select(self, worker_ids: int | Sequence[int] | None) -> list[tuple[int, Any]]:
-        wanted = _worker_list(worker_ids)
-        if wanted is None:
+        if worker_ids is None:
             return sorted(self._transports.items())
+        wanted = [worker_ids] if isinstance(worker_ids, int) else [int(w) for w in worker_ids]
         unknown = [w for w in wanted if w not in self._transports]
         if unknown:
             raise ValueError(f"worker(s) {unknown} not registered; known workers: {sorted(self._transports)}")
