@@ -171,11 +171,15 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         """No per-worker transport: the hub is the transport."""
         return None
 
-    def _init_on_sender_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+    def _init(self, model_id: str, context: Any, kwargs: dict[str, Any]) -> None:
+        """What both sides' init takes: the model id, the collector (context), ``model=``."""
         self._model_id = model_id
         self.context = context
         if kwargs.get("model") is not None:
             self.model = kwargs["model"]
+
+    def _init_on_sender_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        self._init(model_id, context, kwargs)
         _ = self.client  # connects Ray (and the hub) in this process
         self._expected = _expected_workers(context, kwargs)
         if self.follow_only and self._expected:  # workers start from the newest: before any starts,
@@ -188,10 +192,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             self._applied = self.client.push(self._payload(local), model_id)
 
     def _init_on_receiver_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
-        self._model_id = model_id
-        self.context = context
-        if kwargs.get("model") is not None:
-            self.model = kwargs["model"]
+        self._init(model_id, context, kwargs)
         if kwargs.get("worker_idx") is not None:
             self._worker_idx = kwargs["worker_idx"]
         _join_cluster(self._ray_address)

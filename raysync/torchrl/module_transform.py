@@ -47,16 +47,10 @@ class RayModuleTransformSender(WeightSender):
             super()._register_worker(worker_idx, pipe_or_context)
 
     def _resolve_context_modules(self) -> None:
-        from raysync.receivers.module_transform import RayModuleTransform
-
         context = self._context_ref() if self._context_ref is not None else None
         if context is None or self._modules or self._transports:
             return
-        found = resolve_model(context, self._model_id)
-        if isinstance(found, RayModuleTransform):
-            self._modules.append(found)
-        else:
-            super()._register_worker(0, getattr(found, "_actor", found))
+        self._register_worker(0, resolve_model(context, self._model_id))
 
     def send(
         self,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -26,9 +26,6 @@ from raysync.errors import (
 )
 from raysync.receivers.pipeline import Applier
 from raysync.receivers.target import ModuleTarget, Target, TensorsTarget, is_target
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["ExtractAs", "SharedMemTransport", "WeightStrategy", "resolve_model", "split_extra_state"]
 
