@@ -140,10 +140,6 @@ class WeightSyncScheme:
     @context.setter
     def context(self, context: Any) -> None:
         self._context_ref = weakref.ref(context) if context is not None else None
-        if self._receiver is not None:
-            self._receiver._context_ref = self._context_ref
-        if self._sender is not None:
-            self._sender._context_ref = self._context_ref
 
     @property
     def model(self) -> Any:
@@ -158,12 +154,9 @@ class WeightSyncScheme:
         if source is not None:
             return source
         context = self.context
-        if context is not None and self.model_id is not None:
-            try:
-                return resolve_model(context, self.model_id)
-            except (KeyError, ValueError):
-                return None
-        return None
+        if context is None or self.model_id is None:
+            return None
+        return maybe_resolve(context, self.model_id)
 
     @model.setter
     def model(self, model: Any) -> None:
@@ -247,7 +240,6 @@ class WeightSyncScheme:
         sender._model_id = model_id
         if context is not None:
             self._context_ref = weakref.ref(context)
-            sender._context_ref = self._context_ref
         source = first_given(kwargs, ("model", "source_model", "weights"))
         params_map = kwargs.get("params_map")
         if source is None and params_map:  # torchrl's {worker_idx: weights}: the same weights each
@@ -278,7 +270,6 @@ class WeightSyncScheme:
         receiver._model_id = model_id
         if context is not None:
             self._context_ref = weakref.ref(context)
-            receiver._context_ref = self._context_ref
         worker_idx = kwargs.get("worker_idx")
         if worker_idx is None and context is not None:
             worker_idx = getattr(context, "worker_idx", None)

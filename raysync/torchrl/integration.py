@@ -272,13 +272,18 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         Keyed like the collector's policy (a wrapper's prefix added or dropped); a state
         dict's missing non-persistent buffers come from the collector's policy.
         """
+        tensors, extra = self._fitted(source)
+        return {**tensors, **extra}
+
+    def _fitted(self, source: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``source``'s tensors and extra state (:meth:`_split`), keyed like the collector's policy."""
         if isinstance(source, weakref.ref):
             source = source()
         tensors, extra = self._split(source)
         local = self._local_model()
         if isinstance(local, torch.nn.Module) and local is not source:
             tensors, extra = self._fit(tensors, extra, local)
-        return {**tensors, **extra}
+        return tensors, extra
 
     def _split(self, source: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(tensors by dotted key, extra state by state dict key)`` of any weights form."""
@@ -422,11 +427,8 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
         """Apply ``weights`` (any form :meth:`send` takes) to the registered model, whole or not at all."""
-        model = self._local_model()
-        tensors, extra = self._split(weights)
-        if isinstance(model, torch.nn.Module):
-            tensors, extra = self._fit(tensors, extra, model)
-        applier = applier_for(model, non_persistent=self.non_persistent_buffers)
+        tensors, extra = self._fitted(weights)
+        applier = applier_for(self._local_model(), non_persistent=self.non_persistent_buffers)
         apply_tensors(applier, tensors, extra_state=extra)
 
     def shutdown(self) -> None:

@@ -47,7 +47,7 @@ class RayModuleTransformSender(WeightSender):
             super()._register_worker(worker_idx, pipe_or_context)
 
     def _resolve_context_modules(self) -> None:
-        context = self._context_ref() if self._context_ref is not None else None
+        context = self._scheme.context
         if context is None or self._modules or self._transports:
             return
         self._register_worker(0, resolve_model(context, self._model_id))

@@ -87,7 +87,6 @@ class WeightReceiver:
         self._scheme = scheme
         self._transport: Any = None
         self._model_ref: Any = None
-        self._context_ref: Any = None
         self._model_id = "policy"
         self._applier: tuple[Any, Applier] | None = None  # (the model, its pipeline)
         self._guard: _ForwardGuard | None = None
@@ -138,7 +137,7 @@ class WeightReceiver:
     def model(self) -> Any:
         """The model versions are applied to (resolved from the context on first use)."""
         if isinstance(self._model_ref, str):
-            context = self._context_ref() if self._context_ref is not None else None
+            context = self._scheme.context if self._scheme is not None else None
             if context is None:
                 raise UnknownModelError(
                     f"cannot find model {self._model_ref!r}: no model= was given and the context is gone"

@@ -40,7 +40,6 @@ class WeightSender:
         self._scheme = scheme
         self._transports: dict[int, Any] = {}
         self._model_id = "policy"
-        self._context_ref: Any = None
         self._source_model: Any = None
         self._pending: list[tuple[int, Any]] | None = None
         self._errors: list[tuple[int, BaseException]] = []
@@ -71,10 +70,8 @@ class WeightSender:
         return [(w, self._transports[w]) for w in wanted]
 
     def _prepare(self, weights: Any) -> dict[str, torch.Tensor]:
-        context = self._context_ref() if self._context_ref is not None else None
-        prepared = self._scheme.prepare_weights(
-            weights, self._model_id, self._scheme.weight_strategy, context
-        )
+        scheme = self._scheme
+        prepared = scheme.prepare_weights(weights, self._model_id, scheme.weight_strategy, scheme.context)
         if prepared is None and self._source_model is not None:
             prepared = self._source_model
         if prepared is None:
