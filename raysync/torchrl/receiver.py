@@ -16,6 +16,7 @@ from raysync.errors import (
     RaySyncError,
     UnknownModelError,
 )
+from raysync.receivers.follower import forward_lock
 from raysync.receivers.pipeline import Applier
 from raysync.torchrl.strategy import (
     applier_for,
@@ -89,7 +90,7 @@ class WeightReceiver:
         self._model_ref: Any = None
         self._model_id = "policy"
         self._applier: tuple[Any, Applier] | None = None  # (the model, its pipeline)
-        self._guard: _ForwardGuard | None = None
+        self._guard: threading.RLock | None = None  # the model's forward lock, once installed
         self.last_error: BaseException | None = None
         self.version_count = 0
 
@@ -115,15 +116,14 @@ class WeightReceiver:
         """Applies wait for the model's running forward (and forwards for a running apply).
 
         Used where a background thread applies versions while the worker acts: a
-        forward then never sees part of one version and part of the next.
+        forward then never sees part of one version and part of the next. The lock is the
+        module's one forward lock, the one a :class:`raysync.Follower` applies under.
         """
         if self._guard is None and isinstance(self._model_ref, torch.nn.Module):
-            self._guard = _ForwardGuard(self._model_ref)
+            self._guard = forward_lock(self._model_ref)
 
     def _release_guard(self) -> None:
-        if self._guard is not None:
-            self._guard.remove()
-            self._guard = None
+        self._guard = None  # the module keeps its hooks: its forward takes a lock no apply holds
 
     def _register_worker_transport(self, pipe_or_transport: Any) -> None:
         if hasattr(pipe_or_transport, "receive_weights"):
@@ -158,7 +158,7 @@ class WeightReceiver:
 
     def _locked(self) -> Any:
         """The model's forward guard, held while a version goes in (nothing without one)."""
-        return self._guard.lock if self._guard is not None else contextlib.nullcontext()
+        return self._guard if self._guard is not None else contextlib.nullcontext()
 
     def receive(self, timeout: float | None = 0.001) -> bool:
         """Apply a version if one arrives within ``timeout`` seconds.
@@ -230,28 +230,6 @@ class WeightReceiver:
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a WeightReceiver holds a live transport and model: pickle its scheme instead")
-
-
-class _ForwardGuard:
-    """A lock held by a module's forward (hooks) and by whoever applies a version to it."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.lock = threading.RLock()
-        self._handles = [
-            module.register_forward_pre_hook(self._enter),
-            module.register_forward_hook(self._exit, always_call=True),
-        ]
-
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        self.lock.acquire()
-
-    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self.lock.release()
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
 
 class BackgroundReceiver:
