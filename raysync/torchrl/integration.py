@@ -38,8 +38,6 @@ from raysync._checks import check_timeout
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import (
     _module_tensors,
-    extract_extra_state,
-    extract_tensors,
     non_persistent_buffers,
     to_tensordict,
 )
@@ -276,23 +274,15 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         return {**tensors, **extra}
 
     def _fitted(self, source: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """``source``'s tensors and extra state (:meth:`_split`), keyed like the collector's policy."""
+        """``source``'s tensors by dotted key and extra state by state dict key (any weights form),
+        keyed like the collector's policy."""
         if isinstance(source, weakref.ref):
             source = source()
-        tensors, extra = self._split(source)
+        tensors, extra = split_extra_state(source, non_persistent=self.non_persistent_buffers)
         local = self._local_model()
         if isinstance(local, torch.nn.Module) and local is not source:
             tensors, extra = self._fit(tensors, extra, local)
         return tensors, extra
-
-    def _split(self, source: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """``(tensors by dotted key, extra state by state dict key)`` of any weights form."""
-        if isinstance(source, torch.nn.Module):
-            return extract_tensors(source, non_persistent=self.non_persistent_buffers), extract_extra_state(
-                source
-            )
-        tensors, extra = split_extra_state(source)
-        return _dotted(tensors), extra
 
     def _fit(
         self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], model: torch.nn.Module
@@ -474,8 +464,3 @@ def _join_cluster(address: str | None) -> None:
             "cluster (it was not initialised on a sender): call ray.init(address=...) here first"
         )
     ray.init(address=address, log_to_driver=False, ignore_reinit_error=True)
-
-
-def _dotted(weights: Any) -> dict[str, torch.Tensor]:
-    """``weights``' tensors by dotted key (TensorDict's tuple keys joined)."""
-    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(weights).items()}
