@@ -11,6 +11,7 @@ from raysync.errors import (
     UnknownModelError,
 )
 from raysync.torchrl.base import WeightSyncScheme
+from raysync.torchrl.collector_context import first_given
 from raysync.torchrl.receiver import WeightReceiver
 from raysync.torchrl.schemes import RayWeightSyncScheme
 from raysync.torchrl.sender import WeightSender
@@ -138,9 +139,9 @@ class RayModuleTransformScheme(RayWeightSyncScheme):
         return RayModuleTransformReceiver(self)
 
     def _sender_endpoints(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
-        for name in ("transforms", "actor_refs", "actors", "remote_collectors"):
-            if kwargs.get(name) is not None:
-                return list(kwargs[name])
+        given = first_given(kwargs, ("transforms", "actor_refs", "actors", "remote_collectors"))
+        if given is not None:
+            return list(given)
         transform = kwargs.get("ray_transform") or getattr(self, "_ray_transform", None)
         if transform is not None:
             return [transform]

@@ -386,7 +386,7 @@ class RPCWeightSyncScheme(WeightSyncScheme):
             endpoint = getattr(context, "endpoint", None)
         if endpoint is None:
             raise ValueError(f"{type(self).__name__}.init_on_receiver needs endpoint= (or transport=)")
-        return endpoint if hasattr(endpoint, "receive_weights") else self.create_transport(endpoint)
+        return endpoint  # the receiver makes the transport with create_transport if it is not one
 
 
 class DistributedWeightSyncScheme(RPCWeightSyncScheme):
