@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 import uuid
@@ -48,8 +47,6 @@ from raysync.torchrl.first_version import wait_for_first_version
 from raysync.torchrl.strategy import applier_for, apply_tensors, resolve_model, split_extra_state
 
 __all__ = ["HubWeightSyncScheme"]
-
-logger = logging.getLogger(__name__)
 
 
 class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
