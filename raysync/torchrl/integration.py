@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import uuid
@@ -40,13 +41,17 @@ from raysync.core.extract import (
     non_persistent_buffers,
     to_tensordict,
 )
-from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
 from raysync.receivers.follower import Follower
-from raysync.torchrl.collector_context import key_renaming
-from raysync.torchrl.first_version import wait_for_first_version
+from raysync.torchrl.collector_context import expected_workers, key_renaming
 from raysync.torchrl.strategy import applier_for, apply_tensors, resolve_model, split_extra_state
 
 __all__ = ["HubWeightSyncScheme"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+"""How often a following scheme asks the hub for the model's newest version while none is there."""
 
 
 class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
@@ -176,9 +181,9 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
     def _init_on_sender_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
         self._init(model_id, context, kwargs)
         _ = self.client  # connects Ray (and the hub) in this process
-        self._expected = _expected_workers(context, kwargs)
+        self._expected = expected_workers(context, kwargs)
         if self.follow_only and self._expected:  # workers start from the newest: before any starts,
-            wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)  # one error
+            self._first_version()  # one error
         self._ray_address = ray.get_runtime_context().gcs_address
         local = self._local_model()
         own = self._own(local) if isinstance(local, torch.nn.Module) else {}
@@ -344,12 +349,44 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 "the weights; call update_policy_weights_() without weights to catch up with it"
             )
         deadline = time.monotonic() + self.timeout
-        latest = wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)
+        latest = self._first_version()
         self._check_workers(latest, deadline, joining=True)
         if self.apply_locally and own and not _weightless(own):
             if self._applied is None or self._applied < latest:
                 self._apply_from_hub(local, latest)
         self._applied = latest
+
+    def _first_version(self) -> int:
+        """The model's newest version on the hub, waiting up to ``timeout`` for a first one.
+
+        Raises:
+            SyncTimeoutError: nothing was pushed for the model within ``timeout``.
+        """
+        model_id = self._model_id or "policy"
+        deadline = time.monotonic() + self.timeout
+        said = False
+        while True:
+            try:
+                latest: int | None = self.client.latest(model_id)
+            except UnknownModelError:  # a hub that names the models it has: none of this one yet
+                latest = None
+            if latest is not None:
+                return latest
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(
+                    f"no version of {model_id!r} on hub {self.hub!r} within {self.timeout:g} s: this "
+                    "HubWeightSyncScheme follows it (follow_only=True) and its writer has not pushed yet; "
+                    "push a first version before creating the collector, or give the scheme a longer timeout="
+                )
+            if not said:
+                logger.info(
+                    "waiting up to %g s for the first version of %r on hub %r",
+                    self.timeout,
+                    model_id,
+                    self.hub,
+                )
+                said = True
+            time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
     def _check_workers(self, version: int, deadline: float, joining: bool = False) -> None:
         """Every worker of this collector holds ``version``: none is missing from the hub.
@@ -428,16 +465,6 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
 
 
 _SUB_PREFIX = "torchrl-"
-
-
-def _expected_workers(context: Any, kwargs: dict[str, Any]) -> int:
-    """How many workers a collector runs that follow the hub (0: it acts in this process)."""
-    remote = kwargs.get("remote_collectors")
-    if remote is not None:
-        return len(remote)
-    if context is not None and (hasattr(context, "procs") or hasattr(context, "pipes")):
-        return int(getattr(context, "num_workers", 0) or 0)
-    return 0
 
 
 def _weightless(tensors: Mapping[str, torch.Tensor]) -> bool:
