@@ -57,8 +57,7 @@ class WeightSender:
 
     def _register_worker(self, worker_idx: int, pipe_or_context: Any) -> None:
         if worker_idx not in self._transports:
-            transport = self._scheme.create_transport(pipe_or_context)
-            self._transports[worker_idx] = transport
+            self._transports[worker_idx] = self._scheme.create_transport(pipe_or_context)
 
     def _select(self, worker_ids: int | Sequence[int] | None) -> list[tuple[int, Any]]:
         if worker_ids is None:
