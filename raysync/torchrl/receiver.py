@@ -126,11 +126,11 @@ class WeightReceiver:
         self._guard = None  # the module keeps its hooks: its forward takes a lock no apply holds
 
     def _register_worker_transport(self, pipe_or_transport: Any) -> None:
-        # Called by its scheme's init_on_receiver: a receiver made without a scheme has no transport.
         if hasattr(pipe_or_transport, "receive_weights"):
             self._transport = pipe_or_transport
+        elif self._scheme is None:
+            raise TypeError(f"{pipe_or_transport!r} is not a transport; no scheme here to make one")
         else:
-            assert self._scheme is not None
             self._transport = self._scheme.create_transport(pipe_or_transport)
 
     @property
