@@ -91,12 +91,12 @@ class WeightSyncScheme:
         self._hub_client: Any = None
         self._source_ref: Any = None
         self._background: Any = None
-        self._model_id: str | None = None
-        self._worker_idx: int | None = None
+        self.model_id: str | None = None  # the model this scheme synchronises (set by init_on_*)
+        self.worker_idx: int | None = None  # this worker's index (receiver side, set by init_on_receiver)
         self._initialized_on_sender = False
         self._initialized_on_worker = False
-        self._synchronized_on_sender = False
-        self._synchronized_on_receiver = False
+        self.synchronized_on_sender = False  # whether connect() ran on the sender
+        self.synchronized_on_receiver = False  # whether connect() ran on the worker
         register_with_torchrl()
 
     # ------------------------------------------------------------------ construction
@@ -133,24 +133,6 @@ class WeightSyncScheme:
         return str(self.strategy)
 
     @property
-    def model_id(self) -> str | None:
-        """The model this scheme synchronises (set by ``init_on_*``)."""
-        return self._model_id
-
-    @model_id.setter
-    def model_id(self, model_id: str | None) -> None:
-        self._model_id = model_id
-
-    @property
-    def worker_idx(self) -> int | None:
-        """This worker's index (receiver side, set by ``init_on_receiver``)."""
-        return self._worker_idx
-
-    @worker_idx.setter
-    def worker_idx(self, worker_idx: int | None) -> None:
-        self._worker_idx = worker_idx
-
-    @property
     def context(self) -> Any:
         """The object models are resolved on (a collector), held weakly; ``None`` if gone or unset."""
         return self._context_ref() if self._context_ref is not None else None
@@ -158,10 +140,6 @@ class WeightSyncScheme:
     @context.setter
     def context(self, context: Any) -> None:
         self._context_ref = weakref.ref(context) if context is not None else None
-        if self._receiver is not None:
-            self._receiver._context_ref = self._context_ref
-        if self._sender is not None:
-            self._sender._context_ref = self._context_ref
 
     @property
     def model(self) -> Any:
@@ -176,12 +154,9 @@ class WeightSyncScheme:
         if source is not None:
             return source
         context = self.context
-        if context is not None and self._model_id is not None:
-            try:
-                return resolve_model(context, self._model_id)
-            except (KeyError, ValueError):
-                return None
-        return None
+        if context is None or self.model_id is None:
+            return None
+        return maybe_resolve(context, self.model_id)
 
     @model.setter
     def model(self, model: Any) -> None:
@@ -210,24 +185,6 @@ class WeightSyncScheme:
         """Whether ``init_on_receiver`` / ``init_on_worker`` ran."""
         return self._initialized_on_worker
 
-    @property
-    def synchronized_on_sender(self) -> bool:
-        """Whether ``connect()`` ran on the sender."""
-        return self._synchronized_on_sender
-
-    @synchronized_on_sender.setter
-    def synchronized_on_sender(self, value: bool) -> None:
-        self._synchronized_on_sender = bool(value)
-
-    @property
-    def synchronized_on_receiver(self) -> bool:
-        """Whether ``connect()`` ran on the worker."""
-        return self._synchronized_on_receiver
-
-    @synchronized_on_receiver.setter
-    def synchronized_on_receiver(self, value: bool) -> None:
-        self._synchronized_on_receiver = bool(value)
-
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -235,8 +192,8 @@ class WeightSyncScheme:
             state[key] = None
         state["_initialized_on_sender"] = False
         state["_initialized_on_worker"] = False
-        state["_synchronized_on_sender"] = False
-        state["_synchronized_on_receiver"] = False
+        state["synchronized_on_sender"] = False
+        state["synchronized_on_receiver"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -283,7 +240,6 @@ class WeightSyncScheme:
         sender._model_id = model_id
         if context is not None:
             self._context_ref = weakref.ref(context)
-            sender._context_ref = self._context_ref
         source = first_given(kwargs, ("model", "source_model", "weights"))
         params_map = kwargs.get("params_map")
         if source is None and params_map:  # torchrl's {worker_idx: weights}: the same weights each
@@ -291,7 +247,7 @@ class WeightSyncScheme:
         sender._source_model = source
         if source is not None:
             self._source_ref = weak_ref(source)
-        self._model_id = model_id
+        self.model_id = model_id
         self._sender = sender
         for idx, endpoint in enumerate(self._sender_endpoints(context, kwargs)):
             sender._register_worker(idx, endpoint)
@@ -314,11 +270,10 @@ class WeightSyncScheme:
         receiver._model_id = model_id
         if context is not None:
             self._context_ref = weakref.ref(context)
-            receiver._context_ref = self._context_ref
         worker_idx = kwargs.get("worker_idx")
         if worker_idx is None and context is not None:
             worker_idx = getattr(context, "worker_idx", None)
-        self._worker_idx = worker_idx
+        self.worker_idx = worker_idx
         model = kwargs.get("model")
         if model is None and context is not None:
             if hasattr(context, "get_model"):
@@ -332,7 +287,7 @@ class WeightSyncScheme:
             receiver._register_worker_transport(endpoint)
         with _RECEIVERS_LOCK:
             _RECEIVERS[model_id] = receiver
-        self._model_id = model_id
+        self.model_id = model_id
         self._receiver = receiver
         self._initialized_on_worker = True
 
@@ -420,18 +375,18 @@ class WeightSyncScheme:
         Raises:
             SyncTimeoutError: the first version did not arrive in time.
         """
-        if self._synchronized_on_sender or self._synchronized_on_receiver:
+        if self.synchronized_on_sender or self.synchronized_on_receiver:
             raise RuntimeError("connect() was already called on this scheme")
         if self._sender is not None:
             if worker_idx is not None:
                 raise RuntimeError("worker_idx is given to connect() on a worker, not on the sender")
             self._connect_sender(weights)
-            self._synchronized_on_sender = True
+            self.synchronized_on_sender = True
         elif self._receiver is not None:
             if weights is not None:
                 raise RuntimeError("weights are given to connect() on the sender, not on a worker")
             self._connect_receiver()
-            self._synchronized_on_receiver = True
+            self.synchronized_on_receiver = True
         else:
             raise RuntimeError("call init_on_sender() or init_on_receiver() before connect()")
 
@@ -446,7 +401,7 @@ class WeightSyncScheme:
         if not receiver.receive(timeout=self.timeout):
             if receiver.last_error is not None:
                 raise receiver.last_error
-            raise SyncTimeoutError(f"no first version of {self._model_id!r} arrived within {self.timeout} s")
+            raise SyncTimeoutError(f"no first version of {self.model_id!r} arrived within {self.timeout} s")
 
     def shutdown(self) -> None:
         """Drop the runtime state (transports, snapshots); the configuration stays. Safe to repeat."""

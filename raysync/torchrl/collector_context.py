@@ -25,6 +25,7 @@ from raysync.torchrl.strategy import resolve_model
 __all__ = [
     "NoOpTransport",
     "endpoints",
+    "expected_workers",
     "first_given",
     "is_per_worker",
     "is_weightless",
@@ -114,6 +115,16 @@ def endpoints(context: Any, kwargs: dict[str, Any], names: Sequence[str], what: 
         if value is not None:
             return list(value)
     raise ValueError(f"{what} needs {' or '.join(names)}, as a keyword or an attribute of the context")
+
+
+def expected_workers(context: Any, kwargs: dict[str, Any]) -> int:
+    """How many workers a collector runs in other processes or actors (0: it acts in this process)."""
+    remote = kwargs.get("remote_collectors")
+    if remote is not None:
+        return len(remote)
+    if context is not None and (hasattr(context, "procs") or hasattr(context, "pipes")):
+        return int(getattr(context, "num_workers", 0) or 0)
+    return 0
 
 
 def is_weightless(model: Any) -> bool:

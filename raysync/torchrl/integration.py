@@ -38,20 +38,20 @@ from raysync._checks import check_timeout
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.extract import (
     _module_tensors,
-    extract_extra_state,
-    extract_tensors,
     non_persistent_buffers,
     to_tensordict,
 )
-from raysync.errors import RaySyncError, SyncTimeoutError
+from raysync.errors import RaySyncError, SyncTimeoutError, UnknownModelError
 from raysync.receivers.follower import Follower
-from raysync.torchrl.collector_context import key_renaming
-from raysync.torchrl.first_version import wait_for_first_version
+from raysync.torchrl.collector_context import expected_workers, key_renaming
 from raysync.torchrl.strategy import applier_for, apply_tensors, resolve_model, split_extra_state
 
 __all__ = ["HubWeightSyncScheme"]
 
 logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+"""How often a following scheme asks the hub for the model's newest version while none is there."""
 
 
 class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
@@ -171,15 +171,19 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         """No per-worker transport: the hub is the transport."""
         return None
 
-    def _init_on_sender_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+    def _init(self, model_id: str, context: Any, kwargs: dict[str, Any]) -> None:
+        """What both sides' init takes: the model id, the collector (context), ``model=``."""
         self._model_id = model_id
         self.context = context
         if kwargs.get("model") is not None:
             self.model = kwargs["model"]
+
+    def _init_on_sender_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
+        self._init(model_id, context, kwargs)
         _ = self.client  # connects Ray (and the hub) in this process
-        self._expected = _expected_workers(context, kwargs)
+        self._expected = expected_workers(context, kwargs)
         if self.follow_only and self._expected:  # workers start from the newest: before any starts,
-            wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)  # one error
+            self._first_version()  # one error
         self._ray_address = ray.get_runtime_context().gcs_address
         local = self._local_model()
         own = self._own(local) if isinstance(local, torch.nn.Module) else {}
@@ -188,10 +192,7 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
             self._applied = self.client.push(self._payload(local), model_id)
 
     def _init_on_receiver_impl(self, model_id: str = "policy", context: Any = None, **kwargs: Any) -> None:
-        self._model_id = model_id
-        self.context = context
-        if kwargs.get("model") is not None:
-            self.model = kwargs["model"]
+        self._init(model_id, context, kwargs)
         if kwargs.get("worker_idx") is not None:
             self._worker_idx = kwargs["worker_idx"]
         _join_cluster(self._ray_address)
@@ -271,22 +272,19 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
         Keyed like the collector's policy (a wrapper's prefix added or dropped); a state
         dict's missing non-persistent buffers come from the collector's policy.
         """
+        tensors, extra = self._fitted(source)
+        return {**tensors, **extra}
+
+    def _fitted(self, source: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``source``'s tensors by dotted key and extra state by state dict key (any weights form),
+        keyed like the collector's policy."""
         if isinstance(source, weakref.ref):
             source = source()
-        tensors, extra = self._split(source)
+        tensors, extra = split_extra_state(source, non_persistent=self.non_persistent_buffers)
         local = self._local_model()
         if isinstance(local, torch.nn.Module) and local is not source:
             tensors, extra = self._fit(tensors, extra, local)
-        return {**tensors, **extra}
-
-    def _split(self, source: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """``(tensors by dotted key, extra state by state dict key)`` of any weights form."""
-        if isinstance(source, torch.nn.Module):
-            return extract_tensors(source, non_persistent=self.non_persistent_buffers), extract_extra_state(
-                source
-            )
-        tensors, extra = split_extra_state(source)
-        return _dotted(tensors), extra
+        return tensors, extra
 
     def _fit(
         self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], model: torch.nn.Module
@@ -351,12 +349,44 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
                 "the weights; call update_policy_weights_() without weights to catch up with it"
             )
         deadline = time.monotonic() + self.timeout
-        latest = wait_for_first_version(self.client, model_id, hub=self.hub, timeout=self.timeout)
+        latest = self._first_version()
         self._check_workers(latest, deadline, joining=True)
         if self.apply_locally and own and not _weightless(own):
             if self._applied is None or self._applied < latest:
                 self._apply_from_hub(local, latest)
         self._applied = latest
+
+    def _first_version(self) -> int:
+        """The model's newest version on the hub, waiting up to ``timeout`` for a first one.
+
+        Raises:
+            SyncTimeoutError: nothing was pushed for the model within ``timeout``.
+        """
+        model_id = self._model_id or "policy"
+        deadline = time.monotonic() + self.timeout
+        said = False
+        while True:
+            try:
+                latest: int | None = self.client.latest(model_id)
+            except UnknownModelError:  # a hub that names the models it has: none of this one yet
+                latest = None
+            if latest is not None:
+                return latest
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(
+                    f"no version of {model_id!r} on hub {self.hub!r} within {self.timeout:g} s: this "
+                    "HubWeightSyncScheme follows it (follow_only=True) and its writer has not pushed yet; "
+                    "push a first version before creating the collector, or give the scheme a longer timeout="
+                )
+            if not said:
+                logger.info(
+                    "waiting up to %g s for the first version of %r on hub %r",
+                    self.timeout,
+                    model_id,
+                    self.hub,
+                )
+                said = True
+            time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
     def _check_workers(self, version: int, deadline: float, joining: bool = False) -> None:
         """Every worker of this collector holds ``version``: none is missing from the hub.
@@ -421,11 +451,8 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
 
     def apply_weights(self, weights: Any, inplace: bool = True) -> None:
         """Apply ``weights`` (any form :meth:`send` takes) to the registered model, whole or not at all."""
-        model = self._local_model()
-        tensors, extra = self._split(weights)
-        if isinstance(model, torch.nn.Module):
-            tensors, extra = self._fit(tensors, extra, model)
-        applier = applier_for(model, non_persistent=self.non_persistent_buffers)
+        tensors, extra = self._fitted(weights)
+        applier = applier_for(self._local_model(), non_persistent=self.non_persistent_buffers)
         apply_tensors(applier, tensors, extra_state=extra)
 
     def shutdown(self) -> None:
@@ -438,16 +465,6 @@ class HubWeightSyncScheme(_TorchRLScheme):  # type: ignore[misc]
 
 
 _SUB_PREFIX = "torchrl-"
-
-
-def _expected_workers(context: Any, kwargs: dict[str, Any]) -> int:
-    """How many workers a collector runs that follow the hub (0: it acts in this process)."""
-    remote = kwargs.get("remote_collectors")
-    if remote is not None:
-        return len(remote)
-    if context is not None and (hasattr(context, "procs") or hasattr(context, "pipes")):
-        return int(getattr(context, "num_workers", 0) or 0)
-    return 0
 
 
 def _weightless(tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -471,8 +488,3 @@ def _join_cluster(address: str | None) -> None:
             "cluster (it was not initialised on a sender): call ray.init(address=...) here first"
         )
     ray.init(address=address, log_to_driver=False, ignore_reinit_error=True)
-
-
-def _dotted(weights: Any) -> dict[str, torch.Tensor]:
-    """``weights``' tensors by dotted key (TensorDict's tuple keys joined)."""
-    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in extract_tensors(weights).items()}

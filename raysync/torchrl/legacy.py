@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raysync.core.extract import extract_tensors
 from raysync.core.layout import plan_layout
+from raysync.receivers.pipeline import Applier
 from raysync.torchrl.strategy import applier_for, apply_tensors
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["MultiProcessedRemoteWeightUpdate"]
 
@@ -55,10 +53,13 @@ class MultiProcessedRemoteWeightUpdate:
     def _maybe_map_weights(self, server_weights: Any) -> Any:
         return server_weights
 
-    def _sync_weights_with_worker(self, worker_id: Any, server_weights: Any) -> None:
+    def _applier(self, worker_id: Any) -> Applier:
         if worker_id not in self.policy_weights:
             raise KeyError(f"unknown worker id {worker_id!r}; known: {self.all_worker_ids()}")
-        apply_tensors(applier_for(self.policy_weights[worker_id]), extract_tensors(server_weights))
+        return applier_for(self.policy_weights[worker_id])
+
+    def _sync_weights_with_worker(self, worker_id: Any, server_weights: Any) -> None:
+        apply_tensors(self._applier(worker_id), extract_tensors(server_weights))
 
     def push_weights(self, weights: Any = None, worker_ids: Any = None) -> None:
         """Copy ``weights`` (default: the server's) into the chosen workers' weights.
@@ -79,9 +80,7 @@ class MultiProcessedRemoteWeightUpdate:
         tensors = extract_tensors(weights)
         manifest = plan_layout(tensors)
         for worker_id in ids:
-            if worker_id not in self.policy_weights:
-                raise KeyError(f"unknown worker id {worker_id!r}; known: {self.all_worker_ids()}")
-            applier_for(self.policy_weights[worker_id]).target.check(manifest)
+            self._applier(worker_id).target.check(manifest)
         for worker_id in ids:
             self._sync_weights_with_worker(worker_id, tensors)
 

@@ -11,6 +11,7 @@ from raysync.errors import (
     UnknownModelError,
 )
 from raysync.torchrl.base import WeightSyncScheme
+from raysync.torchrl.collector_context import first_given
 from raysync.torchrl.receiver import WeightReceiver
 from raysync.torchrl.schemes import RayWeightSyncScheme
 from raysync.torchrl.sender import WeightSender
@@ -47,16 +48,10 @@ class RayModuleTransformSender(WeightSender):
             super()._register_worker(worker_idx, pipe_or_context)
 
     def _resolve_context_modules(self) -> None:
-        from raysync.receivers.module_transform import RayModuleTransform
-
-        context = self._context_ref() if self._context_ref is not None else None
+        context = self._scheme.context
         if context is None or self._modules or self._transports:
             return
-        found = resolve_model(context, self._model_id)
-        if isinstance(found, RayModuleTransform):
-            self._modules.append(found)
-        else:
-            super()._register_worker(0, getattr(found, "_actor", found))
+        self._register_worker(0, resolve_model(context, self._model_id))
 
     def send(
         self,
@@ -144,9 +139,9 @@ class RayModuleTransformScheme(RayWeightSyncScheme):
         return RayModuleTransformReceiver(self)
 
     def _sender_endpoints(self, context: Any, kwargs: dict[str, Any]) -> list[Any]:
-        for name in ("transforms", "actor_refs", "actors", "remote_collectors"):
-            if kwargs.get(name) is not None:
-                return list(kwargs[name])
+        given = first_given(kwargs, ("transforms", "actor_refs", "actors", "remote_collectors"))
+        if given is not None:
+            return list(given)
         transform = kwargs.get("ray_transform") or getattr(self, "_ray_transform", None)
         if transform is not None:
             return [transform]

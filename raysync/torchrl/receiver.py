@@ -16,6 +16,7 @@ from raysync.errors import (
     RaySyncError,
     UnknownModelError,
 )
+from raysync.receivers.follower import forward_lock
 from raysync.receivers.pipeline import Applier
 from raysync.torchrl.strategy import (
     applier_for,
@@ -27,8 +28,6 @@ from raysync.torchrl.strategy import (
 
 if TYPE_CHECKING:
     from raysync.torchrl.base import WeightSyncScheme
-
-    pass
 
 __all__ = ["BackgroundReceiver", "WeightReceiver", "receiver_for"]
 
@@ -89,10 +88,9 @@ class WeightReceiver:
         self._scheme = scheme
         self._transport: Any = None
         self._model_ref: Any = None
-        self._context_ref: Any = None
         self._model_id = "policy"
         self._applier: tuple[Any, Applier] | None = None  # (the model, its pipeline)
-        self._guard: _ForwardGuard | None = None
+        self._guard: threading.RLock | None = None  # the model's forward lock, once installed
         self.last_error: BaseException | None = None
         self.version_count = 0
 
@@ -118,15 +116,14 @@ class WeightReceiver:
         """Applies wait for the model's running forward (and forwards for a running apply).
 
         Used where a background thread applies versions while the worker acts: a
-        forward then never sees part of one version and part of the next.
+        forward then never sees part of one version and part of the next. The lock is the
+        module's one forward lock, the one a :class:`raysync.Follower` applies under.
         """
         if self._guard is None and isinstance(self._model_ref, torch.nn.Module):
-            self._guard = _ForwardGuard(self._model_ref)
+            self._guard = forward_lock(self._model_ref)
 
     def _release_guard(self) -> None:
-        if self._guard is not None:
-            self._guard.remove()
-            self._guard = None
+        self._guard = None  # the module keeps its hooks: its forward takes a lock no apply holds
 
     def _register_worker_transport(self, pipe_or_transport: Any) -> None:
         if hasattr(pipe_or_transport, "receive_weights"):
@@ -140,7 +137,7 @@ class WeightReceiver:
     def model(self) -> Any:
         """The model versions are applied to (resolved from the context on first use)."""
         if isinstance(self._model_ref, str):
-            context = self._context_ref() if self._context_ref is not None else None
+            context = self._scheme.context if self._scheme is not None else None
             if context is None:
                 raise UnknownModelError(
                     f"cannot find model {self._model_ref!r}: no model= was given and the context is gone"
@@ -157,16 +154,11 @@ class WeightReceiver:
         return self._applier[1]
 
     def _route(self, model_id: str) -> WeightReceiver:
-        if model_id == self._model_id:
-            return self
-        with _RECEIVERS_LOCK:
-            other = _RECEIVERS.get(model_id)
-        if other is None:
-            raise UnknownModelError(
-                f"unknown model_id {model_id!r}: this worker has receivers for "
-                f"{sorted(set(_RECEIVERS) | {self._model_id})}"
-            )
-        return other
+        return self if model_id == self._model_id else receiver_for(model_id)
+
+    def _locked(self) -> Any:
+        """The model's forward guard, held while a version goes in (nothing without one)."""
+        return self._guard if self._guard is not None else contextlib.nullcontext()
 
     def receive(self, timeout: float | None = 0.001) -> bool:
         """Apply a version if one arrives within ``timeout`` seconds.
@@ -197,7 +189,7 @@ class WeightReceiver:
 
     def _finish(self, apply: Any) -> bool:
         try:
-            with self._guard.lock if self._guard is not None else contextlib.nullcontext():
+            with self._locked():
                 apply()
         except Exception as err:  # every failure is acked: the sender raises it, naming this worker
             self.last_error = err
@@ -217,7 +209,7 @@ class WeightReceiver:
         """
         tensors, extra = split_extra_state(weights)
         applier = self._get_applier()
-        with self._guard.lock if self._guard is not None else contextlib.nullcontext():
+        with self._locked():
             apply_tensors(applier, tensors, extra_state=extra)
         self.version_count += 1
 
@@ -231,38 +223,13 @@ class WeightReceiver:
             WeightMismatchError: the version does not fit the model (nothing fetched).
         """
         receiver = self._route(model_id)
-        guard = receiver._guard
         applier = receiver._get_applier()
         step = applier.prepare(applier.next_version, manifest, list(refs))
-        if not isinstance(step, ApplyReport):
-            step = applier.commit(step, guard=(lambda: guard.lock) if guard is not None else None)
-        raise_failed(step)
+        raise_failed(step if isinstance(step, ApplyReport) else applier.commit(step, guard=receiver._locked))
         receiver.version_count += 1
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a WeightReceiver holds a live transport and model: pickle its scheme instead")
-
-
-class _ForwardGuard:
-    """A lock held by a module's forward (hooks) and by whoever applies a version to it."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.lock = threading.RLock()
-        self._handles = [
-            module.register_forward_pre_hook(self._enter),
-            module.register_forward_hook(self._exit, always_call=True),
-        ]
-
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        self.lock.acquire()
-
-    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self.lock.release()
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
 
 class BackgroundReceiver:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -13,8 +12,7 @@ from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.channels.pipe import MPTransport, SnapshotPool
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
 from raysync.torchrl.base import WeightSyncScheme
-from raysync.torchrl.collector_context import endpoints, is_weightless, policy_of
-from raysync.torchrl.no_sync import NoWeightSyncScheme
+from raysync.torchrl.collector_context import NoOpTransport, endpoints, is_weightless, policy_of
 from raysync.torchrl.receiver import BackgroundReceiver
 from raysync.torchrl.sender import WeightSender
 from raysync.torchrl.strategy import ExtractAs, SharedMemTransport
@@ -31,9 +29,6 @@ __all__ = [
     "RayWeightSyncScheme",
     "SharedMemWeightSyncScheme",
 ]
-
-
-logger = logging.getLogger(__name__)
 
 
 class MultiProcessWeightSyncScheme(WeightSyncScheme):
@@ -127,14 +122,14 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
     def _worker_endpoint(self, context: Any, kwargs: dict[str, Any]) -> Any:
         pipe = kwargs.get("pipe") or getattr(context, "pipe", None)
         self._in_background = False
-        if pipe is None and self._worker_idx in self._worker_ends:
+        if pipe is None and self.worker_idx in self._worker_ends:
             self._in_background = True  # torchrl's workers never call receive(): a thread does
-            return self._worker_ends[self._worker_idx]
+            return self._worker_ends[self.worker_idx]
         if pipe is None:
             raise ValueError(
                 f"{type(self).__name__}.init_on_receiver needs pipe= (or a context with .pipe), or "
                 f"worker_idx= of a scheme a torchrl collector initialised (worker_idx="
-                f"{self._worker_idx!r}; this scheme has channels for workers {sorted(self._worker_ends)})"
+                f"{self.worker_idx!r}; this scheme has channels for workers {sorted(self._worker_ends)})"
             )
         return pipe
 
@@ -180,7 +175,7 @@ class MultiProcessWeightSyncScheme(WeightSyncScheme):
             super()._connect_receiver()
         receiver._install_guard()
         self._background = BackgroundReceiver(
-            receiver, name=f"{receiver.model_id}-{self._worker_idx}", on_applied=self._after_apply
+            receiver, name=f"{receiver.model_id}-{self.worker_idx}", on_applied=self._after_apply
         )
         self._background.start()
 
@@ -386,7 +381,7 @@ class RPCWeightSyncScheme(WeightSyncScheme):
             endpoint = getattr(context, "endpoint", None)
         if endpoint is None:
             raise ValueError(f"{type(self).__name__}.init_on_receiver needs endpoint= (or transport=)")
-        return endpoint if hasattr(endpoint, "receive_weights") else self.create_transport(endpoint)
+        return endpoint  # the receiver makes the transport with create_transport if it is not one
 
 
 class DistributedWeightSyncScheme(RPCWeightSyncScheme):
@@ -423,6 +418,63 @@ class DistributedWeightSyncScheme(RPCWeightSyncScheme):
         from raysync.channels.distributed import DistributedTransport
 
         return DistributedTransport
+
+
+class _NoOpSender(WeightSender):
+    """The sender of :class:`NoWeightSyncScheme`: every send does nothing (the reference's no-op sender)."""
+
+    # send() and update_weights() are send_async() then wait_async(): nothing either.
+    def send_async(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
+        """Do nothing."""
+
+    def wait_async(self, timeout: float | None = None) -> None:
+        """Do nothing: no send is ever pending."""
+
+
+class NoWeightSyncScheme(WeightSyncScheme):
+    """Weight synchronisation switched off: sends do nothing, nothing is ever received.
+
+    As torchrl's: with any collector, ``update_policy_weights_()`` does nothing.
+    Its sender (``get_sender()``) does nothing either, as the reference's:
+    ``send``, ``send_async``, ``wait_async`` and ``update_weights`` return at
+    once, with or without weights or workers.
+    A worker handed a weightless (meta) policy (a multi-process collector given
+    ``policy=``) is refused with a clear error at start-up: pass ``policy_factory=``.
+
+    Example:
+        >>> scheme = NoWeightSyncScheme()
+        >>> scheme.init_on_sender(model_id="policy")
+        >>> scheme.send({"w": torch.ones(1)})   # nothing happens
+        >>> scheme.get_sender().send()          # nor here
+    """
+
+    backend = "none"
+
+    def create_sender(self) -> WeightSender:
+        """A sender whose sends do nothing."""
+        return _NoOpSender(self)
+
+    def create_transport(self, pipe_or_context: Any = None, **kwargs: Any) -> NoOpTransport:
+        """A transport that moves nothing."""
+        return NoOpTransport()
+
+    def send(self, weights: Any = None, worker_ids: int | Sequence[int] | None = None) -> None:
+        """Do nothing."""
+
+    def _connect_sender(self, weights: Any) -> None:
+        """Nothing to send."""
+
+    def _worker_endpoint(self, context: Any, kwargs: dict[str, Any]) -> Any:
+        return NoOpTransport()
+
+    def _check_receiver_model(self, model: Any) -> None:
+        if is_weightless(model):
+            raise ValueError(
+                "NoWeightSyncScheme cannot fill the weightless (meta) policy a multi-process collector "
+                "sends its workers when given policy=: pass policy_factory= so that each worker builds "
+                "its own policy, or use a scheme that syncs (MultiProcessWeightSyncScheme, "
+                "SharedMemWeightSyncScheme)"
+            )
 
 
 def _distinct_factories(context: Any) -> bool:

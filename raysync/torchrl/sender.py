@@ -22,14 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["WeightSender"]
 
 
-def _worker_list(worker_ids: int | Sequence[int] | None) -> list[int] | None:
-    if worker_ids is None:
-        return None
-    if isinstance(worker_ids, int):
-        return [worker_ids]
-    return [int(w) for w in worker_ids]
-
-
 class WeightSender:
     """Sends the weights of ONE model to workers (all of them or some).
 
@@ -48,7 +40,6 @@ class WeightSender:
         self._scheme = scheme
         self._transports: dict[int, Any] = {}
         self._model_id = "policy"
-        self._context_ref: Any = None
         self._source_model: Any = None
         self._pending: list[tuple[int, Any]] | None = None
         self._errors: list[tuple[int, BaseException]] = []
@@ -66,23 +57,20 @@ class WeightSender:
 
     def _register_worker(self, worker_idx: int, pipe_or_context: Any) -> None:
         if worker_idx not in self._transports:
-            transport = self._scheme.create_transport(pipe_or_context)
-            self._transports[worker_idx] = transport
+            self._transports[worker_idx] = self._scheme.create_transport(pipe_or_context)
 
     def _select(self, worker_ids: int | Sequence[int] | None) -> list[tuple[int, Any]]:
-        wanted = _worker_list(worker_ids)
-        if wanted is None:
+        if worker_ids is None:
             return sorted(self._transports.items())
+        wanted = [worker_ids] if isinstance(worker_ids, int) else [int(w) for w in worker_ids]
         unknown = [w for w in wanted if w not in self._transports]
         if unknown:
             raise ValueError(f"worker(s) {unknown} not registered; known workers: {sorted(self._transports)}")
         return [(w, self._transports[w]) for w in wanted]
 
     def _prepare(self, weights: Any) -> dict[str, torch.Tensor]:
-        context = self._context_ref() if self._context_ref is not None else None
-        prepared = self._scheme.prepare_weights(
-            weights, self._model_id, self._scheme.weight_strategy, context
-        )
+        scheme = self._scheme
+        prepared = scheme.prepare_weights(weights, self._model_id, scheme.weight_strategy, scheme.context)
         if prepared is None and self._source_model is not None:
             prepared = self._source_model
         if prepared is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -26,9 +26,6 @@ from raysync.errors import (
 )
 from raysync.receivers.pipeline import Applier
 from raysync.receivers.target import ModuleTarget, Target, TensorsTarget, is_target
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["ExtractAs", "SharedMemTransport", "WeightStrategy", "resolve_model", "split_extra_state"]
 
@@ -153,11 +150,14 @@ class WeightStrategy:
         apply_tensors(applier_for(destination), tensors, extra_state=extra)
 
 
-def split_extra_state(weights: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def split_extra_state(
+    weights: Any, *, non_persistent: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(tensors, extra_state)`` of weights: extra state as ``{state_dict key: object}``.
 
     Reads torchrl's ``"__extra_state__"`` entry (the top module's extra state),
     state dicts' ``"..._extra_state"`` keys and modules' ``get_extra_state()``.
+    ``non_persistent``: a module's non-persistent buffers too (see ``extract_tensors``).
 
     Example:
         >>> tensors, extra = split_extra_state({"w": torch.ones(1), "__extra_state__": {"n": 1}})
@@ -166,7 +166,7 @@ def split_extra_state(weights: Any) -> tuple[dict[str, torch.Tensor], dict[str, 
     """
     extra: dict[str, Any] = {}
     if isinstance(weights, torch.nn.Module):
-        return extract_tensors(weights), extract_extra_state(weights)
+        return extract_tensors(weights, non_persistent=non_persistent), extract_extra_state(weights)
     if isinstance(weights, Mapping) and "__extra_state__" in weights.keys():
         own = weights["__extra_state__"]
         if _is_tensordict(own):
