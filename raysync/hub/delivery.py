@@ -28,7 +28,7 @@ from raysync.hub.relay import (
     notify_members,
 )
 from raysync.hub.relay_handles import RelayLost, Relays
-from raysync.hub.settings import DEFAULT_RING_ACK_S, HubSettings
+from raysync.hub.settings import HubSettings
 from raysync.hub.state import DeliveryGroup, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info
 
@@ -65,27 +65,14 @@ class Delivery:
         drop: Callable[[Subscriber, str], None],
         record: Callable[[Subscriber, ApplyReport], None],
     ) -> None:
-        self._state, self._settings, self._mail, self._relays, self._gauges = (
-            state,
-            settings,
-            mail,
-            relays,
-            gauges,
-        )
-        self._drop, self._record = drop, record
-        self._loops: dict[
-            Subscriber | DeliveryGroup, asyncio.Task[None]
-        ] = {}  # the delivery loop of each, if one runs
+        self._state, self._settings, self._mail, self._relays = state, settings, mail, relays
+        self._gauges, self._drop, self._record = gauges, drop, record
+        # The delivery loop of each subscriber or group, if one runs.
+        self._loops: dict[Subscriber | DeliveryGroup, asyncio.Task[None]] = {}
         # The hub's own node needs no relay: the hub rings its doorbells and calls the rest itself.
         self.here_node: str = ray.get_runtime_context().get_node_id()
         self.here = (
-            NodeDelivery(
-                self.here_node,
-                self._late_here,
-                settings.doorbell_bytes or 0,
-                mail,
-                settings.ring_ack_s or DEFAULT_RING_ACK_S,
-            )
+            NodeDelivery(self.here_node, self._late_here, mail, settings)
             if settings.relays and settings.rings_own_node
             else None
         )

@@ -97,21 +97,22 @@ class NodeDelivery:
 
     The relay actor wraps one (:class:`NodeRelay`); the hub keeps one for its own node,
     where it rings doorbells itself (no hop through a relay). ``send_late(model_id,
-    version, reply)`` takes the acks of subscribers slower than the window.
+    version, reply)`` takes the acks of subscribers slower than the window; ``settings``
+    are the hub's (``doorbell_bytes``, ``ring_ack_s``).
     """
 
     def __init__(
         self,
         node_id: str,
         send_late: Callable[[str, int, RelayReply], None],
-        doorbell_bytes: int,
         mail: Mailboxes,
-        ring_ack_s: float = DEFAULT_RING_ACK_S,
+        settings: HubSettings,
     ) -> None:
         self._node_id = node_id
         self.mail = mail  # calls to this node's subscribers' actors (they poll for them)
-        self._doorbell_bytes = doorbell_bytes  # the largest version handed over by doorbell
-        self._ring_ack_s = ring_ack_s  # a rung subscriber silent this long is called too
+        self._doorbell_bytes = settings.doorbell_bytes or 0  # the largest version handed over by doorbell
+        # A rung subscriber silent this long is called too.
+        self._ring_ack_s = settings.ring_ack_s or DEFAULT_RING_ACK_S
         self._send_late = send_late
         self._members: dict[str, RelayMember] = {}
         self.delivered = 0  # calls made to subscribers
@@ -275,9 +276,7 @@ class NodeRelay:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
 
         mail = Mailboxes(alive=lambda address: asyncio.to_thread(address_alive, address))
-        self._node = NodeDelivery(
-            node_id, send_late, settings.doorbell_bytes or 0, mail, settings.ring_ack_s or DEFAULT_RING_ACK_S
-        )
+        self._node = NodeDelivery(node_id, send_late, mail, settings)
         freeze_startup_objects()  # out of the garbage collector's full scans, as the hub's
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
