@@ -129,7 +129,7 @@ class Delivery:
 
     async def _deliver(self, sub: Subscriber) -> None:
         """Hand the newest version to one subscriber until it holds it (one call in flight)."""
-        while (due := self._state.due(sub)) is not None:
+        while (due := self._state.versions.due(sub)) is not None:
             sub.sent = due.version
             self._state.delivery_calls += 1
             try:
@@ -139,10 +139,10 @@ class Delivery:
                 self._drop(sub, f"actor died ({err})")
                 return
             except SubscriberUnreachable as err:  # restarting or not polling: it registers again when back
-                self._state.unreachable(sub, err)
+                self._state.roster.unreachable(sub, err)
                 return
             except Exception as err:  # the notify itself failed: record, do not loop
-                self._state.delivery_failed(sub, due.version, err)
+                self._state.roster.delivery_failed(sub, due.version, err)
                 return
             self._record(sub, report)
 
@@ -157,7 +157,7 @@ class Delivery:
         """
         assert group.node_id is not None
         while True:
-            newest, due = self._state.due_in_group(model_id, group)
+            newest, due = self._state.versions.due_in_group(model_id, group)
             if newest is None or not due:
                 return
             prior = {sub: sub.sent for sub in due}
@@ -235,7 +235,7 @@ class Delivery:
             if sub is None or self._state.subs.get(sub_id) is not sub:
                 continue
             sub.relay_pending = False
-            self._state.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
+            self._state.roster.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
             metrics.record_apply(self._name, sub.model_id, apply_s)
         if reply.applied:
             self._gauges.changed(self._state.models, self._state.subs)
@@ -254,9 +254,9 @@ class Delivery:
             elif ack.outcome == "restarted":  # its new process registers (or did): that brings it up to date
                 continue
             elif ack.outcome == "unreachable":
-                self._state.unreachable(sub, ack.error or RuntimeError("unreachable"))
+                self._state.roster.unreachable(sub, ack.error or RuntimeError("unreachable"))
             else:
-                self._state.delivery_failed(sub, version, ack.error or RuntimeError(ack.outcome))
+                self._state.roster.delivery_failed(sub, version, ack.error or RuntimeError(ack.outcome))
 
     async def _late(self, model_id: str, node_id: str, version: int, late: Late) -> None:
         """The hub's own direct delivery: record the acks of slow subscribers as their calls end."""

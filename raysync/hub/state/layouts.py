@@ -6,7 +6,7 @@ the versions is that subscriber's error, not the pushes': it is marked a misfit 
 the reason), is not handed versions it cannot apply, and no wait waits for it.
 
 Example:
-    >>> state.refusal("policy", manifest)     # None: it fits what "policy" established
+    >>> state.layouts.refusal("policy", manifest)     # None: it fits what "policy" established
     >>> state.layouts.mark_misfits("policy")  # the subscribers newly found not to fit
     []
 """
