@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -60,26 +59,21 @@ class VersionWaits:
         async with cond:
             cond.notify_all()
 
-    async def published(self, model_id: str, version: int, timeout: float) -> None:
-        """Until ``version`` of ``model_id`` is published (or ``timeout`` seconds)."""
+    async def published(self, model_id: str, version: int, timeout: float) -> bool:
+        """Until ``version`` of ``model_id`` (or newer) is published; whether it was within ``timeout`` s."""
         cond = self._condition()
-        async with cond:
-            with contextlib.suppress(asyncio.TimeoutError):
+        try:
+            async with cond:
                 await asyncio.wait_for(
                     cond.wait_for(lambda: (self._state.versions.latest(model_id) or 0) >= version), timeout
                 )
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def wait_newer(self, model_id: str, version: int, timeout: float) -> Announcement | None:
         """Long poll: the newest version once it is newer than ``version``, or None after ``timeout``."""
-        cond = self._condition()
-
-        def newer() -> bool:
-            return (self._state.versions.latest(model_id) or 0) > version
-
-        try:
-            async with cond:
-                await asyncio.wait_for(cond.wait_for(newer), timeout)
-        except asyncio.TimeoutError:
+        if not await self.published(model_id, version + 1, timeout):
             return None
         return self._state.versions.get(model_id)
 
