@@ -143,17 +143,12 @@ class WeightHub:
     def _name(self) -> str:
         return self._state.name
 
-    def _forget(self, sub: Subscriber) -> None:
-        self._delivery.release(sub, died=False)  # its node's relay (or this hub, on its node) forgets it too
+    def _drop(self, sub: Subscriber, why: str | None) -> None:
+        """Forget a subscriber: it left (``why`` None) or its actor died (``why``)."""
+        # Its node's relay (or this hub, on its node) forgets it too; if it died, its actor's mailbox.
+        self._delivery.release(sub, died=why is not None)
         self._delivery.stop(sub)
-        emptied = self._state.roster.remove(sub)
-        if emptied is not None:
-            self._delivery.stop(emptied)
-
-    def _drop(self, sub: Subscriber, why: str) -> None:
-        self._delivery.release(sub, died=True)  # and its actor's mailbox
-        self._delivery.stop(sub)
-        emptied = self._state.roster.drop(sub, why)
+        emptied = self._state.roster.remove(sub) if why is None else self._state.roster.drop(sub, why)
         if emptied is not None:
             self._delivery.stop(emptied)
         self._store.remove(sub.sub_id)
@@ -400,7 +395,7 @@ class WeightHub:
     async def unregister(self, sub_id: str) -> None:
         sub = self._state.subs.get(sub_id)
         if sub is not None:
-            self._forget(sub)
+            self._drop(sub, None)
         self._store.remove(sub_id)
 
     async def report(self, sub_id: str, report: ApplyReport) -> None:

@@ -218,16 +218,18 @@ class NodeDelivery:
         self._late_rows[key].extend(acks)
 
     def _send_late_rows(self, key: tuple[str, int]) -> None:
-        acks = self._late_rows.pop(key, [])
-        self._forget_dead(acks)
-        if acks:
-            self._send_late(key[0], key[1], compact(key[1], acks, os.getpid()))
+        self._send(*key, self._late_rows.pop(key, []))
 
     async def _forward(self, model_id: str, version: int, late: Late) -> None:
         """Send the acks of slow subscribers, a batch per message, as their calls end."""
         async for batch in late_acks(late):
-            self._forget_dead(batch)
-            self._send_late(model_id, version, compact(version, batch, os.getpid()))
+            self._send(model_id, version, batch)
+
+    def _send(self, model_id: str, version: int, acks: list[RelayAck]) -> None:
+        """Late acks to the hub, in one message."""
+        self._forget_dead(acks)
+        if acks:
+            self._send_late(model_id, version, compact(version, acks, os.getpid()))
 
     def _forget_dead(self, acks: list[RelayAck]) -> None:
         self.forget([ack.sub_id for ack in acks if ack.outcome == "died"])
