@@ -163,7 +163,7 @@ class WeightHub:
             "keep": self._state.keep,
             "pid": os.getpid(),
             "cpu_s": time.process_time(),  # cheap counters for benchmarks (status() is O(subscribers))
-            "delivery_calls": self._state.delivery_calls,
+            "delivery_calls": self._state.tables.delivery_calls,
             "gc_frozen": gc.get_freeze_count(),  # start-up objects out of full collections' scans
         }
 

@@ -131,7 +131,7 @@ class Delivery:
         """Hand the newest version to one subscriber until it holds it (one call in flight)."""
         while (due := self._state.versions.due(sub)) is not None:
             sub.sent = due.version
-            self._state.delivery_calls += 1
+            self._state.tables.delivery_calls += 1
             try:
                 announcement = due.announce(sub.model_id, (sub.sub_id,))
                 report = await self._mail.call(_address(sub), proto.NOTIFY, announcement)
@@ -199,14 +199,14 @@ class Delivery:
                 self._relays.start(node_id)
             members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
             acks, late, calls = await notify_members(announcement, members, self._mail.call)
-            self._state.delivery_calls += calls
+            self._state.tables.delivery_calls += calls
             pending = tuple(s for ids, _ in late for s in ids)
             self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
             if late:
                 asyncio.get_running_loop().create_task(self._late(model_id, node_id, newest.version, late))
             return
         members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
-        self._state.delivery_calls += 1
+        self._state.tables.delivery_calls += 1
         try:
             reply = await self._relays.deliver(node_id, RelayDelivery(announcement, members))
         except RelayLost as err:  # it died or restarts: deliver directly until it answers again

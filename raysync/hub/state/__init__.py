@@ -56,12 +56,3 @@ class HubState:
     @keep.setter
     def keep(self, keep: int) -> None:
         self.tables.keep = keep
-
-    @property
-    def delivery_calls(self) -> int:
-        """Ray calls the hub made to hand out versions (relays and subscribers)."""
-        return self.tables.delivery_calls
-
-    @delivery_calls.setter
-    def delivery_calls(self, calls: int) -> None:
-        self.tables.delivery_calls = calls
