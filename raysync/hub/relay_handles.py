@@ -31,6 +31,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from raysync import _protocol as proto
 from raysync._protocol import RelayDelivery, RelayReply
+from raysync.hub.mailbox import quiet
 from raysync.hub.relay import relay_name, start_relay
 from raysync.hub.settings import DEFAULT_RELAY_STALL_S, DEFAULT_RING_ACK_S, HubSettings
 
@@ -132,7 +133,7 @@ class Relays:
         if relay is None or node_id not in self._ready:
             raise RelayLost(f"no relay up on node {node_id[:8]}")
         sent = time.monotonic()
-        call = _quiet(asyncio.wrap_future(getattr(relay, proto.RELAY_DELIVER).remote(delivery).future()))
+        call = quiet(asyncio.wrap_future(getattr(relay, proto.RELAY_DELIVER).remote(delivery).future()))
         await asyncio.wait([call], timeout=self.stall_s)
         if not call.done():
             self._stall(node_id, relay, call, sent, sent + REPLACE_AFTER_STALLS * self.stall_s)
@@ -205,7 +206,7 @@ class Relays:
         while True:
             try:
                 sent = time.monotonic()
-                ping = _quiet(asyncio.wrap_future(relay.stats.remote().future()))
+                ping = quiet(asyncio.wrap_future(relay.stats.remote().future()))
                 await asyncio.wait([ping], timeout=max(0.0, deadline - sent))
                 if not ping.done():  # not up within _START_S: stopped or wedged as it started
                     self._stall(node_id, relay, ping, sent, time.monotonic())  # replaced now
@@ -223,9 +224,3 @@ class Relays:
                 await asyncio.sleep(0.2)
         self._ready.add(node_id)
         self._on_ready()
-
-
-def _quiet(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
-    """``fut``, whose error nobody may read (a stalled call's): not logged as never retrieved."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut

@@ -43,6 +43,7 @@ from typing import Any
 
 from raysync.core.shards import ShardPart, merge
 from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
+from raysync.hub.mailbox import quiet
 from raysync.hub.numbering import RoundNumbers
 from raysync.hub.persistence import HubStore
 from raysync.hub.state import HubState
@@ -194,8 +195,7 @@ class ShardedPublish:
             if persist or saved is None or failed:  # a new block: written before any number is handed out
                 write = self._store.save_model(model_id, self._state.models[model_id])
                 saved = self._block_saved[model_id] = asyncio.wrap_future(write)
-            outcome: asyncio.Future[int] = loop.create_future()
-            outcome.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved"
+            outcome: asyncio.Future[int] = quiet(loop.create_future())
             held = self._round_held[id(rnd)] = _Held(outcome, saved)
             held.timer = loop.call_later(timeout, self._expire, rnd, timeout)
         await asyncio.shield(held.saved)  # no rank gets a number before it is written
