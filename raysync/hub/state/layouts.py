@@ -157,9 +157,7 @@ class Layouts:
         )
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if sub.sub_id in waiter.pending:
-                waiter.pending.discard(sub.sub_id)
-                if not waiter.pending:
-                    waiter.wake()
+                waiter.let_go(sub.sub_id)
         return True
 
     def mark_misfits(self, model_id: str) -> list[Subscriber]:

@@ -179,6 +179,12 @@ class Waiter:
         """Whether it waits for ``sub``: of a mode it counts, and not a misfit (which never applies)."""
         return (self.include_pull or sub.waited_for) and sub.misfit is None
 
+    def let_go(self, sub_id: str) -> None:
+        """It waits for ``sub_id`` no more; woken once it waits for no one."""
+        self.pending.discard(sub_id)
+        if not self.pending:
+            self.wake()
+
     def wake(self) -> None:
         self.woken = True
         if self.on_wake is not None:

@@ -88,9 +88,7 @@ class Roster:
             if not group.members:
                 emptied = self.tables.groups.pop(key)  # type: ignore[arg-type]
         for waiter in self.tables.waiters.get(sub.model_id, ()):
-            waiter.pending.discard(sub.sub_id)
-            if not waiter.pending:
-                waiter.wake()
+            waiter.let_go(sub.sub_id)
         return emptied
 
     def drop(self, sub: Subscriber, why: str) -> DeliveryGroup | None:
@@ -111,9 +109,7 @@ class Roster:
         """Tell the waits on ``sub``'s model that it holds (or failed) what they wait for."""
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if sub.sub_id in waiter.pending and sub.settled(waiter.version):
-                waiter.pending.discard(sub.sub_id)
-                if not waiter.pending:
-                    waiter.wake()
+                waiter.let_go(sub.sub_id)
 
     def record(self, sub: Subscriber, report: ApplyReport) -> None:
         """What a subscriber said after it was handed a version (or on its own)."""
