@@ -66,7 +66,7 @@ class Roster:
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
-            elif waiter.need and (waiter.include_pull or sub.waited_for) and not waiter.pending:
+            elif waiter.need and (waiter.include_pull or sub.pushed) and not waiter.pending:
                 waiter.wake()  # one more of the subscribers it waits to see (or a misfit): look again
         return old
 
