@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raysync._protocol import BLOCK, Grant, Publication
 from raysync.client import deadline
@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from raysync.client.hub_calls import HubCalls
     from raysync.hub.state.rounds import PartTaken
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "alive"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class Writer:
@@ -52,12 +54,12 @@ class Writer:
         # leaves the object store as soon as the client is dropped (not at the next GC).
         me = weakref.ref(self)
         self.pipeline = PushPipeline(
-            lambda *args: _alive(me).publish(*args),
-            previous=lambda model_id: _alive(me).hub_newest(model_id),
-            lost=lambda model_id, version: _alive(me)._calls().lost(model_id, version),
-            contribute=lambda *args: _alive(me).contribute(*args),
-            post=lambda *args: _alive(me).post_contribute(*args),
-            give_up=lambda *args: _alive(me)._calls().post_give_up(*args),
+            lambda *args: alive(me).publish(*args),
+            previous=lambda model_id: alive(me).hub_newest(model_id),
+            lost=lambda model_id, version: alive(me)._calls().lost(model_id, version),
+            contribute=lambda *args: alive(me).contribute(*args),
+            post=lambda *args: alive(me).post_contribute(*args),
+            give_up=lambda *args: alive(me)._calls().post_give_up(*args),
         )
 
     def lease(self, model_id: str) -> WriterLease:
@@ -164,7 +166,8 @@ class Writer:
         return None if info is None else Version(info.version, info.manifest, list(info.refs), 0.0, {})
 
 
-def _alive(ref: weakref.ReferenceType[Writer]) -> Writer:
-    writer = ref()
-    assert writer is not None, "a client's push pipeline outlived its writer"
-    return writer
+def alive(ref: weakref.ReferenceType[_T]) -> _T:
+    """What a weak reference held back from a cycle (a client, its writer) refers to; it must live."""
+    referent = ref()
+    assert referent is not None, "a client's writer or push pipeline outlived what it belongs to"
+    return referent
