@@ -404,10 +404,8 @@ class WeightHub:
         if sub is None:
             return
         self._record(sub, report)
-        if sub.pushed:
-            self._delivery.kick(
-                sub
-            )  # a version may have been pushed while it was busy, or it needs one again
+        if sub.pushed:  # a version may have been pushed while it was busy, or it needs one again
+            self._delivery.kick(sub)
 
     # ------------------------------------------------------------------ queries
     async def latest(self, model_id: str) -> int | None:

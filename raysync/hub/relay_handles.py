@@ -213,10 +213,8 @@ class Relays:
                     return
                 ping.result()  # up
                 break
-            except ActorDiedError:
-                self._handles.pop(
-                    node_id, None
-                )  # gone for good (its node died?): the next try starts another
+            except ActorDiedError:  # gone for good (its node died?): the next try starts another
+                self._handles.pop(node_id, None)
                 raise
             except (ActorUnavailableError, RayActorError):  # restarting: Ray refuses calls until it is back
                 if time.monotonic() > deadline:

@@ -180,7 +180,6 @@ class ShardedPublish:
         if previous is not None:
             failure = self._rounds.refusal(model_id, previous)
             earlier = None if failure is None else str(failure)
-        if previous is not None:
             self._lost_in_restart(model_id, part, previous)
         pusher = {**pusher, "takeover": takeover}
         rnd, dropped = self._rounds.add(model_id, part, list(refs), pusher)

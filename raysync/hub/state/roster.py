@@ -39,9 +39,8 @@ class Roster:
         if reg.applied is not None and self.believable(sub, reg.applied):
             sub.applied = reg.applied
         newest = self.versions.newest(reg.model_id)
-        self.layouts.judge(
-            sub, None if newest is None else newest.manifest
-        )  # a misfit: before waits count it
+        # A misfit: before waits count it.
+        self.layouts.judge(sub, None if newest is None else newest.manifest)
         replaced = self.add(sub)
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return sub, replaced, None
