@@ -163,14 +163,10 @@ class Delivery:
             prior = {sub: sub.sent for sub in due}
             for sub in due:
                 sub.sent = newest.version
-            if self._serves_here(group):  # the hub's own node: it does the relay's part itself
+            if self.here is not None and group.node_id == self.here_node:  # it does the relay's part itself
                 await self._deliver_here(model_id, group, newest, due, prior)
             else:
                 await self._via_relay(model_id, group, newest, due, prior)
-
-    def _serves_here(self, group: DeliveryGroup) -> bool:
-        """Whether the hub hands versions to this group itself: its own node (no relay hop)."""
-        return self.here is not None and group.node_id == self.here_node
 
     async def _deliver_here(
         self, model_id: str, group: DeliveryGroup, newest: Version, due: list[Subscriber], prior: Prior

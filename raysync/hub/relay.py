@@ -214,11 +214,10 @@ class NodeDelivery:
         key = (model_id, version)
         if key not in self._late_rows:
             self._late_rows[key] = []
-            asyncio.get_running_loop().call_later(0.02, self._send_late_rows, key)
+            asyncio.get_running_loop().call_later(
+                0.02, lambda: self._send(*key, self._late_rows.pop(key, []))
+            )
         self._late_rows[key].extend(acks)
-
-    def _send_late_rows(self, key: tuple[str, int]) -> None:
-        self._send(*key, self._late_rows.pop(key, []))
 
     async def _forward(self, model_id: str, version: int, late: Late) -> None:
         """Send the acks of slow subscribers, a batch per message, as their calls end."""

@@ -332,18 +332,21 @@ class ShardedPublish:
 
     def _abandon(self, rounds: list[Round], why: str) -> None:
         for rnd in rounds:
-            if rnd.lost:
-                lost = self._lost(rnd)
-                self._settle_round(rnd, error=lost)
-                logger.info("hub: %s", lost)
-                continue
-            error = InvalidWeightsError(
-                f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was "
-                f"abandoned unpublished: ranks {rnd.missing()} had not pushed their shards when {why} "
-                f"(the group restarted or moved on); readers keep version {self._latest(rnd.model_id)}"
-            )
+            which = f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was "
+            if rnd.lost:  # quietly: the group goes on
+                error = InvalidWeightsError(
+                    f"{which}lost unpublished: the hub restarted while the ranks pushed it (ranks "
+                    f"{rnd.missing()} sent their shards to the hub before the restart); readers keep version "
+                    f"{self._latest(rnd.model_id)} and the group's next push publishes as usual"
+                )
+            else:
+                error = InvalidWeightsError(
+                    f"{which}abandoned unpublished: ranks {rnd.missing()} had not pushed their shards "
+                    f"when {why} (the group restarted or moved on); readers keep version "
+                    f"{self._latest(rnd.model_id)}"
+                )
             self._settle_round(rnd, error=error)
-            logger.warning("hub: %s", error)
+            logger.log(logging.INFO if rnd.lost else logging.WARNING, "hub: %s", error)
 
     def _lost_in_restart(self, model_id: str, part: ShardPart, previous: int) -> None:
         """The rank's first part this hub sees says its previous push was numbered ``previous``, a
@@ -361,14 +364,6 @@ class ShardedPublish:
         )
         self._rounds.fail_number(model_id, previous, error, lost=True)
         logger.info("hub: %s", error)
-
-    def _lost(self, rnd: Round) -> InvalidWeightsError:
-        return InvalidWeightsError(
-            f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was lost "
-            f"unpublished: the hub restarted while the ranks pushed it (ranks {rnd.missing()} sent their "
-            f"shards to the hub before the restart); readers keep version "
-            f"{self._latest(rnd.model_id)} and the group's next push publishes as usual"
-        )
 
     def _expire(self, rnd: Round, timeout: float) -> None:
         if not self._rounds.drop(rnd):  # complete (being published) or settled already
