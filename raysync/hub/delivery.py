@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from raysync import _protocol as proto
-from raysync._protocol import ApplyReport, RelayDelivery, RelayReply
+from raysync._protocol import Announcement, ApplyReport, RelayDelivery, RelayReply
 from raysync.hub import metrics
 from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberUnreachable
 from raysync.hub.relay import (
@@ -163,30 +163,26 @@ class Delivery:
             prior = {sub: sub.sent for sub in due}
             for sub in due:
                 sub.sent = newest.version
-            if self.here is not None and group.node_id == self.here_node:  # it does the relay's part itself
-                await self._deliver_here(model_id, group, newest, due, prior)
+            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+            if self.here is not None and group.node_id == self.here_node:
+                # The hub's own node: the hub does the relay's part itself (rings doorbells, calls the rest).
+                members = {s.sub_id: s.relay_member() for s in due}
+                reply = await self.here.deliver(RelayDelivery(announcement, members))
+                self._acks(group, newest.version, reply, prior)
             else:
-                await self._via_relay(model_id, group, newest, due, prior)
-
-    async def _deliver_here(
-        self, model_id: str, group: DeliveryGroup, newest: Version, due: list[Subscriber], prior: Prior
-    ) -> None:
-        """One version to ``due`` on the hub's own node: the hub rings their doorbells (or calls them)."""
-        assert self.here is not None
-        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-        members = {s.sub_id: s.relay_member() for s in due}
-        reply = await self.here.deliver(RelayDelivery(announcement, members))
-        self._acks(group, newest.version, reply, prior)
+                await self._via_relay(group, group.node_id, newest, announcement, due, prior)
 
     async def _via_relay(
-        self, model_id: str, group: DeliveryGroup, newest: Version, due: list[Subscriber], prior: Prior
+        self,
+        group: DeliveryGroup,
+        node_id: str,
+        newest: Version,
+        announcement: Announcement,
+        due: list[Subscriber],
+        prior: Prior,
     ) -> None:
         """One version to ``due`` through their node's relay (or directly while it is not up)."""
-        if not due:
-            return
-        assert group.node_id is not None
-        node_id = group.node_id
-        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+        model_id = announcement.model_id
         # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
         # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
         direct = not transport_info(newest.manifest.transport, load=False).relayable
