@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from raysync._protocol import BLOCK, Grant, Publication
+from raysync._protocol import BLOCK, Publication
 from raysync.client import deadline
 from raysync.client.identity import writer_identity
 from raysync.client.push import PushPipeline
@@ -120,15 +120,12 @@ class Writer:
             model_id, part, refs, pusher, self.takeover, timeout, False, previous, stamp
         )
 
-    def acquire(self, model_id: str) -> Grant:
-        return self._calls().acquire(model_id, self.pusher(), self.takeover, BLOCK)
-
     def next_version(self, model_id: str) -> int:
         """The number this writer's next push of ``model_id`` gets (see :meth:`.HubClient.next_version`)."""
         self.settle(model_id, wait=False)
         with (lease := self.lease(model_id)).lock:
             self.moved.check_now(model_id, lease)
-            return lease.peek(lambda: self.acquire(model_id))
+            return lease.peek(lambda: self._calls().acquire(model_id, self.pusher(), self.takeover, BLOCK))
 
     def settle(self, model_id: str, *, wait: bool, raise_refused: bool = True) -> None:
         """Read the hub's answers to this client's publishes of ``model_id`` (see :meth:`.HubClient.push`).
