@@ -88,10 +88,6 @@ class Relays:
     def name(self, node_id: str) -> str:
         return relay_name(self._hub, self._hub_actor_id, node_id)
 
-    def names(self) -> dict[str, str]:
-        """Node id -> relay name, for the relays that are up."""
-        return {node: self.name(node) for node in sorted(self._ready)}
-
     def status(self) -> dict[str, Any]:
         """For ``hub.status()``: the relays that are up, and the stalled ones (how long silent)."""
         now = time.monotonic()
@@ -99,7 +95,8 @@ class Relays:
             node: {"relay": self.name(node), "silent_s": round(now - since, 3)}
             for node, since in sorted(self._stalled.items())
         }
-        return {"relays": self.names(), "stalled_relays": stalled}
+        up = {node: self.name(node) for node in sorted(self._ready)}
+        return {"relays": up, "stalled_relays": stalled}
 
     def handle(self, node_id: str) -> Any | None:
         """The handle of the node's relay, if it is up (subscribers poll it)."""
