@@ -11,102 +11,12 @@ long-poll (:data:`WAIT_NEWER`) or pull (:data:`GET`) and reports what it applied
 
 Example:
     >>> report = ApplyReport(applied=3, apply_s=0.002)
-    >>> report.holds(3), report.settles(3)
-    (True, True)
+    >>> report.holds(3), report.holds(4)
+    (True, False)
 """
 
-from raysync._protocol.messages import (
-    ACQUIRE,
-    ANSWER,
-    BLOCK,
-    CONTRIBUTE,
-    DEFAULT_HUB,
-    DEFAULT_KEEP,
-    DEFAULT_NAMESPACE,
-    GET,
-    GIVE_UP,
-    HEARTBEAT,
-    HEARTBEAT_S,
-    NOTIFY,
-    PING,
-    POLL,
-    PUBLISH,
-    PUBLISH_STAMPED,
-    REGISTER,
-    RELAY_ACKS,
-    RELAY_DELIVER,
-    REPORT,
-    UNREGISTER,
-    WAIT_NEWER,
-    Announcement,
-    Answer,
-    ApplyReport,
-    Caller,
-    Grant,
-    Laggard,
-    PollReply,
-    Publication,
-    Registration,
-    Request,
-    SubscriberInfo,
-    WaitResult,
-    address_job,
-    bucket_ids,
-    process_address,
-)
-from raysync._protocol.relay import (
-    RelayAck,
-    RelayDelivery,
-    RelayMember,
-    RelayReply,
-    Ring,
-    compact,
-    expand,
-)
+from raysync._protocol import messages, relay
+from raysync._protocol.messages import *  # noqa: F403  (their __all__: the names listed once, there)
+from raysync._protocol.relay import *  # noqa: F403
 
-__all__ = [
-    "ACQUIRE",
-    "ANSWER",
-    "BLOCK",
-    "CONTRIBUTE",
-    "DEFAULT_HUB",
-    "DEFAULT_KEEP",
-    "DEFAULT_NAMESPACE",
-    "GIVE_UP",
-    "GET",
-    "HEARTBEAT",
-    "HEARTBEAT_S",
-    "NOTIFY",
-    "PING",
-    "POLL",
-    "PUBLISH",
-    "PUBLISH_STAMPED",
-    "REGISTER",
-    "RELAY_ACKS",
-    "RELAY_DELIVER",
-    "REPORT",
-    "UNREGISTER",
-    "WAIT_NEWER",
-    "Announcement",
-    "Answer",
-    "ApplyReport",
-    "Caller",
-    "Grant",
-    "Laggard",
-    "PollReply",
-    "Publication",
-    "Registration",
-    "RelayAck",
-    "RelayDelivery",
-    "RelayMember",
-    "RelayReply",
-    "Request",
-    "Ring",
-    "SubscriberInfo",
-    "WaitResult",
-    "address_job",
-    "bucket_ids",
-    "process_address",
-    "compact",
-    "expand",
-]
+__all__ = [*messages.__all__, *relay.__all__]

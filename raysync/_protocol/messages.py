@@ -2,8 +2,8 @@
 
 Example:
     >>> report = ApplyReport(applied=3, apply_s=0.002)
-    >>> report.holds(3), report.settles(3)
-    (True, True)
+    >>> report.holds(3), report.holds(4)
+    (True, False)
 """
 
 from __future__ import annotations
@@ -318,10 +318,6 @@ class ApplyReport:
         """Whether the subscriber holds ``version`` or a newer one."""
         return self.applied is not None and self.applied >= version
 
-    def settles(self, version: int) -> bool:
-        """Whether a wait for ``version`` need not wait for this subscriber any more."""
-        return self.holds(version) or (self.failed is not None and self.failed >= version)
-
     def describes_apply(self) -> bool:
         """Whether it reports an apply just done (its timings mean something)."""
         ok = self.failed is None and (self.error is None or self.receivers is not None)
@@ -429,8 +425,3 @@ def bucket_ids(refs: list[Any] | tuple[Any, ...]) -> list[str | None]:
         ['00ffffffffffffffffffffffffffffffffffffff0100000001e1f505']
     """
     return [r.hex() for r in refs]
-
-
-def replace(report: ApplyReport, **changes: Any) -> ApplyReport:
-    """A copy of ``report`` with ``changes`` (dataclasses.replace, typed)."""
-    return dataclasses.replace(report, **changes)

@@ -57,12 +57,10 @@ class HubCalls:
 
     # -- writers ----------------------------------------------------------------
     def configure(self, keep: int | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("configure", keep)
-        return result
+        return self._call("configure", keep)
 
     def acquire(self, model_id: str, pusher: dict[str, Any], takeover: bool, count: int) -> Grant:
-        grant: Grant = self._call(proto.ACQUIRE, model_id, pusher, takeover, count)
-        return grant
+        return self._call(proto.ACQUIRE, model_id, pusher, takeover, count)
 
     def post_acquire(self, model_id: str, pusher: dict[str, Any], takeover: bool, count: int) -> ObjectRef:
         return self._post(proto.ACQUIRE, model_id, pusher, takeover, count)
@@ -77,8 +75,7 @@ class HubCalls:
         version: int | None = None,
         epoch: int | None = None,
     ) -> int:
-        number: int = self._call(proto.PUBLISH, model_id, manifest, refs, pusher, takeover, version, epoch)
-        return number
+        return self._call(proto.PUBLISH, model_id, manifest, refs, pusher, takeover, version, epoch)
 
     def post_publish_stamped(self, pub: Publication) -> ObjectRef:
         return self._post(proto.PUBLISH_STAMPED, pub)
@@ -95,10 +92,9 @@ class HubCalls:
         previous: int | None = None,
         stamp: int | None = None,
     ) -> PartTaken:
-        taken: PartTaken = self._call(
+        return self._call(
             proto.CONTRIBUTE, model_id, part, refs, pusher, takeover, timeout, settle, previous, stamp
         )
-        return taken
 
     def post_contribute(
         self,
@@ -122,14 +118,12 @@ class HubCalls:
     def restore(
         self, model_id: str, version: int, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]
     ) -> bool:
-        kept: bool = self._call("restore", model_id, version, manifest, refs, pusher)
-        return kept
+        return self._call("restore", model_id, version, manifest, refs, pusher)
 
     def restore_part(
         self, model_id: str, version: int, part: ShardPart, refs: list[Any], pusher: dict[str, Any]
     ) -> bool:
-        kept: bool = self._call("restore_part", model_id, version, part, refs, pusher)
-        return kept
+        return self._call("restore_part", model_id, version, part, refs, pusher)
 
     def offer(self, offer: Offer, pusher: dict[str, Any]) -> bool:
         """Offer a version a hub restart lost again (:meth:`restore` or :meth:`restore_part`)."""
@@ -143,18 +137,15 @@ class HubCalls:
 
     # -- anyone ------------------------------------------------------------------
     def settings(self) -> HubSettings:
-        result: HubSettings = self._call("settings")
-        return result
+        return self._call("settings")
 
     def latest(self, model_id: str) -> int | None:
-        newest: int | None = self._call("latest", model_id)
-        return newest
+        return self._call("latest", model_id)
 
     def get(
         self, model_id: str, version: int | None = None, newer_than: int | None = None
     ) -> Announcement | None:
-        info: Announcement | None = self._call(proto.GET, model_id, version, newer_than)
-        return info
+        return self._call(proto.GET, model_id, version, newer_than)
 
     def wait(
         self,
@@ -165,10 +156,7 @@ class HubCalls:
         report_missing: bool = False,
         subscribers: int = 0,
     ) -> WaitResult:
-        result: WaitResult = self._call(
-            "wait", model_id, version, timeout, include_pull, report_missing, subscribers
-        )
-        return result
+        return self._call("wait", model_id, version, timeout, include_pull, report_missing, subscribers)
 
     def post_wait(
         self,
@@ -182,13 +170,11 @@ class HubCalls:
         return self._post("wait", model_id, version, timeout, include_pull, report_missing, subscribers)
 
     def status(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("status")
-        return result
+        return self._call("status")
 
     # -- receivers ---------------------------------------------------------------
     def register(self, reg: Registration) -> Announcement | None:
-        newest: Announcement | None = self._call(proto.REGISTER, reg)
-        return newest
+        return self._call(proto.REGISTER, reg)
 
     def unregister(self, sub_id: str) -> None:
         self._call(proto.UNREGISTER, sub_id)
@@ -200,8 +186,7 @@ class HubCalls:
         return self._post(proto.HEARTBEAT, sub_ids)
 
     def wait_newer(self, model_id: str, version: int, timeout: float) -> Announcement | None:
-        newer: Announcement | None = self._call(proto.WAIT_NEWER, model_id, version, timeout)
-        return newer
+        return self._call(proto.WAIT_NEWER, model_id, version, timeout)
 
 
 def calls_to(

@@ -34,7 +34,7 @@ from raysync.client.locate import RETRY_S, call_hub, get_hub_actor, needs_ray
 from raysync.client.model_ids import LATEST_NONE, note_absent
 from raysync.client.push import PushRequest
 from raysync.client.waiting import wait_for, wait_within_lag
-from raysync.client.writer import Writer
+from raysync.client.writer import Writer, alive
 from raysync.core.codec import unpack
 from raysync.core.extract import state_dict_tensordict
 from raysync.core.layout import DEFAULT_BUCKET_BYTES
@@ -85,7 +85,7 @@ class HubClient:
         self.retry_s = RETRY_S
         self._handle: Any = None
         me = weakref.ref(self)
-        self._writer = Writer(name, self.namespace, takeover=takeover, calls=lambda: _alive(me)._calls)
+        self._writer = Writer(name, self.namespace, takeover=takeover, calls=lambda: alive(me)._calls)
         self._posting: dict[str, Any] = {}  # the hub's methods bound with retries, for _post
         self._posting_to: Any = None
 
@@ -486,12 +486,6 @@ class HubClient:
 
 
 _POST_RETRIES = 10  # hub restarts a call sent without waiting goes through before it fails
-
-
-def _alive(ref: weakref.ReferenceType[HubClient]) -> HubClient:
-    client = ref()
-    assert client is not None, "a HubClient's writer outlived it"
-    return client
 
 
 def _restore_client(

@@ -28,7 +28,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from raysync.client.writer_lease import MAX_IN_FLIGHT, wait_answers
+from raysync.client.writer_lease import wait_answers
 from raysync.errors import StaleWriterError
 
 __all__ = ["PostedParts"]
@@ -49,11 +49,9 @@ class PostedParts:
 
     def read(self, model_id: str, *, wait: bool, timeout: float | None = 60.0) -> bool:
         """Read the answers that arrived (all with ``wait``; else waits only for those beyond the
-        newest :data:`MAX_IN_FLIGHT`); whether every part read was taken."""
+        newest :data:`~raysync.client.writer_lease.MAX_IN_FLIGHT`); whether every part read was taken."""
         unread = self._unread.get(model_id, [])
-        if unread and (wait or len(unread) > MAX_IN_FLIGHT):
-            num = len(unread) if wait else len(unread) - MAX_IN_FLIGHT
-            wait_answers([f for _, f in unread[:num]], timeout)
+        wait_answers([f for _, f in unread], timeout, every=wait)
         taken = True
         left = []
         for version, answer in unread:

@@ -78,8 +78,7 @@ class WaitLabel:
     model_id: str
     version: int
     need: int = 0  # subscribers=n
-    max_lag: int | None = None  # set: the wait of a push(max_lag=...), before version ``pushing``
-    pushing: int | None = None
+    max_lag: int | None = None  # set: the wait of a push(max_lag=...)
 
     def __str__(self) -> str:
         if self.max_lag is not None:

@@ -203,9 +203,8 @@ def raise_for(
         if short:
             assert result.registered is not None
             said.append(registered(result.registered, need, pull, include_pull))
-        tail = (
-            "" if short or include_pull else not_counted(pull)
-        )  # said with the registrations, where they fell short
+        # Said with the registrations, where they fell short.
+        tail = "" if short or include_pull else not_counted(pull)
         raise SyncTimeoutError("; ".join(said) + tail, laggards=rows)
     if result.failures and failures:
         rows = [r.row() for r in result.failures]

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from raysync._protocol import BLOCK, Grant, Publication
+from raysync._protocol import BLOCK, Publication
 from raysync.client import deadline
 from raysync.client.identity import writer_identity
 from raysync.client.push import PushPipeline
@@ -29,9 +29,11 @@ if TYPE_CHECKING:
     from raysync.client.hub_calls import HubCalls
     from raysync.hub.state.rounds import PartTaken
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "alive"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class Writer:
@@ -52,12 +54,12 @@ class Writer:
         # leaves the object store as soon as the client is dropped (not at the next GC).
         me = weakref.ref(self)
         self.pipeline = PushPipeline(
-            lambda *args: _alive(me).publish(*args),
-            previous=lambda model_id: _alive(me).hub_newest(model_id),
-            lost=lambda model_id, version: _alive(me)._calls().lost(model_id, version),
-            contribute=lambda *args: _alive(me).contribute(*args),
-            post=lambda *args: _alive(me).post_contribute(*args),
-            give_up=lambda *args: _alive(me)._calls().post_give_up(*args),
+            lambda *args: alive(me).publish(*args),
+            previous=lambda model_id: alive(me).hub_newest(model_id),
+            lost=lambda model_id, version: alive(me)._calls().lost(model_id, version),
+            contribute=lambda *args: alive(me).contribute(*args),
+            post=lambda *args: alive(me).post_contribute(*args),
+            give_up=lambda *args: alive(me)._calls().post_give_up(*args),
         )
 
     def lease(self, model_id: str) -> WriterLease:
@@ -118,15 +120,12 @@ class Writer:
             model_id, part, refs, pusher, self.takeover, timeout, False, previous, stamp
         )
 
-    def acquire(self, model_id: str) -> Grant:
-        return self._calls().acquire(model_id, self.pusher(), self.takeover, BLOCK)
-
     def next_version(self, model_id: str) -> int:
         """The number this writer's next push of ``model_id`` gets (see :meth:`.HubClient.next_version`)."""
         self.settle(model_id, wait=False)
         with (lease := self.lease(model_id)).lock:
             self.moved.check_now(model_id, lease)
-            return lease.peek(lambda: self.acquire(model_id))
+            return lease.peek(lambda: self._calls().acquire(model_id, self.pusher(), self.takeover, BLOCK))
 
     def settle(self, model_id: str, *, wait: bool, raise_refused: bool = True) -> None:
         """Read the hub's answers to this client's publishes of ``model_id`` (see :meth:`.HubClient.push`).
@@ -164,7 +163,8 @@ class Writer:
         return None if info is None else Version(info.version, info.manifest, list(info.refs), 0.0, {})
 
 
-def _alive(ref: weakref.ReferenceType[Writer]) -> Writer:
-    writer = ref()
-    assert writer is not None, "a client's push pipeline outlived its writer"
-    return writer
+def alive(ref: weakref.ReferenceType[_T]) -> _T:
+    """What a weak reference held back from a cycle (a client, its writer) refers to; it must live."""
+    referent = ref()
+    assert referent is not None, "a client's writer or push pipeline outlived what it belongs to"
+    return referent

@@ -174,8 +174,13 @@ class _InFlight:
     answer: concurrent.futures.Future[Any] | None = None  # the reply, as Ray delivers it
 
 
-def wait_answers(answers: list[concurrent.futures.Future[Any]], timeout: float | None) -> None:
-    """Wait for replies Ray completes; raise if Ray is shut down meanwhile (they never would)."""
+def wait_answers(
+    answers: list[concurrent.futures.Future[Any]], timeout: float | None, *, every: bool
+) -> None:
+    """Wait for replies Ray completes (``every``: all of them; else all but the newest :data:`MAX_IN_FLIGHT`);
+    raise if Ray is shut down meanwhile (they never would)."""
+    if not every:
+        answers = answers[:-MAX_IN_FLIGHT]
     deadline = None if timeout is None else time.monotonic() + timeout
     while answers:
         left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
@@ -232,10 +237,8 @@ class Publishes:
             in_flight = list(self._in_flight.get(model_id, ()))
         if not in_flight:
             return None
-        if wait or len(in_flight) > MAX_IN_FLIGHT:
-            # A live hub answers a publish in about a millisecond: the timeout is a guard.
-            num = len(in_flight) if wait else len(in_flight) - MAX_IN_FLIGHT
-            wait_answers([p.answer for p in in_flight[:num] if p.answer is not None], timeout)
+        # A live hub answers a publish in about a millisecond: the timeout is a guard.
+        wait_answers([p.answer for p in in_flight if p.answer is not None], timeout, every=wait)
         swallowed = None
         read = []
         for p in in_flight:

@@ -126,7 +126,7 @@ class WeightHub:
         if keep is not None:
             self._state.keep = max(self._state.keep, keep)
         for sub_id, record in members.items():
-            self._state.add(Subscriber.restored(sub_id, record))
+            self._state.roster.add(Subscriber.restored(sub_id, record))
         if models:
             logger.warning(
                 "hub %r restarted: continuing %s from their last version numbers, waiting for %d "
@@ -143,17 +143,12 @@ class WeightHub:
     def _name(self) -> str:
         return self._state.name
 
-    def _forget(self, sub: Subscriber) -> None:
-        self._delivery.release(sub, died=False)  # its node's relay (or this hub, on its node) forgets it too
+    def _drop(self, sub: Subscriber, why: str | None) -> None:
+        """Forget a subscriber: it left (``why`` None) or its actor died (``why``)."""
+        # Its node's relay (or this hub, on its node) forgets it too; if it died, its actor's mailbox.
+        self._delivery.release(sub, died=why is not None)
         self._delivery.stop(sub)
-        emptied = self._state.remove(sub)
-        if emptied is not None:
-            self._delivery.stop(emptied)
-
-    def _drop(self, sub: Subscriber, why: str) -> None:
-        self._delivery.release(sub, died=True)  # and its actor's mailbox
-        self._delivery.stop(sub)
-        emptied = self._state.drop(sub, why)
+        emptied = self._state.roster.remove(sub) if why is None else self._state.roster.drop(sub, why)
         if emptied is not None:
             self._delivery.stop(emptied)
         self._store.remove(sub.sub_id)
@@ -161,14 +156,14 @@ class WeightHub:
     # ------------------------------------------------------------------ admin
     async def configure(self, keep: int | None = None) -> dict[str, Any]:
         """Raise how many versions per model the hub keeps (never lowered under another client)."""
-        if self._state.raise_keep(keep):
+        if self._state.versions.raise_keep(keep):
             await asyncio.to_thread(self._store.save_keep, self._state.keep)
         return {
             "name": self._name,
             "keep": self._state.keep,
             "pid": os.getpid(),
             "cpu_s": time.process_time(),  # cheap counters for benchmarks (status() is O(subscribers))
-            "delivery_calls": self._state.delivery_calls,
+            "delivery_calls": self._state.tables.delivery_calls,
             "gc_frozen": gc.get_freeze_count(),  # start-up objects out of full collections' scans
         }
 
@@ -189,17 +184,17 @@ class WeightHub:
             StaleWriterError: another live writer holds the model's lease.
         """
         await self._check_writer(model_id, pusher, takeover)
-        grant = self._state.grant(model_id, count, pusher)
+        grant = self._state.versions.grant(model_id, count, pusher)
         await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
         logger.debug("hub %r: granted %r versions %d-%d", self._name, model_id, grant.first, grant.last)
         return grant
 
     async def _check_writer(self, model_id: str, pusher: dict[str, Any], takeover: bool) -> None:
-        current = self._state.writer_to_check(model_id, pusher, takeover)
+        current = self._state.leases.writer_to_check(model_id, pusher, takeover)
         if current is not None:
             if await asyncio.to_thread(writer_alive, current):
-                raise self._state.refuse_writer(model_id, current, pusher)
-            self._state.hand_over(model_id, current, pusher)
+                raise self._state.leases.refuse_writer(model_id, current, pusher)
+            self._state.leases.hand_over(model_id, current, pusher)
 
     async def publish(
         self,
@@ -227,23 +222,23 @@ class WeightHub:
             StaleWriterError: another writer holds the model's lease (for a stamped
                 version: the lease passed on since its grant).
         """
-        refused = self._state.refusal(model_id, manifest) or await self._mismatch(model_id, manifest)
+        refused = self._state.layouts.refusal(model_id, manifest) or await self._mismatch(model_id, manifest)
         if refused is not None:
             raise refused
         if version is None or epoch is None:
             await self._check_writer(model_id, pusher, takeover)
-            v = self._state.stamp(model_id, manifest, refs, pusher, reserved)
+            v = self._state.versions.stamp(model_id, manifest, refs, pusher, reserved)
             if reserved is None:
                 await asyncio.wrap_future(self._store.save_model(model_id, self._state.models[model_id]))
             else:  # the number was written when it was reserved
                 self._store.save_model_soon(model_id, self._state.models[model_id])
         else:
-            v = self._state.accept(model_id, manifest, refs, pusher, version, epoch)
+            v = self._state.versions.accept(model_id, manifest, refs, pusher, version, epoch)
             # The newest number, for a restarted hub (in the background; one queued write serves
             # many publishes): a number's uniqueness rests on the grant's write, not on this one.
             self._store.save_model_soon(model_id, self._state.models[model_id])
         self._gauges.published(model_id)
-        if v.version == self._state.latest(model_id):
+        if v.version == self._state.versions.latest(model_id):
             # Deliver just after this reply has left: a pusher waiting on it (a hub-stamped
             # version) would otherwise compete with receivers starting their copies for CPU.
             # A sharded round's ranks do not wait on it: deliver at once (a 1 ms sleep of the
@@ -294,7 +289,7 @@ class WeightHub:
     async def _mismatch(self, model_id: str, manifest: Manifest) -> WeightMismatchError | None:
         """The error for a first version that fits none of the live subscribers' models (dead
         ones are dropped instead: a dead subscriber never blocks a push)."""
-        for error, subs in self._state.first_mismatches(model_id, manifest):
+        for error, subs in self._state.layouts.first_mismatches(model_id, manifest):
             alive = await asyncio.gather(*(self._liveness.alive(sub) for sub in subs))
             for sub, ok in zip(subs, alive, strict=True):
                 if not ok:
@@ -319,7 +314,7 @@ class WeightHub:
         pusher: dict[str, Any],
     ) -> bool:
         """The writer offers its newest version again after a hub restart lost it; kept?"""
-        if not self._state.offer_again(model_id, version, manifest, refs, pusher):
+        if not self._state.versions.offer_again(model_id, version, manifest, refs, pusher):
             return False
         self._delivery.kick_model(model_id)
         await self._waits.changed()
@@ -327,10 +322,10 @@ class WeightHub:
 
     async def lost(self, model_id: str, version: int) -> None:
         """A client found a kept version's bytes gone: stop offering it."""
-        self._state.forget_version(model_id, version, "a client could not fetch it")
+        self._state.versions.forget_version(model_id, version, "a client could not fetch it")
 
     def _record(self, sub: Subscriber, report: ApplyReport) -> None:
-        self._state.record(sub, report)
+        self._state.roster.record(sub, report)
         if report.describes_apply():
             metrics.record_apply(self._name, sub.model_id, report.apply_s)
         self._gauges.changed(self._state.models, self._state.subs)  # rate-limited
@@ -339,7 +334,7 @@ class WeightHub:
     async def register(self, reg: Registration) -> Announcement | None:
         """Add (or re-add, after a restart) a subscriber; return the newest version to start from."""
         self._liveness.start_sweeper()
-        sub, replaced, newest = self._state.register(reg)
+        sub, replaced, newest = self._state.roster.register(reg)
         if replaced is not None:
             self._delivery.stop(replaced)
         served_here = self._delivery.here is not None and sub.info.node_id == self._delivery.here_node
@@ -352,7 +347,7 @@ class WeightHub:
             reg.sub_id,
             reg.model_id,
             sub.applied,
-            self._state.latest(reg.model_id),
+            self._state.versions.latest(reg.model_id),
         )
         self._gauges.changed(self._state.models, self._state.subs)
         return newest
@@ -400,7 +395,7 @@ class WeightHub:
     async def unregister(self, sub_id: str) -> None:
         sub = self._state.subs.get(sub_id)
         if sub is not None:
-            self._forget(sub)
+            self._drop(sub, None)
         self._store.remove(sub_id)
 
     async def report(self, sub_id: str, report: ApplyReport) -> None:
@@ -409,14 +404,12 @@ class WeightHub:
         if sub is None:
             return
         self._record(sub, report)
-        if sub.pushed:
-            self._delivery.kick(
-                sub
-            )  # a version may have been pushed while it was busy, or it needs one again
+        if sub.pushed:  # a version may have been pushed while it was busy, or it needs one again
+            self._delivery.kick(sub)
 
     # ------------------------------------------------------------------ queries
     async def latest(self, model_id: str) -> int | None:
-        return self._state.latest(model_id)
+        return self._state.versions.latest(model_id)
 
     async def get(
         self, model_id: str, version: int | None = None, newer_than: int | None = None
@@ -426,7 +419,7 @@ class WeightHub:
         Raises:
             UnknownModelError: nothing kept of ``model_id``, or not ``version``.
         """
-        return self._state.get(model_id, version, newer_than)
+        return self._state.versions.get(model_id, version, newer_than)
 
     async def wait_newer(self, model_id: str, version: int, timeout: float) -> Announcement | None:
         """Long poll: the newest version once it is newer than ``version``, or None after ``timeout``."""
@@ -445,7 +438,7 @@ class WeightHub:
         return await self._waits.wait(model_id, version, timeout, include_pull, report_missing, subscribers)
 
     async def status(self) -> dict[str, Any]:
-        return self._state.status() | {
+        return self._state.waits.status() | {
             "cpu_s": time.process_time(),
             **self._relays.status(),  # relays up, and stalled ones (delivered around)
             # the hub's own node, whose doorbells it rings itself (None: a relay serves it too)

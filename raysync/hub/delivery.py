@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from raysync import _protocol as proto
-from raysync._protocol import ApplyReport, RelayDelivery, RelayReply
+from raysync._protocol import Announcement, ApplyReport, RelayDelivery, RelayReply
 from raysync.hub import metrics
 from raysync.hub.mailbox import Mailboxes, SubscriberGone, SubscriberUnreachable
 from raysync.hub.relay import (
@@ -28,7 +28,7 @@ from raysync.hub.relay import (
     notify_members,
 )
 from raysync.hub.relay_handles import RelayLost, Relays
-from raysync.hub.settings import DEFAULT_RING_ACK_S, HubSettings
+from raysync.hub.settings import HubSettings
 from raysync.hub.state import DeliveryGroup, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info
 
@@ -65,27 +65,14 @@ class Delivery:
         drop: Callable[[Subscriber, str], None],
         record: Callable[[Subscriber, ApplyReport], None],
     ) -> None:
-        self._state, self._settings, self._mail, self._relays, self._gauges = (
-            state,
-            settings,
-            mail,
-            relays,
-            gauges,
-        )
-        self._drop, self._record = drop, record
-        self._loops: dict[
-            Subscriber | DeliveryGroup, asyncio.Task[None]
-        ] = {}  # the delivery loop of each, if one runs
+        self._state, self._settings, self._mail, self._relays = state, settings, mail, relays
+        self._gauges, self._drop, self._record = gauges, drop, record
+        # The delivery loop of each subscriber or group, if one runs.
+        self._loops: dict[Subscriber | DeliveryGroup, asyncio.Task[None]] = {}
         # The hub's own node needs no relay: the hub rings its doorbells and calls the rest itself.
         self.here_node: str = ray.get_runtime_context().get_node_id()
         self.here = (
-            NodeDelivery(
-                self.here_node,
-                self._late_here,
-                settings.doorbell_bytes or 0,
-                mail,
-                settings.ring_ack_s or DEFAULT_RING_ACK_S,
-            )
+            NodeDelivery(self.here_node, self._late_here, mail, settings)
             if settings.relays and settings.rings_own_node
             else None
         )
@@ -142,9 +129,9 @@ class Delivery:
 
     async def _deliver(self, sub: Subscriber) -> None:
         """Hand the newest version to one subscriber until it holds it (one call in flight)."""
-        while (due := self._state.due(sub)) is not None:
+        while (due := self._state.versions.due(sub)) is not None:
             sub.sent = due.version
-            self._state.delivery_calls += 1
+            self._state.tables.delivery_calls += 1
             try:
                 announcement = due.announce(sub.model_id, (sub.sub_id,))
                 report = await self._mail.call(_address(sub), proto.NOTIFY, announcement)
@@ -152,10 +139,10 @@ class Delivery:
                 self._drop(sub, f"actor died ({err})")
                 return
             except SubscriberUnreachable as err:  # restarting or not polling: it registers again when back
-                self._state.unreachable(sub, err)
+                self._state.roster.unreachable(sub, err)
                 return
             except Exception as err:  # the notify itself failed: record, do not loop
-                self._state.delivery_failed(sub, due.version, err)
+                self._state.roster.delivery_failed(sub, due.version, err)
                 return
             self._record(sub, report)
 
@@ -170,40 +157,32 @@ class Delivery:
         """
         assert group.node_id is not None
         while True:
-            newest, due = self._state.due_in_group(model_id, group)
+            newest, due = self._state.versions.due_in_group(model_id, group)
             if newest is None or not due:
                 return
             prior = {sub: sub.sent for sub in due}
             for sub in due:
                 sub.sent = newest.version
-            if self._serves_here(group):  # the hub's own node: it does the relay's part itself
-                await self._deliver_here(model_id, group, newest, due, prior)
+            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+            if self.here is not None and group.node_id == self.here_node:
+                # The hub's own node: the hub does the relay's part itself (rings doorbells, calls the rest).
+                members = {s.sub_id: s.relay_member() for s in due}
+                reply = await self.here.deliver(RelayDelivery(announcement, members))
+                self._acks(group, newest.version, reply, prior)
             else:
-                await self._via_relay(model_id, group, newest, due, prior)
-
-    def _serves_here(self, group: DeliveryGroup) -> bool:
-        """Whether the hub hands versions to this group itself: its own node (no relay hop)."""
-        return self.here is not None and group.node_id == self.here_node
-
-    async def _deliver_here(
-        self, model_id: str, group: DeliveryGroup, newest: Version, due: list[Subscriber], prior: Prior
-    ) -> None:
-        """One version to ``due`` on the hub's own node: the hub rings their doorbells (or calls them)."""
-        assert self.here is not None
-        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-        members = {s.sub_id: s.relay_member() for s in due}
-        reply = await self.here.deliver(RelayDelivery(announcement, members))
-        self._acks(group, newest.version, reply, prior)
+                await self._via_relay(group, group.node_id, newest, announcement, due, prior)
 
     async def _via_relay(
-        self, model_id: str, group: DeliveryGroup, newest: Version, due: list[Subscriber], prior: Prior
+        self,
+        group: DeliveryGroup,
+        node_id: str,
+        newest: Version,
+        announcement: Announcement,
+        due: list[Subscriber],
+        prior: Prior,
     ) -> None:
         """One version to ``due`` through their node's relay (or directly while it is not up)."""
-        if not due:
-            return
-        assert group.node_id is not None
-        node_id = group.node_id
-        announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+        model_id = announcement.model_id
         # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
         # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
         direct = not transport_info(newest.manifest.transport, load=False).relayable
@@ -212,14 +191,14 @@ class Delivery:
                 self._relays.start(node_id)
             members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
             acks, late, calls = await notify_members(announcement, members, self._mail.call)
-            self._state.delivery_calls += calls
+            self._state.tables.delivery_calls += calls
             pending = tuple(s for ids, _ in late for s in ids)
             self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
             if late:
                 asyncio.get_running_loop().create_task(self._late(model_id, node_id, newest.version, late))
             return
         members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
-        self._state.delivery_calls += 1
+        self._state.tables.delivery_calls += 1
         try:
             reply = await self._relays.deliver(node_id, RelayDelivery(announcement, members))
         except RelayLost as err:  # it died or restarts: deliver directly until it answers again
@@ -248,7 +227,7 @@ class Delivery:
             if sub is None or self._state.subs.get(sub_id) is not sub:
                 continue
             sub.relay_pending = False
-            self._state.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
+            self._state.roster.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
             metrics.record_apply(self._name, sub.model_id, apply_s)
         if reply.applied:
             self._gauges.changed(self._state.models, self._state.subs)
@@ -267,9 +246,9 @@ class Delivery:
             elif ack.outcome == "restarted":  # its new process registers (or did): that brings it up to date
                 continue
             elif ack.outcome == "unreachable":
-                self._state.unreachable(sub, ack.error or RuntimeError("unreachable"))
+                self._state.roster.unreachable(sub, ack.error or RuntimeError("unreachable"))
             else:
-                self._state.delivery_failed(sub, version, ack.error or RuntimeError(ack.outcome))
+                self._state.roster.delivery_failed(sub, version, ack.error or RuntimeError(ack.outcome))
 
     async def _late(self, model_id: str, node_id: str, version: int, late: Late) -> None:
         """The hub's own direct delivery: record the acks of slow subscribers as their calls end."""

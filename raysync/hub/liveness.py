@@ -76,6 +76,6 @@ class Liveness:
         silent = float(self._settings.drop_silent_s or DEFAULT_DROP_SILENT_S)  # pinged, dropped if dead
         while True:
             await asyncio.sleep(silent / 2)  # how often the hub looks for subscribers that went silent
-            stale = self._state.stale(time.monotonic() - silent)
+            stale = self._state.roster.stale(time.monotonic() - silent)
             if stale:
                 await self.reap([s.sub_id for s in stale])

@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from raysync._protocol import Announcement, Answer, Caller, Request
 
@@ -47,9 +47,12 @@ __all__ = [
     "SubscriberGone",
     "SubscriberRestarted",
     "SubscriberUnreachable",
+    "quiet",
 ]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 PICKUP_S = 30.0
 """A call no poll collected within this long fails (the process is alive, yet does not poll)."""
@@ -117,8 +120,7 @@ class Mailboxes:
         self, actor_id: str, method: str, announcement: Announcement | None = None
     ) -> asyncio.Future[Any]:
         """Queue ``method(announcement)`` for ``actor_id``'s process; the future ends with its answer."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(_retrieved)  # a caller that gave up leaves no "never retrieved" log
+        fut: asyncio.Future[Any] = quiet(asyncio.get_running_loop().create_future())  # a caller may give up
         box = self._boxes.setdefault(actor_id, _Box())
         box.queued.append((Request(next(self._ids), method, announcement), fut, time.monotonic()))
         box.wake.set()
@@ -270,6 +272,7 @@ def _set_error(fut: asyncio.Future[Any], error: Exception) -> None:
         fut.set_exception(error)
 
 
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
+def quiet(fut: asyncio.Future[_T]) -> asyncio.Future[_T]:
+    """``fut``, whose error nobody may read (its caller gave up, a stalled call): no "never retrieved" log."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut

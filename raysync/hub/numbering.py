@@ -50,7 +50,7 @@ class RoundNumbers:
         if rnd.lost:  # never published: the number its ranks gave it, for a wait to say why
             if stamp is not None:
                 return stamp, False
-            number, persist = self._state.reserve(model_id)
+            number, persist = self._state.versions.reserve(model_id)
             self.given(model_id, number)
             return number, persist
         group = self._rounds.groups[model_id]
@@ -71,10 +71,10 @@ class RoundNumbers:
         elif stamp is not None and floor < stamp <= reserved:
             number, persist = stamp, False
         else:
-            number, persist = self._state.reserve(model_id)
+            number, persist = self._state.versions.reserve(model_id)
             if number <= floor:  # numbers ranks stamped that the hub refused: never given out
                 self._state.versions.continue_block(model_id, floor)
-                number, persist = self._state.reserve(model_id)
+                number, persist = self._state.versions.reserve(model_id)
         self._state.versions.continue_block(model_id, number)
         group.ahead = Ahead(rnd.round, number, self._state.models[model_id].reserved)
         self.given(model_id, number)
@@ -98,7 +98,7 @@ class RoundNumbers:
         """A part a rank numbered ``stamp`` was refused (``error``): a wait for ``stamp`` says why,
         and so does one for each number before it whose push never came, where this hub gave
         out the numbers since it started (a restarted one may not know what was published)."""
-        if stamp <= (self._state.latest(model_id) or 0):
+        if stamp <= (self._state.versions.latest(model_id) or 0):
             return
         self._rounds.fail_number(model_id, stamp, error)
         if model_id in self._granted:
@@ -126,13 +126,13 @@ class RoundNumbers:
 
     def _floor(self, model_id: str) -> int:
         """The newest number given out for ``model_id``: published, or given out since it started."""
-        return max(self._state.latest(model_id) or 0, self._granted.get(model_id, 0))
+        return max(self._state.versions.latest(model_id) or 0, self._granted.get(model_id, 0))
 
     def _pass_over(self, model_id: str, floor: int, number: int) -> None:
         """The group's block numbers a push ``number`` while the newest number given out is ``floor``:
         the pushes between were numbered by the ranks and never reached the hub (their parts and
         give-ups were lost with the ranks that sent them), so no round takes their numbers."""
-        latest = self._state.latest(model_id)
+        latest = self._state.versions.latest(model_id)
         for skipped in range(max(floor + 1, number - FAILURES_KEPT), number):
             self._rounds.fail_number(
                 model_id,

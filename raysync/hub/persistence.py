@@ -27,20 +27,8 @@ __all__ = ["HubStore", "actor_alive", "address_alive", "forget_hub", "lease_epoc
 
 logger = logging.getLogger(__name__)
 
-_KV_NAMESPACE = "raysync"
+_KV_NAMESPACE = "raysync"  # in Ray's GCS key-value store (survives the hub process, not the cluster)
 _SOON_S = 0.02  # a published version's record is written this late: one GCS write per burst of publishes
-
-
-def _kv() -> Any:
-    """Ray's GCS key-value store (survives the hub process, not the cluster): see raysync._compat."""
-
-    class _KV:
-        put = staticmethod(_compat.kv_put)
-        get = staticmethod(_compat.kv_get)
-        list = staticmethod(_compat.kv_list)
-        delete = staticmethod(_compat.kv_delete)
-
-    return _KV
 
 
 def _model_key(hub_name: str, model_id: str) -> bytes:
@@ -53,7 +41,7 @@ def lease_epoch(hub_name: str, model_id: str) -> int | None:
     A grant's record is written before the grant's reply, so a process that asks after
     another one's grant came back reads that grant's epoch (or a later one).
     """
-    raw = _kv().get(_model_key(hub_name, model_id), namespace=_KV_NAMESPACE)
+    raw = _compat.kv_get(_model_key(hub_name, model_id), namespace=_KV_NAMESPACE)
     try:
         epoch = json.loads(raw)["epoch"] if raw is not None else None
     except (ValueError, KeyError, TypeError):
@@ -85,11 +73,10 @@ class HubStore:
 
     def load(self) -> tuple[dict[str, Model], int | None, dict[str, dict[str, Any]]]:
         """Models (counter and lease), the hub's ``keep`` and its subscriptions, as the last hub left them."""
-        kv = _kv()
         models = {}
         prefix = f"{self._name}/model/".encode()
-        for key in kv.list(prefix, namespace=_KV_NAMESPACE):
-            raw = kv.get(key, namespace=_KV_NAMESPACE)
+        for key in _compat.kv_list(prefix, namespace=_KV_NAMESPACE):
+            raw = _compat.kv_get(key, namespace=_KV_NAMESPACE)
             if raw is not None:
                 record = json.loads(raw)
                 latest = int(record["latest"])
@@ -100,11 +87,11 @@ class HubStore:
                     session=record.get("session"),
                     reserved=max(latest, int(record.get("reserved", latest))),
                 )
-        config = kv.get(self._config_key(), namespace=_KV_NAMESPACE)
+        config = _compat.kv_get(self._config_key(), namespace=_KV_NAMESPACE)
         keep = int(json.loads(config)["keep"]) if config is not None else None
         members = {}
-        for key in kv.list(self._subs.encode(), namespace=_KV_NAMESPACE):
-            raw = kv.get(key, namespace=_KV_NAMESPACE)
+        for key in _compat.kv_list(self._subs.encode(), namespace=_KV_NAMESPACE):
+            raw = _compat.kv_get(key, namespace=_KV_NAMESPACE)
             if raw is not None:
                 members[key.decode()[len(self._subs) :]] = json.loads(raw)
         self._stored = set(members)
@@ -158,14 +145,14 @@ class HubStore:
         }
         key = _model_key(self._name, model_id)
         try:
-            _kv().put(key, json.dumps(record).encode(), namespace=_KV_NAMESPACE)
+            _compat.kv_put(key, json.dumps(record).encode(), namespace=_KV_NAMESPACE)
         except Exception:
             self._due.setdefault(model_id, model)  # the next write tries again
             raise
 
     def save_keep(self, keep: int) -> None:
         """The hub's ``keep`` (blocking: call from a thread)."""
-        _kv().put(self._config_key(), json.dumps({"keep": keep}).encode(), namespace=_KV_NAMESPACE)
+        _compat.kv_put(self._config_key(), json.dumps({"keep": keep}).encode(), namespace=_KV_NAMESPACE)
 
     def add(self, sub: Subscriber) -> None:
         """Remember a subscription (in the background; once per id)."""
@@ -173,13 +160,13 @@ class HubStore:
             return
         self._stored.add(sub.sub_id)
         key, value = (self._subs + sub.sub_id).encode(), json.dumps(sub.persisted()).encode()
-        self._pool.submit(_kv().put, key, value, namespace=_KV_NAMESPACE)
+        self._pool.submit(_compat.kv_put, key, value, namespace=_KV_NAMESPACE)
 
     def remove(self, sub_id: str) -> None:
         """Forget a subscription (in the background)."""
         if sub_id in self._stored:
             self._stored.discard(sub_id)
-            self._pool.submit(_kv().delete, (self._subs + sub_id).encode(), namespace=_KV_NAMESPACE)
+            self._pool.submit(_compat.kv_delete, (self._subs + sub_id).encode(), namespace=_KV_NAMESPACE)
 
     def _config_key(self) -> bytes:
         return f"{self._name}/config".encode()
@@ -195,10 +182,9 @@ def forget_hub(name: str) -> int:
         >>> ray.kill(hub.actor); forget_hub(hub.name)  # doctest: +SKIP
         3
     """
-    kv = _kv()
-    keys = kv.list(f"{name}/".encode(), namespace=_KV_NAMESPACE)
+    keys = _compat.kv_list(f"{name}/".encode(), namespace=_KV_NAMESPACE)
     for key in keys:
-        kv.delete(key, namespace=_KV_NAMESPACE)
+        _compat.kv_delete(key, namespace=_KV_NAMESPACE)
     return len(keys)
 
 

@@ -97,21 +97,22 @@ class NodeDelivery:
 
     The relay actor wraps one (:class:`NodeRelay`); the hub keeps one for its own node,
     where it rings doorbells itself (no hop through a relay). ``send_late(model_id,
-    version, reply)`` takes the acks of subscribers slower than the window.
+    version, reply)`` takes the acks of subscribers slower than the window; ``settings``
+    are the hub's (``doorbell_bytes``, ``ring_ack_s``).
     """
 
     def __init__(
         self,
         node_id: str,
         send_late: Callable[[str, int, RelayReply], None],
-        doorbell_bytes: int,
         mail: Mailboxes,
-        ring_ack_s: float = DEFAULT_RING_ACK_S,
+        settings: HubSettings,
     ) -> None:
         self._node_id = node_id
         self.mail = mail  # calls to this node's subscribers' actors (they poll for them)
-        self._doorbell_bytes = doorbell_bytes  # the largest version handed over by doorbell
-        self._ring_ack_s = ring_ack_s  # a rung subscriber silent this long is called too
+        self._doorbell_bytes = settings.doorbell_bytes or 0  # the largest version handed over by doorbell
+        # A rung subscriber silent this long is called too.
+        self._ring_ack_s = settings.ring_ack_s or DEFAULT_RING_ACK_S
         self._send_late = send_late
         self._members: dict[str, RelayMember] = {}
         self.delivered = 0  # calls made to subscribers
@@ -213,20 +214,21 @@ class NodeDelivery:
         key = (model_id, version)
         if key not in self._late_rows:
             self._late_rows[key] = []
-            asyncio.get_running_loop().call_later(0.02, self._send_late_rows, key)
+            asyncio.get_running_loop().call_later(
+                0.02, lambda: self._send(*key, self._late_rows.pop(key, []))
+            )
         self._late_rows[key].extend(acks)
-
-    def _send_late_rows(self, key: tuple[str, int]) -> None:
-        acks = self._late_rows.pop(key, [])
-        self._forget_dead(acks)
-        if acks:
-            self._send_late(key[0], key[1], compact(key[1], acks, os.getpid()))
 
     async def _forward(self, model_id: str, version: int, late: Late) -> None:
         """Send the acks of slow subscribers, a batch per message, as their calls end."""
         async for batch in late_acks(late):
-            self._forget_dead(batch)
-            self._send_late(model_id, version, compact(version, batch, os.getpid()))
+            self._send(model_id, version, batch)
+
+    def _send(self, model_id: str, version: int, acks: list[RelayAck]) -> None:
+        """Late acks to the hub, in one message."""
+        self._forget_dead(acks)
+        if acks:
+            self._send_late(model_id, version, compact(version, acks, os.getpid()))
 
     def _forget_dead(self, acks: list[RelayAck]) -> None:
         self.forget([ack.sub_id for ack in acks if ack.outcome == "died"])
@@ -275,9 +277,7 @@ class NodeRelay:
             getattr(hub, proto.RELAY_ACKS).remote(node_id, model_id, version, reply)
 
         mail = Mailboxes(alive=lambda address: asyncio.to_thread(address_alive, address))
-        self._node = NodeDelivery(
-            node_id, send_late, settings.doorbell_bytes or 0, mail, settings.ring_ack_s or DEFAULT_RING_ACK_S
-        )
+        self._node = NodeDelivery(node_id, send_late, mail, settings)
         freeze_startup_objects()  # out of the garbage collector's full scans, as the hub's
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:

@@ -31,6 +31,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from raysync import _protocol as proto
 from raysync._protocol import RelayDelivery, RelayReply
+from raysync.hub.mailbox import quiet
 from raysync.hub.relay import relay_name, start_relay
 from raysync.hub.settings import DEFAULT_RELAY_STALL_S, DEFAULT_RING_ACK_S, HubSettings
 
@@ -87,10 +88,6 @@ class Relays:
     def name(self, node_id: str) -> str:
         return relay_name(self._hub, self._hub_actor_id, node_id)
 
-    def names(self) -> dict[str, str]:
-        """Node id -> relay name, for the relays that are up."""
-        return {node: self.name(node) for node in sorted(self._ready)}
-
     def status(self) -> dict[str, Any]:
         """For ``hub.status()``: the relays that are up, and the stalled ones (how long silent)."""
         now = time.monotonic()
@@ -98,7 +95,8 @@ class Relays:
             node: {"relay": self.name(node), "silent_s": round(now - since, 3)}
             for node, since in sorted(self._stalled.items())
         }
-        return {"relays": self.names(), "stalled_relays": stalled}
+        up = {node: self.name(node) for node in sorted(self._ready)}
+        return {"relays": up, "stalled_relays": stalled}
 
     def handle(self, node_id: str) -> Any | None:
         """The handle of the node's relay, if it is up (subscribers poll it)."""
@@ -132,7 +130,7 @@ class Relays:
         if relay is None or node_id not in self._ready:
             raise RelayLost(f"no relay up on node {node_id[:8]}")
         sent = time.monotonic()
-        call = _quiet(asyncio.wrap_future(getattr(relay, proto.RELAY_DELIVER).remote(delivery).future()))
+        call = quiet(asyncio.wrap_future(getattr(relay, proto.RELAY_DELIVER).remote(delivery).future()))
         await asyncio.wait([call], timeout=self.stall_s)
         if not call.done():
             self._stall(node_id, relay, call, sent, sent + REPLACE_AFTER_STALLS * self.stall_s)
@@ -205,17 +203,15 @@ class Relays:
         while True:
             try:
                 sent = time.monotonic()
-                ping = _quiet(asyncio.wrap_future(relay.stats.remote().future()))
+                ping = quiet(asyncio.wrap_future(relay.stats.remote().future()))
                 await asyncio.wait([ping], timeout=max(0.0, deadline - sent))
                 if not ping.done():  # not up within _START_S: stopped or wedged as it started
                     self._stall(node_id, relay, ping, sent, time.monotonic())  # replaced now
                     return
                 ping.result()  # up
                 break
-            except ActorDiedError:
-                self._handles.pop(
-                    node_id, None
-                )  # gone for good (its node died?): the next try starts another
+            except ActorDiedError:  # gone for good (its node died?): the next try starts another
+                self._handles.pop(node_id, None)
                 raise
             except (ActorUnavailableError, RayActorError):  # restarting: Ray refuses calls until it is back
                 if time.monotonic() > deadline:
@@ -223,9 +219,3 @@ class Relays:
                 await asyncio.sleep(0.2)
         self._ready.add(node_id)
         self._on_ready()
-
-
-def _quiet(fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
-    """``fut``, whose error nobody may read (a stalled call's): not logged as never retrieved."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut

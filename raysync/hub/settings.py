@@ -57,17 +57,18 @@ DEFAULT_DOORBELL_BYTES = 8 << 20
 DEFAULT_DROP_SILENT_S = 10.0
 """Five of a subscriber's heartbeats (every 2 s): a live one is never this silent."""
 
-_MIN_DROP_SILENT_S = 4.0  # two heartbeats
-
 DEFAULT_RING_ACK_S = 0.2
 """A rung subscriber applies a small version in milliseconds: one silent this long may have died."""
-
-_MAX_RING_ACK_S = 60.0
 
 DEFAULT_RELAY_STALL_S = 10.0
 """A relay answers a delivery within milliseconds past ``ring_ack_s``: one silent this long is stuck."""
 
-_RELAY_STALL_RANGE = (1.0, 600.0)
+# The fields in seconds: (default, the values that fit, those values in words, why). NaN fits none.
+_SECONDS: dict[str, tuple[float, Callable[[float], bool], str, str]] = {
+    "drop_silent_s": (DEFAULT_DROP_SILENT_S, lambda v: v >= 4.0, "at least 4", " (two heartbeats)"),
+    "ring_ack_s": (DEFAULT_RING_ACK_S, lambda v: 0 < v <= 60.0, "within (0, 60]", ""),
+    "relay_stall_s": (DEFAULT_RELAY_STALL_S, lambda v: 1.0 <= v <= 600.0, "within [1, 600]", ""),
+}
 
 _ENV = {
     "relays": "RAYSYNC_RELAY",
@@ -147,25 +148,12 @@ class HubSettings:
             )
         if self.nice is not None and not -20 <= self.nice <= 19:
             raise ValueError(f"HubSettings.nice must be within -20..19, got {self.nice}")
-        silent = self.drop_silent_s
-        if silent is not None and (not isinstance(silent, (int, float)) or isinstance(silent, bool)):
-            raise TypeError(f"HubSettings.drop_silent_s must be a number of seconds or None, got {silent!r}")
-        if silent is not None and not silent >= _MIN_DROP_SILENT_S:  # NaN too
-            raise ValueError(
-                f"HubSettings.drop_silent_s must be at least {_MIN_DROP_SILENT_S:g} s (two heartbeats), "
-                f"got {silent!r}"
-            )
-        ack = self.ring_ack_s
-        if ack is not None and (not isinstance(ack, (int, float)) or isinstance(ack, bool)):
-            raise TypeError(f"HubSettings.ring_ack_s must be a number of seconds or None, got {ack!r}")
-        if ack is not None and not 0 < ack <= _MAX_RING_ACK_S:  # NaN too
-            raise ValueError(f"HubSettings.ring_ack_s must be within (0, {_MAX_RING_ACK_S:g}] s, got {ack!r}")
-        stall = self.relay_stall_s
-        if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool)):
-            raise TypeError(f"HubSettings.relay_stall_s must be a number of seconds or None, got {stall!r}")
-        low, high = _RELAY_STALL_RANGE
-        if stall is not None and not low <= stall <= high:  # NaN too
-            raise ValueError(f"HubSettings.relay_stall_s must be within [{low:g}, {high:g}] s, got {stall!r}")
+        for name, (_, fits, bound, why) in _SECONDS.items():
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise TypeError(f"HubSettings.{name} must be a number of seconds or None, got {value!r}")
+            if value is not None and not fits(value):  # NaN too
+                raise ValueError(f"HubSettings.{name} must be {bound} s{why}, got {value!r}")
 
     def resolved(self, environ: Mapping[str, str] | None = None) -> HubSettings:
         """Every field set: the given ones as they are, the others from ``environ`` (this process's
@@ -182,9 +170,7 @@ class HubSettings:
             "rings_own_node": _flag,
             "doorbell_bytes": _bytes,
             "nice": _nice,
-            "drop_silent_s": _silent,
-            "ring_ack_s": _ring_ack,
-            "relay_stall_s": _relay_stall,
+            **dict.fromkeys(_SECONDS, _seconds),
         }
         given: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return HubSettings(**{k: read[k](env, k) if v is None else v for k, v in given.items()})
@@ -223,11 +209,10 @@ def _bytes(env: Mapping[str, str], name: str) -> int:
         return DEFAULT_DOORBELL_BYTES
 
 
-def _seconds(
-    env: Mapping[str, str], name: str, default: float, fits: Callable[[float], bool], what: str
-) -> float:
-    """A number of seconds from the environment: ``default`` if unset; logged and ``default`` if
-    it is not a number, or not one that ``fits``."""
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    """A number of seconds from the environment: the field's default if unset; logged and the
+    default if it is not a number, or not one that fits the field (:data:`_SECONDS`)."""
+    default, fits, bound, _ = _SECONDS[name]
     raw = env.get(_ENV[name], "").strip()
     if not raw:
         return default
@@ -236,26 +221,9 @@ def _seconds(
     except ValueError:
         value = float("nan")
     if not fits(value):  # NaN fits nothing
-        _warn(env, name, f"a number of seconds, {what}", default)
+        _warn(env, name, f"a number of seconds, {bound}", default)
         return default
     return value
-
-
-def _silent(env: Mapping[str, str], name: str) -> float:
-    at_least = _MIN_DROP_SILENT_S
-    return _seconds(env, name, DEFAULT_DROP_SILENT_S, lambda v: v >= at_least, f"at least {at_least:g}")
-
-
-def _ring_ack(env: Mapping[str, str], name: str) -> float:
-    most = _MAX_RING_ACK_S
-    return _seconds(env, name, DEFAULT_RING_ACK_S, lambda v: 0 < v <= most, f"within (0, {most:g}]")
-
-
-def _relay_stall(env: Mapping[str, str], name: str) -> float:
-    low, high = _RELAY_STALL_RANGE
-    return _seconds(
-        env, name, DEFAULT_RELAY_STALL_S, lambda v: low <= v <= high, f"within [{low:g}, {high:g}]"
-    )
 
 
 def _nice(env: Mapping[str, str], name: str) -> int | None:

@@ -43,6 +43,7 @@ from typing import Any
 
 from raysync.core.shards import ShardPart, merge
 from raysync.errors import InvalidWeightsError, RaySyncError, StaleWriterError, SyncTimeoutError
+from raysync.hub.mailbox import quiet
 from raysync.hub.numbering import RoundNumbers
 from raysync.hub.persistence import HubStore
 from raysync.hub.state import HubState
@@ -88,6 +89,7 @@ class ShardedPublish:
         check_writer: Callable[[str, dict[str, Any], bool], Awaitable[None]],
     ) -> None:
         self._state, self._store = state, store
+        self._latest = state.versions.latest  # the version readers keep of a model (None: none yet)
         self._publish, self._restore, self._check_writer = publish, restore, check_writer
         self._rounds = Rounds()
         self._round_held: dict[int, _Held] = {}
@@ -178,7 +180,6 @@ class ShardedPublish:
         if previous is not None:
             failure = self._rounds.refusal(model_id, previous)
             earlier = None if failure is None else str(failure)
-        if previous is not None:
             self._lost_in_restart(model_id, part, previous)
         pusher = {**pusher, "takeover": takeover}
         rnd, dropped = self._rounds.add(model_id, part, list(refs), pusher)
@@ -193,8 +194,7 @@ class ShardedPublish:
             if persist or saved is None or failed:  # a new block: written before any number is handed out
                 write = self._store.save_model(model_id, self._state.models[model_id])
                 saved = self._block_saved[model_id] = asyncio.wrap_future(write)
-            outcome: asyncio.Future[int] = loop.create_future()
-            outcome.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved"
+            outcome: asyncio.Future[int] = quiet(loop.create_future())
             held = self._round_held[id(rnd)] = _Held(outcome, saved)
             held.timer = loop.call_later(timeout, self._expire, rnd, timeout)
         await asyncio.shield(held.saved)  # no rank gets a number before it is written
@@ -216,7 +216,7 @@ class ShardedPublish:
             f"rank {part.rank} numbered its part of push {rnd.round} of {rnd.model_id!r} version {stamp}, "
             f"but the hub numbered that push {rnd.version} (it restarted, or other numbers were issued "
             f"meanwhile): the push is abandoned unpublished, readers keep version "
-            f"{self._state.latest(rnd.model_id)}; the group's next push is numbered afresh"
+            f"{self._latest(rnd.model_id)}; the group's next push is numbered afresh"
         )
         logger.warning("hub: %s", error)
         self._rounds.refuse_stamp(rnd, part.group, stamp, error)
@@ -243,7 +243,7 @@ class ShardedPublish:
         error = InvalidWeightsError(
             f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was abandoned "
             f"unpublished: rank {rank}'s push of it raised {why}; readers keep version "
-            f"{self._state.latest(rnd.model_id)}"
+            f"{self._latest(rnd.model_id)}"
         )
         logger.warning("hub: %s", error)
         self._settle_round(rnd, error=error)
@@ -307,7 +307,7 @@ class ShardedPublish:
         """
         failure = self._rounds.failure(model_id, version)
         if failure is not None:
-            if version < (self._state.latest(model_id) or 0):
+            if version < (self._latest(model_id) or 0):
                 return timeout
             raise failure
         rnd = self._rounds.pending(model_id, version)
@@ -332,43 +332,38 @@ class ShardedPublish:
 
     def _abandon(self, rounds: list[Round], why: str) -> None:
         for rnd in rounds:
-            if rnd.lost:
-                lost = self._lost(rnd)
-                self._settle_round(rnd, error=lost)
-                logger.info("hub: %s", lost)
-                continue
-            error = InvalidWeightsError(
-                f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was "
-                f"abandoned unpublished: ranks {rnd.missing()} had not pushed their shards when {why} "
-                f"(the group restarted or moved on); readers keep version {self._state.latest(rnd.model_id)}"
-            )
+            which = f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was "
+            if rnd.lost:  # quietly: the group goes on
+                error = InvalidWeightsError(
+                    f"{which}lost unpublished: the hub restarted while the ranks pushed it (ranks "
+                    f"{rnd.missing()} sent their shards to the hub before the restart); readers keep version "
+                    f"{self._latest(rnd.model_id)} and the group's next push publishes as usual"
+                )
+            else:
+                error = InvalidWeightsError(
+                    f"{which}abandoned unpublished: ranks {rnd.missing()} had not pushed their shards "
+                    f"when {why} (the group restarted or moved on); readers keep version "
+                    f"{self._latest(rnd.model_id)}"
+                )
             self._settle_round(rnd, error=error)
-            logger.warning("hub: %s", error)
+            logger.log(logging.INFO if rnd.lost else logging.WARNING, "hub: %s", error)
 
     def _lost_in_restart(self, model_id: str, part: ShardPart, previous: int) -> None:
         """The rank's first part this hub sees says its previous push was numbered ``previous``, a
         number this hub never saw: that push's part went to the hub before a restart, or is a
         retry still on its way (refused when it comes, after this one). Its round can never
         complete here, so the number is abandoned now, quietly, as a lost round's."""
-        if not self._rounds.first_part(model_id, part) or previous <= (self._state.latest(model_id) or 0):
+        if not self._rounds.first_part(model_id, part) or previous <= (self._latest(model_id) or 0):
             return
         if self._rounds.pending(model_id, previous) is not None or self._rounds.failure(model_id, previous):
             return
         error = InvalidWeightsError(
             f"version {previous} of {model_id!r} was lost unpublished: the hub restarted while the ranks "
             f"pushed it (rank {part.rank}'s part of it went to the hub before the restart); readers keep "
-            f"version {self._state.latest(model_id)} and the group's next push publishes as usual"
+            f"version {self._latest(model_id)} and the group's next push publishes as usual"
         )
         self._rounds.fail_number(model_id, previous, error, lost=True)
         logger.info("hub: %s", error)
-
-    def _lost(self, rnd: Round) -> InvalidWeightsError:
-        return InvalidWeightsError(
-            f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}, {rnd.world} ranks) was lost "
-            f"unpublished: the hub restarted while the ranks pushed it (ranks {rnd.missing()} sent their "
-            f"shards to the hub before the restart); readers keep version "
-            f"{self._state.latest(rnd.model_id)} and the group's next push publishes as usual"
-        )
 
     def _expire(self, rnd: Round, timeout: float) -> None:
         if not self._rounds.drop(rnd):  # complete (being published) or settled already
@@ -376,7 +371,7 @@ class ShardedPublish:
         error = SyncTimeoutError(
             f"version {rnd.version} of {rnd.model_id!r} (push {rnd.round}): ranks {rnd.missing()} of "
             f"{rnd.world} did not push their shards within {timeout} s (died or stalled); nothing was "
-            f"published and readers keep version {self._state.latest(rnd.model_id)}"
+            f"published and readers keep version {self._latest(rnd.model_id)}"
         )
         logger.warning("hub: %s", error)
         self._settle_round(rnd, error=error)

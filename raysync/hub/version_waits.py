@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -60,28 +59,23 @@ class VersionWaits:
         async with cond:
             cond.notify_all()
 
-    async def published(self, model_id: str, version: int, timeout: float) -> None:
-        """Until ``version`` of ``model_id`` is published (or ``timeout`` seconds)."""
+    async def published(self, model_id: str, version: int, timeout: float) -> bool:
+        """Until ``version`` of ``model_id`` (or newer) is published; whether it was within ``timeout`` s."""
         cond = self._condition()
-        async with cond:
-            with contextlib.suppress(asyncio.TimeoutError):
+        try:
+            async with cond:
                 await asyncio.wait_for(
-                    cond.wait_for(lambda: (self._state.latest(model_id) or 0) >= version), timeout
+                    cond.wait_for(lambda: (self._state.versions.latest(model_id) or 0) >= version), timeout
                 )
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def wait_newer(self, model_id: str, version: int, timeout: float) -> Announcement | None:
         """Long poll: the newest version once it is newer than ``version``, or None after ``timeout``."""
-        cond = self._condition()
-
-        def newer() -> bool:
-            return (self._state.latest(model_id) or 0) > version
-
-        try:
-            async with cond:
-                await asyncio.wait_for(cond.wait_for(newer), timeout)
-        except asyncio.TimeoutError:
+        if not await self.published(model_id, version + 1, timeout):
             return None
-        return self._state.get(model_id)
+        return self._state.versions.get(model_id)
 
     async def wait(
         self,
@@ -108,41 +102,41 @@ class VersionWaits:
         # A sharded round's number: until the round is published (raises why it never will be).
         timeout = await self._round_published(model_id, version, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not state.check_waitable(model_id, version):
+        if not state.waits.check_waitable(model_id, version):
             # Granted to its writer, not published yet: its publish may be on its way (another
             # process's wait can overtake it), or a restart lost it: its writer (report_missing)
             # offers it again. A moment, then it counts as never pushed.
             if report_missing:
-                laggards, failures = state.pending(model_id, version, include_pull)
+                laggards, failures = state.waits.pending(model_id, version, include_pull)
                 return WaitResult(tuple(laggards), tuple(failures), missing=True)
             grace = _PUBLISH_GRACE_S if timeout is None else min(timeout, _PUBLISH_GRACE_S)
             await self.published(model_id, version, grace)
-            state.check_waitable(model_id, version, granted=False)
+            state.waits.check_waitable(model_id, version, granted=False)
         while True:
-            laggards, failures = state.pending(model_id, version, include_pull)
-            short = max(0, subscribers - state.counted(model_id, include_pull))
-            if short and len(misfits := state.misfits(model_id, include_pull)) >= short:
+            laggards, failures = state.waits.pending(model_id, version, include_pull)
+            short = max(0, subscribers - state.waits.counted(model_id, include_pull))
+            if short and len(misfits := state.waits.misfits(model_id, include_pull)) >= short:
                 return WaitResult(tuple(laggards), tuple(failures), misfits=tuple(misfits))  # never there
-            if laggards and report_missing and not state.kept_from(model_id, version):
+            if laggards and report_missing and not state.waits.kept_from(model_id, version):
                 return WaitResult(tuple(laggards), tuple(failures), missing=True)
             if not laggards and not short:
                 if failures:  # a dead subscriber's failure is no failure of this version
                     await self._reap([f.subscriber for f in failures])
-                    laggards, failures = state.pending(model_id, version, include_pull)
+                    laggards, failures = state.waits.pending(model_id, version, include_pull)
                 if not laggards:
                     return WaitResult((), tuple(failures))
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 await self._reap([r.subscriber for r in laggards + failures])
-                laggards, failures = state.pending(model_id, version, include_pull)
-                counted = state.counted(model_id, include_pull)
+                laggards, failures = state.waits.pending(model_id, version, include_pull)
+                counted = state.waits.counted(model_id, include_pull)
                 return WaitResult(tuple(laggards), tuple(failures), registered=counted)
             # Each record, drop or registration updates this waiter in O(1); it wakes once,
             # when no laggard is left (or one more subscriber registered, while too few have),
             # instead of re-scanning every subscriber per event.
             woken = asyncio.Event()
             waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull, subscribers, woken.set)
-            state.add_waiter(model_id, waiter)
+            state.waits.add_waiter(model_id, waiter)
             try:
                 while not waiter.woken:
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -154,4 +148,4 @@ class VersionWaits:
                     except asyncio.TimeoutError:
                         await self._reap(list(waiter.pending))
             finally:
-                state.remove_waiter(model_id, waiter)
+                state.waits.remove_waiter(model_id, waiter)

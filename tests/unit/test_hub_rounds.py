@@ -151,17 +151,17 @@ def test_an_abandoned_number_is_remembered_with_why() -> None:
 
 def test_a_reserved_number_is_published_under_that_number_or_skipped() -> None:
     state = HubState("hub", keep=2)
-    state.stamp("policy", _manifest(), [], {})
-    abandoned, persist = state.reserve("policy", 3)  # a block of 3: written once
-    published, again = state.reserve("policy", 3)
+    state.versions.stamp("policy", _manifest(), [], {})
+    abandoned, persist = state.versions.reserve("policy", 3)  # a block of 3: written once
+    published, again = state.versions.reserve("policy", 3)
     assert (abandoned, published, persist, again) == (2, 3, True, False)
-    assert state.latest("policy") == 1  # granted, not published
-    state.stamp("policy", _manifest(), [], {}, published)
-    assert state.latest("policy") == 3 and sorted(state.models["policy"].versions) == [1, 3]
-    assert state.reserve("policy", 3) == (4, False)  # an abandoned number is never granted again
-    assert state.reserve("policy", 3) == (5, True)  # the block is spent: a new one
-    state.stamp("policy", _manifest(), [], {})  # another number issued: the block ends
-    assert state.reserve("policy", 3) == (9, True) and state.latest("policy") == 8
+    assert state.versions.latest("policy") == 1  # granted, not published
+    state.versions.stamp("policy", _manifest(), [], {}, published)
+    assert state.versions.latest("policy") == 3 and sorted(state.models["policy"].versions) == [1, 3]
+    assert state.versions.reserve("policy", 3) == (4, False)  # an abandoned number is never granted again
+    assert state.versions.reserve("policy", 3) == (5, True)  # the block is spent: a new one
+    state.versions.stamp("policy", _manifest(), [], {})  # another number issued: the block ends
+    assert state.versions.reserve("policy", 3) == (9, True) and state.versions.latest("policy") == 8
 
 
 # ------------------------------------------------------------------ the hub's side, no Ray
@@ -196,7 +196,7 @@ class _Hub(ShardedPublish):
         self.checked: list[str] = []
 
     async def publish(self, model_id: str, manifest: Any, refs: Any, pusher: Any, *_: Any, **kw: Any) -> int:
-        return self._state.stamp(model_id, manifest, refs, pusher, kw["reserved"]).version
+        return self._state.versions.stamp(model_id, manifest, refs, pusher, kw["reserved"]).version
 
     async def restore(self, model_id: str, version: int, manifest: Any, refs: Any, pusher: Any) -> bool:
         raise AssertionError("only a restarted hub is offered versions again")
@@ -223,16 +223,16 @@ def test_a_rank_gets_its_number_before_the_other_ranks_push() -> None:
     async def main() -> None:
         hub = _Hub()
         v = await hub.push(0)  # returns with rank 1's part not in: nothing published yet
-        assert v == 1 and hub._state.latest("policy") is None
+        assert v == 1 and hub._state.versions.latest("policy") is None
         waiter = asyncio.ensure_future(hub.round_published("policy", v, 10.0))
         settled = asyncio.ensure_future(hub.push(0, round=2, settle=True))  # waits for publish
         await asyncio.sleep(0.05)
         assert not waiter.done() and not settled.done()
         assert await hub.push(1) == v  # one number for every rank of the round
         await waiter
-        assert hub._state.latest("policy") == v
+        assert hub._state.versions.latest("policy") == v
         assert await hub.push(1, round=2) == 2 and await settled == 2
-        assert hub._state.latest("policy") == 2
+        assert hub._state.versions.latest("policy") == 2
 
     _run(main())
 
@@ -247,14 +247,17 @@ def test_a_round_a_rank_never_completes_is_abandoned_and_its_number_says_why() -
             await hub.round_published("policy", v, 0.05)
         with pytest.raises(SyncTimeoutError, match=r"ranks \[1\] of 2 did not push.*readers keep version 1"):
             await hub.round_published("policy", v, 10.0)
-        assert hub._state.latest("policy") == 1  # nothing published with a shard missing
+        assert hub._state.versions.latest("policy") == 1  # nothing published with a shard missing
         # the rank that got the number is told on its next push, whose part is taken all the same
         taken = await hub.taken(0, round=3, previous=v)
         assert taken.version == 3 and taken.earlier is not None and "version 2 of 'policy'" in taken.earlier
         # the restarted group pushes: what the dead group left open is abandoned, a new number published
         assert await hub.push(0, group="b") == 4 and await hub.push(1, group="b") == 4
         await hub.round_published("policy", 4, 10.0)
-        assert hub._state.latest("policy") == 4 and sorted(hub._state.models["policy"].versions) == [1, 4]
+        assert hub._state.versions.latest("policy") == 4 and sorted(hub._state.models["policy"].versions) == [
+            1,
+            4,
+        ]
         assert hub.abandoned() == {"policy": [2, 3]}
         # a newer version is out: a wait for the abandoned number waits for it, as for any older one
         assert await hub.round_published("policy", v, 10.0) == 10.0
@@ -272,7 +275,7 @@ def test_a_restarted_group_never_completes_the_dead_group_s_round() -> None:
             await hub.round_published("policy", old, 1.0)
         assert await hub.push(0, group="b") == new
         await hub.round_published("policy", new, 10.0)
-        assert hub._state.latest("policy") == new
+        assert hub._state.versions.latest("policy") == new
 
     _run(main())
 
@@ -282,7 +285,7 @@ def test_a_refused_group_publishes_nothing() -> None:
         hub = _Hub(refuse=frozenset({"b0"}))
         with pytest.raises(StaleWriterError):
             await hub.push(0, group="b")  # rank 0 is refused before its part is recorded
-        assert hub._rounds.open_rounds("policy") == [] and hub._state.latest("policy") is None
+        assert hub._rounds.open_rounds("policy") == [] and hub._state.versions.latest("policy") is None
 
     _run(main())
 
@@ -302,7 +305,7 @@ def test_every_rank_of_a_group_that_is_not_the_writer_is_refused() -> None:
         assert hub.checked.count("b0") == 2  # each of b's ranks checked in b's rank 0's name
         assert await hub.push(1, round=2) == 2  # group a's round is untouched and completes
         await hub.round_published("policy", 2, 10.0)
-        assert hub._state.latest("policy") == 2 and hub.abandoned() == {}
+        assert hub._state.versions.latest("policy") == 2 and hub.abandoned() == {}
         assert hub._rounds.groups["policy"].token == "token-a"
 
     _run(main())
@@ -321,7 +324,7 @@ def test_a_give_up_abandons_the_open_push_and_the_next_push_of_every_rank_is_who
         assert "rank 0's push of it raised" in (taken.earlier or "")
         assert await hub.push(0, round=3) == taken.version
         await hub.round_published("policy", taken.version, 10.0)
-        assert hub._state.latest("policy") == taken.version
+        assert hub._state.versions.latest("policy") == taken.version
 
     _run(main())
 
@@ -362,7 +365,7 @@ def test_a_hub_restart_mid_push_loses_that_push_and_the_group_goes_on(first: int
         await restarted.round_published("policy", got[0], 10.0)
         # rank 0's push 2, numbered v2 by the hub before its restart, is listed too: rank 0's next part
         # said so (every number handed out is published or abandoned)
-        assert restarted._state.latest("policy") == got[0]
+        assert restarted._state.versions.latest("policy") == got[0]
         assert restarted.abandoned() == {"policy": sorted({v2, lost})}
 
     _run(main())
@@ -372,7 +375,7 @@ class _Restarted(_Hub):
     """A hub after a restart: it knows the numbers it issued, not the versions' bytes."""
 
     async def restore(self, model_id: str, version: int, manifest: Any, refs: Any, pusher: Any) -> bool:
-        return self._state.offer_again(model_id, version, manifest, refs, pusher)
+        return self._state.versions.offer_again(model_id, version, manifest, refs, pusher)
 
 
 def test_a_lost_version_is_kept_again_once_every_rank_offered_its_part() -> None:
@@ -380,7 +383,7 @@ def test_a_lost_version_is_kept_again_once_every_rank_offered_its_part() -> None
         hub = _Restarted()
         assert await hub.push(0) == 1 and await hub.push(1) == 1
         await asyncio.sleep(0)  # the round's publish
-        assert hub._state.latest("policy") == 1
+        assert hub._state.versions.latest("policy") == 1
         hub._state.models["policy"].versions.clear()  # the restart lost its bytes
         assert not await hub.restore_part("policy", 1, _part(0), [], _who(0))  # rank 1's part missing
         assert not hub._state.models["policy"].versions
@@ -415,7 +418,7 @@ def test_a_group_numbers_its_pushes_from_its_block_and_posts_them_without_waitin
             assert n == push and await hub.push(1, round=push, stamp=n) == n
             assert await hub.push(0, round=push, stamp=n) == n
             await hub.round_published("policy", n, 10.0)
-            assert hub._state.latest("policy") == n
+            assert hub._state.versions.latest("policy") == n
         # push 4 raised on both ranks before their parts went: its number is never used, and push 5
         # keeps the number its ranks gave it
         for rank in (0, 1):
@@ -426,7 +429,7 @@ def test_a_group_numbers_its_pushes_from_its_block_and_posts_them_without_waitin
         assert n5 == 5 and await hub.push(0, round=5, stamp=n5) == n5
         assert await hub.push(1, round=5, stamp=n5) == n5
         await hub.round_published("policy", n5, 10.0)
-        assert hub._state.latest("policy") == 5
+        assert hub._state.versions.latest("policy") == 5
         # a part numbered otherwise than its push is refused: the push is abandoned on every rank,
         # a wait for either number says why, readers keep version 5
         wrong = ahead.number(6) + 1  # type: ignore[operator]
@@ -439,12 +442,12 @@ def test_a_group_numbers_its_pushes_from_its_block_and_posts_them_without_waitin
         for number in (wrong, ahead.number(6)):
             with pytest.raises(InvalidWeightsError, match="numbered its part of push 6"):
                 await hub.round_published("policy", number, 10.0)  # type: ignore[arg-type]
-        assert hub._state.latest("policy") == 5
+        assert hub._state.versions.latest("policy") == 5
         # the ranks ask again (no stamp): push 7 is published under a number no push had
         seven = await hub.taken(0, round=7)
         assert await hub.push(1, round=7) == seven.version > wrong
         await hub.round_published("policy", seven.version, 10.0)
-        assert hub._state.latest("policy") == seven.version
+        assert hub._state.versions.latest("policy") == seven.version
 
     _run(main())
 
@@ -465,7 +468,7 @@ def test_a_restarted_hub_takes_the_numbers_a_group_stamped_from_its_block() -> N
             await restarted.push(0, round=2, stamp=n) == n and await restarted.push(1, round=2, stamp=n) == n
         )
         await restarted.round_published("policy", n, 10.0)
-        assert restarted._state.latest("policy") == n == 2
+        assert restarted._state.versions.latest("policy") == n == 2
         # an unstamped push after it gets the next number, never one given out already
         nxt = await restarted.taken(0, round=3)
         assert await restarted.push(1, round=3) == nxt.version == 3
@@ -500,11 +503,13 @@ def test_a_stamped_part_lost_in_a_hub_restart_is_listed_abandoned_before_the_nex
             await restarted.round_published("policy", v2, 10.0)
         assert await restarted.push(1, round=3, stamp=v3, previous=v2) == v3  # not refused for v2
         await restarted.round_published("policy", v3, 10.0)
-        assert restarted._state.latest("policy") == v3 and restarted.abandoned() == {"policy": [v2]}
+        assert restarted._state.versions.latest("policy") == v3 and restarted.abandoned() == {"policy": [v2]}
         if retry == "after-push-3":  # refused as out of order; nothing else changes
             with pytest.raises(InvalidWeightsError, match="sent push 2 after push 3"):
                 await restarted.push(1, round=2, stamp=v2)
-            assert restarted._state.latest("policy") == v3 and restarted.abandoned() == {"policy": [v2]}
+            assert restarted._state.versions.latest("policy") == v3 and restarted.abandoned() == {
+                "policy": [v2]
+            }
 
     _run(main())
 

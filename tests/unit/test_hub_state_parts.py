@@ -34,4 +34,4 @@ def test_what_one_part_records_the_others_see() -> None:
     laggards, failures = state.waits.pending("policy", v.version)
     assert [lag.subscriber for lag in laggards] == ["a:policy"] and failures == []
     state.keep = 5  # what the hub raises for a client is what the versions part keeps
-    assert state.tables.keep == 5 and state.status()["keep"] == 5
+    assert state.tables.keep == 5 and state.waits.status()["keep"] == 5

@@ -219,8 +219,8 @@ def test_a_call_for_a_restarted_actors_old_process_leaves_its_new_registration_l
 
     state = HubState("hub", 2, relay=True)
     info = SubscriberInfo(mode="push", class_name="A", actor_id="a" * 32, node_id="n1")
-    state.register(Registration("a:policy", "policy", True, info))
-    sub, _, _ = state.register(Registration("a:policy", "policy", True, info))  # registered again
+    state.roster.register(Registration("a:policy", "policy", True, info))
+    sub, _, _ = state.roster.register(Registration("a:policy", "policy", True, info))  # registered again
     delivery = Delivery.__new__(Delivery)
     delivery._state = state
     group = state.groups["policy@node:n1"]

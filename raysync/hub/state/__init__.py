@@ -7,8 +7,8 @@ to Ray: delivery loops, pings, persistence.
 
 Example:
     >>> state = HubState("raysync", keep=2)
-    >>> v = state.stamp("policy", manifest, refs, pusher={"writer_id": "job:01"})
-    >>> v.version, state.latest("policy")
+    >>> v = state.versions.stamp("policy", manifest, refs, pusher={"writer_id": "job:01"})
+    >>> v.version, state.versions.latest("policy")
     (1, 1)
 """
 
@@ -30,7 +30,7 @@ class HubState:
     Each part is a plain field: ``tables`` (what the hub knows, :class:`Tables`), ``leases``
     (who may write), ``layouts`` (what fits a model id), ``versions`` (numbers and kept
     versions), ``roster`` (subscribers) and ``waits`` (who a wait waits for, status). The
-    hub calls their methods through the names below, one per method it uses.
+    hub calls each part's methods on the part (``state.versions.latest(model_id)``).
     """
 
     def __init__(self, name: str, keep: int, *, relay: bool = False) -> None:
@@ -43,54 +43,6 @@ class HubState:
         # The tables' indexes (the same dicts, never replaced).
         self.models, self.subs, self.groups = self.tables.models, self.tables.subs, self.tables.groups
         self.waiters, self.subscribers = self.tables.waiters, self.tables.subscribers
-        # Writer leases.
-        leases = self.leases
-        self.writer_to_check, self.refuse_writer, self.hand_over = (
-            leases.writer_to_check,
-            leases.refuse_writer,
-            leases.hand_over,
-        )
-        # Layouts.
-        layouts = self.layouts
-        self.refusal, self.first_mismatches, self.mismatches = (
-            layouts.refusal,
-            layouts.first_mismatches,
-            layouts.mismatches,
-        )
-        # Versions.
-        versions = self.versions
-        self.latest, self.newest, self.get, self.grant = (
-            versions.latest,
-            versions.newest,
-            versions.get,
-            versions.grant,
-        )
-        self.accept, self.reserve, self.stamp = versions.accept, versions.reserve, versions.stamp
-        self.offer_again, self.forget_version = versions.offer_again, versions.forget_version
-        self.raise_keep, self.due, self.due_in_group = (
-            versions.raise_keep,
-            versions.due,
-            versions.due_in_group,
-        )
-        # Subscribers.
-        roster = self.roster
-        self.register, self.add, self.remove, self.drop = (
-            roster.register,
-            roster.add,
-            roster.remove,
-            roster.drop,
-        )
-        self.record, self.record_applied, self.stale = roster.record, roster.record_applied, roster.stale
-        self.delivery_failed, self.unreachable = roster.delivery_failed, roster.unreachable
-        # Waits and status.
-        waits = self.waits
-        self.check_waitable, self.kept_from, self.pending = (
-            waits.check_waitable,
-            waits.kept_from,
-            waits.pending,
-        )
-        self.misfits, self.counted, self.status = waits.misfits, waits.counted, waits.status
-        self.add_waiter, self.remove_waiter = waits.add_waiter, waits.remove_waiter
 
     @property
     def name(self) -> str:
@@ -104,16 +56,3 @@ class HubState:
     @keep.setter
     def keep(self, keep: int) -> None:
         self.tables.keep = keep
-
-    @property
-    def relay(self) -> bool:
-        return self.tables.relay
-
-    @property
-    def delivery_calls(self) -> int:
-        """Ray calls the hub made to hand out versions (relays and subscribers)."""
-        return self.tables.delivery_calls
-
-    @delivery_calls.setter
-    def delivery_calls(self, calls: int) -> None:
-        self.tables.delivery_calls = calls

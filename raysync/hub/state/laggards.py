@@ -60,7 +60,7 @@ class Waits:
         model = self.tables.models.get(model_id)
         kept = model.versions.get(version) if model is not None else None
         for sub in self.tables.subscribers(model_id):
-            if not (include_pull or sub.waited_for):
+            if not (include_pull or sub.pushed):
                 continue
             if sub.applied is not None and sub.applied >= version:
                 continue
@@ -74,16 +74,14 @@ class Waits:
         return [
             dataclasses.replace(s.laggard(), error=f"WeightMismatchError: {s.misfit}")
             for s in self.tables.subscribers(model_id)
-            if s.misfit is not None and (include_pull or s.waited_for)
+            if s.misfit is not None and (include_pull or s.pushed)
         ]
 
     def counted(self, model_id: str, include_pull: bool = False) -> int:
         """How many live subscribers of ``model_id`` a wait counts (push and follow; pull too with
         ``include_pull``; never a misfit)."""
         return sum(
-            1
-            for s in self.tables.subscribers(model_id)
-            if (include_pull or s.waited_for) and s.misfit is None
+            1 for s in self.tables.subscribers(model_id) if (include_pull or s.pushed) and s.misfit is None
         )
 
     def add_waiter(self, model_id: str, waiter: Waiter) -> None:
@@ -133,7 +131,7 @@ class Waits:
                     "class_name": sub.info.class_name,
                     "node_id": sub.info.node_id,
                     "pid": sub.info.pid,
-                    "mode": sub.mode,
+                    "mode": sub.info.mode,
                     "apply": sub.info.apply,
                     "applied": sub.applied,
                     "modified_since": sub.modified_since,  # its own code changed `applied` in place

@@ -6,7 +6,7 @@ the versions is that subscriber's error, not the pushes': it is marked a misfit 
 the reason), is not handed versions it cannot apply, and no wait waits for it.
 
 Example:
-    >>> state.refusal("policy", manifest)     # None: it fits what "policy" established
+    >>> state.layouts.refusal("policy", manifest)     # None: it fits what "policy" established
     >>> state.layouts.mark_misfits("policy")  # the subscribers newly found not to fit
     []
 """
@@ -157,9 +157,7 @@ class Layouts:
         )
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if sub.sub_id in waiter.pending:
-                waiter.pending.discard(sub.sub_id)
-                if not waiter.pending:
-                    waiter.wake()
+                waiter.let_go(sub.sub_id)
         return True
 
     def mark_misfits(self, model_id: str) -> list[Subscriber]:

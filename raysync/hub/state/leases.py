@@ -39,9 +39,7 @@ class Leases:
                 model.latest,
                 who(current),
             )
-            model.writer = lease_record(pusher)
-            model.epoch += 1
-            model.layout = None  # a new writer's first version establishes the layout afresh
+            _pass_lease(model, pusher)
             return None
         return current
 
@@ -65,9 +63,14 @@ class Leases:
             who(pusher),
             model.latest,
         )
-        model.writer = lease_record(pusher)
-        model.epoch += 1
-        model.layout = None  # a new writer's first version establishes the layout afresh
+        _pass_lease(model, pusher)
+
+
+def _pass_lease(model: Model, pusher: dict[str, Any]) -> None:
+    """The lease passes to ``pusher``: a new epoch, and its first version establishes the layout afresh."""
+    model.writer = lease_record(pusher)
+    model.epoch += 1
+    model.layout = None
 
 
 def lease_record(pusher: dict[str, Any]) -> dict[str, Any]:

@@ -107,17 +107,9 @@ class Subscriber:
     doorbell_key: bytes | None = field(default=None, repr=False)  # never persisted or shown
 
     @property
-    def mode(self) -> str:
-        return self.info.mode
-
-    @property
     def pushed(self) -> bool:
-        """Whether the hub hands it versions: push subscribers and Followers (not pull ones)."""
-        return self.info.mode != "pull"
-
-    @property
-    def waited_for(self) -> bool:
-        """Whether a wait counts it without ``include_pull``: push and follow subscribers."""
+        """Whether the hub hands it versions: push subscribers and Followers (not pull ones); so
+        whether a wait counts it without ``include_pull``."""
         return self.info.mode != "pull"
 
     def relay_member(self) -> RelayMember:
@@ -177,7 +169,13 @@ class Waiter:
 
     def counts(self, sub: Subscriber) -> bool:
         """Whether it waits for ``sub``: of a mode it counts, and not a misfit (which never applies)."""
-        return (self.include_pull or sub.waited_for) and sub.misfit is None
+        return (self.include_pull or sub.pushed) and sub.misfit is None
+
+    def let_go(self, sub_id: str) -> None:
+        """It waits for ``sub_id`` no more; woken once it waits for no one."""
+        self.pending.discard(sub_id)
+        if not self.pending:
+            self.wake()
 
     def wake(self) -> None:
         self.woken = True

@@ -39,9 +39,8 @@ class Roster:
         if reg.applied is not None and self.believable(sub, reg.applied):
             sub.applied = reg.applied
         newest = self.versions.newest(reg.model_id)
-        self.layouts.judge(
-            sub, None if newest is None else newest.manifest
-        )  # a misfit: before waits count it
+        # A misfit: before waits count it.
+        self.layouts.judge(sub, None if newest is None else newest.manifest)
         replaced = self.add(sub)
         if newest is None or (sub.applied is not None and sub.applied >= newest.version):
             return sub, replaced, None
@@ -66,7 +65,7 @@ class Roster:
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
-            elif waiter.need and (waiter.include_pull or sub.waited_for) and not waiter.pending:
+            elif waiter.need and (waiter.include_pull or sub.pushed) and not waiter.pending:
                 waiter.wake()  # one more of the subscribers it waits to see (or a misfit): look again
         return old
 
@@ -88,9 +87,7 @@ class Roster:
             if not group.members:
                 emptied = self.tables.groups.pop(key)  # type: ignore[arg-type]
         for waiter in self.tables.waiters.get(sub.model_id, ()):
-            waiter.pending.discard(sub.sub_id)
-            if not waiter.pending:
-                waiter.wake()
+            waiter.let_go(sub.sub_id)
         return emptied
 
     def drop(self, sub: Subscriber, why: str) -> DeliveryGroup | None:
@@ -111,9 +108,7 @@ class Roster:
         """Tell the waits on ``sub``'s model that it holds (or failed) what they wait for."""
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if sub.sub_id in waiter.pending and sub.settled(waiter.version):
-                waiter.pending.discard(sub.sub_id)
-                if not waiter.pending:
-                    waiter.wake()
+                waiter.let_go(sub.sub_id)
 
     def record(self, sub: Subscriber, report: ApplyReport) -> None:
         """What a subscriber said after it was handed a version (or on its own)."""

@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +61,6 @@ class Round:
         round: the ranks' push number.
         world: how many ranks' parts it needs.
         parts: ``rank -> (part, refs, pusher)``.
-        opened: when its first part arrived (``time.time()``).
         version: the number granted to it (``None`` until the hub grants one).
     """
 
@@ -70,7 +68,6 @@ class Round:
     round: int
     world: int
     parts: dict[int, tuple[ShardPart, list[Any], dict[str, Any]]] = field(default_factory=dict)
-    opened: float = field(default_factory=time.time)
     version: int | None = None
     lost: bool = False  # lost in a hub restart: abandoned quietly
 
@@ -179,10 +176,14 @@ class Rounds:
                 return None
             del group.open[round]  # type: ignore[union-attr]
             return rnd
-        self._given_up.setdefault((model_id, token, round), f"rank {rank}'s push of it raised {why}")
+        self._refuse_push(model_id, token, round, f"rank {rank}'s push of it raised {why}")
+        return None
+
+    def _refuse_push(self, model_id: str, token: str, round: int, why: str) -> None:
+        """The parts of push ``round`` of group ``token`` that come from now on are refused for ``why``."""
+        self._given_up.setdefault((model_id, token, round), why)
         while len(self._given_up) > _GIVEN_UP_KEPT:
             self._given_up.popitem(last=False)
-        return None
 
     def add(
         self, model_id: str, part: ShardPart, refs: list[Any], pusher: dict[str, Any]
@@ -307,30 +308,25 @@ class Rounds:
             return
         self.unsettled.pop((rnd.model_id, rnd.version), None)
         if error is not None:
-            failed = self.failed.setdefault(rnd.model_id, OrderedDict())
-            failed[rnd.version] = error
+            self.failed.setdefault(rnd.model_id, OrderedDict())[rnd.version] = error
             self._failed_parts[(rnd.model_id, rnd.version)] = (rnd.round, frozenset(rnd.parts))
-            if rnd.lost:
-                self.lost.add((rnd.model_id, rnd.version))
-            while len(failed) > FAILURES_KEPT:
-                key = (rnd.model_id, failed.popitem(last=False)[0])
-                self.lost.discard(key)
-                self._failed_parts.pop(key, None)
+            self._fail(rnd.model_id, rnd.version, error, rnd.lost)
 
     def refuse_stamp(self, rnd: Round, token: str, stamp: int, error: BaseException) -> None:
         """A rank numbered its part of ``rnd`` ``stamp``, not the round's number: the push is closed
         (its other parts are refused as a given-up push's are) and a wait for ``stamp`` says why."""
         self.drop(rnd)
-        self._given_up.setdefault((rnd.model_id, token, rnd.round), str(error))
-        while len(self._given_up) > _GIVEN_UP_KEPT:
-            self._given_up.popitem(last=False)
+        self._refuse_push(rnd.model_id, token, rnd.round, str(error))
         self.fail_number(rnd.model_id, stamp, error)
 
     def fail_number(self, model_id: str, number: int, error: BaseException, *, lost: bool = False) -> None:
         """A number a rank gave its push that no round will publish: a wait for it says why
         (``lost``: in a hub restart; the ranks' next pushes are not refused for it)."""
-        if (model_id, number) in self.unsettled:
-            return  # a round holds it: its own outcome says what became of it
+        if (model_id, number) not in self.unsettled:  # else a round holds it: its own outcome says
+            self._fail(model_id, number, error, lost)
+
+    def _fail(self, model_id: str, number: int, error: BaseException, lost: bool) -> None:
+        """Remember why ``number`` is never published (the first why; ``lost``: in a hub restart)."""
         failed = self.failed.setdefault(model_id, OrderedDict())
         failed.setdefault(number, error)
         if lost:

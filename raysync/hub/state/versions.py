@@ -102,17 +102,7 @@ class Versions:
         kept = model.versions.get(version)
         if kept is not None:
             return kept
-        before = _layout_of(model.newest)
-        v = Version(version, manifest, list(refs), time.time(), pusher)
-        model.versions[version] = v
-        model.latest = max(model.latest, version)
-        model.published(version)
-        model.pushes += 1
-        model.bytes_pushed += manifest.total_nbytes
-        model.last_push_time = v.pushed_at
-        self.trim(model)
-        self._took(model_id, model, v, before)
-        return v
+        return self._keep(model_id, model, Version(version, manifest, list(refs), time.time(), pusher))
 
     def reserve(self, model_id: str, count: int = BLOCK) -> tuple[int, bool]:
         """One version number for a version the hub stamps later (:meth:`stamp` ``version=``);
@@ -158,24 +148,14 @@ class Versions:
         than this one.
         """
         model = self.tables.models.setdefault(model_id, Model())
-        before = _layout_of(model.newest)
         if model.session is not None:
             model.epoch += 1
             model.session = None
         if version is None:
-            model.latest = model.reserved = model.issued + 1
+            version = model.reserved = model.issued + 1
         else:
             assert version <= model.reserved, "a reserved number"
-            model.latest = max(model.latest, version)
-        v = Version(version or model.latest, manifest, list(refs), time.time(), pusher)
-        model.versions[v.version] = v
-        model.published(v.version)
-        model.pushes += 1
-        model.bytes_pushed += manifest.total_nbytes
-        model.last_push_time = time.time()
-        self.trim(model)
-        self._took(model_id, model, v, before)
-        return v
+        return self._keep(model_id, model, Version(version, manifest, list(refs), time.time(), pusher))
 
     def offer_again(
         self, model_id: str, version: int, manifest: Manifest, refs: list[Any], pusher: dict[str, Any]
@@ -192,21 +172,27 @@ class Versions:
         writer = model.writer
         if writer is not None and writer.get("writer_id") != pusher.get("writer_id"):
             return False
-        before = _layout_of(model.newest)
-        v = model.versions[version] = Version(version, manifest, list(refs), time.time(), pusher)
-        model.latest = version
-        model.published(version)
-        self.trim(model)
-        self._took(model_id, model, v, before)
+        self._keep(model_id, model, Version(version, manifest, list(refs), time.time(), pusher), pushed=False)
         logger.info("hub %r: %r version %d offered again by its writer", self.tables.name, model_id, version)
         return True
 
-    def _took(self, model_id: str, model: Model, v: Version, before: str | None) -> None:
-        """``v`` was kept: its tensors join the established layout; a newest version of another
-        layout than the newest before it (``before``) judges the model's subscribers again."""
+    def _keep(self, model_id: str, model: Model, v: Version, *, pushed: bool = True) -> Version:
+        """Keep ``v`` (the oldest beyond ``keep`` let go; ``pushed``: counted as a push, not a
+        version offered again). Its tensors join the established layout; a newest version of
+        another layout than the newest before it judges the model's subscribers again."""
+        before = None if model.newest is None else model.newest.manifest.layout_hash
+        model.versions[v.version] = v
+        model.latest = max(model.latest, v.version)
+        model.published(v.version)
+        if pushed:
+            model.pushes += 1
+            model.bytes_pushed += v.manifest.total_nbytes
+            model.last_push_time = v.pushed_at
+        self.trim(model)
         self.layouts.establish(model, v.manifest)
         if model.latest == v.version and v.manifest.layout_hash != before:
             self.layouts.mark_misfits(model_id)
+        return v
 
     def forget_version(self, model_id: str, version: int, why: str) -> None:
         """Stop offering a version whose bytes are gone (its pusher died)."""
@@ -294,7 +280,3 @@ class Versions:
             and self.layouts.misfit(s, newest.manifest) is None
         ]
         return newest, due
-
-
-def _layout_of(version: Version | None) -> str | None:
-    return None if version is None else version.manifest.layout_hash
