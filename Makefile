@@ -34,7 +34,7 @@ $(VLLM_STAMP): pyproject.toml
 	  { test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV); } \
 	  && $(VLLM_BIN)/python -m pip install -q --upgrade pip \
 	  && $(VLLM_BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)" \
-	  && $(VLLM_BIN)/python -m pip install -q "$(TORCH)" "$(VLLM)" "transformers>=4.56" -e ".[dev]" \
+	  && $(VLLM_BIN)/python -m pip install -q "$(TORCH)" "$(VLLM)" "transformers>=4.56" "peft>=0.13" -e ".[dev]" \
 	  && $(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec \
 	  || echo "make: $(VLLM) was not installed: the vLLM tests will skip"; fi
 	@mkdir -p $(VLLM_VENV) && touch $(VLLM_STAMP)
@@ -73,7 +73,7 @@ pytest: $(STAMP)
 # The vLLM tests, in .venv-vllm (skipped, and said so, where vLLM did not install).
 pytest-vllm: $(VLLM_STAMP)
 	@if [ -x $(VLLM_BIN)/python ] && $(VLLM_BIN)/python -c "import vllm" 2>/dev/null; then \
-	  $(VLLM_BIN)/python -m pytest -q --durations=5 tests/integration/test_vllm.py; \
+	  $(VLLM_BIN)/python -m pytest -q --durations=5 tests/integration/test_vllm.py tests/integration/test_vllm_lora.py; \
 	else echo "make: no $(VLLM_VENV) with vLLM: tests/integration/test_vllm.py skipped"; fi
 
 # Every part runs even when one before it failed (a lint error or a failed test does not hide

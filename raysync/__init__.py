@@ -37,6 +37,7 @@ from raysync.hub.settings import HubSettings
 if TYPE_CHECKING:
     from raysync.client.connect import connect
     from raysync.client.hub_client import HubClient
+    from raysync.core.lora import lora_adapter
     from raysync.engines.vllm import VLLMEngine, follow_engine
     from raysync.receivers.follower import Follower, follow
     from raysync.receivers.loader import WeightsLoader
@@ -53,6 +54,7 @@ _LAZY = {
     "HubClient": "raysync.client.hub_client",
     "connect": "raysync.client.connect",
     "Incoming": "raysync.receivers.target",
+    "lora_adapter": "raysync.core.lora",
     "ModuleTarget": "raysync.receivers.target",
     "RayModuleTransform": "raysync.receivers.module_transform",
     "synced_model": "raysync.receivers.synced",
@@ -107,5 +109,6 @@ __all__ = [
     "connect",
     "follow",
     "follow_engine",
+    "lora_adapter",
     "synced_model",
 ]

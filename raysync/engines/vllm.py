@@ -85,6 +85,7 @@ import torch
 from raysync import _protocol as proto
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.core.layout import Manifest, validate
+from raysync.engines.vllm_lora import VLLMAdapter, adapter_targets, follow_adapters, lora_request
 from raysync.errors import EngineNotReadyError, RaySyncError, SyncTimeoutError
 from raysync.receivers.follower import Follower, wait_for_first
 from raysync.receivers.target import Incoming
@@ -96,7 +97,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Generation:
-    """What :meth:`VLLMEngine.generate` returns: vLLM's outputs and the version that made them.
+    """What :meth:`VLLMEngine.generate` returns: vLLM's outputs and the versions that made them.
+
+    Attributes:
+        outputs: vLLM's outputs.
+        version: the base model's version.
+        adapter_version: the adapter's version, for requests run with an adapter.
 
     Example:
         >>> gen = engine.generate(prompts, params)  # doctest: +SKIP
@@ -106,6 +112,7 @@ class Generation:
 
     outputs: list[Any]
     version: int
+    adapter_version: int | None = None
 
 
 def hf_schema(llm: Any) -> dict[str, tuple[int, ...]]:
@@ -182,22 +189,33 @@ class VLLMEngine:
         self._failed: tuple[list[str | None], str] | None = None  # a failed version's ids, why
         self._lock = threading.RLock()  # generate() and every update: never both at once
         self._unwritten: set[str] = set()  # layouts a guarded load went in with (see _weights)
+        self._adapters: dict[str, VLLMAdapter] = {}  # adapter id -> its target, once it holds a version
+        self.adapter_followers: list[Follower] = []
         self._rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
 
     def __repr__(self) -> str:
         return f"VLLMEngine({self.name}, version={self.version}{', torn' if self._torn else ''})"
 
     # ------------------------------------------------------------------ serving
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Generation:
+    def generate(
+        self, prompts: Any, sampling_params: Any = None, *, adapter: str | None = None, **kwargs: Any
+    ) -> Generation:
         """``llm.generate(prompts, sampling_params, **kwargs)`` on one whole version, and that version.
 
-        Waits while a version goes in (and an update waits for this call).
+        Waits while a version goes in (and an update waits for this call). ``adapter``: run
+        every request with the version of that LoRA adapter the engine holds (one it follows:
+        :func:`follow_engine`'s ``adapters``); the result says which.
 
         Raises:
-            EngineNotReadyError: the engine holds no whole version (none yet, or torn).
+            EngineNotReadyError: the engine holds no whole version (none yet, or torn), or
+                no version of ``adapter`` yet.
+            KeyError: the engine follows no adapter ``adapter``.
         """
+        adapter_version = None
         with self._lock:
             version = self._ready()
+            if adapter is not None:
+                kwargs["lora_request"], adapter_version = lora_request(self, adapter)
             kwargs.setdefault("use_tqdm", False)
             outputs = list(self.llm.generate(prompts, sampling_params, **kwargs))
         stamp = str(version)
@@ -206,7 +224,7 @@ class VLLMEngine:
                 spans = getattr(completion, "weight_versions", None) or []
                 wrong = [s.version for s in spans if s.version != stamp]
                 assert not wrong, f"{self.name}: output stamped {wrong} by vLLM, not version {stamp}"
-        return Generation(outputs, version)
+        return Generation(outputs, version, adapter_version)
 
     def _ready(self) -> int:
         """The version held whole.
@@ -227,8 +245,9 @@ class VLLMEngine:
 
     def stop(self) -> None:
         """Stop following the hub (the engine keeps serving the version it holds)."""
-        if self.follower is not None:
-            self.follower.stop()
+        for follower in [self.follower, *self.adapter_followers]:
+            if follower is not None:
+                follower.stop()
 
     # ------------------------------------------------------------------ Target
     def check(self, manifest: Manifest) -> None:
@@ -267,6 +286,9 @@ class VLLMEngine:
                     if all(i is not None for i in incoming.ids):  # not tried again (see needed())
                         self._failed = (list(incoming.ids), str(why))
                     raise
+            finally:  # vLLM drops every adapter when the base weights change: they go in again
+                for adapter in list(self._adapters.values()):
+                    adapter.load_again()
             self._set_version(str(incoming.version))
             self.version, self._torn = incoming.version, False
             self._unwritten.add(incoming.manifest.layout_hash)
@@ -344,8 +366,16 @@ def follow_engine(
     rollback: bool = False,
     expected: Mapping[str, Sequence[int]] | None = None,
     sub_id: str | None = None,
+    adapters: Sequence[str] = (),
 ) -> VLLMEngine:
     """Have a vLLM engine follow ``model_id`` on the hub; the engine, holding the newest version.
+
+    ``adapters``: LoRA adapters on the hub (pushed as ``raysync.lora_adapter(...)``, each a
+    model of its own) the engine serves from memory beside ``model_id``, each replaced in
+    place by its newest version (see :mod:`raysync.engines.vllm_lora`); requests name one
+    (``engine.generate(..., adapter="math")``). The engine needs LoRA on
+    (``enable_lora=True``, ``max_lora_rank``, ``max_loras``); it returns holding a version
+    of each.
 
     See :class:`VLLMEngine` (``rollback``, ``expected``) and :class:`~raysync.Follower`
     (the rest). ``engine.follower`` is the follower; ``engine.stop()`` ends it. If the hub
@@ -353,8 +383,11 @@ def follow_engine(
     to ``timeout`` seconds for the first one.
 
     Raises:
-        SyncTimeoutError: no version of ``model_id`` within ``timeout`` (the message names
-            the models the hub holds: a typo'd id?); the engine follows nothing then.
+        SyncTimeoutError: no version of ``model_id`` (or of an adapter) within ``timeout``
+            (the message names the models the hub holds: a typo'd id?); the engine follows
+            nothing then.
+        RaySyncError: ``adapters`` for an engine without LoRA, or more than its
+            ``max_cpu_loras`` (``max_loras`` by default).
 
     In a Ray actor the subscription's id is the actor's (``sub_id`` overrides it), so a
     restarted actor takes its subscription over: ``hub.wait`` waits for the new process,
@@ -367,7 +400,8 @@ def follow_engine(
         True
     """
     engine = VLLMEngine(llm, expected=expected, rollback=rollback, name=label or "vLLM engine")
-    return start_following(
+    targets = adapter_targets(engine, adapters)  # refused before following anything
+    start_following(
         engine,
         model_id,
         hub=hub,
@@ -377,6 +411,8 @@ def follow_engine(
         sub_id=sub_id,
         first=True,
     )
+    follow_adapters(engine, targets, hub=hub, namespace=namespace, timeout=timeout)
+    return engine
 
 
 def start_following(

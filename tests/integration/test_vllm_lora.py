@@ -1,0 +1,219 @@
+"""LoRA adapters served by a vLLM engine from memory (``follow_engine(..., adapters=[...])``).
+
+What a user would notice: after each adapter push the engine's greedy tokens with the
+adapter are those of ``transformers`` with the adapter merged into the weights
+(``W + alpha/r * B @ A``), without the adapter those of the base model, and every result
+says both versions; an adapter the engine cannot serve (rank over ``max_lora_rank``, a target
+module the model lacks, a misfit shape, no adapter config) is refused naming why, and the
+engine keeps serving the version it had. Skipped where vLLM is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+vllm = pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import raysync  # noqa: E402
+from raysync.engines.vllm import VLLMEngine, follow_engine  # noqa: E402
+from raysync.engines.vllm_lora import VLLMAdapter  # noqa: E402
+from tests.integration.test_vllm import NEW_TOKENS, PROMPTS, hf_model, hf_tokens  # noqa: E402
+
+TIMEOUT = 60.0
+RANK, ALPHA, MAX_RANK = 4, 8.0, 8
+TARGETS = ("q_proj", "v_proj")
+
+
+def adapter_tensors(
+    seed: int, rank: int = RANK, targets: tuple[str, ...] = TARGETS
+) -> dict[str, torch.Tensor]:
+    """A random adapter in PEFT's saved layout for the tiny Llama, large enough to change tokens."""
+    model = hf_model(0)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in targets:
+            lin = getattr(layer.self_attn, name)
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g) * 0.5
+            out[f"{prefix}.lora_B.weight"] = torch.randn(lin.out_features, rank, generator=g) * 0.5
+    return out
+
+
+def merged_tokens(base_seed: int, tensors: dict[str, torch.Tensor] | None) -> list[list[int]]:
+    """``transformers``' greedy tokens with the adapter merged into the base weights."""
+    model = hf_model(base_seed)
+    with torch.no_grad():
+        for key, a in (tensors or {}).items():
+            if ".lora_A." not in key:
+                continue
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]  # type: ignore[index]
+            model.get_submodule(module).weight += (ALPHA / a.shape[0]) * b @ a
+    return hf_tokens(model)
+
+
+def tokens(engine: VLLMEngine, adapter: str | None = None) -> tuple[list[list[int]], int, int | None]:
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    gen = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, adapter=adapter)
+    return [list(o.outputs[0].token_ids) for o in gen.outputs], gen.version, gen.adapter_version
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from raysync.engines.vllm_transfer import BACKEND, register
+
+    path = tmp_path_factory.mktemp("tiny-llama-lora")
+    hf_model(0).save_pretrained(path)
+    register()
+    engine = vllm.LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        kv_cache_memory_bytes=32 * 2**20,
+        max_model_len=64,
+        max_num_seqs=4,
+        enforce_eager=True,
+        enable_lora=True,
+        max_lora_rank=MAX_RANK,
+        max_loras=2,
+        weight_transfer_config={"backend": BACKEND},
+    )
+    yield engine
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    del engine
+    cleanup_dist_env_and_memory()
+
+
+def stop_soon(engine: VLLMEngine) -> None:
+    threading.Thread(target=engine.stop, daemon=True).start()
+
+
+def test_an_engine_serves_each_adapter_version_from_memory_stamped_with_both_versions(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    base = hub.push(hf_model(10))
+    first = adapter_tensors(1)
+    a1 = hub.push(raysync.lora_adapter(first, alpha=ALPHA), "math")
+    engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"], label="lora-test")
+    try:
+        assert tokens(engine, "math") == (merged_tokens(10, first), base, a1)
+        assert tokens(engine) == (merged_tokens(10, None), base, None)  # no adapter: the base alone
+        seen = {str(merged_tokens(10, first))}
+        for seed in range(2, 6):  # each version replaces the last, in place
+            adapter = adapter_tensors(seed)
+            v = hub.push(raysync.lora_adapter(adapter, alpha=ALPHA), "math", wait=True, timeout=TIMEOUT)
+            expected = merged_tokens(10, adapter)
+            assert tokens(engine, "math") == (expected, base, v)
+            seen.add(str(expected))
+        assert len(seen) > 2  # adapter versions do give other tokens: a stale one would show
+        new_base = hub.push(hf_model(11), wait=True, timeout=TIMEOUT)  # the adapter stays on the new base
+        assert tokens(engine, "math") == (merged_tokens(11, adapter), new_base, v)
+        rows = {row["model_id"]: row for row in hub.status()["subscribers"]}
+        assert rows["math"]["applied"] == v and rows["policy"]["applied"] == new_base
+        with pytest.raises(KeyError, match="follows no adapter 'code'"):
+            tokens(engine, "code")
+    finally:
+        stop_soon(engine)
+
+
+def test_a_peft_model_trained_on_its_adapter_alone_is_served_as_peft_runs_it(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    """What a trainer writes: a PEFT model, an optimizer over the adapter, one push per step
+    of the adapter alone; the engine's tokens are PEFT's own with the same weights."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        hf_model(30), peft.LoraConfig(r=RANK, lora_alpha=16, target_modules=list(TARGETS), lora_dropout=0.0)
+    ).eval()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.Adam(trainable, lr=0.05, foreach=True)
+    hub.push(hf_model(30), "policy")  # the base, once
+    adapter = raysync.lora_adapter(model)
+    assert set(adapter["_extra_state"]) >= {"r", "lora_alpha", "target_modules"}
+    assert all(".lora_" in k for k in adapter if k != "_extra_state")  # the adapter alone
+    hub.push(adapter, "math")
+    engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
+    base_tokens, seen = hf_tokens(hf_model(30)), []
+    try:
+        for step in range(3):
+            loss = -model(torch.tensor([PROMPTS[0]])).logits[0, -1].log_softmax(-1)[step + 7]
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            v = hub.push(raysync.lora_adapter(model), "math", wait=True, timeout=TIMEOUT)
+            got, _, adapter_version = tokens(engine, "math")
+            assert adapter_version == v
+            assert got == hf_tokens(model), f"step {step}: loss {float(loss):.3f}"
+            seen.append(got)
+        assert any(got != base_tokens for got in seen)  # the adapter changed what the engine says
+    finally:
+        stop_soon(engine)
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (
+            lambda: raysync.lora_adapter(adapter_tensors(7, rank=16), alpha=ALPHA),
+            "rank 16 exceeds .* max_lora_rank 8",
+        ),
+        (
+            lambda: raysync.lora_adapter(
+                {k.replace("q_proj", "x_proj"): t for k, t in adapter_tensors(7).items()}, alpha=ALPHA
+            ),
+            r"no modules named \['x_proj'\]",
+        ),
+        (
+            lambda: raysync.lora_adapter(
+                {
+                    k: (t[:, :64] if k.endswith("layers.1.self_attn.q_proj.lora_A.weight") else t)
+                    for k, t in adapter_tensors(7).items()
+                },
+                alpha=ALPHA,
+            ),
+            r"shape mismatch .*layers\.1\.self_attn\.q_proj\.lora_A",
+        ),
+        (lambda: adapter_tensors(7), "carries no adapter config"),
+    ],
+    ids=["rank", "target", "shape", "no-config"],
+)
+def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_keeps_its_version(
+    llm: Any, hub: raysync.HubClient, hub_name: str, bad: Any, why: str
+) -> None:
+    hub.push(hf_model(20))
+    good = adapter_tensors(8)
+    a1 = hub.push(raysync.lora_adapter(good, alpha=ALPHA), "math")
+    engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
+    # A second adapter the engine follows from before its first version, which is a misfit
+    # (the hub checks a model's later versions against its first; the engine checks each).
+    code = raysync.Follower(target=VLLMAdapter(engine, "code"), model_id="code", hub=hub_name).start()
+    engine.adapter_followers.append(code)
+    try:
+        before = tokens(engine, "math")
+        with pytest.raises(raysync.RaySyncError, match=why):
+            hub.push(bad(), "code", wait=True, timeout=TIMEOUT)
+        assert tokens(engine, "math") == before and before[2] == a1  # it serves what it had
+        with pytest.raises(raysync.EngineNotReadyError, match="no version of adapter 'code'"):
+            tokens(engine, "code")
+    finally:
+        stop_soon(engine)
+
+
+def test_more_adapters_than_the_engine_keeps_are_refused_before_it_follows_anything(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    with pytest.raises(raysync.RaySyncError, match="3 adapters, more than the engine keeps"):
+        follow_engine(llm, "policy", hub=hub_name, adapters=["a", "b", "c"], timeout=5)
+    assert hub.status()["subscribers"] == []
