@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,9 +43,7 @@ from raysync.transports.doorbell.fields import (
     MAX_ENTRIES,
     MAX_ERROR,
     MAX_SUBS,
-    NONE_I64,
     RING,
-    ROW,
     SEG,
     U8,
     U16,
@@ -150,14 +147,10 @@ def encode_ack(key: bytes, token: int, version: int, reply: RelayReply) -> bytes
     out.put(U16, len(reply.applied))
     for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
         out.text(sub_id)
-        out.parts.append(
-            ROW.pack(
-                math.nan if apply_s is None else apply_s,
-                math.nan if pause_s is None else pause_s,
-                NONE_I64 if buckets is None else buckets,
-                NONE_I64 if nbytes is None else nbytes,
-            )
-        )
+        out.opt_float(apply_s)
+        out.opt_float(pause_s)
+        out.opt_int(buckets)
+        out.opt_int(nbytes)
     out.put(U16, len(reply.acks))
     for ack in reply.acks:
         out.text(ack.sub_id)
@@ -239,16 +232,7 @@ def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayRep
     rows = []
     for _ in range(r.count(U16, MAX_SUBS, "rows")):
         sub_id = r.text(nonempty=True)
-        apply_s, pause_s, buckets, nbytes = r.take(ROW)
-        rows.append(
-            (
-                sub_id,
-                _duration(apply_s),
-                _duration(pause_s),
-                _opt_count(buckets),
-                _opt_count(nbytes),
-            )
-        )
+        rows.append((sub_id, r.opt_float(), r.opt_float(), r.opt_int(), r.opt_int()))
     acks = []
     for _ in range(r.count(U16, MAX_SUBS, "acks")):
         sub_id = r.text(nonempty=True)
@@ -269,22 +253,6 @@ def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayRep
         acks.append(RelayAck(sub_id, report, _OUTCOMES[outcome], error))
     r.done()
     return token, version, RelayReply(tuple(acks), tuple(rows))
-
-
-def _duration(value: float) -> float | None:
-    if math.isnan(value):
-        return None
-    if math.isinf(value) or value < 0:
-        raise WireError(f"duration {value} is not a finite non-negative number")
-    return float(value)
-
-
-def _opt_count(value: int) -> int | None:
-    if value == NONE_I64:
-        return None
-    if value < 0:
-        raise WireError(f"negative count {value}")
-    return int(value)
 
 
 def _error(text: str) -> BaseException | None:
@@ -419,11 +387,7 @@ def decode_segment_header(
     if magic != b"RSSG" or wire != WIRE_VERSION or flags != 0 or version < 0:
         raise WireError("not a raysync segment of this wire version")
     model_id = r.text(nonempty=True)
-    n = r.one(U32)
-    if r.pos + n > r.end:
-        raise WireError("layout past the header's end")
-    blob = bytes(r.data[r.pos : r.pos + n])
-    r.pos += n
+    blob = r.raw(r.one(U32), "layout")
     entries, bucket_nbytes, layout_hash, transport = _read_layout(blob)
     checksums = None
     if r.one(U8):
