@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from raysync.core.layout import _dtype_name
 from raysync.core.shards import ShardPiece, TensorSpec
 from raysync.errors import InvalidWeightsError
 
@@ -160,7 +161,3 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
         if owner and all(lengths):
             local[key], boxes[key] = shard, (tuple(offsets), tuple(lengths))
     return LocalPart(me, world, tuple(sorted(specs, key=lambda s: s.key)), local, boxes)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -395,7 +395,7 @@ def _check_cover(specs: dict[str, TensorSpec], pieces: list[ShardPiece]) -> None
                 )
         for i, a in enumerate(mine):
             for b in mine[i + 1 :]:
-                if a.numel and b.numel and _overlap(a, b):
+                if a.numel and b.numel and intersect((a.offsets, a.lengths), (b.offsets, b.lengths)):
                     raise InvalidWeightsError(
                         f"tensor {key!r} is pushed twice: ranks {a.rank} and {b.rank} both hold elements "
                         f"from offsets {max(a.offsets, b.offsets)} (a replicated tensor is taken from one "
@@ -407,13 +407,6 @@ def _check_cover(specs: dict[str, TensorSpec], pieces: list[ShardPiece]) -> None
                 f"tensor {key!r} is missing a shard: the ranks' pieces hold {covered} of its "
                 f"{math.prod(spec.shape)} elements"
             )
-
-
-def _overlap(a: ShardPiece, b: ShardPiece) -> bool:
-    return all(
-        oa < ob + nb and ob < oa + na
-        for oa, na, ob, nb in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)
-    )
 
 
 def intersect(a: Box, b: Box) -> Box | None:
