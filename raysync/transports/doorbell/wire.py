@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raysync._protocol import ApplyReport, RelayAck, RelayReply, Ring
+from raysync.core.kept import Kept
 from raysync.transports.doorbell.fields import (
     ACK,
     I64,
@@ -260,16 +261,15 @@ def _error(text: str) -> BaseException | None:
 
 
 # ---------------------------------------------------------------------------- segment headers
-_LAYOUTS_KEPT = 8  # encoded / decoded layouts remembered (a layout repeats version after version)
-_encoded_layouts: dict[tuple[str, str], bytes] = {}
-_decoded_layouts: dict[bytes, tuple[Any, ...]] = {}
+# Encoded / decoded layouts remembered (a layout repeats version after version).
+_encoded_layouts: Kept[bytes] = Kept(8)
+_decoded_layouts: Kept[tuple[Any, ...]] = Kept(8)
 
 
 def _layout_blob(manifest: Any) -> bytes:
     """The part of a manifest that only changes with its layout: entries, buckets, hash, transport."""
-    key = (manifest.layout_hash, manifest.transport)
-    blob = _encoded_layouts.get(key)
-    if blob is None:
+
+    def encode() -> bytes:
         out = Writer()
         out.put(U32, len(manifest.entries))
         for e in manifest.entries:
@@ -287,18 +287,13 @@ def _layout_blob(manifest: Any) -> bytes:
             out.put(U64, n)
         out.text(manifest.layout_hash, 256)
         out.text(manifest.transport, 64)
-        blob = out.bytes()
-        if len(_encoded_layouts) >= _LAYOUTS_KEPT:
-            _encoded_layouts.clear()
-        _encoded_layouts[key] = blob
-    return blob
+        return out.bytes()
+
+    return _encoded_layouts.get((manifest.layout_hash, manifest.transport), encode)
 
 
 def _read_layout(blob: bytes) -> tuple[Any, ...]:
-    """``(entries, bucket_nbytes, layout_hash, transport)`` of a layout blob, checked (and remembered)."""
-    known = _decoded_layouts.get(blob)
-    if known is not None:
-        return known
+    """``(entries, bucket_nbytes, layout_hash, transport)`` of a layout blob, checked."""
     from raysync.core.layout import TensorEntry  # torch-free
 
     r = Reader(blob)
@@ -321,11 +316,7 @@ def _read_layout(blob: bytes) -> tuple[Any, ...]:
     for e in entries:
         if e.bucket >= len(bucket_nbytes) or e.offset + e.nbytes > bucket_nbytes[e.bucket]:
             raise WireError(f"entry {e.key!r} does not fit its bucket")
-    known = (tuple(entries), bucket_nbytes, layout_hash, transport)
-    if len(_decoded_layouts) >= _LAYOUTS_KEPT:
-        _decoded_layouts.clear()
-    _decoded_layouts[blob] = known
-    return known
+    return tuple(entries), bucket_nbytes, layout_hash, transport
 
 
 def encode_segment_header(
@@ -388,7 +379,7 @@ def decode_segment_header(
         raise WireError("not a raysync segment of this wire version")
     model_id = r.text(nonempty=True)
     blob = r.raw(r.one(U32), "layout")
-    entries, bucket_nbytes, layout_hash, transport = _read_layout(blob)
+    entries, bucket_nbytes, layout_hash, transport = _decoded_layouts.get(blob, lambda: _read_layout(blob))
     checksums = None
     if r.one(U8):
         checksums = tuple(r.one(U32) for _ in range(r.count(U32, MAX_BUCKETS, "checksums")))
