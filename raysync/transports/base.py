@@ -17,7 +17,7 @@ import torch
 from raysync.core.codec import same_bytes
 from raysync.core.layout import Manifest
 from raysync.transports import registry
-from raysync.transports.registry import TransportInfo
+from raysync.transports.registry import TransportInfo, check_transport
 
 __all__ = [
     "TRANSPORTS",
@@ -158,11 +158,6 @@ class ReceivesInPlace(Protocol):
         buffers of ``bound`` (a :class:`~raysync.core.bound.BoundModel`), which the caller swaps in;
         the bytes received."""
         ...
-
-
-def check_transport(transport: Any) -> None:
-    """Raise ``ValueError`` unless ``transport`` names a data path (see :mod:`.registry`)."""
-    registry.check_transport(transport)
 
 
 def transport_for(name: str) -> Transport:

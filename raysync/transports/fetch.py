@@ -135,13 +135,9 @@ def at_hand(
 
 def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> dict[int, Any]:
     """``fetched``, once its checksums are checked as asked (``ChecksumError`` if one differs)."""
-    shards = manifest.shards
-    if shards is not None:  # its ranks' buckets carry the checksums (checked before any assembly)
-        if verify is True or (verify == "if_present" and shards.checksums):
-            verify_fetched(manifest, fetched)
-        return fetched
-    if verify is True or (verify == "if_present" and manifest.checksums):
-        verify_checksums(manifest, fetched)
+    shards = manifest.shards  # a sharded version's rank buckets carry its checksums (checked before assembly)
+    if verify is True or (verify == "if_present" and (manifest if shards is None else shards).checksums):
+        (verify_checksums if shards is None else verify_fetched)(manifest, fetched)
     return fetched
 
 
