@@ -39,6 +39,7 @@ __all__ = [
     "ShardPiece",
     "ShardRefs",
     "TensorSpec",
+    "chunk",
     "merge",
 ]
 
@@ -407,6 +408,14 @@ def _check_cover(specs: dict[str, TensorSpec], pieces: list[ShardPiece]) -> None
                 f"tensor {key!r} is missing a shard: the ranks' pieces hold {covered} of its "
                 f"{math.prod(spec.shape)} elements"
             )
+
+
+def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``(start, length)`` of part ``i`` of ``n`` elements cut in ``parts`` as torch's ``Shard`` cuts
+    them: ``ceil(n / parts)`` each, the last parts shorter or empty (``chunk(5, 2, 1) == (3, 2)``)."""
+    size = -(-n // parts) if n else 0
+    start = min(i * size, n)
+    return start, max(0, min(n, start + size) - start)
 
 
 def intersect(a: Box, b: Box) -> Box | None:
