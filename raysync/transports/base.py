@@ -17,7 +17,7 @@ import torch
 from raysync.core.codec import same_bytes
 from raysync.core.layout import Manifest
 from raysync.transports import registry
-from raysync.transports.registry import TransportInfo, check_transport
+from raysync.transports.registry import TRANSPORTS, TransportInfo, check_transport
 
 __all__ = [
     "TRANSPORTS",
@@ -30,10 +30,6 @@ __all__ = [
     "check_transport",
     "transport_for",
 ]
-
-TRANSPORTS = tuple(n for n in registry.BUILTIN if n != "sharded")  # the hub names "sharded" versions
-"""raysync's own data paths, by name (``hub.push(transport=...)``, ``raysync.connect(transport=...)``)."""
-
 
 Reuse = Callable[[int, list[Any]], Any]
 """``(bucket index, packed bucket) -> ObjectRef | None``: a previous version's object to re-use."""
