@@ -40,13 +40,10 @@ from typing import Any, TextIO, cast
 
 from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE
 from raysync.ops import bench
+from raysync.ops.bench_report import MIB
 from raysync.ops.cluster_connect import ClusterUnreachable, connect, error_line
 
 __all__ = ["main", "render_status"]
-
-logger = logging.getLogger(__name__)
-
-MIB = 2**20
 
 
 class CliError(Exception):
