@@ -98,13 +98,13 @@ async def fetch_async(
 ) -> dict[int, Any]:
     """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
     manifest, refs = _as_taken(manifest, refs, target)
-    transport = transport_class(manifest.transport)
-    native = getattr(transport, "fetch_async", None)
+    native = getattr(transport_class(manifest.transport), "fetch_async", None)
     if native is not None:
         arrays = await asyncio.wait_for(native(manifest, refs, list(needed)), timeout)
     else:
-        fetch = fetcher(manifest.transport)
-        arrays = await asyncio.to_thread(fetch, manifest, refs, list(needed), timeout=timeout)
+        arrays = await asyncio.to_thread(
+            fetcher(manifest.transport), manifest, refs, list(needed), timeout=timeout
+        )
     return verified(manifest, needed, arrays, verify=verify)
 
 
