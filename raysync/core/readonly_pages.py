@@ -123,7 +123,7 @@ def _bucket(arrays: list[np.ndarray], maps: Mappings, used: dict[int, int]) -> l
     """One bucket's arrays on read-only pages: all at once when one mapping holds them (the usual)."""
     out: list[np.ndarray | None] = [_frozen(a) if a.nbytes == 0 else None for a in arrays]
     todo = [i for i, a in enumerate(arrays) if a.nbytes]
-    spans = {i: (_address(arrays[i]), arrays[i].nbytes) for i in todo if arrays[i].flags.c_contiguous}
+    spans = {i: (int(arrays[i].ctypes.data), arrays[i].nbytes) for i in todo if arrays[i].flags.c_contiguous}
     groups: list[tuple[list[int], Mapping | None]] = []
     if todo and len(spans) == len(todo):
         lo = min(at for at, _ in spans.values())
@@ -163,10 +163,6 @@ def _in_place(
     alias.users.add(owner)
     flat = np.asarray(owner)
     return [flat[at + shift - lo : at + shift - lo + n] for at, n in spans]
-
-
-def _address(arr: np.ndarray) -> int:
-    return int(arr.ctypes.data)
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
