@@ -163,18 +163,14 @@ def plain_tensors() -> Any:
     return torch._C.DisableTorchFunctionSubclass()
 
 
-def _op_overload_packet() -> type:
-    import torch
-
-    # Why private: the type of torch.ops.aten.<op> is only in torch._ops.
-    return torch._ops.OpOverloadPacket  # type: ignore[no-any-return]
-
-
 class _Lazy:
     """:data:`OP_OVERLOAD_PACKET` without importing torch when this module is imported."""
 
     def __instancecheck__(self, obj: Any) -> bool:
-        return isinstance(obj, _op_overload_packet())
+        import torch
+
+        # Why private: the type of torch.ops.aten.<op> is only in torch._ops.
+        return isinstance(obj, torch._ops.OpOverloadPacket)
 
 
 OP_OVERLOAD_PACKET: Any = _Lazy()
