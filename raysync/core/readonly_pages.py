@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -256,24 +257,20 @@ def _drop_unused(maps: Mappings) -> None:
             _aliases.remove(alias)
 
 
-_LIBC: list[Any] = []
-
-
+@functools.cache
 def _libc() -> Any:
     """The C library with the calls used here typed, or None (a platform without them)."""
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            if sys.platform.startswith("linux"):
-                libc.mremap.restype = ctypes.c_void_p
-                libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            libc = None
-        _LIBC.append(libc)
-    return _LIBC[0]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        if sys.platform.startswith("linux"):
+            libc.mremap.restype = ctypes.c_void_p
+            libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _errno() -> str:
