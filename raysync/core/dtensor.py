@@ -42,8 +42,7 @@ def is_sharded(tensors: Mapping[str, torch.Tensor]) -> bool:
         >>> is_sharded({"w": torch.zeros(2)})
         False
     """
-    cls = _dtensor_class()
-    return cls is not None and any(isinstance(t, cls) for t in tensors.values())
+    return mesh_of(tensors) is not None
 
 
 def mesh_of(tensors: Mapping[str, torch.Tensor]) -> Any:
