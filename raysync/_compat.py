@@ -163,18 +163,14 @@ def plain_tensors() -> Any:
     return torch._C.DisableTorchFunctionSubclass()
 
 
-def _op_overload_packet() -> type:
-    import torch
-
-    # Why private: the type of torch.ops.aten.<op> is only in torch._ops.
-    return torch._ops.OpOverloadPacket  # type: ignore[no-any-return]
-
-
 class _Lazy:
     """:data:`OP_OVERLOAD_PACKET` without importing torch when this module is imported."""
 
     def __instancecheck__(self, obj: Any) -> bool:
-        return isinstance(obj, _op_overload_packet())
+        import torch
+
+        # Why private: the type of torch.ops.aten.<op> is only in torch._ops.
+        return isinstance(obj, torch._ops.OpOverloadPacket)
 
 
 OP_OVERLOAD_PACKET: Any = _Lazy()
@@ -399,21 +395,6 @@ def version_counters(tensors: Sequence[Any]) -> list[int]:
     return [t._version for t in tensors]
 
 
-def _release(version: str) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def _torch_version() -> str | None:
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return str(torch.__version__)
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _installed(name: str) -> str | None:
     module = sys.modules.get(name)
     if module is not None and hasattr(module, "__version__"):
@@ -424,9 +405,13 @@ def _installed(name: str) -> str | None:
         return None
 
 
-def _outside(found: str | None, checked: tuple[tuple[int, int], tuple[int, int]]) -> bool:
-    release = _release(found) if found else None
-    return release is not None and not checked[0] <= release <= checked[1]
+def _outside(found: str | None, checked: tuple[tuple[int, int], tuple[int, int]]) -> str | None:
+    """The versions ``checked`` (``"2.4 to 2.13"``) when ``found`` is a release outside them, else None."""
+    match = re.match(r"(\d+)\.(\d+)", found or "")
+    if match is None or checked[0] <= (int(match.group(1)), int(match.group(2))) <= checked[1]:
+        return None
+    first, last = (".".join(map(str, r)) for r in checked)
+    return f"{first} to {last}"
 
 
 def check_versions(torch_version: str | None = None, ray_version: str | None = None) -> list[str]:
@@ -447,20 +432,20 @@ def check_versions(torch_version: str | None = None, ray_version: str | None = N
         []
     """
     lines = []
-    found = torch_version if torch_version is not None else _torch_version()
-    if _outside(found, TORCH_CHECKED):
-        first, last = (".".join(map(str, r)) for r in TORCH_CHECKED)
+    found = torch_version if torch_version is not None else _installed("torch")
+    checked = _outside(found, TORCH_CHECKED)
+    if checked:
         lines.append(
             f"raysync reads {TORCH_VERSION_COUNTER} (to tell weights changed in place since an apply), "
-            f"checked with torch {first} to {last}; torch {found} is installed: if it changed, "
+            f"checked with torch {checked}; torch {found} is installed: if it changed, "
             "tests/unit/test_compat.py fails naming it"
         )
     found_ray = ray_version if ray_version is not None else _installed("ray")
-    if _outside(found_ray, RAY_CHECKED):
-        first, last = (".".join(map(str, r)) for r in RAY_CHECKED)
+    checked = _outside(found_ray, RAY_CHECKED)
+    if checked:
         lines.append(
-            f"raysync uses private parts of Ray ({'; '.join(RAY_USES)}), checked with Ray {first} to "
-            f"{last}; Ray {found_ray} is installed: if one changed, tests/unit/test_compat.py and "
+            f"raysync uses private parts of Ray ({'; '.join(RAY_USES)}), checked with Ray {checked}; "
+            f"Ray {found_ray} is installed: if one changed, tests/unit/test_compat.py and "
             "tests/integration/test_compat_ray.py fail naming it"
         )
     for line in lines:

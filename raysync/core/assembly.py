@@ -164,7 +164,7 @@ class Spares:
         """A uint8 buffer of ``nbytes`` (its bytes are whatever was last written there)."""
         with self._lock:
             kept = self._buffers.pop(nbytes, None)
-            if kept is not None and _references(kept[0]) == kept[1]:  # nothing else holds it
+            if kept is not None and sys.getrefcount(kept[0]) == kept[1]:  # nothing else holds it
                 self._buffers[nbytes] = kept  # the newest last
                 return kept[0]
             if nbytes > self._max_bytes:
@@ -175,12 +175,8 @@ class Spares:
             ):
                 del self._buffers[next(iter(self._buffers))]
             kept = self._buffers[nbytes] = [np.empty(nbytes, dtype=np.uint8), 0]
-            kept[1] = _references(kept[0])  # counted as above: the list's, and the call's own
+            kept[1] = sys.getrefcount(kept[0])  # counted as above: the list's, and the call's own
             return kept[0]  # type: ignore[no-any-return]
-
-
-def _references(buffer: np.ndarray) -> int:
-    return sys.getrefcount(buffer)
 
 
 SPARES = Spares(4)

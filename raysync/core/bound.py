@@ -10,7 +10,7 @@ import copy
 import logging
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,13 +22,7 @@ from raysync.core.codec import unpack
 from raysync.core.extract import module_schema
 from raysync.core.layout import _EXTRA, Manifest, _short, validate
 from raysync.core.readonly_pages import read_only_buckets
-from raysync.errors import (
-    InvalidWeightsError,
-    WeightMismatchError,
-)
-
-if TYPE_CHECKING:
-    pass
+from raysync.errors import InvalidWeightsError, WeightMismatchError
 
 __all__ = ["BoundModel"]
 
@@ -96,7 +90,7 @@ class BoundModel:
         self.spare_ids: list[str | None] = [None] * manifest.num_buckets
         self._spare_extra: list[tuple[str, torch.nn.Module, Any]] = []  # the staged version's extra state
         if not view:
-            self._flat = self._allocate()
+            self._flat = codec.allocate(manifest, device=self.device)
             current = {key: getattr(owner, name) for key, (owner, name, _) in self._slots.items()}
             if not any(t.device.type == "meta" for t in current.values()):  # weightless: the apply fills it
                 codec.write(current, manifest, self._flat)
@@ -106,9 +100,6 @@ class BoundModel:
     def layout_hash(self) -> str:
         """The layout this binding was made for."""
         return self.manifest.layout_hash
-
-    def _allocate(self) -> list[torch.Tensor]:
-        return codec.allocate(self.manifest, device=self.device)
 
     def intact(self) -> bool:
         """Whether every parameter and buffer still is the tensor this binding set.
@@ -263,7 +254,7 @@ class BoundModel:
             self._expect()
             return
         _set_extra_state(extras)
-        self._copy_into(self._flat, by_index)
+        codec.copy_into(self._flat, self.manifest, by_index)
         for b in by_index:
             self.ids[b] = ids[b]
         self.mark_clean(by_index)
@@ -283,13 +274,11 @@ class BoundModel:
         if self.view:
             raise RuntimeError("staging needs apply='copy'")
         extras = _extra_targets(self.module, extra_state)
-        if not self._spare:
-            self._spare = self._allocate()
-            self.spare_ids = [None] * self.manifest.num_buckets
+        spare = self.buffers(spare=True)
         missing = [b for b in self.needed(ids, staging=True) if b not in buckets]
         if missing:
             raise ValueError(f"stage() needs bucket(s) {missing}: the spare buffers do not hold them")
-        self._copy_into(self._spare, buckets)
+        codec.copy_into(spare, self.manifest, buckets)
         for b in buckets:
             self.spare_ids[b] = ids[b]
         self._spare_extra = extras
@@ -299,7 +288,7 @@ class BoundModel:
         if self.view:
             raise RuntimeError("apply='view' has no buffers of its own")
         if spare and not self._spare:
-            self._spare = self._allocate()
+            self._spare = codec.allocate(self.manifest, device=self.device)
             self.spare_ids = [None] * self.manifest.num_buckets
         return self._spare if spare else self._flat
 
@@ -353,9 +342,6 @@ class BoundModel:
         self._point_at(self._spare)
         self._flat, self._spare = self._spare, self._flat
         self.ids, self.spare_ids = self.spare_ids, self.ids
-
-    def _copy_into(self, flat: list[torch.Tensor], buckets: Mapping[int, Sequence[np.ndarray]]) -> None:
-        codec.copy_into(flat, self.manifest, buckets)
 
 
 def _extra_targets(

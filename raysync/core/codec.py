@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,12 +23,7 @@ import torch
 from raysync.core.checksums import bucket_checksums, failed_checksums
 from raysync.core.layout import Manifest, TensorEntry
 from raysync.core.readonly import ReadOnlyTensor
-from raysync.errors import (
-    ChecksumError,
-)
-
-if TYPE_CHECKING:
-    pass
+from raysync.errors import ChecksumError
 
 __all__ = [
     "on_gpu",
@@ -57,14 +51,10 @@ def same_bytes(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
         >>> same_bytes([np.zeros(3, np.uint8)], [np.zeros(3, np.uint8)])
         True
     """
-    if len(a) != len(b):
-        return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return all(
-            x.nbytes == y.nbytes and (x.nbytes == 0 or torch.equal(torch.from_numpy(x), torch.from_numpy(y)))
-            for x, y in zip(a, b, strict=True)
-        )
+    return len(a) == len(b) and all(
+        x.nbytes == y.nbytes and (x.nbytes == 0 or torch.equal(_from_numpy(x), _from_numpy(y)))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[np.ndarray]]:
@@ -79,11 +69,9 @@ def pack(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> list[list[n
         >>> pack(t, plan_layout(t))[0][0].dtype
         dtype('uint8')
     """
-    buckets: list[list[np.ndarray]] = [[] for _ in range(manifest.num_buckets)]
-    for b in range(manifest.num_buckets):
-        for entry in manifest.bucket_entries(b):
-            buckets[b].append(_as_bytes(tensors[entry.key]))
-    return buckets
+    return [
+        [_as_bytes(tensors[e.key]) for e in manifest.bucket_entries(b)] for b in range(manifest.num_buckets)
+    ]
 
 
 def on_gpu(tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -195,11 +183,7 @@ def unpack(
         >>> unpack(m, pack(t, m))["w"]
         tensor([0., 1., 2.])
     """
-    out: dict[str, torch.Tensor] = {}
-    for entry in manifest.entries:
-        arr = buckets[entry.bucket][entry.index]
-        out[entry.key] = _tensor_from_bytes(arr, entry, read_only=read_only)
-    return out
+    return {e.key: tensor_of(e, buckets[e.bucket], read_only=read_only) for e in manifest.entries}
 
 
 def tensor_of(entry: TensorEntry, bucket: Sequence[np.ndarray], *, read_only: bool = False) -> torch.Tensor:
@@ -211,18 +195,23 @@ def tensor_of(entry: TensorEntry, bucket: Sequence[np.ndarray], *, read_only: bo
         >>> tensor_of(m.entries[0], pack(t, m)[0])
         tensor([0., 1., 2.])
     """
-    return _tensor_from_bytes(bucket[entry.index], entry, read_only=read_only)
-
-
-def _tensor_from_bytes(arr: np.ndarray, entry: TensorEntry, *, read_only: bool) -> torch.Tensor:
+    arr = bucket[entry.index]
     if arr.nbytes != entry.nbytes:
         raise ChecksumError(
             f"tensor {entry.key!r} arrived with {arr.nbytes} bytes, the manifest says {entry.nbytes}"
         )
+    return _typed(_from_numpy(arr) if arr.nbytes else torch.empty(0, dtype=torch.uint8), entry, read_only)
+
+
+def _from_numpy(arr: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         # Object-store buffers are read-only numpy arrays; torch warns but shares them.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(arr) if arr.nbytes else torch.empty(0, dtype=torch.uint8)
+        return torch.from_numpy(arr)
+
+
+def _typed(flat: torch.Tensor, entry: TensorEntry, read_only: bool) -> torch.Tensor:
+    """``entry``'s tensor over ``flat``, its bytes (read-only: as :class:`ReadOnlyTensor`)."""
     t = flat.view(entry.torch_dtype).reshape(entry.shape)
     return t.as_subclass(ReadOnlyTensor) if read_only else t
 
@@ -296,12 +285,9 @@ def views(
         >>> views(m, allocate(m))["w"].shape
         torch.Size([3])
     """
-    out: dict[str, torch.Tensor] = {}
-    for entry in manifest.entries:
-        t = flats[entry.bucket][entry.offset : entry.offset + entry.nbytes].view(entry.torch_dtype)
-        t = t.reshape(entry.shape)
-        out[entry.key] = t.as_subclass(ReadOnlyTensor) if read_only else t
-    return out
+    return {
+        e.key: _typed(flats[e.bucket][e.offset : e.offset + e.nbytes], e, read_only) for e in manifest.entries
+    }
 
 
 def copy_into(
@@ -327,9 +313,7 @@ def copy_into(
                 continue
             for entry, arr in zip(entries, arrays, strict=True):
                 if entry.nbytes:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", UserWarning)
-                        flats[b][entry.offset : entry.offset + entry.nbytes].copy_(torch.from_numpy(arr))
+                    flats[b][entry.offset : entry.offset + entry.nbytes].copy_(_from_numpy(arr))
 
 
 def flats_of(manifest: Manifest, buckets: Sequence[Sequence[np.ndarray]]) -> list[torch.Tensor]:

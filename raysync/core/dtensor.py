@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from raysync.core.shards import ShardPiece, TensorSpec
+from raysync.core.layout import _dtype_name
+from raysync.core.shards import ShardPiece, TensorSpec, chunk
 from raysync.errors import InvalidWeightsError
 
 __all__ = ["LocalPart", "is_sharded", "local_part", "mesh_of", "mesh_rank"]
@@ -41,8 +42,7 @@ def is_sharded(tensors: Mapping[str, torch.Tensor]) -> bool:
         >>> is_sharded({"w": torch.zeros(2)})
         False
     """
-    cls = _dtensor_class()
-    return cls is not None and any(isinstance(t, cls) for t in tensors.values())
+    return mesh_of(tensors) is not None
 
 
 def mesh_of(tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -80,13 +80,10 @@ class LocalPart:
 
     def pieces(self, manifest: Any) -> tuple[ShardPiece, ...]:
         """The pieces, placed in this rank's own layout ``manifest``."""
-        out = []
-        for entry in manifest.entries:
-            offsets, lengths = self.boxes[entry.key]
-            out.append(
-                ShardPiece(entry.key, self.rank, entry.bucket, entry.index, entry.nbytes, offsets, lengths)
-            )
-        return tuple(out)
+        return tuple(
+            ShardPiece(e.key, self.rank, e.bucket, e.index, e.nbytes, *self.boxes[e.key])
+            for e in manifest.entries
+        )
 
 
 @torch.no_grad()  # the local shards are only read: no autograd around them
@@ -135,10 +132,8 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
         for dim, p in enumerate(t.placements):
             if isinstance(p, Shard):
                 d = p.dim % max(len(shape), 1)
-                chunk = -(-lengths[d] // sizes[dim]) if lengths[d] else 0
-                start = min(coord[dim] * chunk, lengths[d])
+                start, lengths[d] = chunk(lengths[d], sizes[dim], coord[dim])
                 offsets[d] += start
-                lengths[d] = max(0, min(lengths[d], start + chunk) - start)
             elif isinstance(p, Replicate):
                 owner = owner and coord[dim] == 0
             else:
@@ -160,7 +155,3 @@ def local_part(tensors: Mapping[str, torch.Tensor]) -> LocalPart:
         if owner and all(lengths):
             local[key], boxes[key] = shard, (tuple(offsets), tuple(lengths))
     return LocalPart(me, world, tuple(sorted(specs, key=lambda s: s.key)), local, boxes)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

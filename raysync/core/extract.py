@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raysync.core.layout import _EXTRA, WeightsLike, _is_extra_key, schema_of
-from raysync.errors import (
-    InvalidWeightsError,
-)
+from raysync.errors import InvalidWeightsError
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -70,8 +68,7 @@ def extract_with_order(
     if module:
         flat = _module_tensors(weights, keep_vars=False, non_persistent=non_persistent)
     elif _is_tensordict(weights):
-        for key, value in weights.flatten_keys(".").items():
-            flat[str(key)] = value
+        flat = {str(key): value for key, value in weights.flatten_keys(".").items()}
     elif isinstance(weights, Mapping):
         _flatten_mapping(weights, "", flat, {})
     else:

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
 import math
 import pickle
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from raysync.errors import (
-    InvalidWeightsError,
-    WeightMismatchError,
-)
+from raysync.errors import InvalidWeightsError, WeightMismatchError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the hub process never loads it
     import torch
@@ -49,9 +45,6 @@ __all__ = [
 ]
 
 
-logger = logging.getLogger(__name__)
-
-
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 """Default bucket size: big enough that a version is a handful of copies."""
 
@@ -63,13 +56,10 @@ EXTRA_STATE_MAX_BYTES = 2**20
 _EXTRA = "_extra_state"  # where state_dict() puts a module's get_extra_state() (torch's suffix)
 
 
-# Ray's serializer aligns out-of-band buffers like this (see ray/includes/serialization.pxi).
+# Ray's serializer aligns out-of-band buffers like this (see ray/includes/serialization.pxi):
+# to _MAJOR_ALIGN bytes from _MAJOR_SIZE bytes on, to _MINOR_ALIGN below.
 _MAJOR_ALIGN = 64
-
-
 _MINOR_ALIGN = 8
-
-
 _MAJOR_SIZE = 2048
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raysync.core.layout import Manifest, plan_specs
-from raysync.core.shards import SHARDED, Box, ShardMap, ShardPiece
+from raysync.core.shards import SHARDED, Box, ShardMap, ShardPiece, chunk
 from raysync.errors import InvalidWeightsError
 
 __all__ = ["TensorParallel", "one_writer", "reshard"]
@@ -78,9 +78,7 @@ class TensorParallel:
                         f"TensorParallel splits {key!r} along dimension {dim}, but it has shape {shape}"
                     )
                 d = dim % len(shape)
-                chunk = -(-shape[d] // self.size) if shape[d] else 0
-                start = min(self.rank * chunk, shape[d])
-                length = max(0, min(shape[d], start + chunk) - start)
+                start, length = chunk(shape[d], self.size, self.rank)
                 offsets = tuple(start if i == d else 0 for i in range(len(shape)))
                 return offsets, tuple(length if i == d else n for i, n in enumerate(shape))
         return None

@@ -5,18 +5,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from types import BuiltinFunctionType, MethodDescriptorType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from raysync import _compat
-from raysync.errors import (
-    ReadOnlyWeightsError,
-)
-
-if TYPE_CHECKING:
-    pass
+from raysync.errors import ReadOnlyWeightsError
 
 __all__ = ["ReadOnlyTensor"]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 import mmap
 import os
@@ -123,7 +124,7 @@ def _bucket(arrays: list[np.ndarray], maps: Mappings, used: dict[int, int]) -> l
     """One bucket's arrays on read-only pages: all at once when one mapping holds them (the usual)."""
     out: list[np.ndarray | None] = [_frozen(a) if a.nbytes == 0 else None for a in arrays]
     todo = [i for i, a in enumerate(arrays) if a.nbytes]
-    spans = {i: (_address(arrays[i]), arrays[i].nbytes) for i in todo if arrays[i].flags.c_contiguous}
+    spans = {i: (int(arrays[i].ctypes.data), arrays[i].nbytes) for i in todo if arrays[i].flags.c_contiguous}
     groups: list[tuple[list[int], Mapping | None]] = []
     if todo and len(spans) == len(todo):
         lo = min(at for at, _ in spans.values())
@@ -163,10 +164,6 @@ def _in_place(
     alias.users.add(owner)
     flat = np.asarray(owner)
     return [flat[at + shift - lo : at + shift - lo + n] for at, n in spans]
-
-
-def _address(arr: np.ndarray) -> int:
-    return int(arr.ctypes.data)
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -260,24 +257,20 @@ def _drop_unused(maps: Mappings) -> None:
             _aliases.remove(alias)
 
 
-_LIBC: list[Any] = []
-
-
+@functools.cache
 def _libc() -> Any:
     """The C library with the calls used here typed, or None (a platform without them)."""
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            if sys.platform.startswith("linux"):
-                libc.mremap.restype = ctypes.c_void_p
-                libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            libc = None
-        _LIBC.append(libc)
-    return _LIBC[0]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        if sys.platform.startswith("linux"):
+            libc.mremap.restype = ctypes.c_void_p
+            libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def _errno() -> str:

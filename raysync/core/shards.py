@@ -39,6 +39,7 @@ __all__ = [
     "ShardPiece",
     "ShardRefs",
     "TensorSpec",
+    "chunk",
     "merge",
 ]
 
@@ -395,7 +396,7 @@ def _check_cover(specs: dict[str, TensorSpec], pieces: list[ShardPiece]) -> None
                 )
         for i, a in enumerate(mine):
             for b in mine[i + 1 :]:
-                if a.numel and b.numel and _overlap(a, b):
+                if a.numel and b.numel and intersect((a.offsets, a.lengths), (b.offsets, b.lengths)):
                     raise InvalidWeightsError(
                         f"tensor {key!r} is pushed twice: ranks {a.rank} and {b.rank} both hold elements "
                         f"from offsets {max(a.offsets, b.offsets)} (a replicated tensor is taken from one "
@@ -409,11 +410,12 @@ def _check_cover(specs: dict[str, TensorSpec], pieces: list[ShardPiece]) -> None
             )
 
 
-def _overlap(a: ShardPiece, b: ShardPiece) -> bool:
-    return all(
-        oa < ob + nb and ob < oa + na
-        for oa, na, ob, nb in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)
-    )
+def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``(start, length)`` of part ``i`` of ``n`` elements cut in ``parts`` as torch's ``Shard`` cuts
+    them: ``ceil(n / parts)`` each, the last parts shorter or empty (``chunk(5, 2, 1) == (3, 2)``)."""
+    size = -(-n // parts) if n else 0
+    start = min(i * size, n)
+    return start, max(0, min(n, start + size) - start)
 
 
 def intersect(a: Box, b: Box) -> Box | None:

@@ -473,6 +473,3 @@ def local_ray(config: BenchConfig) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-
-
-# ---------------------------------------------------------------------- report

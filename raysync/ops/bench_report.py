@@ -16,9 +16,6 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from raysync.ops.report_numbers import ms_text as _ms
-from raysync.ops.report_numbers import ratio_text
-
 __all__ = ["CHECKS", "KIB", "LARGE_MIB", "MIB", "print_report", "size_label"]
 
 KIB, MIB = 2**10, 2**20
@@ -58,6 +55,39 @@ CHECKS: dict[str, tuple[float, str, str, str]] = {
 """Per check: its bound (a ratio to its floor), what it measures, its floor, what a miss means."""
 
 
+MAX_RATIO_DIGITS = 6
+"""The most decimals :func:`ratio_text` prints before it says ``>bound`` instead."""
+
+
+def ms_text(seconds: float | None) -> str:
+    """Seconds as milliseconds with two decimals; ``-`` for None.
+
+    Example:
+        >>> ms_text(0.0123456)
+        '12.35 ms'
+    """
+    return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def ratio_text(ratio: float, bound: float) -> str:
+    """``ratio`` with two decimals, or as many more as it takes to read on its side of ``bound``.
+
+    A check is met when ``ratio <= bound``. Rounded to two decimals, 1.3012 would print as
+    ``1.30`` beside the bound ``<= 1.3`` and read as met; it prints as ``1.301`` instead. A ratio
+    above the bound by less than :data:`MAX_RATIO_DIGITS` decimals show prints as ``>1.3``.
+
+    Example:
+        >>> ratio_text(1.2345, 1.3), ratio_text(1.3012, 1.3), ratio_text(1.3 + 1e-9, 1.3)
+        ('1.23', '1.301', '>1.3')
+    """
+    met = ratio <= bound
+    for digits in range(2, MAX_RATIO_DIGITS + 1):
+        text = f"{ratio:.{digits}f}"
+        if (float(text) <= bound) == met:
+            return text
+    return f">{bound:g}"  # only a miss can get here: a met ratio rounded down stays met
+
+
 def size_label(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
 
@@ -92,7 +122,8 @@ def print_report(report: Mapping[str, Any], *, where: str = "", file: TextIO | N
         ok = "-" if r.get("verified") is None else "yes" if r["verified"] else "NO"
         print(
             f"  {'met ' if r.get('met') else 'MISS'}  {r['check']:<{check_w}}  {r['where']:<{where_w}} "
-            f"{_ms(r.get('measured_s')):>10} {_ms(r.get('floor_s')):>10} {ratio:>6}  <= {r['bound']:<4} {ok}",
+            f"{ms_text(r.get('measured_s')):>10} {ms_text(r.get('floor_s')):>10} {ratio:>6}  "
+            f"<= {r['bound']:<4} {ok}",
             file=out,
         )
     missed = [r for r in rows if not r.get("met")]

@@ -40,13 +40,10 @@ from typing import Any, TextIO, cast
 
 from raysync._protocol import DEFAULT_HUB, DEFAULT_NAMESPACE
 from raysync.ops import bench
+from raysync.ops.bench_report import MIB
 from raysync.ops.cluster_connect import ClusterUnreachable, connect, error_line
 
 __all__ = ["main", "render_status"]
-
-logger = logging.getLogger(__name__)
-
-MIB = 2**20
 
 
 class CliError(Exception):
@@ -210,7 +207,6 @@ def render_status(
     from rich.table import Table
     from rich.text import Text
 
-    from raysync.ops.status_rows import row_error, row_state
     from raysync.ops.terminal_text import cell, printable  # every string from the hub: escaped text
 
     out = file or sys.stdout
@@ -301,6 +297,34 @@ def render_status(
         for s in errors:
             who = f"{printable(s.get('subscriber'))} ({printable(s.get('model_id'))})"
             console.print(f"  {who}: {printable(row_error(s))}", markup=False)
+
+
+# A subscriber whose model does not fit its model id's versions (a *misfit*: the hub keeps it
+# registered but hands it no version) shows as state ``misfit``, with the reason (which tensors)
+# where its last error goes.
+def row_state(row: Mapping[str, Any]) -> str:
+    """``misfit`` for a live misfit subscriber; else its state (``live``, ``unreachable``, ...).
+
+    Example:
+        >>> row_state({"state": "unreachable"})
+        'unreachable'
+    """
+    state = str(row.get("state"))
+    return "misfit" if row.get("misfit") and state == "live" else state
+
+
+def row_error(row: Mapping[str, Any]) -> str | None:
+    """Its last error; for a misfit, why its model does not fit (and that it is not handed versions).
+
+    Example:
+        >>> row_error({"last_error": None, "misfit": "shape mismatch w: pushed (4,), model (3,)"})
+        'not handed versions, its model does not fit them: shape mismatch w: pushed (4,), model (3,)'
+    """
+    misfit = row.get("misfit")
+    if misfit:
+        return f"not handed versions, its model does not fit them: {misfit}"
+    error = row.get("last_error")
+    return None if not error else str(error)
 
 
 def _fmt(value: Any) -> str:

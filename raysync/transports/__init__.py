@@ -13,15 +13,7 @@ Pick one per push with ``hub.push(..., transport=...)`` or per client with
 torch.distributed) are :mod:`raysync.channels`.
 """
 
-from typing import Any
+# From the registry, which imports no torch: the hub's process imports the doorbell from here.
+from raysync.transports.registry import TRANSPORTS
 
 __all__ = ["TRANSPORTS"]
-
-
-def __getattr__(name: str) -> Any:
-    # Lazily: the hub's process imports the doorbell from here, and must not load torch.
-    if name == "TRANSPORTS":
-        from raysync.transports.base import TRANSPORTS
-
-        return TRANSPORTS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ import torch
 from raysync.core.codec import same_bytes
 from raysync.core.layout import Manifest
 from raysync.transports import registry
-from raysync.transports.registry import TransportInfo
+from raysync.transports.registry import TRANSPORTS, TransportInfo, check_transport
 
 __all__ = [
     "TRANSPORTS",
@@ -30,10 +30,6 @@ __all__ = [
     "check_transport",
     "transport_for",
 ]
-
-TRANSPORTS = tuple(n for n in registry.BUILTIN if n != "sharded")  # the hub names "sharded" versions
-"""raysync's own data paths, by name (``hub.push(transport=...)``, ``raysync.connect(transport=...)``)."""
-
 
 Reuse = Callable[[int, list[Any]], Any]
 """``(bucket index, packed bucket) -> ObjectRef | None``: a previous version's object to re-use."""
@@ -158,11 +154,6 @@ class ReceivesInPlace(Protocol):
         buffers of ``bound`` (a :class:`~raysync.core.bound.BoundModel`), which the caller swaps in;
         the bytes received."""
         ...
-
-
-def check_transport(transport: Any) -> None:
-    """Raise ``ValueError`` unless ``transport`` names a data path (see :mod:`.registry`)."""
-    registry.check_transport(transport)
 
 
 def transport_for(name: str) -> Transport:

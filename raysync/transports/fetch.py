@@ -98,13 +98,13 @@ async def fetch_async(
 ) -> dict[int, Any]:
     """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
     manifest, refs = _as_taken(manifest, refs, target)
-    transport = transport_class(manifest.transport)
-    native = getattr(transport, "fetch_async", None)
+    native = getattr(transport_class(manifest.transport), "fetch_async", None)
     if native is not None:
         arrays = await asyncio.wait_for(native(manifest, refs, list(needed)), timeout)
     else:
-        fetch = fetcher(manifest.transport)
-        arrays = await asyncio.to_thread(fetch, manifest, refs, list(needed), timeout=timeout)
+        arrays = await asyncio.to_thread(
+            fetcher(manifest.transport), manifest, refs, list(needed), timeout=timeout
+        )
     return verified(manifest, needed, arrays, verify=verify)
 
 
@@ -135,13 +135,9 @@ def at_hand(
 
 def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> dict[int, Any]:
     """``fetched``, once its checksums are checked as asked (``ChecksumError`` if one differs)."""
-    shards = manifest.shards
-    if shards is not None:  # its ranks' buckets carry the checksums (checked before any assembly)
-        if verify is True or (verify == "if_present" and shards.checksums):
-            verify_fetched(manifest, fetched)
-        return fetched
-    if verify is True or (verify == "if_present" and manifest.checksums):
-        verify_checksums(manifest, fetched)
+    shards = manifest.shards  # a sharded version's rank buckets carry its checksums (checked before assembly)
+    if verify is True or (verify == "if_present" and (manifest if shards is None else shards).checksums):
+        (verify_checksums if shards is None else verify_fetched)(manifest, fetched)
     return fetched
 
 

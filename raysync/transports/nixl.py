@@ -10,7 +10,7 @@ Lifecycle of one version (which side runs what):
   buffer set is reused only after ``wait_tensor_freed`` says so (double
   buffering: the hub's ``keep`` versions plus those in flight).
 - **hub**: unchanged; it forwards the refs.
-- **receiver** (:func:`receive_into`, used by ``@synced_model``): both bucket
+- **receiver** (:meth:`NixlTransport.receive_into`, used by ``@synced_model``): both bucket
   sets of its :class:`~raysync.core.bound.BoundModel` are registered with NIXL
   once per layout; each version is received with ``set_target_for_ref``
   straight into the spare set (receiving is the copy) and then swapped in
@@ -47,7 +47,7 @@ from raysync.errors import SyncTimeoutError
 from raysync.transports import registry
 from raysync.transports.base import Reuse, Snapshot
 
-__all__ = ["UCX_ENV", "NixlSnapshotPool", "NixlTransport", "receive_into", "register_for_life"]
+__all__ = ["UCX_ENV", "NixlSnapshotPool", "NixlTransport", "register_for_life"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,21 +199,41 @@ def _deregister(buffers: tuple[torch.Tensor, ...]) -> None:
 
 class NixlTransport:
     """The NIXL data path, both sides: the trainer keeps one buffer pool per model (whole versions
-    only); receivers receive in place (:func:`receive_into`)."""
+    only); receivers receive in place (:meth:`receive_into`)."""
 
     name = "nixl"
     info = registry.info("nixl")
 
     @staticmethod
     def receive_into(
-        bound: Any,
-        refs: Sequence[Any],
+        bound: BoundModel,
+        refs: Sequence[ray.ObjectRef],
         ids: Sequence[str | None],
         *,
         timeout: float,
         extra_state: Sequence[tuple[str, bytes]] = (),
     ) -> int:
-        return receive_into(bound, refs, ids, timeout=timeout, extra_state=extra_state)
+        """Receiver side: fetch the buckets the spare set lacks straight into it; returns bytes received.
+
+        The caller then swaps (``bound.swap()``) under its write lock; ``extra_state``
+        (the version's ``Manifest.extra_state``) is set by that swap.
+        """
+        from ray.experimental import set_target_for_ref
+
+        _prepare_ucx()
+        if not getattr(bound, "_nixl_registered", False):
+            register_for_life((*bound.buffers(), *bound.buffers(spare=True)), bound)
+            bound._nixl_registered = True  # type: ignore[attr-defined]
+        spare = bound.buffers(spare=True)
+        needed = bound.needed(ids, staging=True)
+        for b in needed:
+            set_target_for_ref(refs[b], [spare[b]])
+        received: Any = ray.get([refs[b] for b in needed], timeout=timeout)
+        for b, (tensor,) in zip(needed, received, strict=True):
+            if tensor.data_ptr() != spare[b].data_ptr():  # not received in place: copy it there
+                spare[b].copy_(tensor)
+        bound.mark_staged(needed, ids, extra_state=extra_state)
+        return sum(bound.manifest.bucket_nbytes[b] for b in needed)
 
     def __init__(self) -> None:
         self._pools: dict[str, NixlSnapshotPool] = {}
@@ -249,34 +269,3 @@ def _is_free(buffer: torch.Tensor) -> bool:
     except Exception:
         return False
     return True
-
-
-def receive_into(
-    bound: BoundModel,
-    refs: Sequence[ray.ObjectRef],
-    ids: Sequence[str | None],
-    *,
-    timeout: float,
-    extra_state: Sequence[tuple[str, bytes]] = (),
-) -> int:
-    """Receiver side: fetch the buckets the spare set lacks straight into it; returns bytes received.
-
-    The caller then swaps (``bound.swap()``) under its write lock; ``extra_state``
-    (the version's ``Manifest.extra_state``) is set by that swap.
-    """
-    from ray.experimental import set_target_for_ref
-
-    _prepare_ucx()
-    if not getattr(bound, "_nixl_registered", False):
-        register_for_life((*bound.buffers(), *bound.buffers(spare=True)), bound)
-        bound._nixl_registered = True  # type: ignore[attr-defined]
-    spare = bound.buffers(spare=True)
-    needed = bound.needed(ids, staging=True)
-    for b in needed:
-        set_target_for_ref(refs[b], [spare[b]])
-    received: Any = ray.get([refs[b] for b in needed], timeout=timeout)
-    for b, (tensor,) in zip(needed, received, strict=True):
-        if tensor.data_ptr() != spare[b].data_ptr():  # not received in place: copy it there
-            spare[b].copy_(tensor)
-    bound.mark_staged(needed, ids, extra_state=extra_state)
-    return sum(bound.manifest.bucket_nbytes[b] for b in needed)

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,41 +61,31 @@ class ObjectStoreTransport:
         reuse: Reuse | None = None,
     ) -> Snapshot:
         gpu = on_gpu(tensors)
-        if gpu:
-            with self._staging_lock:
-                return self._snapshot(tensors, manifest, gpu, checksum, reuse)
-        return self._snapshot(tensors, manifest, gpu, checksum, reuse)
-
-    def _snapshot(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        manifest: Manifest,
-        gpu: bool,
-        checksum: bool,
-        reuse: Reuse | None,
-    ) -> Snapshot:
-        buckets = [] if gpu else pack(tensors, manifest)
-        checksums: list[int] = []
-        refs = []
-        put_bytes = puts = 0
-        for b in range(manifest.num_buckets):
-            # GPU weights go a bucket at a time through one page-locked staging buffer.
-            bucket = stage_bucket(tensors, manifest, b, self._staging_for(manifest)) if gpu else buckets[b]
+        # GPU weights go a bucket at a time through one page-locked staging buffer (one push at a time).
+        with self._staging_lock if gpu else contextlib.nullcontext():
+            buckets = [] if gpu else pack(tensors, manifest)
+            checksums: list[int] = []
+            refs = []
+            put_bytes = puts = 0
+            for b in range(manifest.num_buckets):
+                bucket = (
+                    stage_bucket(tensors, manifest, b, self._staging_for(manifest)) if gpu else buckets[b]
+                )
+                if checksum:
+                    checksums.extend(bucket_checksums([bucket]))
+                ref = reuse(b, bucket) if reuse is not None else None
+                if ref is None:
+                    require_ray("push")  # a push racing ray.shutdown(): fail, never start a new Ray
+                    ref = _compat.put_no_start(bucket)
+                    put_bytes += manifest.bucket_nbytes[b]
+                    puts += 1
+                refs.append(ref)
+                del bucket
+            del buckets
             if checksum:
-                checksums.extend(bucket_checksums([bucket]))
-            ref = reuse(b, bucket) if reuse is not None else None
-            if ref is None:
-                require_ray("push")  # a push racing ray.shutdown(): fail, never start a new Ray
-                ref = _compat.put_no_start(bucket)
-                put_bytes += manifest.bucket_nbytes[b]
-                puts += 1
-            refs.append(ref)
-            del bucket
-        del buckets
-        if checksum:
-            manifest = manifest.with_checksums(tuple(checksums))
-        populate_store_mapping(True, put_bytes)  # once per process: later puts take no page faults
-        return Snapshot(manifest, refs, put_bytes, puts)
+                manifest = manifest.with_checksums(tuple(checksums))
+            populate_store_mapping(True, put_bytes)  # once per process: later puts take no page faults
+            return Snapshot(manifest, refs, put_bytes, puts)
 
     @staticmethod
     def fetch(

@@ -26,7 +26,10 @@ from typing import Any
 
 from raysync.errors import RaySyncError
 
-__all__ = ["BUILTIN", "DEFAULT", "TransportInfo", "check_transport", "fetcher", "info", "transport_class"]
+__all__ = [
+    "BUILTIN", "DEFAULT", "TRANSPORTS", "TransportInfo", "check_transport", "fetcher", "info",
+    "transport_class",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ BUILTIN: dict[str, tuple[str, TransportInfo]] = {
     ),
 }
 """The data paths raysync ships: name -> (``module:Class``, what it allows)."""
+
+TRANSPORTS = tuple(n for n in BUILTIN if n != "sharded")  # the hub names "sharded" versions
+"""raysync's own data paths, by name (``hub.push(transport=...)``, ``raysync.connect(transport=...)``)."""
 
 DEFAULT = "object_store"
 """The data path a push takes unless told otherwise (and every sharded push)."""

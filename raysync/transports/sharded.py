@@ -29,30 +29,16 @@ from raysync.core.assembly import assemble, bucket_plan, check_sizes, fill, veri
 from raysync.core.layout import Manifest
 from raysync.core.shards import SHARDED
 from raysync.transports import registry
-from raysync.transports.base import Reuse, Snapshot, transport_for
 
 __all__ = ["Assembly", "ShardedTransport", "verify_fetched"]
 
 
 class ShardedTransport:
-    """Both sides of a sharded version's data path (see the module's docstring)."""
+    """The receivers' side of a sharded version's data path (see the module's docstring): its ranks
+    push over the object store's own (``pushable=False``: no pusher names this one)."""
 
     name = SHARDED
     info = registry.info(SHARDED)
-
-    def snapshot(
-        self,
-        model_id: str,
-        tensors: Mapping[str, torch.Tensor],
-        manifest: Manifest,
-        *,
-        checksum: bool = False,
-        reuse: Reuse | None = None,
-    ) -> Snapshot:
-        """Trainer side, one rank: its own pieces (laid out in ``manifest``) into the object store."""
-        return transport_for("object_store").snapshot(
-            model_id, tensors, manifest, checksum=checksum, reuse=reuse
-        )
 
     @staticmethod
     def fetch(

@@ -162,11 +162,15 @@ class Doorbell:
         self._trusted.add(conn)  # its first message was a ring made with our key: a ringer's
         return [(*checked, conn), *self._read_trusted(conn)]
 
-    def _accept(self) -> None:
-        now = time.monotonic()
+    def _may_accept(self, now: float) -> bool:
+        """Top the accept budget up to ``now``: whether a new connection may be accepted."""
         self._tokens = min(ACCEPT_PER_S, self._tokens + (now - self._refilled) * ACCEPT_PER_S)
         self._refilled = now
-        while self._tokens >= 1 and len(self._probation) < PROBATION:
+        return self._tokens >= 1 and len(self._probation) < PROBATION
+
+    def _accept(self) -> None:
+        now = time.monotonic()
+        while self._may_accept(now):
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -182,8 +186,7 @@ class Doorbell:
                 continue
             self._probation[conn] = now + PROBATION_S
             self._selector.register(conn, selectors.EVENT_READ)
-        full = self._tokens < 1 or len(self._probation) >= PROBATION
-        if full and self._listening:  # leave the rest in the kernel's queue for now
+        if self._listening and not self._may_accept(now):  # leave the rest in the kernel's queue for now
             self._selector.unregister(self._listener)
             self._listening = False
 
@@ -193,12 +196,9 @@ class Doorbell:
             if deadline <= now:
                 self.drops.drop("silent connection")
                 self._close(conn)
-        if not self._listening:
-            self._tokens = min(ACCEPT_PER_S, self._tokens + (now - self._refilled) * ACCEPT_PER_S)
-            self._refilled = now
-            if self._tokens >= 1 and len(self._probation) < PROBATION:
-                self._selector.register(self._listener, selectors.EVENT_READ)
-                self._listening = True
+        if not self._listening and self._may_accept(now):
+            self._selector.register(self._listener, selectors.EVENT_READ)
+            self._listening = True
 
     def _close(self, conn: socket.socket) -> None:
         self._probation.pop(conn, None)

@@ -34,7 +34,6 @@ RING = struct.Struct("<4sHHQqQQQH")
 ACK = struct.Struct("<4sHHQq")
 SEG = struct.Struct("<4sHHq")
 U8, U16, U32, U64, I64, F64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q", "<q", "<d"))
-ROW = struct.Struct("<ddqq")
 
 
 class WireError(ValueError):
@@ -90,12 +89,19 @@ class Reader:
             raise WireError(f"{n} {what}, over the limit of {limit}")
         return n
 
-    def text(self, limit: int = MAX_STR, *, nonempty: bool = False) -> str:
-        n = self.one(U16)
-        if n > limit or self.pos + n > self.end:
-            raise WireError("string over its limit or past the record's end")
+    def raw(self, n: int, what: str) -> bytes:
+        """The next ``n`` bytes, ``what`` (for the error) when they run past ``end``."""
+        if self.pos + n > self.end:
+            raise WireError(f"{what} past the record's end")
         raw = bytes(self.data[self.pos : self.pos + n])
         self.pos += n
+        return raw
+
+    def text(self, limit: int = MAX_STR, *, nonempty: bool = False) -> str:
+        n = self.one(U16)
+        if n > limit:
+            raise WireError("string over its limit")
+        raw = self.raw(n, "string")
         try:
             value = raw.decode("utf-8")
         except UnicodeDecodeError as err:

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from raysync._protocol import ApplyReport, RelayAck, RelayReply, Ring
+from raysync.core.kept import Kept
 from raysync.transports.doorbell.fields import (
     ACK,
     I64,
@@ -44,9 +44,7 @@ from raysync.transports.doorbell.fields import (
     MAX_ENTRIES,
     MAX_ERROR,
     MAX_SUBS,
-    NONE_I64,
     RING,
-    ROW,
     SEG,
     U8,
     U16,
@@ -150,14 +148,10 @@ def encode_ack(key: bytes, token: int, version: int, reply: RelayReply) -> bytes
     out.put(U16, len(reply.applied))
     for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
         out.text(sub_id)
-        out.parts.append(
-            ROW.pack(
-                math.nan if apply_s is None else apply_s,
-                math.nan if pause_s is None else pause_s,
-                NONE_I64 if buckets is None else buckets,
-                NONE_I64 if nbytes is None else nbytes,
-            )
-        )
+        out.opt_float(apply_s)
+        out.opt_float(pause_s)
+        out.opt_int(buckets)
+        out.opt_int(nbytes)
     out.put(U16, len(reply.acks))
     for ack in reply.acks:
         out.text(ack.sub_id)
@@ -239,16 +233,7 @@ def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayRep
     rows = []
     for _ in range(r.count(U16, MAX_SUBS, "rows")):
         sub_id = r.text(nonempty=True)
-        apply_s, pause_s, buckets, nbytes = r.take(ROW)
-        rows.append(
-            (
-                sub_id,
-                _duration(apply_s),
-                _duration(pause_s),
-                _opt_count(buckets),
-                _opt_count(nbytes),
-            )
-        )
+        rows.append((sub_id, r.opt_float(), r.opt_float(), r.opt_int(), r.opt_int()))
     acks = []
     for _ in range(r.count(U16, MAX_SUBS, "acks")):
         sub_id = r.text(nonempty=True)
@@ -271,37 +256,20 @@ def decode_ack(key: bytes, data: bytes | memoryview) -> tuple[int, int, RelayRep
     return token, version, RelayReply(tuple(acks), tuple(rows))
 
 
-def _duration(value: float) -> float | None:
-    if math.isnan(value):
-        return None
-    if math.isinf(value) or value < 0:
-        raise WireError(f"duration {value} is not a finite non-negative number")
-    return float(value)
-
-
-def _opt_count(value: int) -> int | None:
-    if value == NONE_I64:
-        return None
-    if value < 0:
-        raise WireError(f"negative count {value}")
-    return int(value)
-
-
 def _error(text: str) -> BaseException | None:
     return RuntimeError(text) if text else None
 
 
 # ---------------------------------------------------------------------------- segment headers
-_LAYOUTS_KEPT = 8  # encoded / decoded layouts remembered (a layout repeats version after version)
-_encoded_layouts: dict[tuple[str, str], bytes] = {}
-_decoded_layouts: dict[bytes, tuple[Any, ...]] = {}
+# Encoded / decoded layouts remembered (a layout repeats version after version).
+_encoded_layouts: Kept[bytes] = Kept(8)
+_decoded_layouts: Kept[tuple[Any, ...]] = Kept(8)
 
 
 def _layout_blob(manifest: Any) -> bytes:
     """The part of a manifest that only changes with its layout: entries, buckets, hash, transport."""
-    key = (manifest.layout_hash, manifest.transport)
-    blob = _encoded_layouts.get(key)
-    if blob is None:
+
+    def encode() -> bytes:
         out = Writer()
         out.put(U32, len(manifest.entries))
         for e in manifest.entries:
@@ -319,18 +287,13 @@ def _layout_blob(manifest: Any) -> bytes:
             out.put(U64, n)
         out.text(manifest.layout_hash, 256)
         out.text(manifest.transport, 64)
-        blob = out.bytes()
-        if len(_encoded_layouts) >= _LAYOUTS_KEPT:
-            _encoded_layouts.clear()
-        _encoded_layouts[key] = blob
-    return blob
+        return out.bytes()
+
+    return _encoded_layouts.get((manifest.layout_hash, manifest.transport), encode)
 
 
 def _read_layout(blob: bytes) -> tuple[Any, ...]:
-    """``(entries, bucket_nbytes, layout_hash, transport)`` of a layout blob, checked (and remembered)."""
-    known = _decoded_layouts.get(blob)
-    if known is not None:
-        return known
+    """``(entries, bucket_nbytes, layout_hash, transport)`` of a layout blob, checked."""
     from raysync.core.layout import TensorEntry  # torch-free
 
     r = Reader(blob)
@@ -353,11 +316,7 @@ def _read_layout(blob: bytes) -> tuple[Any, ...]:
     for e in entries:
         if e.bucket >= len(bucket_nbytes) or e.offset + e.nbytes > bucket_nbytes[e.bucket]:
             raise WireError(f"entry {e.key!r} does not fit its bucket")
-    known = (tuple(entries), bucket_nbytes, layout_hash, transport)
-    if len(_decoded_layouts) >= _LAYOUTS_KEPT:
-        _decoded_layouts.clear()
-    _decoded_layouts[blob] = known
-    return known
+    return tuple(entries), bucket_nbytes, layout_hash, transport
 
 
 def encode_segment_header(
@@ -419,12 +378,8 @@ def decode_segment_header(
     if magic != b"RSSG" or wire != WIRE_VERSION or flags != 0 or version < 0:
         raise WireError("not a raysync segment of this wire version")
     model_id = r.text(nonempty=True)
-    n = r.one(U32)
-    if r.pos + n > r.end:
-        raise WireError("layout past the header's end")
-    blob = bytes(r.data[r.pos : r.pos + n])
-    r.pos += n
-    entries, bucket_nbytes, layout_hash, transport = _read_layout(blob)
+    blob = r.raw(r.one(U32), "layout")
+    entries, bucket_nbytes, layout_hash, transport = _decoded_layouts.get(blob, lambda: _read_layout(blob))
     checksums = None
     if r.one(U8):
         checksums = tuple(r.one(U32) for _ in range(r.count(U32, MAX_BUCKETS, "checksums")))
