@@ -42,6 +42,12 @@ VOCAB, TARGET, BOS = 64, 42, 1
 BATCH, LENGTH = 32, 12
 ADAPTER = "policy-lora"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_ENGINE = {  # an engine that serves raysync's adapters
+    "enable_lora": True,
+    "max_lora_rank": 8,
+    "max_loras": 1,
+    "worker_extension_cls": "raysync.engines.vllm_lora.AdapterWorker",
+}
 
 
 def make_policy(seed: int = 0) -> Any:
@@ -82,7 +88,7 @@ class Generator:
             max_num_seqs=BATCH,
             enforce_eager=True,
             weight_transfer_config={"backend": BACKEND},
-            **({"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if lora else {}),
+            **(LORA_ENGINE if lora else {}),
         )
         self.params = vllm.SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
         self.adapter = ADAPTER if lora else None

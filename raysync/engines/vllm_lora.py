@@ -28,9 +28,15 @@ in its manifest: a rank over the engine's ``max_lora_rank``, a target module the
 lacks, a tensor whose shape misfits its module, or a name that is no LoRA tensor is refused
 before any byte is fetched, naming it; the engine keeps serving the version it had.
 
+**The engine's workers get one method from raysync.** The build runs in each worker, through
+``LLM.collective_rpc`` by method name (vLLM sends no functions to an engine core in another
+process), so the engine is created with ``worker_extension_cls=WORKER_EXTENSION``
+(:class:`AdapterWorker`, one method; a class of your own there may derive from it).
+
 Example:
     >>> llm = vllm.LLM(path, enable_lora=True, max_lora_rank=8, max_loras=2,
-    ...                weight_transfer_config={"backend": "raysync"})          # doctest: +SKIP
+    ...                weight_transfer_config={"backend": "raysync"},
+    ...                worker_extension_cls=WORKER_EXTENSION)                  # doctest: +SKIP
     >>> engine = follow_engine(llm, "policy", adapters=["math"])              # doctest: +SKIP
     >>> gen = engine.generate(prompts, params, adapter="math")                # doctest: +SKIP
     >>> gen.version, gen.adapter_version                                      # doctest: +SKIP
@@ -56,7 +62,15 @@ from raysync.receivers.target import Incoming
 if TYPE_CHECKING:
     from raysync.engines.vllm import VLLMEngine
 
-__all__ = ["VLLMAdapter", "adapter_targets", "follow_adapters", "install_adapter", "lora_request"]
+__all__ = [
+    "WORKER_EXTENSION",
+    "AdapterWorker",
+    "VLLMAdapter",
+    "adapter_targets",
+    "follow_adapters",
+    "install_adapter",
+    "lora_request",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +94,13 @@ class VLLMAdapter:
     """
 
     def __init__(self, engine: VLLMEngine, adapter_id: str) -> None:
-        self.lora_config = getattr(engine.llm, "llm_engine", engine.llm).vllm_config.lora_config
-        if self.lora_config is None:
+        config = getattr(engine.llm, "llm_engine", engine.llm).vllm_config
+        self.lora_config = config.lora_config
+        if self.lora_config is None or not _extends(config.parallel_config.worker_extension_cls):
             raise RaySyncError(
-                f"{engine.name}: serving adapter {adapter_id!r} needs an engine created with LoRA on: "
-                "vllm.LLM(..., enable_lora=True, max_lora_rank=<the adapters' rank>, max_loras=<how many>)"
+                f"{engine.name}: serving adapter {adapter_id!r} needs an engine created with LoRA on and "
+                "raysync's worker method: vllm.LLM(..., enable_lora=True, max_lora_rank=<the adapters' "
+                f"rank>, max_loras=<how many>, worker_extension_cls={WORKER_EXTENSION!r})"
             )
         self.engine = engine
         self.adapter_id = adapter_id
@@ -168,7 +184,7 @@ class VLLMAdapter:
         )
         with _IDS_LOCK:
             new_id = next(_IDS)
-        self.engine.llm.collective_rpc(install_adapter, args=(payload, config.as_peft(), new_id, replaces))
+        self.engine.llm.collective_rpc(_METHOD, args=(payload, config.as_peft(), new_id, replaces))
         self.lora_id = new_id
 
     def load_again(self) -> None:
@@ -260,6 +276,34 @@ def follow_adapters(
         except SyncTimeoutError:
             engine.stop()
             raise
+
+
+class AdapterWorker:
+    """vLLM worker extension (``worker_extension_cls=WORKER_EXTENSION``): the method raysync calls
+    in each of the engine's workers to put an adapter version in (:func:`install_adapter`)."""
+
+    def raysync_install_adapter(
+        self, payload: Mapping[str, Any], config: Mapping[str, Any], new_id: int, old_id: int | None
+    ) -> None:
+        install_adapter(self, payload, config, new_id, old_id)
+
+
+WORKER_EXTENSION = f"{__name__}.{AdapterWorker.__qualname__}"
+"""What an engine serving adapters is created with (``vllm.LLM(..., worker_extension_cls=...)``)."""
+_METHOD = "raysync_install_adapter"
+
+
+def _extends(qualname: str) -> bool:
+    """Whether vLLM's ``worker_extension_cls`` gives the workers :class:`AdapterWorker`'s method."""
+    if qualname == WORKER_EXTENSION:
+        return True
+    module, _, name = qualname.rpartition(".")
+    try:
+        import importlib
+
+        return issubclass(getattr(importlib.import_module(module), name), AdapterWorker)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
 
 
 def _other_half(name: str) -> str:

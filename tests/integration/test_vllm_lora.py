@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import raysync  # noqa: E402
 from raysync.engines.vllm import VLLMEngine, follow_engine  # noqa: E402
-from raysync.engines.vllm_lora import VLLMAdapter  # noqa: E402
+from raysync.engines.vllm_lora import WORKER_EXTENSION, VLLMAdapter  # noqa: E402
 from tests.integration.test_vllm import NEW_TOKENS, PROMPTS, hf_model, hf_tokens  # noqa: E402
 
 TIMEOUT = 60.0
@@ -68,15 +68,12 @@ def tokens(engine: VLLMEngine, adapter: str | None = None) -> tuple[list[list[in
     return [list(o.outputs[0].token_ids) for o in gen.outputs], gen.version, gen.adapter_version
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def make_lora_llm(path: str) -> Any:
     from raysync.engines.vllm_transfer import BACKEND, register
 
-    path = tmp_path_factory.mktemp("tiny-llama-lora")
-    hf_model(0).save_pretrained(path)
     register()
-    engine = vllm.LLM(
-        model=str(path),
+    return vllm.LLM(
+        model=path,
         skip_tokenizer_init=True,
         dtype="float32",
         kv_cache_memory_bytes=32 * 2**20,
@@ -87,7 +84,20 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         max_lora_rank=MAX_RANK,
         max_loras=2,
         weight_transfer_config={"backend": BACKEND},
+        worker_extension_cls=WORKER_EXTENSION,
     )
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama-lora")
+    hf_model(0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> Iterator[Any]:
+    engine = make_lora_llm(model_path)
     yield engine
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -125,6 +135,24 @@ def test_an_engine_serves_each_adapter_version_from_memory_stamped_with_both_ver
             tokens(engine, "code")
     finally:
         stop_soon(engine)
+
+
+def test_an_engine_core_in_another_process_gets_each_adapter_version_as_bytes(
+    model_path: str, hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's default: the engine core in a process of its own (the tensors go as plain bytes
+    through vLLM's messages, to raysync's worker method)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = make_lora_llm(model_path)
+    base = hub.push(hf_model(40))
+    adapter = adapter_tensors(41)
+    a1 = hub.push(raysync.lora_adapter(adapter, alpha=ALPHA), "math")
+    engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
+    assert not engine._in_process
+    assert tokens(engine, "math") == (merged_tokens(40, adapter), base, a1)
+    new_base = hub.push(hf_model(42), wait=True, timeout=TIMEOUT)  # vLLM drops adapters: loaded again
+    assert tokens(engine, "math") == (merged_tokens(42, adapter), new_base, a1)
+    stop_soon(engine)
 
 
 def test_a_peft_model_trained_on_its_adapter_alone_is_served_as_peft_runs_it(

@@ -13,7 +13,7 @@ import torch
 import raysync
 from raysync.core.layout import plan_layout
 from raysync.core.lora import adapter_config
-from raysync.engines.vllm_lora import VLLMAdapter, adapter_targets
+from raysync.engines.vllm_lora import WORKER_EXTENSION, AdapterWorker, VLLMAdapter, adapter_targets
 
 P = "base_model.model."
 
@@ -34,13 +34,19 @@ def _manifest(weights: dict[str, Any]) -> Any:
     return plan_layout(tensors).with_extra_state(extra)
 
 
-def _engine(max_rank: int = 8, max_loras: int = 2, lora: bool = True) -> Any:
+def _engine(
+    max_rank: int = 8, max_loras: int = 2, lora: bool = True, extension: str = WORKER_EXTENSION
+) -> Any:
     config = (
         SimpleNamespace(max_lora_rank=max_rank, max_loras=max_loras, max_cpu_loras=None) if lora else None
     )
     schema = {f"layers.{i}.q_proj.weight": (32, 16) for i in range(2)} | {"norm.weight": (16,)}
     return SimpleNamespace(
-        llm=SimpleNamespace(vllm_config=SimpleNamespace(lora_config=config)),
+        llm=SimpleNamespace(
+            vllm_config=SimpleNamespace(
+                lora_config=config, parallel_config=SimpleNamespace(worker_extension_cls=extension)
+            )
+        ),
         name="engine",
         _schema=schema,
         _adapters={},
@@ -121,9 +127,19 @@ def test_an_engine_adapter_refuses_a_misfit_from_the_manifest_alone(
 def test_adapters_need_an_engine_with_lora_that_keeps_them_all() -> None:
     with pytest.raises(raysync.RaySyncError, match="needs an engine created with LoRA on"):
         adapter_targets(_engine(lora=False), ["math"])  # type: ignore[arg-type]
+    with pytest.raises(raysync.RaySyncError, match=f"worker_extension_cls='{WORKER_EXTENSION}'"):
+        adapter_targets(_engine(extension=""), ["math"])  # type: ignore[arg-type]
+    with pytest.raises(raysync.RaySyncError, match="worker_extension_cls"):
+        adapter_targets(_engine(extension="collections.OrderedDict"), ["math"])  # type: ignore[arg-type]
+    own = f"{__name__}.OwnWorker"  # a user's own extension, deriving from raysync's
+    assert adapter_targets(_engine(extension=own), ["math"])  # type: ignore[arg-type]
     with pytest.raises(raysync.RaySyncError, match="3 adapters, more than the engine keeps"):
         adapter_targets(_engine(max_loras=2), ["a", "b", "c"])  # type: ignore[arg-type]
     assert [t.adapter_id for t in adapter_targets(_engine(), ["a", "b"])] == ["a", "b"]  # type: ignore[arg-type]
+
+
+class OwnWorker(AdapterWorker):
+    """A user's worker extension with raysync's method among its own."""
 
 
 def test_a_peft_like_model_gives_its_adapter_alone_and_refuses_what_plain_lora_cannot_carry() -> None:
