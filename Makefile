@@ -49,6 +49,7 @@ demo-torchrl: $(STAMP)
 # A tiny Llama learns by REINFORCE from rollouts of a vLLM engine synced by raysync (about 40 s).
 demo-llm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python examples/llm_rl.py
+	$(VLLM_BIN)/python examples/llm_rl.py --lora
 
 lint: $(STAMP)
 	$(BIN)/ruff check raysync tests examples benchmarks .ci

@@ -86,8 +86,8 @@ def stop_soon(follower: raysync.Follower | None) -> None:
         threading.Thread(target=follower.stop, daemon=True).start()
 
 
-def make_llm(path: str) -> Any:
-    """The tiny engine, in this process (also what the engine actor runs)."""
+def make_llm(path: str, **options: Any) -> Any:
+    """The tiny engine, in this process (also what the engine actor runs); ``options`` for vLLM."""
     from raysync.engines.vllm_transfer import BACKEND, register
 
     register()  # where raysync is not pip-installed (no vllm.general_plugins entry point)
@@ -100,6 +100,7 @@ def make_llm(path: str) -> Any:
         max_num_seqs=4,
         enforce_eager=True,
         weight_transfer_config={"backend": BACKEND},
+        **options,
     )
 
 

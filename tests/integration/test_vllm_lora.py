@@ -26,7 +26,13 @@ import torch  # noqa: E402
 import raysync  # noqa: E402
 from raysync.engines.vllm import VLLMEngine, follow_engine  # noqa: E402
 from raysync.engines.vllm_lora import WORKER_EXTENSION, VLLMAdapter  # noqa: E402
-from tests.integration.test_vllm import NEW_TOKENS, PROMPTS, hf_model, hf_tokens  # noqa: E402
+from tests.integration.test_vllm import (  # noqa: E402
+    NEW_TOKENS,
+    PROMPTS,
+    hf_model,
+    hf_tokens,
+    make_llm,
+)
 
 TIMEOUT = 60.0
 RANK, ALPHA, MAX_RANK = 4, 8.0, 8
@@ -69,22 +75,8 @@ def tokens(engine: VLLMEngine, adapter: str | None = None) -> tuple[list[list[in
 
 
 def make_lora_llm(path: str) -> Any:
-    from raysync.engines.vllm_transfer import BACKEND, register
-
-    register()
-    return vllm.LLM(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        kv_cache_memory_bytes=32 * 2**20,
-        max_model_len=64,
-        max_num_seqs=4,
-        enforce_eager=True,
-        enable_lora=True,
-        max_lora_rank=MAX_RANK,
-        max_loras=2,
-        weight_transfer_config={"backend": BACKEND},
-        worker_extension_cls=WORKER_EXTENSION,
+    return make_llm(
+        path, enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2, worker_extension_cls=WORKER_EXTENSION
     )
 
 
