@@ -37,7 +37,7 @@ from raysync.hub.settings import HubSettings
 if TYPE_CHECKING:
     from raysync.client.connect import connect
     from raysync.client.hub_client import HubClient
-    from raysync.core.lora import lora_adapter
+    from raysync.core.lora import lora_adapter, peft_views
     from raysync.engines.vllm import VLLMEngine, follow_engine
     from raysync.receivers.follower import Follower, follow
     from raysync.receivers.loader import WeightsLoader
@@ -55,6 +55,7 @@ _LAZY = {
     "connect": "raysync.client.connect",
     "Incoming": "raysync.receivers.target",
     "lora_adapter": "raysync.core.lora",
+    "peft_views": "raysync.core.lora",
     "ModuleTarget": "raysync.receivers.target",
     "RayModuleTransform": "raysync.receivers.module_transform",
     "synced_model": "raysync.receivers.synced",
@@ -110,5 +111,6 @@ __all__ = [
     "follow",
     "follow_engine",
     "lora_adapter",
+    "peft_views",
     "synced_model",
 ]

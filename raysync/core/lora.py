@@ -29,7 +29,7 @@ import torch
 from raysync.core.layout import _EXTRA, Manifest
 from raysync.errors import RaySyncError
 
-__all__ = ["PREFIX", "AdapterConfig", "adapter_config", "lora_adapter", "lora_module"]
+__all__ = ["PREFIX", "AdapterConfig", "adapter_config", "lora_adapter", "lora_module", "peft_views"]
 
 PREFIX = "base_model.model."
 """What every tensor name of an adapter version starts with (PEFT's saved layout)."""
@@ -217,3 +217,72 @@ def adapter_config(manifest: Manifest) -> AdapterConfig:
     except (KeyError, TypeError):
         raise RaySyncError(f"an adapter version's config is malformed: {dict(raw)!r:.300}") from None
     return _checked(AdapterConfig(r, float(alpha), tuple(targets), rslora))
+
+
+def peft_views(model: Any, adapter_name: str = "default") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two modules over a PEFT model's own tensors: its base weights under the names a
+    ``transformers`` state dict has, and its adapter under the names :func:`lora_adapter` pushes.
+
+    What an actor with a PEFT model syncs: one ``@synced_model`` per view, the base from the
+    base model's id and the adapter from the adapter's. A version applied to a view is
+    written into the PEFT model's own parameters (the views hold the same tensors, no copy),
+    between the actor's method calls, whole or not at all, as for any module.
+
+    Raises:
+        RaySyncError: no adapter ``adapter_name``, or no LoRA weights for it.
+
+    Example:
+        >>> @ray.remote
+        ... @raysync.synced_model("base", model_id="policy")
+        ... @raysync.synced_model("adapter", model_id="math")
+        ... class Rollout:
+        ...     def __init__(self):
+        ...         self.policy = peft.get_peft_model(make_llama(), lora_config)
+        ...         self.base, self.adapter = raysync.peft_views(self.policy)   # doctest: +SKIP
+    """
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, Mapping) or adapter_name not in peft_config:
+        raise RaySyncError(f"peft_views: not a PEFT model with an adapter {adapter_name!r}")
+    own = f".{adapter_name}."
+    base: dict[str, torch.Tensor] = {}
+    adapter: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if ".lora_A." in name or ".lora_B." in name:
+            if own in name:
+                adapter[name.replace(own, ".")] = tensor
+        elif name.startswith(PREFIX) and ".lora_" not in name:
+            base[name[len(PREFIX) :].replace(".base_layer.", ".")] = tensor
+    if not adapter:
+        raise RaySyncError(f"peft_views: the PEFT model has no LoRA weights for adapter {adapter_name!r}")
+    return _view(base, torch.nn.Module()), _view(adapter, _AdapterView())
+
+
+class _AdapterView(torch.nn.Module):
+    """The root of an adapter's view: it takes the config each adapter version carries
+    (its extra state), so that the version applies as a module's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config: dict[str, Any] = {}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return dict(self.config)
+
+    def set_extra_state(self, state: Any) -> None:
+        self.config = dict(state) if isinstance(state, Mapping) else {}
+
+
+def _view(tensors: Mapping[str, torch.Tensor], root: torch.nn.Module) -> torch.nn.Module:
+    """``root`` with ``tensors`` as its state dict, the same tensor objects (parameters stay parameters)."""
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        if isinstance(tensor, torch.nn.Parameter):
+            module.register_parameter(leaf, tensor)
+        else:
+            module.register_buffer(leaf, tensor)
+    return root

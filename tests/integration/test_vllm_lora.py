@@ -129,6 +129,31 @@ def test_an_engine_serves_each_adapter_version_from_memory_stamped_with_both_ver
         stop_soon(engine)
 
 
+def test_two_adapters_on_one_engine_each_newest_with_base_pushes_between(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    """Two adapters (one of rank 2 on other modules), each with its own versions, pushed
+    interleaved with base versions: every request runs with the newest of the adapter it names."""
+    base = hub.push(hf_model(50))
+    held = {"math": adapter_tensors(51), "code": adapter_tensors(52, rank=2, targets=("k_proj", "o_proj"))}
+    versions = {name: hub.push(raysync.lora_adapter(t, alpha=ALPHA), name) for name, t in held.items()}
+    engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math", "code"])
+    try:
+        for step in range(3):
+            for name in ("math", "code"):
+                if step:  # a new version of each adapter, and a new base after the first
+                    ranked = {"math": (RANK, TARGETS), "code": (2, ("k_proj", "o_proj"))}[name]
+                    held[name] = adapter_tensors(60 + 2 * step + len(name), *ranked)
+                    versions[name] = hub.push(
+                        raysync.lora_adapter(held[name], alpha=ALPHA), name, wait=True, timeout=TIMEOUT
+                    )
+                assert tokens(engine, name) == (merged_tokens(50 + step, held[name]), base, versions[name])
+            base = hub.push(hf_model(51 + step), wait=True, timeout=TIMEOUT)
+        assert tokens(engine, "math")[0] != tokens(engine, "code")[0]  # two adapters, two answers
+    finally:
+        stop_soon(engine)
+
+
 def test_an_engine_core_in_another_process_gets_each_adapter_version_as_bytes(
     model_path: str, hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -180,6 +205,53 @@ def test_a_peft_model_trained_on_its_adapter_alone_is_served_as_peft_runs_it(
         assert any(got != base_tokens for got in seen)  # the adapter changed what the engine says
     finally:
         stop_soon(engine)
+
+
+def test_an_actor_with_a_peft_model_follows_base_and_adapter_versions_bit_for_bit(
+    hub: raysync.HubClient, hub_name: str
+) -> None:
+    """An actor holding a PEFT model syncs its base and its adapter as two models
+    (``raysync.peft_views``): after each adapter push it holds the trainer's adapter exactly,
+    says which version, and its tokens are the trainer's PEFT model's."""
+    import ray
+
+    peft = pytest.importorskip("peft")
+    config = {"r": RANK, "lora_alpha": 16, "target_modules": list(TARGETS), "lora_dropout": 0.0}
+
+    @ray.remote(num_cpus=0)
+    @raysync.synced_model("base", model_id="policy", hub=hub_name)
+    @raysync.synced_model("adapter", model_id="math", hub=hub_name)
+    class Rollout:
+        def __init__(self) -> None:
+            import peft
+
+            self.policy = peft.get_peft_model(hf_model(0), peft.LoraConfig(**config)).eval()
+            self.base, self.adapter = raysync.peft_views(self.policy)
+
+        def held(self) -> tuple[dict[str, torch.Tensor], list[list[int]], int | None, int | None]:
+            lora = {k: v.detach().clone() for k, v in self.policy.state_dict().items() if "lora_" in k}
+            versions = (self.raysync_version(model_id="policy"), self.raysync_version(model_id="math"))  # type: ignore[attr-defined]
+            return lora, hf_tokens(self.policy), *versions
+
+    trainer = peft.get_peft_model(hf_model(70), peft.LoraConfig(**config)).eval()
+    optimizer = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=0.05, foreach=True)
+    base = hub.push(hf_model(70))
+    actor = Rollout.remote()  # type: ignore[attr-defined]
+    for step in range(3):
+        loss = -trainer(torch.tensor([PROMPTS[0]])).logits[0, -1].log_softmax(-1)[step + 7]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        v = hub.push(raysync.lora_adapter(trainer), "math")
+        hub.wait(v, "math", timeout=TIMEOUT, subscribers=1)  # the actor holds it (and registered)
+        lora, got, base_version, adapter_version = ray.get(actor.held.remote(), timeout=TIMEOUT)
+        mine = {k: t.detach() for k, t in trainer.state_dict().items() if "lora_" in k}
+        assert sorted(lora) == sorted(mine) and all(torch.equal(lora[k], mine[k]) for k in mine), (
+            f"step {step}"
+        )
+        assert (base_version, adapter_version) == (base, v)
+        assert got == hf_tokens(trainer)
+    ray.kill(actor)
 
 
 @pytest.mark.parametrize(

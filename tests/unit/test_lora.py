@@ -161,3 +161,26 @@ def test_a_peft_like_model_gives_its_adapter_alone_and_refuses_what_plain_lora_c
     model.peft_config = {"default": SimpleNamespace(lora_alpha=16, use_dora=True)}  # type: ignore[assignment]
     with pytest.raises(raysync.RaySyncError, match=r"uses \['use_dora'\]"):
         raysync.lora_adapter(model)
+
+
+def test_peft_views_hold_the_peft_models_own_tensors_under_the_pushed_names() -> None:
+    layer = torch.nn.Module()
+    layer.base_layer = torch.nn.Linear(16, 32)
+    layer.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(16, 4, bias=False)})
+    layer.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 32, bias=False)})
+    model = torch.nn.Module()
+    model.base_model = torch.nn.Module()
+    model.base_model.model = torch.nn.Module()
+    model.base_model.model.q_proj = layer
+    model.base_model.model.norm = torch.nn.LayerNorm(16)
+    model.peft_config = {"default": SimpleNamespace(lora_alpha=16)}  # type: ignore[assignment]
+    base, adapter = raysync.peft_views(model)
+    assert sorted(base.state_dict()) == ["norm.bias", "norm.weight", "q_proj.bias", "q_proj.weight"]
+    assert sorted(adapter.state_dict()) == sorted(raysync.lora_adapter(model))  # the config too
+    with torch.no_grad():  # what applying a version does: written in place, into the PEFT model's own tensors
+        adapter.state_dict()[f"{P}q_proj.lora_B.weight"].copy_(torch.ones(32, 4))
+        base.state_dict()["q_proj.weight"].copy_(torch.full((32, 16), 2.0))
+    assert torch.equal(layer.lora_B["default"].weight, torch.ones(32, 4))
+    assert torch.equal(layer.base_layer.weight, torch.full((32, 16), 2.0))
+    with pytest.raises(raysync.RaySyncError, match="with an adapter 'other'"):
+        raysync.peft_views(model, "other")
