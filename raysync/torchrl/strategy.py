@@ -4,6 +4,7 @@ model paths such as ``"env.transform[0]"`` resolved on a context.
 
 from __future__ import annotations
 
+import copy
 import re
 import weakref
 from collections.abc import Mapping
@@ -118,6 +119,11 @@ class WeightStrategy:
         comes as ``state_dict()`` puts it (``"..._extra_state"`` keys).
         """
         if self.extract_as == "state_dict":
+            if isinstance(source, torch.nn.Module) and hasattr(source, "merge_and_unload"):
+                # a PEFT model, as torchrl 0.14 gives it: merged, the live module untouched
+                # (an adapter alone moves with raysync.lora_adapter, see docs/torchrl.md)
+                merged: Any = copy.deepcopy(source)
+                return dict(merged.merge_and_unload().state_dict())
             tensors: dict[str, Any] = dict(extract_tensors(source))
             tensors.update(extract_extra_state(source))
             return tensors

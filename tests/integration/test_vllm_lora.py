@@ -254,6 +254,28 @@ def test_an_actor_with_a_peft_model_follows_base_and_adapter_versions_bit_for_bi
     ray.kill(actor)
 
 
+def test_a_peft_model_extracts_merged_as_torchrl_extracts_it() -> None:
+    """torchrl 0.14's ``WeightStrategy("state_dict")`` gives a PEFT model merged, leaving the live
+    module untouched; raysync's same-named strategy gives the same tensors."""
+    peft = pytest.importorskip("peft")
+    torchrl_strategy = pytest.importorskip("torchrl.weight_update.weight_sync_schemes").WeightStrategy
+    from raysync.torchrl import WeightStrategy
+
+    config = peft.LoraConfig(r=RANK, lora_alpha=16, target_modules=list(TARGETS))
+    model = peft.get_peft_model(hf_model(80), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # PEFT starts B at zero: a merge would change nothing
+    ours = WeightStrategy("state_dict").extract_weights(model)
+    theirs = torchrl_strategy("state_dict").extract_weights(model)
+    assert sorted(ours) == sorted(theirs) == sorted(hf_model(80).state_dict())
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ours[q], hf_model(80).state_dict()[q])  # merged: the adapter is in it
+    assert any("lora_A" in n for n, _ in model.named_parameters())  # the live model keeps its adapter
+
+
 @pytest.mark.parametrize(
     ("bad", "why"),
     [
