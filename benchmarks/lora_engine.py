@@ -9,6 +9,10 @@ versions (after one untimed), medians of:
 ``push_to_serving_s``
     from ``hub.push(raysync.lora_adapter(...), "math")`` until the engine holds the version
     (the next ``generate(adapter="math")`` runs on it).
+``push_s``, ``deliver_s``, ``commit_s``
+    its parts: ``hub.push`` alone (the trainer's blocking time), from its return until the
+    engine's commit starts (the hub's announcement, the follower's check and fetch), and the
+    commit (raysync's copies and the build in the workers).
 ``vllm_own_s``
     vLLM's own way, same tensors: written as PEFT writes an adapter (``adapter_model.safetensors``
     and ``adapter_config.json``) to a local directory, then ``llm.llm_engine.add_lora(
@@ -81,9 +85,12 @@ def measure(name: str, rank: int, repeats: int, hub_name: str) -> dict[str, Any]
 
     held = threading.Event()
     original = VLLMAdapter.commit
+    commits: dict[int, tuple[float, float]] = {}
 
     def commit(self: VLLMAdapter, incoming: Any) -> None:
+        began = time.perf_counter()
         original(self, incoming)
+        commits[incoming.version] = (began, time.perf_counter())
         held.set()
 
     VLLMAdapter.commit = commit  # type: ignore[method-assign]  # says when a version went in
@@ -116,7 +123,16 @@ def measure(name: str, rank: int, repeats: int, hub_name: str) -> dict[str, Any]
     target = engine._adapters["math"]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "peft_type": "LORA"}
-    keys = ("push_to_serving_s", "vllm_own_s", "vllm_load_s", "build_s", "floor_s")
+    keys = (
+        "push_to_serving_s",
+        "push_s",
+        "deliver_s",
+        "commit_s",
+        "vllm_own_s",
+        "vllm_load_s",
+        "build_s",
+        "floor_s",
+    )
     rows: dict[str, list[float]] = {k: [] for k in keys}
     try:
         tensors = first
@@ -125,8 +141,10 @@ def measure(name: str, rank: int, repeats: int, hub_name: str) -> dict[str, Any]
             held.clear()
             t0 = time.perf_counter()
             v = hub.push(raysync.lora_adapter(tensors, alpha=2 * rank), "math")
+            pushed = time.perf_counter() - t0
             assert held.wait(60) and target.version == v
             serving = time.perf_counter() - t0
+            deliver, commit_s = commits[v][0] - t0 - pushed, commits[v][1] - commits[v][0]
             gen = engine.generate([{"prompt_token_ids": [1, 2, 3]}], params, adapter="math")
             assert gen.adapter_version == v
             path = os.path.join(work, f"adapter-{i}")
@@ -157,7 +175,8 @@ def measure(name: str, rank: int, repeats: int, hub_name: str) -> dict[str, Any]
             llm.llm_engine.remove_lora(10_000)
             if i == 0:
                 continue  # warm-up
-            for key, value in zip(keys, (serving, own, load, build_s, floor), strict=True):
+            values = (serving, pushed, deliver, commit_s, own, load, build_s, floor)
+            for key, value in zip(keys, values, strict=True):
                 rows[key].append(value)
     finally:
         engine.stop()
@@ -187,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(args.model, args.rank, args.repeats, f"bench-lora-{os.getpid()}")
     print(
         f"{r['model']} rank {r['rank']}: adapter {r['adapter_mib']:.2f} MiB, model {r['model_mib']:.1f} MiB  "
-        f"push_to_serving {r['push_to_serving_s'] * 1e3:.1f} ms  vllm_own {r['vllm_own_s'] * 1e3:.1f} ms "
+        f"push_to_serving {r['push_to_serving_s'] * 1e3:.1f} ms (push {r['push_s'] * 1e3:.1f}, deliver "
+        f"{r['deliver_s'] * 1e3:.1f}, commit {r['commit_s'] * 1e3:.1f})  "
+        f"vllm_own {r['vllm_own_s'] * 1e3:.1f} ms "
         f"(load {r['vllm_load_s'] * 1e3:.1f} ms)  build {r['build_s'] * 1e3:.1f} ms  "
         f"floor {r['floor_s'] * 1e3:.1f} ms  ratio {r['ratio']:.2f}  floor/own {r['floor_ratio']:.2f}",
         flush=True,
