@@ -119,6 +119,9 @@ def test_an_engine_serves_each_adapter_version_from_memory_stamped_with_both_ver
             assert tokens(engine, "math") == (expected, base, v)
             seen.add(str(expected))
         assert len(seen) > 2  # adapter versions do give other tokens: a stale one would show
+        with pytest.raises(raysync.WeightMismatchError, match=r"shape mismatch .*lora_A"):  # another rank
+            hub.push(raysync.lora_adapter(adapter_tensors(9, rank=2), alpha=ALPHA), "math")
+        assert tokens(engine, "math") == (expected, base, v)  # the adapter it had, still served
         new_base = hub.push(hf_model(11), wait=True, timeout=TIMEOUT)  # the adapter stays on the new base
         assert tokens(engine, "math") == (merged_tokens(11, adapter), new_base, v)
         rows = {row["model_id"]: row for row in hub.status()["subscribers"]}
