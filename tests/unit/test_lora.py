@@ -142,8 +142,8 @@ class OwnWorker(AdapterWorker):
     """A user's worker extension with raysync's method among its own."""
 
 
-def test_a_peft_like_model_gives_its_adapter_alone_and_refuses_what_plain_lora_cannot_carry() -> None:
-    """The duck-typed PEFT path, as PEFT names a model's LoRA parameters (``lora_A.<adapter>.weight``)."""
+def _peft_like() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A model named as PEFT names a LoRA model (``lora_A.<adapter>.weight``), and its layer."""
     layer = torch.nn.Module()
     layer.base_layer = torch.nn.Linear(16, 32)
     layer.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(16, 4, bias=False)})
@@ -152,7 +152,13 @@ def test_a_peft_like_model_gives_its_adapter_alone_and_refuses_what_plain_lora_c
     model.base_model = torch.nn.Module()
     model.base_model.model = torch.nn.Module()
     model.base_model.model.q_proj = layer
+    model.base_model.model.norm = torch.nn.LayerNorm(16)
     model.peft_config = {"default": SimpleNamespace(lora_alpha=16, use_rslora=False)}  # type: ignore[assignment]
+    return model, layer
+
+
+def test_a_peft_like_model_gives_its_adapter_alone_and_refuses_what_plain_lora_cannot_carry() -> None:
+    model, _ = _peft_like()
     weights = raysync.lora_adapter(model)
     assert sorted(weights) == ["_extra_state", f"{P}q_proj.lora_A.weight", f"{P}q_proj.lora_B.weight"]
     assert weights["_extra_state"]["lora_alpha"] == 16.0 and weights["_extra_state"]["r"] == 4
@@ -164,16 +170,7 @@ def test_a_peft_like_model_gives_its_adapter_alone_and_refuses_what_plain_lora_c
 
 
 def test_peft_views_hold_the_peft_models_own_tensors_under_the_pushed_names() -> None:
-    layer = torch.nn.Module()
-    layer.base_layer = torch.nn.Linear(16, 32)
-    layer.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(16, 4, bias=False)})
-    layer.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 32, bias=False)})
-    model = torch.nn.Module()
-    model.base_model = torch.nn.Module()
-    model.base_model.model = torch.nn.Module()
-    model.base_model.model.q_proj = layer
-    model.base_model.model.norm = torch.nn.LayerNorm(16)
-    model.peft_config = {"default": SimpleNamespace(lora_alpha=16)}  # type: ignore[assignment]
+    model, layer = _peft_like()
     base, adapter = raysync.peft_views(model)
     assert sorted(base.state_dict()) == ["norm.bias", "norm.weight", "q_proj.bias", "q_proj.weight"]
     assert sorted(adapter.state_dict()) == sorted(raysync.lora_adapter(model))  # the config too
