@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,15 @@ import torch
 from raysync.core.layout import _EXTRA, Manifest
 from raysync.errors import RaySyncError
 
-__all__ = ["PREFIX", "AdapterConfig", "adapter_config", "lora_adapter", "lora_module", "peft_views"]
+__all__ = [
+    "PREFIX",
+    "AdapterConfig",
+    "adapter_config",
+    "lora_adapter",
+    "lora_module",
+    "peft_views",
+    "unpaired",
+]
 
 PREFIX = "base_model.model."
 """What every tensor name of an adapter version starts with (PEFT's saved layout)."""
@@ -78,6 +86,22 @@ def lora_module(name: str) -> tuple[str, str] | None:
         if name.endswith(suffix) and len(name) > len(PREFIX) + len(suffix):
             return name[len(PREFIX) : -len(suffix)], which
     return None
+
+
+def unpaired(names: Iterable[str]) -> list[str]:
+    """The modules among adapter tensor ``names`` that have ``lora_A`` or ``lora_B`` alone, sorted.
+
+    Example:
+        >>> unpaired(["base_model.model.q.lora_A.weight", "base_model.model.q.lora_B.weight",
+        ...           "base_model.model.v.lora_A.weight"])
+        ['v']
+    """
+    sides: dict[str, set[str]] = {}
+    for name in names:
+        found = lora_module(name)
+        if found is not None:
+            sides.setdefault(found[0], set()).add(found[1])
+    return sorted(m for m, s in sides.items() if s != {"A", "B"})
 
 
 def lora_adapter(
@@ -158,7 +182,7 @@ def _from_peft(
 
 def _config_of(tensors: Mapping[str, Any], alpha: float, rslora: bool) -> AdapterConfig:
     """The config of an adapter's tensors; every name and rank checked."""
-    sides: dict[str, set[str]] = {}
+    modules: set[str] = set()
     ranks: set[int] = set()
     for name, t in tensors.items():
         found = lora_module(name)
@@ -168,16 +192,16 @@ def _config_of(tensors: Mapping[str, Any], alpha: float, rslora: bool) -> Adapte
                 f"'{PREFIX}<module>{_A}' or '...{_B}')"
             )
         module, which = found
-        sides.setdefault(module, set()).add(which)
+        modules.add(module)
         ranks.add(int(t.shape[0] if which == "A" else t.shape[1]))
-    halves = sorted(m for m, s in sides.items() if s != {"A", "B"})
+    halves = unpaired(tensors)
     if halves:
         raise RaySyncError(f"lora_adapter: modules with lora_A or lora_B alone: {halves[:5]}")
-    if not sides:
+    if not modules:
         raise RaySyncError("lora_adapter: no tensors")
     if len(ranks) != 1:
         raise RaySyncError(f"lora_adapter: the modules' ranks differ ({sorted(ranks)}); one rank per adapter")
-    targets = tuple(sorted({m.rpartition(".")[2] for m in sides}))
+    targets = tuple(sorted({m.rpartition(".")[2] for m in modules}))
     return _checked(AdapterConfig(ranks.pop(), alpha, targets, rslora))
 
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raysync.core.layout import Manifest, validate
-from raysync.core.lora import PREFIX, AdapterConfig, adapter_config
+from raysync.core.lora import PREFIX, AdapterConfig, adapter_config, unpaired
 from raysync.errors import EngineNotReadyError, RaySyncError, SyncTimeoutError, WeightMismatchError
 from raysync.receivers.follower import Follower, wait_for_first
 from raysync.receivers.target import Incoming
@@ -146,10 +146,9 @@ class VLLMAdapter:
                 schema[f"{PREFIX}{module}.lora_A.weight"] = ((config.r, in_features), None)
                 schema[f"{PREFIX}{module}.lora_B.weight"] = ((out_features, config.r), None)
         validate(manifest, schema, who=self.name, partial=True, floating=True)
-        names = {e.key for e in manifest.entries}
-        halves = sorted(n for n in names if _other_half(n) not in names)
+        halves = unpaired(e.key for e in manifest.entries)
         if halves:
-            raise WeightMismatchError(f"{self.name}: LoRA tensors without their other half: {halves[:5]}")
+            raise WeightMismatchError(f"{self.name}: modules with lora_A or lora_B alone: {halves[:5]}")
 
     def needed(self, manifest: Manifest, ids: Sequence[str | None]) -> list[int]:
         """Every bucket: an adapter version goes in whole."""
@@ -184,7 +183,7 @@ class VLLMAdapter:
         )
         with _IDS_LOCK:
             new_id = next(_IDS)
-        self.engine.llm.collective_rpc(_METHOD, args=(payload, config.as_peft(), new_id, replaces))
+        self.engine._rpc(_METHOD, args=(payload, config.as_peft(), new_id, replaces))
         self.lora_id = new_id
 
     def load_again(self) -> None:
@@ -304,12 +303,6 @@ def _extends(qualname: str) -> bool:
         return issubclass(getattr(importlib.import_module(module), name), AdapterWorker)
     except (ImportError, AttributeError, TypeError, ValueError):
         return False
-
-
-def _other_half(name: str) -> str:
-    if ".lora_A." in name:
-        return name.replace(".lora_A.", ".lora_B.")
-    return name.replace(".lora_B.", ".lora_A.")
 
 
 def install_adapter(

@@ -114,8 +114,16 @@ def test_an_engine_adapter_takes_a_version_that_fits() -> None:
             "malformed",
         ),
         ({**_adapter(), "_extra_state": {"r": 0, "lora_alpha": 8, "target_modules": ["q_proj"]}}, "r >= 1"),
+        (
+            {
+                k: v
+                for k, v in raysync.lora_adapter(_adapter(), alpha=8).items()
+                if k != f"{P}layers.1.q_proj.lora_B.weight"
+            },
+            r"lora_A or lora_B alone: \['layers\.1\.q_proj'\]",
+        ),
     ],
-    ids=["rank", "target", "shape", "no-config", "malformed", "zero-rank"],
+    ids=["rank", "target", "shape", "no-config", "malformed", "zero-rank", "half"],
 )
 def test_an_engine_adapter_refuses_a_misfit_from_the_manifest_alone(
     weights: dict[str, Any], why: str
