@@ -33,7 +33,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -379,3 +379,18 @@ def prefault_object_store(capacity: int, fraction: float = 0.9, chunk: int = 128
     seconds = time.perf_counter() - t0
     logger.info("object store pre-faulted (%.1f GiB) in %.1f s", capacity * fraction / 2**30, seconds)
     return seconds
+
+
+def put_bytes(tensors: Iterable[torch.Tensor]) -> Any:
+    """``ray.put`` of the tensors' bytes (uint8 views, one copy: what a trainer's put costs)."""
+    import ray
+
+    return ray.put([t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors])
+
+
+def typed(like: Iterable[tuple[str, torch.Tensor]], arrays: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of fetched byte ``arrays``, typed and shaped as ``like`` (no copy)."""
+    return [
+        (k, torch.from_numpy(a).view(t.dtype).reshape(t.shape))
+        for (k, t), a in zip(like, arrays, strict=True)
+    ]

@@ -57,6 +57,7 @@ import torch
 
 import _harness as harness
 import raysync
+from _floor import put_bytes, typed
 from vllm_engine import MODELS, build
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -162,12 +163,9 @@ def measure(name: str, rank: int, repeats: int, hub_name: str) -> dict[str, Any]
                 target._install(pairs, target._held[1], replaces=target.lora_id)  # type: ignore[index]
             build_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ref = ray.put([t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()])
+            ref = put_bytes(tensors.values())
             arrays = ray.get(ref)
-            fetched = [
-                (k, torch.from_numpy(a).view(t.dtype).reshape(t.shape))
-                for (k, t), a in zip(pairs, arrays, strict=True)
-            ]
+            fetched = typed(pairs, arrays)
             with engine._lock:
                 target._install(fetched, target._held[1], replaces=target.lora_id)  # type: ignore[index]
             floor = time.perf_counter() - t0

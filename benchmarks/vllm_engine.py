@@ -61,7 +61,7 @@ import torch
 
 import _harness as harness
 import raysync
-from _floor import Mailbox
+from _floor import Mailbox, put_bytes, typed
 
 MODELS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -187,15 +187,12 @@ def _floor(llm: Any, version: dict[str, torch.Tensor], mailbox: Any = None, roun
         while ray.get(mailbox.waiters.remote(round)) < 1:  # the call waits there before the clock starts
             time.sleep(0.002)
     t0 = time.perf_counter()
-    ref = ray.put([t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in version.values()])
+    ref = put_bytes(version.values())
     if mailbox is not None:
         mailbox.post.remote(round, [ref])
         (ref,) = ray.get(waiting)
     arrays = ray.get(ref)
-    pairs = [
-        (k, torch.from_numpy(a).view(t.dtype).reshape(t.shape))
-        for (k, t), a in zip(version.items(), arrays, strict=True)
-    ]
+    pairs = typed(version.items(), arrays)
     llm.collective_rpc(
         "reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True}
     )
