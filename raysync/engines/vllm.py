@@ -374,8 +374,9 @@ def follow_engine(
     model of its own) the engine serves from memory beside ``model_id``, each replaced in
     place by its newest version (see :mod:`raysync.engines.vllm_lora`); requests name one
     (``engine.generate(..., adapter="math")``). The engine needs LoRA on
-    (``enable_lora=True``, ``max_lora_rank``, ``max_loras``); it returns holding a version
-    of each.
+    (``enable_lora=True``, ``max_lora_rank``, ``max_loras``) and raysync's worker method
+    (``worker_extension_cls=raysync.engines.vllm_lora.WORKER_EXTENSION``); it returns
+    holding a version of each.
 
     See :class:`VLLMEngine` (``rollback``, ``expected``) and :class:`~raysync.Follower`
     (the rest). ``engine.follower`` is the follower; ``engine.stop()`` ends it. If the hub
@@ -386,8 +387,8 @@ def follow_engine(
         SyncTimeoutError: no version of ``model_id`` (or of an adapter) within ``timeout``
             (the message names the models the hub holds: a typo'd id?); the engine follows
             nothing then.
-        RaySyncError: ``adapters`` for an engine without LoRA, or more than its
-            ``max_cpu_loras`` (``max_loras`` by default).
+        RaySyncError: ``adapters`` for an engine without LoRA or that worker method, or
+            more than its ``max_cpu_loras`` (``max_loras`` by default).
 
     In a Ray actor the subscription's id is the actor's (``sub_id`` overrides it), so a
     restarted actor takes its subscription over: ``hub.wait`` waits for the new process,
