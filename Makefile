@@ -69,12 +69,14 @@ unit: $(STAMP)
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
+# pytest's output unbuffered: a process that ends abruptly after the tests (a crash at exit)
+# still shows pytest's summary above make's error.
 # The vLLM tests, in .venv-vllm (skipped, and said so, where vLLM did not install).
 pytest-vllm: $(VLLM_STAMP)
 	@if [ -x $(VLLM_BIN)/python ] && $(VLLM_BIN)/python -c "import vllm" 2>/dev/null; then \
-	  $(VLLM_BIN)/python -m pytest -q --durations=5 tests/integration/test_vllm.py tests/integration/test_vllm_lora.py; \
+	  PYTHONUNBUFFERED=1 $(VLLM_BIN)/python -m pytest -q --durations=5 tests/integration/test_vllm.py tests/integration/test_vllm_lora.py; \
 	else echo "make: no $(VLLM_VENV) with vLLM: tests/integration/test_vllm.py skipped"; fi
 
 # Every part runs even when one before it failed (a lint error or a failed test does not hide

@@ -180,11 +180,14 @@ class Membership:
         member.start_from(newest)
 
     def leave(self, member: Member, *, timeout: float = 10.0) -> None:
+        """Forget ``member`` and tell its hub. Safe from any thread, even while another runs
+        ``ray.shutdown()``: the call holds the shutdown off (:mod:`raysync.client.background`), and
+        once Ray is gone there is no hub to tell."""
         with self._lock:
             self._members.pop(member.sub_id, None)
         try:
-            self.calls(member, timeout=timeout).unregister(member.sub_id)
-        except Exception as err:  # the hub restarting or gone: it drops the subscriber anyway
+            self.calls(member, timeout=timeout, thread=True).unregister(member.sub_id)
+        except Exception as err:  # hub restarting or gone, or Ray shut down: it drops the subscriber anyway
             logger.debug("%s could not unregister: %s", member.sub_id, err)
 
     def report(self, member: Member, report: ApplyReport) -> None:

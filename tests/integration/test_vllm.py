@@ -79,11 +79,11 @@ def engine_tokens(engine: VLLMEngine) -> tuple[list[list[int]], int]:
     return [list(o.outputs[0].token_ids) for o in gen.outputs], gen.version
 
 
-def stop_soon(follower: raysync.Follower | None) -> None:
-    """Stop a follower without waiting for its long poll to end (about 5 s): it applies
-    nothing once told to stop, and its hub goes with the test."""
+def stop_following(follower: raysync.Follower | None) -> None:
+    """Stop a follower before its test's hub goes: a call into Ray still under way in a thread
+    when the session's ``ray.shutdown()`` runs would end the test process (Ray's core worker)."""
     if follower is not None:
-        threading.Thread(target=follower.stop, daemon=True).start()
+        follower.stop()
 
 
 def make_llm(path: str, **options: Any) -> Any:
@@ -148,7 +148,7 @@ def test_the_engine_follows_every_push(llm: Any, hub: raysync.HubClient, hub_nam
         (row,) = hub.status()["subscribers"]  # raysync status shows the engine like any subscriber
         assert row["class_name"] == "vllm-test" and row["applied"] == v
     finally:
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 def test_no_request_runs_during_an_update(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
@@ -185,7 +185,7 @@ def test_no_request_runs_during_an_update(llm: Any, hub: raysync.HubClient, hub_
             assert tokens == expected[version], f"output stamped {version}"
     finally:
         stop.set()
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 def test_a_keys_push_reaches_the_engine(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
@@ -199,7 +199,7 @@ def test_a_keys_push_reaches_the_engine(llm: Any, hub: raysync.HubClient, hub_na
         mixed.load_state_dict({k: other.state_dict()[k] for k in mlp}, strict=False)
         assert engine_tokens(engine) == (hf_tokens(mixed), v)
     finally:
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 def test_a_misfit_is_refused_naming_the_tensor(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
@@ -225,7 +225,7 @@ def test_a_misfit_is_refused_naming_the_tensor(llm: Any, hub: raysync.HubClient,
         assert engine.version == v1 and engine.weight_version() == str(v1)
         assert engine_tokens(engine) == before
     finally:
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 class FailingEngine(VLLMEngine):
@@ -268,7 +268,7 @@ def test_an_update_failing_midway(llm: Any, hub: raysync.HubClient, hub_name: st
         v3 = hub.push(third, wait=True, timeout=TIMEOUT)
         assert engine_tokens(engine) == (hf_tokens(third), v3)
     finally:
-        stop_soon(follower)
+        stop_following(follower)
 
 
 def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient, hub_name: str) -> None:
@@ -281,7 +281,7 @@ def test_a_new_follower_serves_only_the_newest(llm: Any, hub: raysync.HubClient,
         tokens, version = engine_tokens(engine)
         assert version == v and tokens == hf_tokens(models[-1])
     finally:
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 def test_follow_engine_waits_for_a_first_version_and_names_the_models_there(
@@ -316,7 +316,7 @@ def test_follow_engine_waits_for_a_first_version_and_names_the_models_there(
         assert engine.version == v
         assert engine_tokens(engine) == (hf_tokens(model), v)
     finally:
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 class WritingEngine(VLLMEngine):
@@ -352,7 +352,7 @@ def test_a_load_writing_into_the_shared_bytes_is_refused(
         v2 = hub.push(model, wait=True, timeout=TIMEOUT)
         assert engine_tokens(engine) == (hf_tokens(model), v2)
     finally:
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 class GatedEngine(VLLMEngine):
@@ -414,7 +414,7 @@ def test_max_lag_wait_and_status_count_a_slow_engine(llm: Any, hub: raysync.HubC
         assert hub.status()["subscribers"][0]["lag"] == 0
     finally:
         engine.gate.set()
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
 
 
 class RecordingEngine(VLLMEngine):
@@ -485,7 +485,7 @@ def test_two_engines_on_one_node_read_each_version_once_and_a_restarted_one_the_
         hub.wait(v2, timeout=TIMEOUT, subscribers=2)
         assert engine_tokens(here) == (hf_tokens(newest), v2)
     finally:
-        stop_soon(here.follower)
+        stop_following(here.follower)
         ray.kill(host)
 
 
@@ -567,7 +567,7 @@ def test_an_engine_follows_a_sharded_trainer(llm: Any, hub: raysync.HubClient, h
         (row,) = hub.status()["subscribers"]
         assert row["applied"] == v and row["last_error"] is None
     finally:
-        stop_soon(engine.follower)
+        stop_following(engine.follower)
         for r in ranks:
             ray.kill(r)
 
@@ -591,7 +591,7 @@ def test_torchrl_style_vllm_scheme(llm: Any, hub: raysync.HubClient, hub_name: s
         assert v2 == v + 1 and engine_tokens(receiver.engine) == (hf_tokens(policy), v2)
         assert receiver.poll_and_apply() is False
     finally:
-        stop_soon(receiver.engine.follower if receiver.engine is not None else None)
+        stop_following(receiver.engine.follower if receiver.engine is not None else None)
 
 
 def test_an_async_engine_holds_requests_while_a_version_goes_in(
@@ -654,7 +654,7 @@ def test_an_async_engine_holds_requests_while_a_version_goes_in(
             gen = await engine.generate({"prompt_token_ids": PROMPTS[1]}, params)
             assert engine.version == gen.version == held
             served.append((list(gen.outputs[0].outputs[0].token_ids), gen.version))
-            stop_soon(engine.follower)
+            stop_following(engine.follower)
             return served
         finally:
             llm.shutdown()

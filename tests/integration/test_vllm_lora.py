@@ -11,7 +11,6 @@ engine keeps serving the version it had. Skipped where vLLM is absent.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,8 +96,9 @@ def llm(model_path: str) -> Iterator[Any]:
     cleanup_dist_env_and_memory()
 
 
-def stop_soon(engine: VLLMEngine) -> None:
-    threading.Thread(target=engine.stop, daemon=True).start()
+def stop_following(engine: VLLMEngine) -> None:
+    """Stop the engine's followers before the test's hub goes (see ``test_vllm.stop_following``)."""
+    engine.stop()
 
 
 def test_an_engine_serves_each_adapter_version_from_memory_stamped_with_both_versions(
@@ -129,7 +129,7 @@ def test_an_engine_serves_each_adapter_version_from_memory_stamped_with_both_ver
         with pytest.raises(KeyError, match="follows no adapter 'code'"):
             tokens(engine, "code")
     finally:
-        stop_soon(engine)
+        stop_following(engine)
 
 
 def test_two_adapters_on_one_engine_each_newest_with_base_pushes_between(
@@ -154,7 +154,7 @@ def test_two_adapters_on_one_engine_each_newest_with_base_pushes_between(
             base = hub.push(hf_model(51 + step), wait=True, timeout=TIMEOUT)
         assert tokens(engine, "math")[0] != tokens(engine, "code")[0]  # two adapters, two answers
     finally:
-        stop_soon(engine)
+        stop_following(engine)
 
 
 def test_an_engine_core_in_another_process_gets_each_adapter_version_as_bytes(
@@ -168,11 +168,13 @@ def test_an_engine_core_in_another_process_gets_each_adapter_version_as_bytes(
     adapter = adapter_tensors(41)
     a1 = hub.push(raysync.lora_adapter(adapter, alpha=ALPHA), "math")
     engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
-    assert not engine._in_process
-    assert tokens(engine, "math") == (merged_tokens(40, adapter), base, a1)
-    new_base = hub.push(hf_model(42), wait=True, timeout=TIMEOUT)  # vLLM drops adapters: loaded again
-    assert tokens(engine, "math") == (merged_tokens(42, adapter), new_base, a1)
-    stop_soon(engine)
+    try:
+        assert not engine._in_process
+        assert tokens(engine, "math") == (merged_tokens(40, adapter), base, a1)
+        new_base = hub.push(hf_model(42), wait=True, timeout=TIMEOUT)  # vLLM drops adapters: loaded again
+        assert tokens(engine, "math") == (merged_tokens(42, adapter), new_base, a1)
+    finally:
+        stop_following(engine)
 
 
 def test_a_peft_model_trained_on_its_adapter_alone_is_served_as_peft_runs_it(
@@ -207,7 +209,7 @@ def test_a_peft_model_trained_on_its_adapter_alone_is_served_as_peft_runs_it(
             seen.append(got)
         assert any(got != base_tokens for got in seen)  # the adapter changed what the engine says
     finally:
-        stop_soon(engine)
+        stop_following(engine)
 
 
 def test_an_actor_with_a_peft_model_follows_base_and_adapter_versions_bit_for_bit(
@@ -325,7 +327,7 @@ def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_keeps_its_
         with pytest.raises(raysync.EngineNotReadyError, match="no version of adapter 'code'"):
             tokens(engine, "code")
     finally:
-        stop_soon(engine)
+        stop_following(engine)
 
 
 def test_more_adapters_than_the_engine_keeps_are_refused_before_it_follows_anything(
