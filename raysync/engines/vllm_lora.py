@@ -160,7 +160,10 @@ class VLLMAdapter:
         Raises:
             RaySyncError: vLLM refused or failed to build it; the engine keeps the version it had.
         """
-        held = ([(name, t.clone()) for name, t in incoming.tensors()], adapter_config(incoming.manifest))
+        # copies of the fetched bytes, kept to load again (plain views to copy from: no read-only
+        # wrapper's dispatch per tensor, and nothing here writes to them)
+        copies = [(name, t.clone()) for name, t in incoming.tensors(read_only=False)]
+        held = (copies, adapter_config(incoming.manifest))
         with self.engine._lock:  # no generate() runs while the adapters change
             try:
                 self._install(*held, replaces=self.lora_id)
@@ -177,9 +180,12 @@ class VLLMAdapter:
     ) -> None:
         from raysync.engines.vllm_transfer import wire
 
-        # vLLM scales lora_B in place: it gets copies, never the bytes kept to load again
+        # vLLM scales lora_B in place (LoRALayerWeights.optimize): it gets copies of those, never
+        # the bytes kept to load again; lora_A it only reads, and keeps: the held tensors themselves
         payload = (
-            {"weights": [(n, t.clone()) for n, t in tensors]} if self.engine._in_process else wire(tensors)
+            {"weights": [(n, t if ".lora_A." in n else t.clone()) for n, t in tensors]}
+            if self.engine._in_process
+            else wire(tensors)
         )
         with _IDS_LOCK:
             new_id = next(_IDS)

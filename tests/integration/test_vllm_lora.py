@@ -157,13 +157,23 @@ def test_two_adapters_on_one_engine_each_newest_with_base_pushes_between(
         stop_following(engine)
 
 
+@pytest.fixture(scope="module")
+def llm_core_elsewhere(model_path: str, llm: Any) -> Iterator[Any]:
+    """An engine whose core runs in a process of its own, kept until the module ends: vLLM
+    collecting it tears down this process's parallel state, which ``llm`` (set up before it,
+    torn down after it) still uses."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        engine = make_lora_llm(model_path)
+    yield engine
+
+
 def test_an_engine_core_in_another_process_gets_each_adapter_version_as_bytes(
-    model_path: str, hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch
+    llm_core_elsewhere: Any, hub: raysync.HubClient, hub_name: str
 ) -> None:
     """vLLM's default: the engine core in a process of its own (the tensors go as plain bytes
     through vLLM's messages, to raysync's worker method)."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    llm = make_lora_llm(model_path)
+    llm = llm_core_elsewhere
     base = hub.push(hf_model(40))
     adapter = adapter_tensors(41)
     a1 = hub.push(raysync.lora_adapter(adapter, alpha=ALPHA), "math")
