@@ -318,7 +318,8 @@ def install_adapter(
     replace ``old_id`` with it (pinned). Run through ``LLM.collective_rpc``.
 
     The adapter is built (and vLLM's checks run) before anything changes: if that raises,
-    the worker still serves ``old_id``.
+    the worker still serves ``old_id``; if vLLM's manager refuses the new one after that, the
+    old one is put back before the error goes on.
     """
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
@@ -342,7 +343,15 @@ def install_adapter(
         weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+    old = None if old_id is None else adapters.get_adapter(old_id)
     if old_id is not None:
         adapters.remove_adapter(old_id)
-    adapters.add_adapter(lora)
-    adapters.pin_adapter(new_id)
+    try:
+        adapters.add_adapter(lora)
+        adapters.pin_adapter(new_id)
+    except BaseException:  # the old version back in its place: requests keep running on it
+        adapters.remove_adapter(new_id)
+        if old is not None:
+            adapters.add_adapter(old)
+            adapters.pin_adapter(old.id)
+        raise

@@ -340,6 +340,42 @@ def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_keeps_its_
         stop_following(engine)
 
 
+def test_a_version_vllm_refuses_at_the_swap_leaves_the_old_one_served(
+    llm: Any, hub: raysync.HubClient, hub_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's adapter manager refuses the new version after the old one was taken out (a
+    full cache, a failed activation): the old one goes back, and requests keep running on it."""
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+
+    hub.push(hf_model(50))
+    good = adapter_tensors(51)
+    a1 = hub.push(raysync.lora_adapter(good, alpha=ALPHA), "math")
+    engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
+    try:
+        before = tokens(engine, "math")
+        assert before == (merged_tokens(50, good), before[1], a1)
+        held = engine._adapters["math"].lora_id
+        pin = LRUCacheLoRAModelManager.pin_adapter
+
+        def refuse_new(manager: Any, lora_id: int) -> bool:
+            if lora_id != held:
+                raise RuntimeError("no free adapter slots (injected)")
+            return pin(manager, lora_id)
+
+        monkeypatch.setattr(LRUCacheLoRAModelManager, "pin_adapter", refuse_new)
+        with pytest.raises(raysync.RaySyncError, match="injected"):
+            hub.push(
+                raysync.lora_adapter(adapter_tensors(52), alpha=ALPHA), "math", wait=True, timeout=TIMEOUT
+            )
+        assert tokens(engine, "math") == before  # the old version, whole, still served
+        monkeypatch.undo()
+        newer = adapter_tensors(53)
+        v = hub.push(raysync.lora_adapter(newer, alpha=ALPHA), "math", wait=True, timeout=TIMEOUT)
+        assert tokens(engine, "math") == (merged_tokens(50, newer), before[1], v)  # and the next goes in
+    finally:
+        stop_following(engine)
+
+
 def test_more_adapters_than_the_engine_keeps_are_refused_before_it_follows_anything(
     llm: Any, hub: raysync.HubClient, hub_name: str
 ) -> None:
