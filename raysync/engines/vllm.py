@@ -178,7 +178,7 @@ class VLLMEngine:
             )
         self.llm = llm
         self.name = name
-        self._in_process = _in_process(llm)
+        self._in_process = vllm_transfer.in_process(llm)
         self.rollback = bool(rollback)
         schema = hf_schema(llm) if expected is None else expected
         self._schema = {str(k): tuple(int(n) for n in v) for k, v in schema.items()}
@@ -461,27 +461,6 @@ def start_following(
             engine.follower.stop()
             raise
     return engine
-
-
-def _in_process(llm: Any) -> bool:
-    """Whether the engine core and its one worker run in this process (tensors then go as they are).
-
-    Anything else (an engine-core process, several workers, another executor) gets plain
-    bytes: vLLM's messages between processes do not carry tensors inside an untyped dict.
-    """
-    try:
-        from vllm.v1.engine.core_client import InprocClient
-    except ImportError:
-        return False
-    engine = getattr(llm, "llm_engine", None)  # an AsyncLLM has none: its core is another process
-    if engine is None:
-        return False
-    parallel = engine.vllm_config.parallel_config
-    return (
-        isinstance(getattr(engine, "engine_core", None), InprocClient)
-        and parallel.world_size == 1
-        and parallel.distributed_executor_backend in (None, "uni")
-    )
 
 
 def _vllm_config(llm: Any) -> Any:
