@@ -77,6 +77,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,6 +314,12 @@ class VLLMEngine:
     def _rpc(self, method: str, **kwargs: Any) -> Any:
         """A method run on every worker (``LLM.collective_rpc``)."""
         return self.llm.collective_rpc(method, **kwargs)
+
+    def _swapping(self, adapter: str) -> AbstractContextManager[Any]:
+        """Held while a version of ``adapter`` replaces the previous one: no request names
+        either meanwhile. Here the lock (no ``generate`` runs); the async engine holds only
+        that adapter's requests (:meth:`~raysync.engines.vllm_async.VLLMAsyncEngine._swapping`)."""
+        return self._lock
 
     def _set_version(self, version: str) -> None:
         """The version vLLM stamps on what it generates from now on."""

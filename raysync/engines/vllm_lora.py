@@ -161,7 +161,7 @@ class VLLMAdapter:
             RaySyncError: vLLM refused or failed to build it; the engine keeps the version it had.
         """
         held = ([(name, t.clone()) for name, t in incoming.tensors()], adapter_config(incoming.manifest))
-        with self.engine._lock:  # no generate() runs while the adapters change
+        with self.engine._swapping(self.adapter_id):  # no request names the old id or the new one
             try:
                 self._install(*held, replaces=self.lora_id)
             except Exception as err:
@@ -173,28 +173,39 @@ class VLLMAdapter:
             self.engine._adapters[self.adapter_id] = self
 
     def _install(
-        self, tensors: list[tuple[str, torch.Tensor]], config: AdapterConfig, *, replaces: int | None
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        config: AdapterConfig,
+        *,
+        replaces: int | None,
+        new_id: int | None = None,
     ) -> None:
+        """Build the version in every worker under ``new_id`` (default: a new id), then
+        remove ``replaces`` and add it; ``lora_id`` is ``new_id`` after."""
         from raysync.engines.vllm_transfer import wire
 
         # vLLM scales lora_B in place: it gets copies, never the bytes kept to load again
         payload = (
             {"weights": [(n, t.clone()) for n, t in tensors]} if self.engine._in_process else wire(tensors)
         )
-        with _IDS_LOCK:
-            new_id = next(_IDS)
+        if new_id is None:
+            with _IDS_LOCK:
+                new_id = next(_IDS)
         self.engine._rpc(_METHOD, args=(payload, config.as_peft(), new_id, replaces))
         self.lora_id = new_id
 
     def load_again(self) -> None:
-        """After the base weights changed (vLLM then drops every adapter): the version held, again.
+        """After the base weights changed (vLLM then drops every adapter): the version held, again,
+        under the same id, so a request that named it before the base changed runs with it
+        (an async engine's requests queued in vLLM while it was paused).
 
-        Under the engine's lock. If it fails, the adapter holds no version until its next one.
+        Under the engine's lock (and the async engine's pause). If it fails, the adapter
+        holds no version until its next one.
         """
         if self._held is None:
             return
         try:
-            self._install(*self._held, replaces=None)
+            self._install(*self._held, replaces=self.lora_id, new_id=self.lora_id)
         except Exception as err:
             logger.warning(
                 "%s: loading version %s again on the new base failed: %r", self.name, self.version, err
