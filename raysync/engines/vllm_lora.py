@@ -18,10 +18,14 @@ so vLLM never looks for a file behind it). Adding it to the manager is the one s
 uses a part of vLLM that is not public (the worker's ``_adapter_manager``); it is here alone.
 
 **Old or new, never half.** Each adapter version gets a new adapter id: the version is
-built whole in the workers first, then, under the engine's lock (no ``generate`` runs),
-the previous id is removed and the new one added. A request names the id of the version
-the engine held when it started, so it runs with that version whole; prompts cached for
-an older version are never reused (vLLM keys its prefix cache by adapter id).
+built whole in the workers first, then, while no request names the adapter (the engine's
+``_swapping``: the offline engine's lock, so no ``generate`` runs; the async engine's
+hold on that adapter's requests, :mod:`raysync.engines.vllm_async`), the previous id is
+removed and the new one added. A request names the id of the version the engine held
+when it started, so it runs with that version whole; prompts cached for an older version
+are never reused (vLLM keys its prefix cache by adapter id). After a base version (vLLM
+drops every adapter) the held version goes back under the same id (the async engine's
+pause clears vLLM's prefix cache).
 
 **Checks before bytes.** Every version carries its config (rank, alpha, target modules)
 in its manifest: a rank over the engine's ``max_lora_rank``, a target module the model
@@ -32,6 +36,10 @@ before any byte is fetched, naming it; the engine keeps serving the version it h
 ``LLM.collective_rpc`` by method name (vLLM sends no functions to an engine core in another
 process), so the engine is created with ``worker_extension_cls=WORKER_EXTENSION``
 (:class:`AdapterWorker`, one method; a class of your own there may derive from it).
+
+The async engine (``AsyncLLM``) serves adapters the same way:
+``await follow_async_engine(async_llm, "policy", adapters=["math"])``, then
+``await synced.generate(prompt, params, adapter="math")``.
 
 Example:
     >>> llm = vllm.LLM(path, enable_lora=True, max_lora_rank=8, max_loras=2,
