@@ -11,6 +11,7 @@ engine keeps serving the version it had. Skipped where vLLM is absent.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 from collections.abc import Coroutine, Iterator
@@ -168,6 +169,10 @@ def test_an_engine_core_in_another_process_gets_each_adapter_version_as_bytes(
     """vLLM's default: the engine core in a process of its own (the tensors go as plain bytes
     through vLLM's messages, to raysync's worker method)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    # The module's engine core (in this process) made vLLM cache its environment, "0" too:
+    # read it again, else this engine's core runs here as well, and when the garbage
+    # collector takes it its shutdown tears down the process groups the module's engine uses.
+    vllm.envs.disable_envs_cache()
     llm = make_lora_llm(model_path)
     base = hub.push(hf_model(40))
     adapter = adapter_tensors(41)
@@ -362,10 +367,12 @@ def async_llm(model_path: str) -> Iterator[tuple[Any, asyncio.AbstractEventLoop]
         llm = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=300)
         yield llm, loop
 
-        async def shutdown() -> None:
-            llm.shutdown()
+        async def shutdown(engine: Any) -> None:
+            engine.shutdown()
 
-        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=60)
+        asyncio.run_coroutine_threadsafe(shutdown(llm), loop).result(timeout=60)
+        del llm
+        gc.collect()  # not at the interpreter's exit, where vLLM's __del__ finds its modules gone
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=60)
