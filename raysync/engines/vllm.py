@@ -77,6 +77,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,7 +179,7 @@ class VLLMEngine:
             )
         self.llm = llm
         self.name = name
-        self._in_process = _in_process(llm)
+        self._in_process = vllm_transfer.in_process(llm)
         self.rollback = bool(rollback)
         schema = hf_schema(llm) if expected is None else expected
         self._schema = {str(k): tuple(int(n) for n in v) for k, v in schema.items()}
@@ -313,6 +314,12 @@ class VLLMEngine:
     def _rpc(self, method: str, **kwargs: Any) -> Any:
         """A method run on every worker (``LLM.collective_rpc``)."""
         return self.llm.collective_rpc(method, **kwargs)
+
+    def _swapping(self, adapter: str) -> AbstractContextManager[Any]:
+        """Held while a version of ``adapter`` replaces the previous one: no request names
+        either meanwhile. Here the lock (no ``generate`` runs); the async engine holds only
+        that adapter's requests (:meth:`~raysync.engines.vllm_async.VLLMAsyncEngine._swapping`)."""
+        return self._lock
 
     def _set_version(self, version: str) -> None:
         """The version vLLM stamps on what it generates from now on."""
@@ -461,27 +468,6 @@ def start_following(
             engine.follower.stop()
             raise
     return engine
-
-
-def _in_process(llm: Any) -> bool:
-    """Whether the engine core and its one worker run in this process (tensors then go as they are).
-
-    Anything else (an engine-core process, several workers, another executor) gets plain
-    bytes: vLLM's messages between processes do not carry tensors inside an untyped dict.
-    """
-    try:
-        from vllm.v1.engine.core_client import InprocClient
-    except ImportError:
-        return False
-    engine = getattr(llm, "llm_engine", None)  # an AsyncLLM has none: its core is another process
-    if engine is None:
-        return False
-    parallel = engine.vllm_config.parallel_config
-    return (
-        isinstance(getattr(engine, "engine_core", None), InprocClient)
-        and parallel.world_size == 1
-        and parallel.distributed_executor_backend in (None, "uni")
-    )
 
 
 def _vllm_config(llm: Any) -> Any:

@@ -16,7 +16,23 @@ loop the ``AsyncLLM`` was made on), so the loop must keep running while versions
 Pause modes: ``"wait"`` (the default: running requests finish on the version they began
 with, then the update) and ``"abort"`` (running requests are aborted). vLLM's ``"keep"``
 would resume frozen requests on the new version, so one output would come from two
-versions: refused.
+versions: refused. In mode ``"wait"`` vLLM holds only the requests it has not begun:
+those it queued (before the pause or during it) stay queued and run after the resume,
+with the ``LoRARequest`` they named.
+
+**LoRA adapters** (``follow_async_engine(..., adapters=["math"])``,
+``await synced.generate(prompt, params, adapter="math")``): the same
+:class:`~raysync.engines.vllm_lora.VLLMAdapter` targets as the offline engine's, built in
+the workers the same way through the engine's ``collective_rpc``. What differs is what a
+swap holds (:meth:`VLLMAsyncEngine._swapping`): not the whole engine but the adapter's
+own requests. New requests naming the adapter wait; the swap waits for the ones running
+(or queued in vLLM) to finish, so they finish with the version they began with; then the
+new version replaces the old id and the waiting requests run with it. A request naming an
+id vLLM no longer holds is no error of that request alone: vLLM looks for the adapter at
+its path and, finding none, its engine core dies (vLLM 0.32, ``LoRAAdapterNotFoundError``
+then ``EngineDeadError`` for every request), which is why the swap never removes an id a
+request names, and why a base version (under vLLM's pause, after which vLLM drops every
+adapter) puts each adapter back under the same id (``VLLMAdapter.load_again``).
 
 Example:
     >>> args = AsyncEngineArgs(path, weight_transfer_config={"backend": "raysync"})
@@ -30,13 +46,15 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from raysync import _protocol as proto
 from raysync.channels.base import DEFAULT_TIMEOUT
 from raysync.engines.vllm import Generation, VLLMEngine, start_following
+from raysync.engines.vllm_lora import adapter_targets, follow_adapters, lora_request
 from raysync.errors import EngineNotReadyError, RaySyncError
 
 __all__ = ["TORN", "VLLMAsyncEngine", "follow_async_engine"]
@@ -79,21 +97,50 @@ class VLLMAsyncEngine(VLLMEngine):
         except RuntimeError:
             raise RaySyncError(f"{name}: pass loop=, the event loop the AsyncLLM runs on") from None
         self.pause_mode = pause_mode
+        self._naming: dict[str, int] = {}  # adapter -> requests running that named it
+        self._swapped: set[str] = set()  # adapters whose version is being replaced
+        self._changed = asyncio.Condition()  # either of those changed (on the engine's loop)
         super().__init__(llm, expected=expected, rollback=rollback, name=name)
 
     # ------------------------------------------------------------------ serving
     async def generate(  # type: ignore[override]
-        self, prompt: Any, sampling_params: Any = None, request_id: str | None = None, **kwargs: Any
+        self,
+        prompt: Any,
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        *,
+        adapter: str | None = None,
+        **kwargs: Any,
     ) -> Generation:
-        """One request through ``AsyncLLM.generate``: its final output, and the version that made it.
+        """One request through ``AsyncLLM.generate``: its final output, and the versions that made it.
+
+        ``adapter``: run it with the version of that LoRA adapter the engine holds (one it
+        follows: :func:`follow_async_engine`'s ``adapters``); while a new version of it goes
+        in, the request waits and runs with the new one.
 
         Raises:
-            EngineNotReadyError: the engine holds no whole version (none yet, or torn).
+            EngineNotReadyError: the engine holds no whole version (none yet, or torn), or no
+                version of ``adapter`` yet.
+            KeyError: the engine follows no adapter ``adapter``.
         """
         self._ready()
-        final = None
-        async for out in self.llm.generate(prompt, sampling_params, request_id or uuid.uuid4().hex, **kwargs):
-            final = out
+        adapter_version = None
+        if adapter is not None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: adapter not in self._swapped)
+                kwargs["lora_request"], adapter_version = lora_request(self, adapter)
+                self._naming[adapter] = self._naming.get(adapter, 0) + 1
+        try:
+            final = None
+            async for out in self.llm.generate(
+                prompt, sampling_params, request_id or uuid.uuid4().hex, **kwargs
+            ):
+                final = out
+        finally:
+            if adapter is not None:
+                async with self._changed:
+                    self._naming[adapter] -= 1
+                    self._changed.notify_all()
         assert final is not None, "AsyncLLM.generate yielded nothing"
         stamps = {s.version for c in final.outputs for s in (getattr(c, "weight_versions", None) or [])}
         if TORN in stamps:
@@ -101,7 +148,7 @@ class VLLMAsyncEngine(VLLMEngine):
                 f"{self.name}: the output was made while a failed update tore the engine"
             )
         assert len(stamps) <= 1, f"{self.name}: one output stamped by several versions {sorted(stamps)}"
-        return Generation([final], int(stamps.pop()) if stamps else self._ready())
+        return Generation([final], int(stamps.pop()) if stamps else self._ready(), adapter_version)
 
     def weight_version(self) -> str:
         return str(self._run(self.llm.get_weight_version()))
@@ -120,6 +167,34 @@ class VLLMAsyncEngine(VLLMEngine):
 
     def _rpc(self, method: str, **kwargs: Any) -> Any:
         return self._run(self.llm.collective_rpc(method, **kwargs))
+
+    @contextlib.contextmanager
+    def _swapping(self, adapter: str) -> Iterator[None]:
+        """While a version of ``adapter`` replaces the previous one (the follower's thread):
+        new requests naming it wait, and the swap waits for the running ones to finish, so
+        no request names an id while it is removed; other requests run on.
+
+        vLLM's pause would not do: in mode ``"wait"`` it drains the requests running, but
+        those still queued stay queued, with the id they named, and run after the resume.
+        The drain goes before the lock: a base version takes the lock once vLLM paused, and
+        requests queued in the pause run only after it.
+        """
+        try:
+            self._run(self._hold(adapter))
+            with self._lock:
+                yield
+        finally:
+            self._run(self._release(adapter))
+
+    async def _hold(self, adapter: str) -> None:
+        async with self._changed:
+            self._swapped.add(adapter)
+            await self._changed.wait_for(lambda: not self._naming.get(adapter))
+
+    async def _release(self, adapter: str) -> None:
+        async with self._changed:
+            self._swapped.discard(adapter)
+            self._changed.notify_all()
 
     def commit(self, incoming: Any) -> None:
         """The version goes in while vLLM holds requests: paused before, resumed after, also
@@ -157,17 +232,26 @@ async def follow_async_engine(
     rollback: bool = False,
     expected: Mapping[str, Sequence[int]] | None = None,
     sub_id: str | None = None,
+    adapters: Sequence[str] = (),
 ) -> VLLMAsyncEngine:
     """Have an ``AsyncLLM`` follow ``model_id`` on the hub (awaited on the engine's loop).
 
-    See :func:`~raysync.engines.vllm.follow_engine`; the engine holds the hub's newest
-    version when this returns (it waits up to ``timeout`` for a first one).
+    See :func:`~raysync.engines.vllm.follow_engine`, ``adapters`` too (LoRA adapters served
+    from memory; the ``AsyncLLM`` made with ``enable_lora=True`` and
+    ``worker_extension_cls=raysync.engines.vllm_lora.WORKER_EXTENSION``); the engine holds
+    the hub's newest version (and one of each adapter) when this returns (it waits up to
+    ``timeout`` for a first one).
 
     Raises:
-        SyncTimeoutError: no version of ``model_id`` within ``timeout``.
+        SyncTimeoutError: no version of ``model_id`` (or of an adapter) within ``timeout``.
+        RaySyncError: ``adapters`` for an engine without LoRA or that worker method, or
+            more than it keeps.
 
     Example:
-        >>> synced = await follow_async_engine(async_llm, "policy", rollback=True)  # doctest: +SKIP
+        >>> synced = await follow_async_engine(async_llm, "policy", adapters=["math"])  # doctest: +SKIP
+        >>> gen = await synced.generate(prompt, params, adapter="math")             # doctest: +SKIP
+        >>> gen.version, gen.adapter_version                                        # doctest: +SKIP
+        (3, 7)
     """
     loop = asyncio.get_running_loop()
     engine = await asyncio.to_thread(
@@ -179,6 +263,7 @@ async def follow_async_engine(
         rollback=rollback,
         name=label or "vLLM async engine",
     )
+    targets = await asyncio.to_thread(adapter_targets, engine, adapters)  # refused before following
     await asyncio.to_thread(
         start_following,
         engine,
@@ -190,4 +275,5 @@ async def follow_async_engine(
         sub_id=sub_id,
         first=True,
     )
+    await asyncio.to_thread(follow_adapters, engine, targets, hub=hub, namespace=namespace, timeout=timeout)
     return engine

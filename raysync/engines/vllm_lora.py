@@ -18,10 +18,14 @@ so vLLM never looks for a file behind it). Adding it to the manager is the one s
 uses a part of vLLM that is not public (the worker's ``_adapter_manager``); it is here alone.
 
 **Old or new, never half.** Each adapter version gets a new adapter id: the version is
-built whole in the workers first, then, under the engine's lock (no ``generate`` runs),
-the previous id is removed and the new one added. A request names the id of the version
-the engine held when it started, so it runs with that version whole; prompts cached for
-an older version are never reused (vLLM keys its prefix cache by adapter id).
+built whole in the workers first, then, while no request names the adapter (the engine's
+``_swapping``: the offline engine's lock, so no ``generate`` runs; the async engine's
+hold on that adapter's requests, :mod:`raysync.engines.vllm_async`), the previous id is
+removed and the new one added. A request names the id of the version the engine held
+when it started, so it runs with that version whole; prompts cached for an older version
+are never reused (vLLM keys its prefix cache by adapter id). After a base version (vLLM
+drops every adapter) the held version goes back under the same id (the async engine's
+pause clears vLLM's prefix cache).
 
 **Checks before bytes.** Every version carries its config (rank, alpha, target modules)
 in its manifest: a rank over the engine's ``max_lora_rank``, a target module the model
@@ -32,6 +36,10 @@ before any byte is fetched, naming it; the engine keeps serving the version it h
 ``LLM.collective_rpc`` by method name (vLLM sends no functions to an engine core in another
 process), so the engine is created with ``worker_extension_cls=WORKER_EXTENSION``
 (:class:`AdapterWorker`, one method; a class of your own there may derive from it).
+
+The async engine (``AsyncLLM``) serves adapters the same way:
+``await follow_async_engine(async_llm, "policy", adapters=["math"])``, then
+``await synced.generate(prompt, params, adapter="math")``.
 
 Example:
     >>> llm = vllm.LLM(path, enable_lora=True, max_lora_rank=8, max_loras=2,
@@ -164,7 +172,7 @@ class VLLMAdapter:
         # wrapper's dispatch per tensor, and nothing here writes to them)
         copies = [(name, t.clone()) for name, t in incoming.tensors(read_only=False)]
         held = (copies, adapter_config(incoming.manifest))
-        with self.engine._lock:  # no generate() runs while the adapters change
+        with self.engine._swapping(self.adapter_id):  # no request names the old id or the new one
             try:
                 self._install(*held, replaces=self.lora_id)
             except Exception as err:
@@ -176,8 +184,15 @@ class VLLMAdapter:
             self.engine._adapters[self.adapter_id] = self
 
     def _install(
-        self, tensors: list[tuple[str, torch.Tensor]], config: AdapterConfig, *, replaces: int | None
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        config: AdapterConfig,
+        *,
+        replaces: int | None,
+        new_id: int | None = None,
     ) -> None:
+        """Build the version in every worker under ``new_id`` (default: a new id), then
+        remove ``replaces`` and add it; ``lora_id`` is ``new_id`` after."""
         from raysync.engines.vllm_transfer import wire
 
         # vLLM scales lora_B in place (LoRALayerWeights.optimize): it gets copies of those, never
@@ -187,20 +202,24 @@ class VLLMAdapter:
             if self.engine._in_process
             else wire(tensors)
         )
-        with _IDS_LOCK:
-            new_id = next(_IDS)
+        if new_id is None:
+            with _IDS_LOCK:
+                new_id = next(_IDS)
         self.engine._rpc(_METHOD, args=(payload, config.as_peft(), new_id, replaces))
         self.lora_id = new_id
 
     def load_again(self) -> None:
-        """After the base weights changed (vLLM then drops every adapter): the version held, again.
+        """After the base weights changed (vLLM then drops every adapter): the version held, again,
+        under the same id, so a request that named it before the base changed runs with it
+        (an async engine's requests queued in vLLM while it was paused).
 
-        Under the engine's lock. If it fails, the adapter holds no version until its next one.
+        Under the engine's lock (and the async engine's pause). If it fails, the adapter
+        holds no version until its next one.
         """
         if self._held is None:
             return
         try:
-            self._install(*self._held, replaces=None)
+            self._install(*self._held, replaces=self.lora_id, new_id=self.lora_id)
         except Exception as err:
             logger.warning(
                 "%s: loading version %s again on the new base failed: %r", self.name, self.version, err

@@ -50,6 +50,7 @@ __all__ = [
     "RaySyncInitInfo",
     "RaySyncTransferEngine",
     "RaySyncUpdateInfo",
+    "in_process",
     "register",
     "wire",
 ]
@@ -109,6 +110,27 @@ def wire(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         shapes.append(list(t.shape))
         data.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return {"names": names, "dtypes": dtypes, "shapes": shapes, "data": data}
+
+
+def in_process(llm: Any) -> bool:
+    """Whether the engine core and its one worker run in this process (tensors then go as they are).
+
+    Anything else (an engine-core process, several workers, another executor) gets plain
+    bytes: vLLM's messages between processes do not carry tensors inside an untyped dict.
+    """
+    try:
+        from vllm.v1.engine.core_client import InprocClient
+    except ImportError:
+        return False
+    engine = getattr(llm, "llm_engine", None)  # an AsyncLLM has none: its core is another process
+    if engine is None:
+        return False
+    parallel = engine.vllm_config.parallel_config
+    return (
+        isinstance(getattr(engine, "engine_core", None), InprocClient)
+        and parallel.world_size == 1
+        and parallel.distributed_executor_backend in (None, "uni")
+    )
 
 
 def _tensor(blob: bytes, dtype: str, shape: list[int]) -> torch.Tensor:

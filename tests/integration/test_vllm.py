@@ -104,6 +104,25 @@ def make_llm(path: str, **options: Any) -> Any:
     )
 
 
+def async_engine_args(path: str, **options: Any) -> Any:
+    """``make_llm``'s engine as an ``AsyncLLM``'s arguments (its core in a process of its own)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from raysync.engines.vllm_transfer import BACKEND
+
+    return AsyncEngineArgs(
+        model=path,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        kv_cache_memory_bytes=32 * 2**20,
+        max_model_len=64,
+        max_num_seqs=4,
+        enforce_eager=True,
+        weight_transfer_config={"backend": BACKEND},
+        **options,
+    )
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -601,27 +620,15 @@ def test_an_async_engine_holds_requests_while_a_version_goes_in(
     requests (vLLM's pause, mode "wait"), each output stamped with the version that made it."""
     import asyncio
 
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from raysync.engines.vllm_async import follow_async_engine
-    from raysync.engines.vllm_transfer import BACKEND
 
     params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     models = {hub.push(hf_model(900)): hf_model(900)}
 
     async def run() -> list[tuple[list[int], int]]:
-        args = AsyncEngineArgs(
-            model=model_path,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            kv_cache_memory_bytes=32 * 2**20,
-            max_model_len=64,
-            max_num_seqs=4,
-            enforce_eager=True,
-            weight_transfer_config={"backend": BACKEND},
-        )
-        llm = AsyncLLM.from_engine_args(args)
+        llm = AsyncLLM.from_engine_args(async_engine_args(model_path))
         try:
             engine = await follow_async_engine(llm, "policy", hub=hub_name, rollback=True)
             assert engine.version == max(models)  # the newest, before it serves

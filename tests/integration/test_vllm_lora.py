@@ -10,9 +10,12 @@ engine keeps serving the version it had. Skipped where vLLM is absent.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
-from collections.abc import Iterator
-from typing import Any
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 
@@ -24,10 +27,12 @@ import torch  # noqa: E402
 
 import raysync  # noqa: E402
 from raysync.engines.vllm import VLLMEngine, follow_engine  # noqa: E402
+from raysync.engines.vllm_async import VLLMAsyncEngine, follow_async_engine  # noqa: E402
 from raysync.engines.vllm_lora import WORKER_EXTENSION, VLLMAdapter  # noqa: E402
 from tests.integration.test_vllm import (  # noqa: E402
     NEW_TOKENS,
     PROMPTS,
+    async_engine_args,
     hf_model,
     hf_tokens,
     make_llm,
@@ -36,6 +41,7 @@ from tests.integration.test_vllm import (  # noqa: E402
 TIMEOUT = 60.0
 RANK, ALPHA, MAX_RANK = 4, 8.0, 8
 TARGETS = ("q_proj", "v_proj")
+T = TypeVar("T")
 
 
 def adapter_tensors(
@@ -164,6 +170,9 @@ def llm_core_elsewhere(model_path: str, llm: Any) -> Iterator[Any]:
     torn down after it) still uses."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        # The module's engine made vLLM cache its environment ("0" too): read it again, else
+        # this engine's core runs here as well
+        vllm.envs.disable_envs_cache()
         engine = make_lora_llm(model_path)
     yield engine
 
@@ -382,3 +391,137 @@ def test_more_adapters_than_the_engine_keeps_are_refused_before_it_follows_anyth
     with pytest.raises(raysync.RaySyncError, match="3 adapters, more than the engine keeps"):
         follow_engine(llm, "policy", hub=hub_name, adapters=["a", "b", "c"], timeout=5)
     assert hub.status()["subscribers"] == []
+
+
+# ---------------------------------------------------------------- the async engine (AsyncLLM)
+@pytest.fixture(scope="module")
+def async_llm(model_path: str) -> Iterator[tuple[Any, asyncio.AbstractEventLoop]]:
+    """One ``AsyncLLM`` with LoRA on for the module (its engine core in a process of its own),
+    on an event loop of its own that runs until the module ends; the tests run on that loop."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="async-llm-loop")
+    thread.start()
+
+    async def start() -> Any:
+        options = {"max_lora_rank": MAX_RANK, "max_loras": 2, "worker_extension_cls": WORKER_EXTENSION}
+        return AsyncLLM.from_engine_args(async_engine_args(model_path, enable_lora=True, **options))
+
+    try:
+        llm = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=300)
+        yield llm, loop
+
+        async def shutdown(engine: Any) -> None:
+            engine.shutdown()
+
+        asyncio.run_coroutine_threadsafe(shutdown(llm), loop).result(timeout=60)
+        del llm
+        gc.collect()  # not at the interpreter's exit, where vLLM's __del__ finds its modules gone
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=60)
+        loop.close()
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=300)
+
+
+async def async_tokens(
+    engine: VLLMAsyncEngine, prompt: int, adapter: str | None = "math"
+) -> tuple[list[int], int, int | None]:
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    gen = await engine.generate({"prompt_token_ids": PROMPTS[prompt]}, params, adapter=adapter)
+    return list(gen.outputs[0].outputs[0].token_ids), gen.version, gen.adapter_version
+
+
+def test_an_async_engine_swaps_adapter_versions_under_requests_each_made_by_the_version_stamped(
+    async_llm: tuple[Any, asyncio.AbstractEventLoop], hub: raysync.HubClient, hub_name: str
+) -> None:
+    """Six clients ask for the adapter without a pause (more than the engine's ``max_num_seqs``
+    of 4, so some wait in vLLM's queue) while adapter versions and base versions go in: no
+    request fails, and each one's tokens are ``transformers``' with the base and the adapter
+    version it is stamped with, merged (a request running when a version went in finished
+    with the one it began with; one that came meanwhile ran with the new one)."""
+    llm, loop = async_llm
+    bases = {hub.push(hf_model(100)): 100}
+    adapters = {hub.push(raysync.lora_adapter(adapter_tensors(101), alpha=ALPHA), "math"): 101}
+
+    async def run() -> list[tuple[int, list[int], int, int | None]]:
+        engine = await follow_async_engine(llm, "policy", hub=hub_name, adapters=["math"])
+        served: list[tuple[int, list[int], int, int | None]] = []
+        pushed = asyncio.Event()
+        try:
+
+            async def client(k: int) -> None:
+                while not pushed.is_set():
+                    served.append((k % 2, *await async_tokens(engine, k % 2)))
+
+            async def pusher() -> None:
+                try:
+                    for i in range(1, 6):
+                        if i in (2, 4):  # a base version between adapter versions: the adapter stays
+                            v = await asyncio.to_thread(hub.push, hf_model(100 + i))
+                            bases[v] = 100 + i
+                            await asyncio.to_thread(hub.wait, v, timeout=TIMEOUT)
+                        adapter = raysync.lora_adapter(adapter_tensors(101 + i), alpha=ALPHA)
+                        v = await asyncio.to_thread(hub.push, adapter, "math")
+                        adapters[v] = 101 + i
+                        await asyncio.to_thread(hub.wait, v, "math", timeout=TIMEOUT)
+                finally:
+                    pushed.set()
+
+            await asyncio.gather(pusher(), *(client(k) for k in range(6)))
+            last = await async_tokens(engine, 0)  # after the last push: the newest of both
+            assert last[1:] == (max(bases), max(adapters))
+            served.append((0, *last))
+            return served
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    served = on_loop(loop, run())
+    assert {a for *_, a in served} >= set(list(adapters)[-2:])  # requests ran across the swaps
+    assert len({b for *_, b, _ in served}) == 3
+    expected: dict[tuple[int, int | None], list[list[int]]] = {}
+    for prompt, got, base, adapter in served:
+        assert adapter is not None
+        if (base, adapter) not in expected:
+            seeds = (bases[base], adapters[adapter])
+            expected[base, adapter] = merged_tokens(seeds[0], adapter_tensors(seeds[1]))
+        assert got == expected[base, adapter][prompt], f"stamped base {base}, adapter {adapter}"
+    assert len({str(t) for t in expected.values()}) > 3  # the versions do give other tokens
+
+
+def test_an_async_engine_refuses_a_misfit_adapter_and_serves_the_one_it_had(
+    async_llm: tuple[Any, asyncio.AbstractEventLoop], hub: raysync.HubClient, hub_name: str
+) -> None:
+    llm, loop = async_llm
+    base = hub.push(hf_model(120))
+    good = adapter_tensors(121)
+    a1 = hub.push(raysync.lora_adapter(good, alpha=ALPHA), "math")
+
+    async def run() -> None:
+        engine = await follow_async_engine(llm, "policy", hub=hub_name, adapters=["math"])
+        # a second adapter followed from before its first version, which is a misfit (as in
+        # test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_keeps_its_version)
+        code = await asyncio.to_thread(VLLMAdapter, engine, "code")
+        follower = raysync.Follower(target=code, model_id="code", hub=hub_name)
+        engine.adapter_followers.append(await asyncio.to_thread(follower.start))
+        try:
+            assert [await async_tokens(engine, p) for p in (0, 1)] == [
+                (t, base, a1) for t in merged_tokens(120, good)
+            ]
+            bad = raysync.lora_adapter(adapter_tensors(122, rank=16), alpha=ALPHA)
+            with pytest.raises(raysync.RaySyncError, match=r"rank 16 exceeds .* max_lora_rank 8"):
+                await asyncio.to_thread(hub.push, bad, "code", wait=True, timeout=TIMEOUT)
+            assert [await async_tokens(engine, p) for p in (0, 1)] == [
+                (t, base, a1) for t in merged_tokens(120, good)
+            ]
+            assert (await async_tokens(engine, 0, adapter=None))[0] == merged_tokens(120, None)[0]
+            with pytest.raises(raysync.EngineNotReadyError, match="no version of adapter 'code'"):
+                await async_tokens(engine, 0, "code")
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    on_loop(loop, run())
