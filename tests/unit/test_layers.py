@@ -75,3 +75,14 @@ def test_the_architecture_page_states_the_layers_of_the_check() -> None:
     rows = re.findall(r"^\| (\d+) \| ([^|]+) \| [^|]+ \|$", page, flags=re.MULTILINE)
     stated = [{name.strip(" `/") for name in names.split(",")} for _, names in rows]
     assert stated == _layers().LAYERS, "docs/architecture.md's layer table differs from .ci/layers.py"
+
+
+def test_no_module_over_500_lines_and_a_readme_that_stays_a_front_page() -> None:
+    over = {
+        str(path.relative_to(ROOT)): n
+        for path in (ROOT / "raysync").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert over == {}, f"modules over 500 lines: {over}"
+    readme = len((ROOT / "README.md").read_text().splitlines())
+    assert readme <= 250, f"README.md has {readme} lines: keep it a front page (at most 250), details in docs/"
