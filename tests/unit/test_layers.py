@@ -85,4 +85,4 @@ def test_no_module_over_500_lines_and_a_readme_that_stays_a_front_page() -> None
     }
     assert over == {}, f"modules over 500 lines: {over}"
     readme = len((ROOT / "README.md").read_text().splitlines())
-    assert readme <= 250, f"README.md has {readme} lines: keep it a front page (at most 250), details in docs/"
+    assert readme <= 250, f"README.md has {readme} lines: at most 250, details go in docs/"
