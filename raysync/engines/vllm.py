@@ -287,8 +287,9 @@ class VLLMEngine:
                     if all(i is not None for i in incoming.ids):  # not tried again (see needed())
                         self._failed = (list(incoming.ids), str(why))
                     raise
-            finally:  # vLLM drops every adapter when the base weights change: they go in again
-                for adapter in list(self._adapters.values()):
+            finally:  # the weights changed (or may have): nothing computed with the old ones is reused
+                self._forget_prefixes()
+                for adapter in list(self._adapters.values()):  # vLLM dropped them: they go in again
                     adapter.load_again()
             self._set_version(str(incoming.version))
             self.version, self._torn = incoming.version, False
@@ -320,6 +321,12 @@ class VLLMEngine:
         either meanwhile. Here the lock (no ``generate`` runs); the async engine holds only
         that adapter's requests (:meth:`~raysync.engines.vllm_async.VLLMAsyncEngine._swapping`)."""
         return self._lock
+
+    def _forget_prefixes(self) -> None:
+        """Drop vLLM's prefix cache (under the lock: no request runs): a prompt's cached keys and
+        values were computed with the old weights, and a request of the new version would reuse them."""
+        if not self.llm.reset_prefix_cache():
+            logger.warning("%s: vLLM did not reset its prefix cache after a weight update", self.name)
 
     def _set_version(self, version: str) -> None:
         """The version vLLM stamps on what it generates from now on."""

@@ -219,6 +219,9 @@ class VLLMAsyncEngine(VLLMEngine):
     def _set_version(self, version: str) -> None:
         """Set already, before requests resume (:meth:`_load`)."""
 
+    def _forget_prefixes(self) -> None:
+        """Done already: the pause cleared vLLM's prefix cache, and nothing ran since."""
+
 
 async def follow_async_engine(
     llm: Any,

@@ -97,6 +97,7 @@ def make_llm(path: str, **options: Any) -> Any:
         dtype="float32",
         kv_cache_memory_bytes=32 * 2**20,  # on the CPU backend, RAM: keep it small
         max_model_len=64,
+        block_size=32,  # the CPU backend's least: a prompt of 32 tokens or more fills a cached block
         max_num_seqs=4,
         enforce_eager=True,
         weight_transfer_config={"backend": BACKEND},
@@ -116,6 +117,7 @@ def async_engine_args(path: str, **options: Any) -> Any:
         dtype="float32",
         kv_cache_memory_bytes=32 * 2**20,
         max_model_len=64,
+        block_size=32,  # the CPU backend's least: a prompt of 32 tokens or more fills a cached block
         max_num_seqs=4,
         enforce_eager=True,
         weight_transfer_config={"backend": BACKEND},
@@ -204,6 +206,39 @@ def test_no_request_runs_during_an_update(llm: Any, hub: raysync.HubClient, hub_
             assert tokens == expected[version], f"output stamped {version}"
     finally:
         stop.set()
+        stop_following(engine.follower)
+
+
+def test_a_prompt_cached_under_one_version_is_computed_again_under_the_next(
+    llm: Any, hub: raysync.HubClient, hub_name: str
+) -> None:
+    """vLLM keeps the keys and values of a prompt's full blocks (prefix caching, on by default)
+    and reuses them for the next request with that prefix: after a version went in, they were
+    computed with the old weights, so the engine drops them; each output is the version's own."""
+    prompt = [(7 * i + 3) % 128 for i in range(40)]  # one full block of 32, cached
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def answer(engine: VLLMEngine) -> tuple[list[int], int]:
+        gen = engine.generate([{"prompt_token_ids": prompt}], params)
+        return list(gen.outputs[0].outputs[0].token_ids), gen.version
+
+    def reference(model: Any) -> list[int]:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    first = hub.push(hf_model(60))
+    engine = follow_engine(llm, "policy", hub=hub_name)
+    try:
+        assert answer(engine) == (reference(hf_model(60)), first)
+        assert answer(engine) == (reference(hf_model(60)), first)  # the cached prefix, same version
+        second = hub.push(hf_model(61), wait=True, timeout=60)
+        expected = reference(hf_model(61))
+        assert expected != reference(hf_model(60))  # a stale prefix would show
+        assert answer(engine) == (expected, second)
+    finally:
         stop_following(engine.follower)
 
 
