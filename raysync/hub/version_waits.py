@@ -114,7 +114,8 @@ class VersionWaits:
             state.waits.check_waitable(model_id, version, granted=False)
         while True:
             laggards, failures = state.waits.pending(model_id, version, include_pull)
-            short = max(0, subscribers - state.waits.counted(model_id, include_pull))
+            # (a scan of every subscriber: only for a wait that asked for a number of them)
+            short = max(0, subscribers - state.waits.counted(model_id, include_pull)) if subscribers else 0
             if short and len(misfits := state.waits.misfits(model_id, include_pull)) >= short:
                 return WaitResult(tuple(laggards), tuple(failures), misfits=tuple(misfits))  # never there
             if laggards and report_missing and not state.waits.kept_from(model_id, version):
