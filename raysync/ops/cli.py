@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print hub.status() as JSON")
     status.add_argument(
+        "--all",
+        action="store_true",
+        help=f"one row per subscriber, however many (over {SUMMARY_ABOVE}: by node, naming those behind)",
+    )
+    status.add_argument(
         "--timeout",
         type=_seconds,
         default=30.0,
@@ -171,7 +176,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
     else:
-        render_status(status, namespace=args.namespace)
+        render_status(status, namespace=args.namespace, every=args.all)
     return 0
 
 
@@ -191,14 +196,23 @@ def _no_hub_message(name: str, namespace: str) -> str:
 
 
 def render_status(
-    status: Mapping[str, Any], *, namespace: str = DEFAULT_NAMESPACE, file: TextIO | None = None
+    status: Mapping[str, Any],
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    file: TextIO | None = None,
+    every: bool = False,
 ) -> None:
     """Print ``hub.status()`` as tables: the hub, its models, its subscribers, their last errors.
+
+    Over :data:`SUMMARY_ABOVE` subscribers (a fleet), they are counted by model and node, and
+    only those behind the newest version, failing or not live are named (the first
+    :data:`NAMED_AT_MOST`); ``every`` lists each one.
 
     Args:
         status: what ``HubClient.status()`` (or the hub actor's ``status``) returned.
         namespace: the hub's namespace, for the title.
         file: where to write (default: standard output).
+        every: one row per subscriber, however many (``raysync status --all``).
 
     Example:
         >>> render_status(raysync.connect().status())  # doctest: +SKIP
@@ -240,7 +254,51 @@ def render_status(
     if not status.get("models"):
         models.add_row("(none yet)", *["-"] * 8)
     console.print(models)
-    subs = Table(title="subscribers", title_justify="left")
+    rows = list(status.get("subscribers", []))
+    errors = [s for s in rows if row_error(s)]
+    modified = [s for s in rows if s.get("modified_since") is not None]
+    if len(rows) > SUMMARY_ABOVE and not every:
+        console.print(_by_node(rows))
+        odd = sorted(
+            (s for s in rows if s.get("lag") or row_state(s) != "live" or row_error(s)),
+            key=lambda s: -(s.get("lag") or 0),
+        )
+        if odd:
+            named = odd[:NAMED_AT_MOST]
+            more = f"; the first {len(named)}, most behind first" if len(odd) > len(named) else ""
+            console.print(_subscriber_table(f"behind, failing or not live: {len(odd)}{more}", named, now))
+        errors, modified = [s for s in odd[:NAMED_AT_MOST] if row_error(s)], modified[:NAMED_AT_MOST]
+    else:
+        console.print(_subscriber_table("subscribers", rows, now))
+    if modified:
+        console.print(Text("modified locally (* above)", style="bold"))
+        for s in modified:
+            console.print(
+                f"  {printable(s.get('subscriber'))} ({printable(s.get('model_id'))}): its own code "
+                f"changed version {s['modified_since']} in place since applying it (a module in training "
+                "mode? call .eval() on rollout actors); the next version applied clears it",
+                markup=False,
+            )
+    if errors:
+        console.print(Text("last errors", style="bold"))
+        for s in errors:
+            who = f"{printable(s.get('subscriber'))} ({printable(s.get('model_id'))})"
+            console.print(f"  {who}: {printable(row_error(s))}", markup=False)
+
+
+SUMMARY_ABOVE = 50
+"""Over this many subscribers, ``raysync status`` counts them by node (``--all``: one row each)."""
+NAMED_AT_MOST = 20
+"""The most subscribers behind, failing or not live that a summary names (most behind first)."""
+
+
+def _subscriber_table(title: str, rows: list[Mapping[str, Any]], now: float) -> Any:
+    """One row per subscriber: where it is, what it holds, how its applies went."""
+    from rich.table import Table
+
+    from raysync.ops.terminal_text import cell
+
+    subs = Table(title=title, title_justify="left")
     for col in (
         "model",
         "subscriber",
@@ -260,7 +318,7 @@ def render_status(
             # ids are what a user greps the logs for: wrapped whole, never cut with an ellipsis
             overflow="fold" if col in ("model", "subscriber") else "ellipsis",
         )
-    for s in status.get("subscribers", []):
+    for s in rows:
         lag, state, error = s.get("lag"), row_state(s), row_error(s)
         applied_age = s.get("last_apply_age_s")
         if applied_age is None and s.get("last_apply_time") is not None:
@@ -278,25 +336,41 @@ def render_status(
             "-" if applied_age is None else f"{_age(applied_age)} ago",
             cell("-") if not error else cell(_short(error, 60), "red"),
         )
-    if not status.get("subscribers"):
+    if not rows:
         subs.add_row("-", "(none)", *["-"] * 9)
-    console.print(subs)
-    modified = [s for s in status.get("subscribers", []) if s.get("modified_since") is not None]
-    if modified:
-        console.print(Text("modified locally (* above)", style="bold"))
-        for s in modified:
-            console.print(
-                f"  {printable(s.get('subscriber'))} ({printable(s.get('model_id'))}): its own code "
-                f"changed version {s['modified_since']} in place since applying it (a module in training "
-                "mode? call .eval() on rollout actors); the next version applied clears it",
-                markup=False,
-            )
-    errors = [s for s in status.get("subscribers", []) if row_error(s)]
-    if errors:
-        console.print(Text("last errors", style="bold"))
-        for s in errors:
-            who = f"{printable(s.get('subscriber'))} ({printable(s.get('model_id'))})"
-            console.print(f"  {who}: {printable(row_error(s))}", markup=False)
+    return subs
+
+
+def _by_node(rows: list[Mapping[str, Any]]) -> Any:
+    """Subscribers counted by model and node: how many, at the newest version, behind, not live."""
+    from rich.table import Table
+
+    from raysync.ops.terminal_text import cell
+
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for s in rows:
+        groups.setdefault((str(s.get("model_id")), str(s.get("node_id") or "-")), []).append(s)
+    table = Table(
+        title=f"subscribers by node: {len(rows)} (raysync status --all: each)", title_justify="left"
+    )
+    for col in ("model", "node", "subscribers", "at newest", "behind", "not live", "failing", "most behind"):
+        table.add_column(col, justify="left" if col in ("model", "node") else "right")
+    for (model_id, node), members in sorted(groups.items()):
+        lags = [s.get("lag") or 0 for s in members]
+        behind = sum(1 for lag in lags if lag)
+        not_live = sum(1 for s in members if row_state(s) != "live")
+        failing = sum(1 for s in members if row_error(s))
+        table.add_row(
+            cell(model_id),
+            cell(node[:8]),
+            str(len(members)),
+            str(len(members) - behind),
+            cell(str(behind), "yellow" if behind else ""),
+            cell(str(not_live), "red" if not_live else ""),
+            cell(str(failing), "red" if failing else ""),
+            str(max(lags)),
+        )
+    return table
 
 
 # A subscriber whose model does not fit its model id's versions (a *misfit*: the hub keeps it

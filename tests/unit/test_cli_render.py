@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 from raysync.ops import cli
@@ -112,3 +113,38 @@ def test_control_characters_in_hub_strings_are_printed_escaped() -> None:
         "actor01:policy\\x9b0m\\x7f (policy\\x1b[2J\\x1b[31m\\nv2): its own code changed version 3" in words
     )
     assert "ApplyError: bad\\r\\nRuntimeError: \\x1b[8mhidden" in words  # the last errors, in full
+
+
+def test_a_fleet_is_counted_by_node_and_only_those_behind_are_named() -> None:
+    """1,000 subscribers on 4 nodes: a row per node with its counts, then the few behind, failing
+    or not live by name, most behind first; ``--all`` (``every=True``) lists each one."""
+    status = _status(["policy"], last_error=None)
+    row = status["subscribers"][0]
+    rows = [row | {"subscriber": f"sub-{i:04d}", "node_id": f"node{i % 4}aaaa"} for i in range(1000)]
+    rows[7] |= {"lag": 2, "applied": 1}
+    rows[8] |= {"lag": 5, "applied": None, "state": "unreachable"}
+    rows[9] |= {"last_error": "ApplyError: disk full"}
+    status["subscribers"] = rows
+    out = io.StringIO()
+    cli.render_status(status, file=out)
+    text = out.getvalue()
+    assert "subscribers by node: 1000" in text
+    for node in range(4):
+        assert f"node{node}aa" in text
+    assert set(re.findall(r"sub-\d{4}", text)) == {"sub-0007", "sub-0008", "sub-0009"}  # and no other
+    assert text.index("sub-0008") < text.index("sub-0007")  # most behind first
+    assert "behind, failing or not live: 3" in text and "ApplyError: disk full" in text
+    section = text.split("subscribers by node", 1)[1].split("behind, failing", 1)[0]
+    counts = {}  # node: (subscribers, at newest, behind, not live, failing, most behind)
+    for node in range(4):
+        line = next(line for line in section.splitlines() if f"node{node}aa" in line)
+        counts[node] = tuple(int(c) for c in line.split("│")[3:9])
+    assert counts == {
+        0: (250, 249, 1, 1, 0, 5),  # sub-0008: 5 behind, unreachable
+        1: (250, 250, 0, 0, 1, 0),  # sub-0009: failing
+        2: (250, 250, 0, 0, 0, 0),
+        3: (250, 249, 1, 0, 0, 2),  # sub-0007: 2 behind
+    }
+    out = io.StringIO()
+    cli.render_status(status, file=out, every=True)
+    assert len(set(re.findall(r"sub-\d{4}", out.getvalue()))) == 1000  # every one, by name
