@@ -57,7 +57,11 @@ from raysync.engines.vllm import Generation, VLLMEngine, start_following
 from raysync.engines.vllm_lora import adapter_targets, follow_adapters, lora_request
 from raysync.errors import EngineNotReadyError, RaySyncError
 
-__all__ = ["TORN", "VLLMAsyncEngine", "follow_async_engine"]
+__all__ = ["SWAP_WAIT_S", "TORN", "VLLMAsyncEngine", "follow_async_engine"]
+
+SWAP_WAIT_S = 60.0
+"""The longest an adapter's new version waits for the requests running with its old one; after
+that it is not loaded this time (the follower tries again, backing off), and requests go on."""
 
 TORN = "torn"
 """vLLM's weight version while a failed update left the engine torn (no output is served under it)."""
@@ -180,7 +184,13 @@ class VLLMAsyncEngine(VLLMEngine):
         requests queued in the pause run only after it.
         """
         try:
-            self._run(self._hold(adapter))
+            try:
+                self._run(asyncio.wait_for(self._hold(adapter), SWAP_WAIT_S))
+            except asyncio.TimeoutError:
+                raise RaySyncError(
+                    f"{self.name}: requests with adapter {adapter!r} still running after {SWAP_WAIT_S:g} s; "
+                    "its new version waits for them (tried again later)"
+                ) from None
             with self._lock:
                 yield
         finally:

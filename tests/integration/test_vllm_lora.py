@@ -525,3 +525,46 @@ def test_an_async_engine_refuses_a_misfit_adapter_and_serves_the_one_it_had(
             await asyncio.to_thread(engine.stop)
 
     on_loop(loop, run())
+
+
+def test_an_async_adapter_swap_waits_for_its_requests_within_a_bound(
+    async_llm: tuple[Any, asyncio.AbstractEventLoop],
+    hub: raysync.HubClient,
+    hub_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request with the adapter that does not end (a client that stopped reading a stream):
+    the new version waits for it at most ``SWAP_WAIT_S``, is refused saying why, and the engine
+    serves the old one meanwhile; once the request is gone, the follower's next try puts it in."""
+    from raysync.engines import vllm_async
+
+    monkeypatch.setattr(vllm_async, "SWAP_WAIT_S", 0.5)
+    llm, loop = async_llm
+    base = hub.push(hf_model(130))
+    old = adapter_tensors(131)
+    a1 = hub.push(raysync.lora_adapter(old, alpha=ALPHA), "math")
+
+    async def run() -> None:
+        engine = await follow_async_engine(llm, "policy", hub=hub_name, adapters=["math"])
+        try:
+            async with engine._changed:
+                engine._naming["math"] = engine._naming.get("math", 0) + 1  # a request that never ends
+            new = adapter_tensors(132)
+            with pytest.raises(raysync.RaySyncError, match=r"adapter 'math' still running after 0.5 s"):
+                await asyncio.to_thread(
+                    hub.push, raysync.lora_adapter(new, alpha=ALPHA), "math", wait=True, timeout=TIMEOUT
+                )
+            assert await async_tokens(engine, 0) == (merged_tokens(130, old)[0], base, a1)  # the old one
+            async with engine._changed:
+                engine._naming["math"] -= 1  # it ended
+                engine._changed.notify_all()
+            for _ in range(200):  # the follower tries again (backing off from 0.05 s)
+                got = await async_tokens(engine, 0)
+                if got[2] != a1:
+                    break
+                await asyncio.sleep(0.05)
+            assert got == (merged_tokens(130, new)[0], base, a1 + 1)
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    on_loop(loop, run())
