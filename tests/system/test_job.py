@@ -95,8 +95,10 @@ _PORT_NAMES = (
 )
 # `ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded 2-core
 # machine (another test worker's cluster beside this one) that can run out. Such a start is
-# tried again, once, on fresh ports.
+# tried again, on fresh ports; so is one that lost a port to another process between our pick
+# and its bind (seen beside a busy core: "Address already in use" from the dashboard's server).
 _STARTUP_TIMED_OUT = "timed out during startup"
+_TRIED_AGAIN = (_STARTUP_TIMED_OUT, "Address already in use")
 _RUNTIME_STARTED = "Ray runtime started."  # what `ray start` prints once its node is up
 
 
@@ -187,11 +189,12 @@ _HEAD_TRIES = 3  # a loaded 2-core machine ran out of Ray's 30 s twice in a row 
 
 
 def _start_head(head_env: dict[str, str]) -> _Started:
-    """A head, tried again (up to ``_HEAD_TRIES`` starts) while a start timed out waiting for its raylet."""
+    """A head, tried again (up to ``_HEAD_TRIES`` starts) while a start timed out waiting for its
+    raylet or lost a port."""
     failed: list[str] = []
     started = _try_start(head_env)
     for _ in range(_HEAD_TRIES - 1):
-        if not (isinstance(started, str) and _STARTUP_TIMED_OUT in started):
+        if not (isinstance(started, str) and any(why in started for why in _TRIED_AGAIN)):
             break
         failed.append(started)
         started = _try_start(head_env)
