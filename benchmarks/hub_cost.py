@@ -24,7 +24,9 @@ subscriber per version). Medians over ``--pushes`` pushes of a small model:
     the hub's outgoing delivery calls per version (``status()["delivery"]["calls"]``),
     exact: every value seen is listed in ``msgs_seen``, beside ``msgs_expected``, the
     nodes with subscribers but the hub's own when the hub rings its doorbells itself
-    (``hub_node_used``: the hub landed on one of the subscribers' nodes).
+    (``hub_node_used``: the hub landed on one of the subscribers' nodes; it rings them
+    itself while they are at most ``raysync.hub.delivery.HERE_MAX_MEMBERS``, and its
+    node's relay does beyond).
 ``hub_cpu_ms``
     CPU time of the hub process (its own ``time.process_time()``) from just before
     ``hub.push`` until ``hub.wait`` returned.
@@ -67,6 +69,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import _harness as harness
 import raysync
 from raysync._protocol import DEFAULT_NAMESPACE, Announcement, ApplyReport, Registration, SubscriberInfo
+from raysync.hub.delivery import HERE_MAX_MEMBERS
 from raysync.receivers.membership import membership
 from raysync.transports.doorbell import doorbell
 
@@ -165,6 +168,9 @@ def measure(
         rung_here = args.doorbell and not args.followers
         here = (hub.status().get("here") or {}).get("node_id") if rung_here else None
         hub_node_used = here in {node for node, _ in used}
+        on_hub_node = sum(1 for i in range(n) if used[i % len(used)][0] == here)
+        if on_hub_node > HERE_MAX_MEMBERS:  # a large group on the hub's node: its relay serves it
+            here = None
         expected = len({node for node, _ in used} - {here}) if delivery == "relay" else n
         if delivery == "relay":
             deadline = time.monotonic() + 60

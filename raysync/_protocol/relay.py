@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 from raysync._protocol.messages import Announcement, ApplyReport
 
-__all__ = ["RelayAck", "RelayDelivery", "RelayMember", "RelayReply", "Ring", "compact", "expand"]
+__all__ = [
+    "AppliedRow",
+    "RelayAck",
+    "RelayDelivery",
+    "RelayMember",
+    "RelayReply",
+    "Ring",
+    "compact",
+    "expand",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,10 @@ class RelayAck:
     error: BaseException | None = None
 
 
+AppliedRow = tuple[str, float | None, float | None, int | None, int | None]
+"""A plain apply, compact: ``(sub_id, apply_s, pause_s, buckets_fetched, bytes_fetched)``."""
+
+
 @dataclass(frozen=True)
 class RelayReply:
     """A relay's answer to one :class:`RelayDelivery`: every subscription's ack, in one message.
@@ -86,7 +99,7 @@ class RelayReply:
     """
 
     acks: tuple[RelayAck, ...]
-    applied: tuple[tuple[str, float | None, float | None, int | None, int | None], ...] = ()
+    applied: tuple[AppliedRow, ...] = ()
     relay_pid: int | None = None
     pending: tuple[str, ...] = ()
 

@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import time
@@ -107,7 +106,8 @@ class WeightHub:
             self._state, self._gauges, reap=self._liveness.reap, round_published=self._sharded.round_published
         )
         self._restored = self._restore()
-        freeze_startup_objects()  # out of the garbage collector's full scans (hub/priority.py)
+        # Out of the garbage collector's full scans (hub/priority.py); counted once (a count walks them).
+        self._gc_frozen = freeze_startup_objects()
 
     # ------------------------------------------------------------------ restart
     def _restore(self) -> list[str]:
@@ -164,7 +164,7 @@ class WeightHub:
             "pid": os.getpid(),
             "cpu_s": time.process_time(),  # cheap counters for benchmarks (status() is O(subscribers))
             "delivery_calls": self._state.tables.delivery_calls,
-            "gc_frozen": gc.get_freeze_count(),  # start-up objects out of full collections' scans
+            "gc_frozen": self._gc_frozen,  # start-up objects out of full collections' scans
         }
 
     async def settings(self) -> HubSettings:
@@ -337,8 +337,8 @@ class WeightHub:
         sub, replaced, newest = self._state.roster.register(reg)
         if replaced is not None:
             self._delivery.stop(replaced)
-        served_here = self._delivery.here is not None and sub.info.node_id == self._delivery.here_node
-        if sub.via_node and sub.info.node_id and not served_here:
+        group = self._state.groups.get(sub.group) if sub.group is not None else None
+        if group is not None and sub.info.node_id and not self._delivery.rings_here(group):
             self._relays.start(sub.info.node_id)
         self._store.add(sub)
         logger.info(

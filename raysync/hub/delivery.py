@@ -32,10 +32,15 @@ from raysync.hub.settings import HubSettings
 from raysync.hub.state import DeliveryGroup, HubState, Subscriber, Version
 from raysync.transports.registry import info as transport_info
 
-__all__ = ["Delivery", "Prior"]
+__all__ = ["HERE_MAX_MEMBERS", "Delivery", "Prior"]
 
 logger = logging.getLogger(__name__)
 
+
+HERE_MAX_MEMBERS = 256
+"""The most subscriptions of one model on the hub's own node that the hub rings itself: ringing
+and reading acks cost the hub's one event loop per subscription, so a larger group is handed to
+its node's relay (one message per version, as on every other node)."""
 
 Prior = dict[Subscriber, int]
 """What each subscriber of a delivery had been sent before it (restored if the delivery is lost)."""
@@ -96,8 +101,13 @@ class Delivery:
             self._mail.fail(address, SubscriberGone(f"process {address[:16]} died"))
 
     def kick_model(self, model_id: str) -> None:
-        for sub in self._state.subscribers(model_id):
-            if sub.pushed:
+        """Start the delivery of ``model_id``'s newest version: a loop per node group (not per
+        subscriber), and one per subscriber delivered alone."""
+        for group in list(self._state.tables.model_groups.get(model_id, {}).values()):
+            if not self.delivering(group) and group.node_id is not None:
+                self._start(group, self._deliver_relay(model_id, group))
+        for sub in list(self._state.tables.solo.get(model_id, {}).values()):
+            if sub.state != "dead":
                 self.kick(sub)
 
     def kick(self, sub: Subscriber) -> None:
@@ -164,13 +174,32 @@ class Delivery:
             for sub in due:
                 sub.sent = newest.version
             announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
-            if self.here is not None and group.node_id == self.here_node:
+            here = self.rings_here(group)
+            if here != group.here:  # from the hub to its node's relay, or back: it knows none of them
+                group.known.clear()
+                group.here = here
+            if here:
+                assert self.here is not None
                 # The hub's own node: the hub does the relay's part itself (rings doorbells, calls the rest).
-                members = {s.sub_id: s.relay_member() for s in due}
+                members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
+                group.known.update(members)  # told once: later versions name them only
                 reply = await self.here.deliver(RelayDelivery(announcement, members))
-                self._acks(group, newest.version, reply, prior)
+                self._acks(model_id, group, newest.version, reply, prior)
             else:
                 await self._via_relay(group, group.node_id, newest, announcement, due, prior)
+
+    def rings_here(self, group: DeliveryGroup) -> bool:
+        """Whether the hub delivers to ``group`` itself: on its own node, while the group is small
+        (:data:`HERE_MAX_MEMBERS`) or its node's relay is not up yet (started here); a larger one
+        goes through that relay, as on every node."""
+        if self.here is None or group.node_id != self.here_node:
+            return False
+        if len(group.members) <= HERE_MAX_MEMBERS:
+            return True
+        if self._relays.up(group.node_id):
+            return False
+        self._relays.start(group.node_id)  # rung from here meanwhile, not called one by one
+        return True
 
     async def _via_relay(
         self,
@@ -193,7 +222,7 @@ class Delivery:
             acks, late, calls = await notify_members(announcement, members, self._mail.call)
             self._state.tables.delivery_calls += calls
             pending = tuple(s for ids, _ in late for s in ids)
-            self._acks(group, newest.version, compact(newest.version, acks, None, pending), prior)
+            self._acks(model_id, group, newest.version, compact(newest.version, acks, None, pending), prior)
             if late:
                 asyncio.get_running_loop().create_task(self._late(model_id, node_id, newest.version, late))
             return
@@ -211,25 +240,22 @@ class Delivery:
             group.relay_lost()  # it restarted since it last answered: its late acks will not come
         group.relay_pid = reply.relay_pid
         group.known.update(members)
-        self._acks(group, newest.version, reply, prior)
+        self._acks(model_id, group, newest.version, reply, prior)
 
     def _acks(
-        self, group: DeliveryGroup, version: int, reply: RelayReply, prior: dict[Subscriber, int]
+        self, model_id: str, group: DeliveryGroup, version: int, reply: RelayReply, prior: Prior
     ) -> None:
         """Record a relay's acks (members that left meanwhile are skipped)."""
         for sub_id in reply.pending:
             sub = group.members.get(sub_id)
             if sub is not None:
                 sub.relay_pending = True
-        now = time.time()
-        for sub_id, apply_s, pause_s, buckets, nbytes in reply.applied:
-            sub = group.members.get(sub_id)
-            if sub is None or self._state.subs.get(sub_id) is not sub:
-                continue
-            sub.relay_pending = False
-            self._state.roster.record_applied(sub, version, apply_s, pause_s, buckets, nbytes, now)
-            metrics.record_apply(self._name, sub.model_id, apply_s)
         if reply.applied:
+            now = time.time()
+            times = self._state.roster.record_applied_rows(
+                model_id, version, group.members, reply.applied, now
+            )
+            metrics.record_applies(self._name, model_id, times)
             self._gauges.changed(self._state.models, self._state.subs)
         for ack in reply.acks:
             sub = group.members.get(ack.sub_id)
@@ -267,7 +293,7 @@ class Delivery:
             return
         if reply.relay_pid is not None and group.relay_pid is not None and reply.relay_pid != group.relay_pid:
             return  # from a relay process the hub no longer counts on
-        self._acks(group, version, reply, {})
+        self._acks(model_id, group, version, reply, {})
         if not self.delivering(group):
             self._start(group, self._deliver_relay(model_id, group))
 

@@ -58,6 +58,7 @@ __all__ = [
     "METRIC_NAMES",
     "SUBSCRIBER_STATES",
     "record_apply",
+    "record_applies",
     "record_push",
 ]
 
@@ -98,6 +99,12 @@ METRIC_NAMES = (
 SUBSCRIBER_STATES = ("live", "unreachable", "failing", "misfit")
 
 _GAUGE_INTERVAL_S = 0.5  # the hub refreshes its gauges at most this often
+_GAUGE_SHARE = 0.02  # ... and spends at most this share of its time on them (a large fleet's refresh)
+APPLIES_OBSERVED = 8  # apply times observed per node and version at most (sampled above)
+LAG_SERIES_MAX = 1000
+"""A model with more live subscribers than this gets a ``subscriber_lag`` series only for those more
+than one version behind (and 0 once for each that caught up): a series per subscriber of a fleet
+is a cardinality no Prometheus wants, and setting them would cost the hub O(subscribers) per refresh."""
 
 
 def _keepalive_s() -> float:
@@ -223,6 +230,28 @@ def record_apply(hub: str, model_id: str, seconds: float | None) -> None:
         logger.debug("could not record apply of %r on hub %r: %s", model_id, hub, err)
 
 
+def record_applies(hub: str, model_id: str, seconds: list[float | None]) -> None:
+    """Record a node's subscribers' apply times of one version (a relay's reply).
+
+    Each time is observed while there are at most :data:`APPLIES_OBSERVED` of them; a larger
+    node's are sampled: that many of its times, evenly spaced in sorted order (the
+    distribution's shape kept, its count capped), so the hub's cost per version stays bounded
+    by nodes rather than subscribers.
+
+    Example:
+        >>> record_applies("raysync", "policy", [0.004, 0.005])  # doctest: +SKIP
+    """
+    times = sorted(s for s in seconds if s is not None)
+    if len(times) > APPLIES_OBSERVED:
+        step = (len(times) - 1) / (APPLIES_OBSERVED - 1)
+        times = [times[round(i * step)] for i in range(APPLIES_OBSERVED)]
+    for s in times:
+        record_apply(hub, model_id, s)
+
+
+DBG: dict = {"n": 0, "s": 0.0}
+
+
 class HubGauges:
     """The hub's gauges (versions, lag, subscribers by state), refreshed at most every 0.5 s.
 
@@ -245,6 +274,7 @@ class HubGauges:
         self._lagging: dict[tuple[str, str, str], dict[str, str]] = {}  # series set last time
         self._models_seen: set[str] = set()
         self._keepalive = False
+        self._interval = _GAUGE_INTERVAL_S  # grows with the refresh's cost (_GAUGE_SHARE)
 
     def published(self, model_id: str) -> None:
         """Count one published version of ``model_id``."""
@@ -267,7 +297,7 @@ class HubGauges:
             self.refresh()
             return
         self._pending = True
-        delay = max(0.0, self._last + _GAUGE_INTERVAL_S - time.monotonic())
+        delay = max(0.0, self._last + self._interval - time.monotonic())
         loop.call_later(delay, self.refresh)
         if not self._keepalive:
             self._keepalive = True
@@ -288,10 +318,12 @@ class HubGauges:
         if m is None or self._source is None:
             return
         models, subscribers = self._source
+        t0 = time.process_time()
         try:
             self._set(m, models, subscribers.values())
         except Exception as err:
             logger.debug("hub %r could not refresh its gauges: %s", self.hub, err)
+        self._interval = max(_GAUGE_INTERVAL_S, (time.process_time() - t0) / _GAUGE_SHARE)
 
     def _set(self, m: _Metrics, models: Mapping[str, Any], subs: Iterable[Any]) -> None:
         counts: dict[str, dict[str, int]] = {}
@@ -300,27 +332,32 @@ class HubGauges:
         for model_id, model in models.items():
             m.latest_version.set(float(model.latest or 0), tags={"hub": self.hub, "model_id": model_id})
             counts.setdefault(model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
+        by_model: dict[str, list[Any]] = {}
         for sub in subs:
-            if sub.state == "dead":
-                continue
-            model = models.get(sub.model_id)
-            state = sub.state
-            if state == "live" and (sub.misfit or sub.last_error):
-                state = "misfit" if sub.misfit else "failing"
-            per_model = counts.setdefault(sub.model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
-            per_model[state] = per_model.get(state, 0) + 1
-            if sub.modified_since is not None:
-                modified[sub.model_id] = modified.get(sub.model_id, 0) + 1
-            tags = {
-                "hub": self.hub,
-                "model_id": sub.model_id,
-                "subscriber": sub.sub_id,
-                "actor": str(sub.info.class_name or ""),
-            }
-            lagging[(sub.model_id, sub.sub_id, tags["actor"])] = tags
-            # versions published since the one it holds (numbers skip at a new writer; lag does not)
-            lag = model.versions_after(sub.applied) if model is not None else 0
-            m.subscriber_lag.set(float(lag), tags=tags)
+            if sub.state != "dead":
+                by_model.setdefault(sub.model_id, []).append(sub)
+        for model_id, members in by_model.items():
+            model = models.get(model_id)
+            per_model = counts.setdefault(model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
+            stamps = model.stamps if model is not None else []
+            # a fleet's subscribers at most one version behind (holding the second newest published or
+            # newer) get no series: only its laggards do (those set before read 0, below)
+            close_from = (stamps[-2] if len(stamps) >= 2 else 0) if len(members) > LAG_SERIES_MAX else None
+            for sub in members:
+                state = sub.state
+                if state == "live" and (sub.misfit or sub.last_error):
+                    state = "misfit" if sub.misfit else "failing"
+                per_model[state] = per_model.get(state, 0) + 1
+                if sub.modified_since is not None:
+                    modified[model_id] = modified.get(model_id, 0) + 1
+                if close_from is not None and (sub.applied or 0) >= close_from:
+                    continue
+                # versions published since the one it holds (numbers skip at a new writer; lag does not)
+                lag = model.versions_after(sub.applied) if model is not None else 0
+                actor = str(sub.info.class_name or "")
+                tags = {"hub": self.hub, "model_id": model_id, "subscriber": sub.sub_id, "actor": actor}
+                lagging[(model_id, sub.sub_id, actor)] = tags
+                m.subscriber_lag.set(float(lag), tags=tags)
         for key, tags in self._lagging.items():
             if key not in lagging:  # gone: a gauge cannot be deleted, so it reads 0
                 m.subscriber_lag.set(0.0, tags=tags)

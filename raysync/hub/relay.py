@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import logging
 import os
 import statistics
@@ -142,7 +141,7 @@ class NodeDelivery:
         t0 = time.perf_counter()
         tokens, called = await self._ring(a, members)
         t1 = time.perf_counter()
-        (acks, late, calls), (rung_acks, rung_pending) = await asyncio.gather(
+        (acks, late, calls), (rung, rung_pending) = await asyncio.gather(
             notify_members(a, called, self.mail.call), self._rung_acks(tokens)
         )
         self._timing.append((t1 - t0, time.perf_counter() - t1))
@@ -154,12 +153,13 @@ class NodeDelivery:
             self.called_after_ring += more_calls
             acks, late, calls = acks + more_acks, late + more_late, calls + more_calls
         self.delivered += calls
-        acks += rung_acks
+        acks += rung.acks
         self._forget_dead(acks)
         if late:
             asyncio.get_running_loop().create_task(self._forward(a.model_id, a.version, late))
         pending = tuple(s for ids, _ in late for s in ids)
-        return compact(a.version, unknown + acks, os.getpid(), pending)
+        reply = compact(a.version, unknown + acks, os.getpid(), pending)
+        return replace(reply, applied=reply.applied + rung.applied)  # rung: compact already
 
     async def _ring(
         self, a: Announcement, members: dict[str, RelayMember]
@@ -197,10 +197,10 @@ class NodeDelivery:
             self.not_rung[f"doorbell busy: {why}"] += n
         return tokens, called
 
-    async def _rung_acks(self, tokens: list[int]) -> tuple[list[RelayAck], list[str]]:
+    async def _rung_acks(self, tokens: list[int]) -> tuple[RelayReply, list[str]]:
         if not tokens:
-            return [], []
-        return await self._doorbell()[0].wait(tokens, self._ring_ack_s)
+            return RelayReply(()), []
+        return await self._doorbell()[0].wait_compact(tokens, self._ring_ack_s)
 
     def _doorbell(self) -> tuple[doorbell.Ringer, doorbell.SegmentWriter]:
         if self._bell is None:
@@ -278,7 +278,7 @@ class NodeRelay:
 
         mail = Mailboxes(alive=lambda address: asyncio.to_thread(address_alive, address))
         self._node = NodeDelivery(node_id, send_late, mail, settings)
-        freeze_startup_objects()  # out of the garbage collector's full scans, as the hub's
+        self._gc_frozen = freeze_startup_objects()  # out of the garbage collector's full scans, as the hub's
 
     async def deliver(self, delivery: RelayDelivery) -> RelayReply:
         """See :meth:`NodeDelivery.deliver`."""
@@ -300,7 +300,7 @@ class NodeRelay:
 
     async def stats(self) -> dict[str, Any]:
         """Its process, node, and the calls it made so far (for tests and benchmarks)."""
-        return {**self._node.stats(), "gc_frozen": gc.get_freeze_count()}
+        return {**self._node.stats(), "gc_frozen": self._gc_frozen}
 
 
 _FETCH_S = 30.0  # a version's bytes not at hand by then (pusher gone?): the Ray way instead

@@ -16,9 +16,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from raysync._protocol import Announcement, WaitResult
+from raysync._protocol import Announcement, Laggard, WaitResult
 from raysync.hub import metrics
-from raysync.hub.state import HubState, Waiter
+from raysync.hub.state import HubState, Subscriber, Waiter
 
 __all__ = ["VersionWaits"]
 
@@ -112,32 +112,33 @@ class VersionWaits:
             grace = _PUBLISH_GRACE_S if timeout is None else min(timeout, _PUBLISH_GRACE_S)
             await self.published(model_id, version, grace)
             state.waits.check_waitable(model_id, version, granted=False)
+        waits = state.waits
         while True:
-            laggards, failures = state.waits.pending(model_id, version, include_pull)
+            behind, failed = waits.unsettled(model_id, version, include_pull)  # no records made
             # (a scan of every subscriber: only for a wait that asked for a number of them)
-            short = max(0, subscribers - state.waits.counted(model_id, include_pull)) if subscribers else 0
-            if short and len(misfits := state.waits.misfits(model_id, include_pull)) >= short:
-                return WaitResult(tuple(laggards), tuple(failures), misfits=tuple(misfits))  # never there
-            if laggards and report_missing and not state.waits.kept_from(model_id, version):
-                return WaitResult(tuple(laggards), tuple(failures), missing=True)
-            if not laggards and not short:
-                if failures:  # a dead subscriber's failure is no failure of this version
-                    await self._reap([f.subscriber for f in failures])
-                    laggards, failures = state.waits.pending(model_id, version, include_pull)
-                if not laggards:
-                    return WaitResult((), tuple(failures))
+            short = max(0, subscribers - waits.counted(model_id, include_pull)) if subscribers else 0
+            if short and len(misfits := waits.misfits(model_id, include_pull)) >= short:
+                return WaitResult(_laggards(behind), _laggards(failed), misfits=tuple(misfits))  # never there
+            if behind and report_missing and not waits.kept_from(model_id, version):
+                return WaitResult(_laggards(behind), _laggards(failed), missing=True)
+            if not behind and not short:
+                if failed:  # a dead subscriber's failure is no failure of this version
+                    await self._reap([s.sub_id for s in failed])
+                    behind, failed = waits.unsettled(model_id, version, include_pull)
+                if not behind:
+                    return WaitResult((), _laggards(failed))
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                await self._reap([r.subscriber for r in laggards + failures])
-                laggards, failures = state.waits.pending(model_id, version, include_pull)
-                counted = state.waits.counted(model_id, include_pull)
+                await self._reap([s.sub_id for s in behind + failed])
+                laggards, failures = waits.pending(model_id, version, include_pull)
+                counted = waits.counted(model_id, include_pull)
                 return WaitResult(tuple(laggards), tuple(failures), registered=counted)
             # Each record, drop or registration updates this waiter in O(1); it wakes once,
             # when no laggard is left (or one more subscriber registered, while too few have),
             # instead of re-scanning every subscriber per event.
             woken = asyncio.Event()
-            waiter = Waiter(version, {r.subscriber for r in laggards}, include_pull, subscribers, woken.set)
-            state.waits.add_waiter(model_id, waiter)
+            waiter = Waiter(version, {s.sub_id for s in behind}, include_pull, subscribers, woken.set)
+            waits.add_waiter(model_id, waiter)
             try:
                 while not waiter.woken:
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -149,4 +150,11 @@ class VersionWaits:
                     except asyncio.TimeoutError:
                         await self._reap(list(waiter.pending))
             finally:
-                state.waits.remove_waiter(model_id, waiter)
+                waits.remove_waiter(model_id, waiter)
+            if waiter.woken and not waiter.pending and not (failed or waiter.failures or subscribers):
+                return WaitResult((), ())  # each one it waited for applied it: no second scan of them all
+
+
+def _laggards(subs: list[Subscriber]) -> tuple[Laggard, ...]:
+    """What a wait's result says of each subscriber (made only when the result names them)."""
+    return tuple(s.laggard() for s in subs)

@@ -11,7 +11,7 @@ from raysync._protocol import (
 )
 from raysync.errors import UnknownModelError
 from raysync.hub.state.layouts import Layouts
-from raysync.hub.state.records import Tables, Waiter
+from raysync.hub.state.records import Subscriber, Tables, Waiter
 
 __all__ = ["Waits"]
 
@@ -55,18 +55,26 @@ class Waits:
         Not a subscriber whose model does not fit the version (a misfit, see
         :mod:`raysync.hub.state.layouts`): it is never handed it, so it is no laggard of it.
         """
-        laggards: list[Laggard] = []
-        failures: list[Laggard] = []
+        laggards, failures = self.unsettled(model_id, version, include_pull)
+        return [s.laggard() for s in laggards], [s.laggard() for s in failures]
+
+    def unsettled(
+        self, model_id: str, version: int, include_pull: bool = True
+    ) -> tuple[list[Subscriber], list[Subscriber]]:
+        """:meth:`pending`'s subscribers themselves (one pass of plain fields; no record made)."""
+        laggards: list[Subscriber] = []
+        failures: list[Subscriber] = []
         model = self.tables.models.get(model_id)
         kept = model.versions.get(version) if model is not None else None
-        for sub in self.tables.subscribers(model_id):
+        misfit = self.layouts.misfit
+        for sub in self.tables.by_model.get(model_id, {}).values():
+            if (sub.applied is not None and sub.applied >= version) or sub.state == "dead":
+                continue
             if not (include_pull or sub.pushed):
                 continue
-            if sub.applied is not None and sub.applied >= version:
+            if (sub.misfit if kept is None else misfit(sub, kept.manifest)) is not None:
                 continue
-            if (sub.misfit if kept is None else self.layouts.misfit(sub, kept.manifest)) is not None:
-                continue
-            (failures if sub.failed >= version else laggards).append(sub.laggard())
+            (failures if sub.failed >= version else laggards).append(sub)
         return laggards, failures
 
     def misfits(self, model_id: str, include_pull: bool = False) -> list[Laggard]:

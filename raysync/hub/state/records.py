@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from raysync.core.layout import Manifest
 __all__ = ["DeliveryGroup", "Model", "Subscriber", "Tables", "Version", "Waiter"]
 
 _STAMPS_KEPT = 100_000  # published version numbers remembered per model (lag counts versions)
+_SCHEMAS_KEPT = 10_000  # distinct subscriber schemas numbered (Subscriber.schema_key)
+_SCHEMA_IDS: dict[tuple[Any, ...], int] = {}
+_SCHEMA_NUMBERS = itertools.count(1)
 
 
 @dataclass
@@ -102,33 +106,43 @@ class Subscriber:
     misfit: str | None = None  # why its model does not fit the model id's versions (not delivered them)
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
     last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
-    via_node: bool = False  # delivered through its node's relay (set when indexed)
     relay_pending: bool = False  # its relay is still handing it a version (its ack comes later)
     doorbell_key: bytes | None = field(default=None, repr=False)  # never persisted or shown
+    # Whether the hub hands it versions: push subscribers and Followers (not pull ones); so
+    # whether a wait counts it without ``include_pull``. Plain fields, read per subscriber per
+    # version (set from ``info``, which never changes).
+    pushed: bool = field(init=False)
+    # Subscriptions delivered together share one delivery loop: through relays (the default),
+    # every subscription of a model on one node, one message per node per version (``None``:
+    # delivered alone, by its own call from the hub). Set with ``via_node`` (:meth:`route`).
+    group: str | None = field(init=False, default=None)
+    via_node: bool = field(init=False, default=False)  # delivered through its node's relay
 
-    @property
-    def pushed(self) -> bool:
-        """Whether the hub hands it versions: push subscribers and Followers (not pull ones); so
-        whether a wait counts it without ``include_pull``."""
-        return self.info.mode != "pull"
+    def __post_init__(self) -> None:
+        self.pushed = self.info.mode != "pull"
+
+    def route(self, via_node: bool) -> None:
+        """Deliver it through its node (its group's one message per version), or alone."""
+        self.via_node = via_node
+        self.group = f"{self.model_id}@node:{self.info.node_id}" if via_node else None
 
     def relay_member(self) -> RelayMember:
         """What its node's relay (or the hub, on its own node) needs to hand it a version."""
         return RelayMember(self.info.address, self.info.doorbell, self.doorbell_key)
 
     @functools.cached_property
-    def schema_key(self) -> Any:
-        """Subscribers with equal schemas are validated together (and once per layout)."""
+    def schema_key(self) -> int | None:
+        """Subscribers with equal schemas are validated together (and once per layout): the
+        schema's number, the same for equal schemas (a small key, hashed per delivery)."""
         if self.schema is None:
             return None
-        return tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in self.schema.items()))
-
-    @property
-    def group(self) -> str | None:
-        """Subscriptions delivered together share one delivery loop: through relays (the
-        default), every subscription of a model on one node, one message per node per version
-        (``None``: delivered alone, by its own call from the hub)."""
-        return f"{self.model_id}@node:{self.info.node_id}" if self.via_node else None
+        schema = tuple(sorted((k, tuple(shape), str(dt)) for k, (shape, dt) in self.schema.items()))
+        if len(_SCHEMA_IDS) > _SCHEMAS_KEPT:
+            _SCHEMA_IDS.clear()  # numbers are never given twice: a cleared schema gets a new one
+        number = _SCHEMA_IDS.get(schema)
+        if number is None:
+            number = _SCHEMA_IDS[schema] = next(_SCHEMA_NUMBERS)
+        return number
 
     def settled(self, version: int) -> bool:
         """Holds ``version`` (or newer), or failed to apply it: a wait for it no longer waits."""
@@ -166,6 +180,7 @@ class Waiter:
     need: int = 0  # subscribers that must have registered too (``wait(subscribers=n)``)
     on_wake: Callable[[], None] | None = None
     woken: bool = False
+    failures: bool = False  # one it waited for failed the version (so its answer must look again)
 
     def counts(self, sub: Subscriber) -> bool:
         """Whether it waits for ``sub``: of a mode it counts, and not a misfit (which never applies)."""
@@ -191,6 +206,7 @@ class DeliveryGroup:
     node_id: str | None = None  # set: the members are delivered through this node's relay
     known: set[str] = field(default_factory=set)  # members the relay has been told of
     relay_pid: int | None = None  # the relay process that answered last
+    here: bool = False  # delivered by the hub itself (its own node, a small group): ``known`` is the hub's
 
     def relay_lost(self) -> None:
         """The relay died or restarted: what it was still doing is lost; hand it all again."""
@@ -217,6 +233,8 @@ class Tables:
     subs: dict[str, Subscriber] = field(default_factory=dict)
     by_model: dict[str, dict[str, Subscriber]] = field(default_factory=dict)
     groups: dict[str, DeliveryGroup] = field(default_factory=dict)
+    model_groups: dict[str, dict[str, DeliveryGroup]] = field(default_factory=dict)  # by model
+    solo: dict[str, dict[str, Subscriber]] = field(default_factory=dict)  # pushed, in no group, by model
     waiters: dict[str, set[Waiter]] = field(default_factory=dict)
 
     def subscribers(self, model_id: str) -> list[Subscriber]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from typing import Any
 
 from raysync._protocol import (
     Announcement,
+    AppliedRow,
     ApplyReport,
     Registration,
 )
@@ -56,12 +59,16 @@ class Roster:
             self.remove(old)
         self.tables.subs[sub.sub_id] = sub
         self.tables.by_model.setdefault(sub.model_id, {})[sub.sub_id] = sub
-        sub.via_node = self.tables.relay and sub.pushed and bool(sub.info.node_id)
+        sub.route(self.tables.relay and sub.pushed and bool(sub.info.node_id))
         if sub.group is not None:
-            node = sub.info.node_id if sub.via_node else None
-            group = self.tables.groups.setdefault(sub.group, DeliveryGroup(node_id=node))
+            group = self.tables.groups.get(sub.group)
+            if group is None:
+                group = self.tables.groups[sub.group] = DeliveryGroup(node_id=sub.info.node_id)
+                self.tables.model_groups.setdefault(sub.model_id, {})[sub.group] = group
             group.members[sub.sub_id] = sub
             group.known.discard(sub.sub_id)  # a new registration may carry a new doorbell
+        elif sub.pushed:
+            self.tables.solo.setdefault(sub.model_id, {})[sub.sub_id] = sub
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if waiter.counts(sub) and not sub.settled(waiter.version):
                 waiter.pending.add(sub.sub_id)
@@ -86,6 +93,10 @@ class Roster:
             group.known.discard(sub.sub_id)
             if not group.members:
                 emptied = self.tables.groups.pop(key)  # type: ignore[arg-type]
+                _discard(self.tables.model_groups, sub.model_id, key)  # type: ignore[arg-type]
+        solo = self.tables.solo.get(sub.model_id)
+        if solo is not None and solo.get(sub.sub_id) is sub:
+            _discard(self.tables.solo, sub.model_id, sub.sub_id)
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             waiter.let_go(sub.sub_id)
         return emptied
@@ -108,6 +119,8 @@ class Roster:
         """Tell the waits on ``sub``'s model that it holds (or failed) what they wait for."""
         for waiter in self.tables.waiters.get(sub.model_id, ()):
             if sub.sub_id in waiter.pending and sub.settled(waiter.version):
+                if sub.applied is None or sub.applied < waiter.version:
+                    waiter.failures = True  # it failed the version: the wait's answer names it
                 waiter.let_go(sub.sub_id)
 
     def record(self, sub: Subscriber, report: ApplyReport) -> None:
@@ -165,19 +178,55 @@ class Roster:
         now: float,
     ) -> None:
         """What :meth:`record` does with a plain report of an apply of ``version`` (a relay's compact row)."""
-        sub.last_seen = time.monotonic()
-        if (sub.applied is not None and version < sub.applied) or not self.believable(sub, version):
-            return
-        if version != sub.applied:
-            sub.modified_since = None
-        sub.applied = version
-        sub.last_apply_time = now
-        sub.last_apply_s, sub.last_pause_s = apply_s, pause_s
-        sub.last_buckets_fetched, sub.last_bytes_fetched, sub.last_prefetched = buckets, nbytes, False
-        sub.last_error = sub.error_version = None
-        if sub.state == "unreachable":
-            sub.state = "live"
-        self.settle(sub)
+        self.record_applied_rows(
+            sub.model_id, version, {sub.sub_id: sub}, [(sub.sub_id, apply_s, pause_s, buckets, nbytes)], now
+        )
+
+    def record_applied_rows(
+        self,
+        model_id: str,
+        version: int,
+        members: dict[str, Subscriber],
+        rows: Iterable[AppliedRow],
+        now: float,
+    ) -> list[float | None]:
+        """:meth:`record_applied` for a node's rows of one model (a relay's reply): one pass of plain
+        fields per subscriber, and each wait told once, of all of them together. Rows of
+        subscriptions not among ``members`` (they left meanwhile) are skipped. The apply times recorded.
+        """
+        mono = time.monotonic()
+        model = self.tables.models.get(model_id)
+        issued = version <= (model.issued if model is not None else 0)  # the same for every row
+        subs = self.tables.subs
+        settled: list[str] = []
+        times: list[float | None] = []
+        for sub_id, apply_s, pause_s, buckets, nbytes in rows:
+            sub = members.get(sub_id)
+            if sub is None or subs.get(sub_id) is not sub:
+                continue
+            sub.relay_pending = False
+            sub.last_seen = mono
+            if sub.applied is not None and version < sub.applied:
+                continue
+            if not (issued or self.believable(sub, version)):
+                continue
+            if version != sub.applied:
+                sub.modified_since = None
+            sub.applied = version
+            sub.last_apply_time = now
+            sub.last_apply_s, sub.last_pause_s = apply_s, pause_s
+            sub.last_buckets_fetched, sub.last_bytes_fetched, sub.last_prefetched = buckets, nbytes, False
+            sub.last_error = sub.error_version = None
+            if sub.state == "unreachable":
+                sub.state = "live"
+            settled.append(sub_id)
+            times.append(apply_s)
+        for waiter in list(self.tables.waiters.get(model_id, ())):
+            if waiter.version <= version and waiter.pending and not waiter.pending.isdisjoint(settled):
+                waiter.pending.difference_update(settled)
+                if not waiter.pending:
+                    waiter.wake()
+        return times
 
     def believable(self, sub: Subscriber, version: int) -> bool:
         """Whether ``sub`` may hold ``version``: this hub issued it. A report of a version it never
@@ -211,3 +260,12 @@ class Roster:
     def stale(self, before: float) -> list[Subscriber]:
         """Subscribers not heard from since ``before`` (monotonic seconds)."""
         return [s for s in self.tables.subs.values() if s.last_seen < before]
+
+
+def _discard(index: dict[str, dict[str, Any]], model_id: str, key: str) -> None:
+    """Remove ``key`` from ``index[model_id]``, and the model's entry once empty."""
+    entries = index.get(model_id)
+    if entries is not None:
+        entries.pop(key, None)
+        if not entries:
+            del index[model_id]

@@ -269,14 +269,17 @@ class Versions:
         newest = self.newest(model_id)
         if newest is None:
             return None, []
-        due = [
-            s
-            for s in group.members.values()
-            if s.state != "dead"
-            and s.pushed
-            and s.reachable
-            and not s.relay_pending
-            and newest.version > max(s.applied or 0, s.sent)
-            and self.layouts.misfit(s, newest.manifest) is None
-        ]
+        v, manifest, misfit = newest.version, newest.manifest, self.layouts.misfit
+        due = []
+        for s in group.members.values():  # one pass, plain fields: read per member per version
+            if (
+                v > s.sent
+                and (s.applied is None or v > s.applied)
+                and s.pushed
+                and s.reachable
+                and not s.relay_pending
+                and s.state != "dead"
+                and (s.schema is None or misfit(s, manifest) is None)
+            ):
+                due.append(s)
         return newest, due

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from raysync._protocol import RelayAck, Ring, expand
+from raysync._protocol import AppliedRow, RelayAck, RelayReply, Ring, expand
 from raysync.transports.doorbell import wire
 from raysync.transports.doorbell.segments import SegmentHandle
 from raysync.transports.doorbell.sockets import Drops, Message, connect, receive, runtime_dir, sweep, unlink
@@ -147,6 +147,22 @@ class Ringer:
 
         Acks that come later go to :attr:`late` ``(model_id, version, acks)``.
         """
+        replies, missing = await self._collect(tokens, timeout)
+        return [ack for version, reply in replies for ack in expand(reply, version)], missing
+
+    async def wait_compact(
+        self, tokens: Sequence[int], timeout: float | None
+    ) -> tuple[RelayReply, list[str]]:
+        """:meth:`wait` for the rings of one version, the plain applies kept as compact rows
+        (:func:`~raysync._protocol.compact`): what a relay's reply carries, no record per subscription."""
+        replies, missing = await self._collect(tokens, timeout)
+        acks = tuple(a for _, reply in replies for a in reply.acks)
+        return RelayReply(acks, tuple(row for _, reply in replies for row in reply.applied)), missing
+
+    async def _collect(
+        self, tokens: Sequence[int], timeout: float | None
+    ) -> tuple[list[tuple[int, RelayReply]], list[str]]:
+        """Each ring's version and what came back for it within ``timeout``; who is still applying."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             with self._lock:
@@ -158,17 +174,17 @@ class Ringer:
         if waits:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(w.wait() for w in waits)), timeout)
-        acks: list[RelayAck] = []
+        replies: list[tuple[int, RelayReply]] = []
         missing: list[str] = []
         for token, rung in zip(tokens, rungs, strict=False):
-            acks.extend(rung.acks)
-            rung.acks = []
+            replies.append((rung.version, RelayReply(tuple(rung.acks), tuple(rung.rows))))
+            rung.acks, rung.rows = [], []
             if rung.done.is_set():
                 self._open.pop(token, None)
             else:
                 rung.late = True
                 missing.extend(sorted(rung.expected))
-        return acks, missing
+        return replies, missing
 
     def forget(self, tokens: Sequence[int]) -> None:
         """Stop waiting for ``tokens`` (their subscriptions are handed over another way)."""
@@ -208,14 +224,17 @@ class Ringer:
         if version != rung.version:
             self.drops.drop("wrong version")
             return
-        acks = [a for a in expand(reply, version) if a.sub_id in rung.expected]
-        for a in acks:
-            rung.expected.discard(a.sub_id)
+        expected = rung.expected
+        acks = [a for a in reply.acks if a.sub_id in expected]  # kept compact: one row per plain apply
+        rows = [row for row in reply.applied if row[0] in expected]
+        expected.difference_update([a.sub_id for a in acks])
+        expected.difference_update([row[0] for row in rows])
         if rung.late:
-            if self.late is not None and acks:
-                self.late(rung.model_id, rung.version, acks)
+            if self.late is not None and (acks or rows):
+                self.late(rung.model_id, rung.version, acks + expand(RelayReply((), tuple(rows)), version))
         else:
             rung.acks.extend(acks)
+            rung.rows.extend(rows)
         if not rung.expected:
             rung.done.set()
             if rung.late:
@@ -261,6 +280,7 @@ class _Rung:
     key: bytes
     address: str
     acks: list[RelayAck] = field(default_factory=list)
+    rows: list[AppliedRow] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     late: bool = False
     since: float = field(default_factory=time.monotonic)
