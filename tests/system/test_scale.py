@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import ray
 
 import raysync
@@ -21,8 +25,7 @@ from tests._support import small_policy
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@ray.remote(num_cpus=0)
-class LightSubscribers:
+class _Light:
     """Stands in for many subscribers of one process: acknowledges every call and every ring at
     once, remembers what it got."""
 
@@ -53,6 +56,40 @@ class LightSubscribers:
         return self.calls_seen, sorted(self.rings)
 
 
+LightSubscribers = ray.remote(num_cpus=0)(_Light)
+
+
+@ray.remote(num_cpus=0)
+class OddSubscribers(_Light):
+    """Subscribers that fail every version (``fail``), or that hold each one until released."""
+
+    def __init__(self, hub_name: str, *, fail: bool) -> None:
+        super().__init__(hub_name)
+        self.fail = fail
+        self.released = threading.Event()
+        self.released.set()
+
+    def hold(self) -> None:
+        self.released.clear()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def _report(self, version: int) -> ApplyReport:
+        if self.fail:
+            return ApplyReport(failed=version, error=RuntimeError(f"cannot take version {version}"))
+        return ApplyReport(applied=version)
+
+    async def _raysync_notify(self, a: Announcement) -> ApplyReport:
+        while not self.released.is_set():
+            await asyncio.sleep(0.05)
+        return self._report(a.version)
+
+    def _rung(self, ring: Ring, segment: Any) -> ApplyReport:
+        self.released.wait()
+        return self._report(ring.version)
+
+
 def _register(hub: raysync.HubClient, actor: Any, count: int, *, rung: bool, tag: str) -> list[str]:
     """``count`` subscriptions held by ``actor``'s process on this node; ``rung``: by its doorbell."""
     sub_ids = [f"{tag}-{i}:policy" for i in range(count)]
@@ -68,9 +105,12 @@ def _register(hub: raysync.HubClient, actor: Any, count: int, *, rung: bool, tag
 
 def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -> None:
     """100 subscriptions called one by one, 800 + 100 of two processes rung once per process and
-    version (the node's delivery: the hub, on its own node); then one process dies."""
+    version (the node's delivery: its relay, for so many); then one process dies; then, among 900,
+    a wait names the one that does not answer and the three that fail, and status lists each."""
     light: Any = LightSubscribers.options(max_concurrency=2000)  # type: ignore[attr-defined]
     single, rung, doomed = (light.remote(hub.name) for _ in range(3))
+    odd: Any = OddSubscribers.options(max_concurrency=8)  # type: ignore[attr-defined]
+    bad, stuck = odd.remote(hub.name, fail=True), odd.remote(hub.name, fail=False)
     try:
         _register(hub, single, 100, rung=False, tag="one")
         rung_ids = _register(hub, rung, 800, rung=True, tag="many")
@@ -95,8 +135,28 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
         assert len(subs) == 900
         assert not any(s["subscriber"].startswith("doomed") for s in subs)
         assert {s["applied"] for s in subs} == {v}
+
+        # Among them, one that does not answer and three that fail: a wait names exactly those.
+        bad_ids = _register(hub, bad, 3, rung=True, tag="bad")
+        (stuck_id,) = _register(hub, stuck, 1, rung=True, tag="stuck")
+        ray.get(stuck.hold.remote())
+        v = hub.push(model)
+        deadline = time.monotonic() + 120
+        while sum(s["applied"] == v for s in hub.status()["subscribers"]) < 900:  # all the others
+            assert time.monotonic() < deadline, "the 900 did not apply in 120 s"
+            time.sleep(0.2)
+        with pytest.raises(raysync.SyncTimeoutError) as behind:
+            hub.wait(v, timeout=1.0)
+        assert [lag["subscriber"] for lag in behind.value.laggards] == [stuck_id]
+        ray.get(stuck.release.remote())
+        with pytest.raises(raysync.ApplyError) as failed:
+            hub.wait(v, timeout=120)
+        assert sorted(f["subscriber"] for f in failed.value.failures) == sorted(bad_ids)
+        rows = {s["subscriber"]: s for s in hub.status()["subscribers"]}  # each one, on request
+        assert len(rows) == 904 and rows[stuck_id]["applied"] == v
+        assert all("cannot take version" in (rows[b]["last_error"] or "") for b in bad_ids)
     finally:
-        for actor in (single, rung, doomed):
+        for actor in (single, rung, doomed, bad, stuck):
             ray.kill(actor)
 
 
