@@ -3,7 +3,8 @@
 A trainer with fp32 master weights (8 ``Linear(2048, 2048)``: 64 MiB in bf16) takes Adam steps
 (``foreach=True``) and pushes a bf16 copy in 16 MiB buckets to 2 ``@synced_model`` actors, with
 ``delta=True`` and with ``delta="sparse"``, at each learning rate (default 1e-5 and 1e-4). For
-each, medians of ``--repeats`` steps (after one whole push):
+each, medians of ``--repeats`` steps (after one whole push and one step not kept: Adam's first
+moves every element by the learning rate):
 
 changed
     the fraction of the bf16 elements whose bits changed in the step.
@@ -64,10 +65,9 @@ def measure(hub: raysync.HubClient, actors: list[Any], lr: float, delta: Any, re
     opts: dict[str, Any] = {"dtype": torch.bfloat16, "delta": delta, "bucket_bytes": BUCKET}
     hub.wait(hub.push(model, **opts), timeout=120)  # the base: whole
     ids = {a._actor_id.hex() for a in actors}
-    rows: dict[str, list[float]] = {
-        k: [] for k in ("changed", "fetched", "put", "patches", "applied", "pusher")
-    }
-    for _ in range(repeats):
+    keys = ("changed", "fetched", "put", "patches", "sparse", "applied", "pusher")
+    rows: dict[str, list[float]] = {k: [] for k in keys}
+    for step in range(repeats + 1):  # the first step is Adam's first (every element moves by lr): not kept
         before = [p.detach().to(torch.bfloat16) for p in model.parameters()]
         opt.zero_grad()
         model(torch.randn(8, WIDTH)).pow(2).mean().backward()
@@ -77,20 +77,23 @@ def measure(hub: raysync.HubClient, actors: list[Any], lr: float, delta: Any, re
             int((a.view(torch.int16) != b.view(torch.int16)).sum())
             for a, b in zip(after, before, strict=True)
         )
-        rows["changed"].append(changed / sum(p.numel() for p in after))
         t0 = time.perf_counter()
         v = hub.push(model, **opts)
         t1 = time.perf_counter()
         hub.wait(v, timeout=120)
         t2 = time.perf_counter()
         stats = hub.last_push
+        if step == 0:
+            continue
+        rows["changed"].append(changed / sum(p.numel() for p in after))
         fetched = [s["last_bytes_fetched"] for s in hub.status()["subscribers"] if s["actor_id"] in ids]
         rows["fetched"].append(statistics.median(fetched))
         rows["put"].append(stats["bytes_put"])
         rows["patches"].append(stats.get("bytes_patches", 0))
+        rows["sparse"].append(stats.get("buckets_sparse", 0))
         rows["applied"].append(t2 - t0)
         rows["pusher"].append(t1 - t0)
-    return {"lr": lr, "delta": delta, **{k: statistics.median(v) for k, v in rows.items()}}
+    return {"lr": lr, "delta": delta, **{k: statistics.median(v) for k, v in rows.items()}, "samples": rows}
 
 
 def main() -> None:
