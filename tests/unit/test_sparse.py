@@ -73,6 +73,18 @@ def test_too_many_changed_elements_give_no_patch() -> None:
         assert (encode(manifest, 0, pack(new, manifest)[0], pack(old, manifest)[0]) is not None) is patched
 
 
+def test_a_large_tensor_far_past_the_density_is_given_up_on_a_sample() -> None:
+    old = {"w": torch.zeros(100_000, dtype=torch.bfloat16)}
+    manifest = plan_layout(old)
+    g = torch.Generator().manual_seed(0)
+    for fraction, patched in ((0.1, True), (0.6, False)):
+        new = {"w": (torch.rand(100_000, generator=g) < fraction).to(torch.bfloat16)}
+        encoded = encode(manifest, 0, pack(new, manifest)[0], pack(old, manifest)[0])
+        assert (encoded is not None) is patched
+        if encoded is not None:
+            assert encoded[1] == int(new["w"].count_nonzero())
+
+
 def _refused(manifest: Manifest, patch: list[Any], crc: int, match: str) -> None:
     held = _flat(manifest, pack(_weights(), manifest)[0])
     before = held.copy()
