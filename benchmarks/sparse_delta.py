@@ -21,6 +21,7 @@ Run::
 
     python benchmarks/sparse_delta.py                 # lr 1e-5 and 1e-4, 5 steps each
     python benchmarks/sparse_delta.py --lrs 1e-5 --repeats 9
+    python benchmarks/sparse_delta.py --second-raylet   # the actors' bytes cross between object stores
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def net() -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
 
 
-def receiver(hub_name: str) -> Any:
+def receiver(hub_name: str, far: bool) -> Any:
     @raysync.synced_model("policy", hub=hub_name)
     class Rollout:
         def __init__(self) -> None:
@@ -54,7 +55,7 @@ def receiver(hub_name: str) -> Any:
         def ready(self) -> int | None:
             return self.raysync_version()
 
-    return ray.remote(num_cpus=0)(Rollout).remote()
+    return ray.remote(num_cpus=0, resources={"far": 1} if far else None)(Rollout).remote()
 
 
 def measure(hub: raysync.HubClient, actors: list[Any], lr: float, delta: Any, repeats: int) -> dict[str, Any]:
@@ -100,15 +101,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 1e-4])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--second-raylet",
+        action="store_true",
+        help="the actors on a second raylet of this machine: the bytes they fetch cross between stores",
+    )
     args = parser.parse_args()
-    ray.init(num_cpus=4, object_store_memory=1536 * MIB, include_dashboard=False, log_to_driver=False)
+    cluster = None
+    if args.second_raylet:
+        from ray.cluster_utils import Cluster
+
+        ray._private.utils.write_ray_address = lambda *_a, **_k: None  # keep the cluster private
+        head = {"num_cpus": 2, "object_store_memory": 1536 * MIB, "include_dashboard": False}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        cluster.add_node(num_cpus=2, object_store_memory=1536 * MIB, resources={"far": 100})
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+    else:
+        ray.init(num_cpus=4, object_store_memory=1536 * MIB, include_dashboard=False, log_to_driver=False)
     try:
         hub = raysync.connect("sparse-delta-bench")
-        actors = [receiver(hub.name) for _ in range(2)]
+        actors = [receiver(hub.name, args.second_raylet) for _ in range(2)]
         ray.get([a.ready.remote() for a in actors], timeout=120)
         results = [measure(hub, actors, lr, d, args.repeats) for lr in args.lrs for d in (True, "sparse")]
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     print(
         "| lr | delta | changed | fetched per receiver | put (buckets + patches) | push to applied | pusher |"
     )
