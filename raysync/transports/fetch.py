@@ -129,7 +129,7 @@ async def fetch_async(
     got = await buckets([b for b in needed if b not in patched])
     if patched:
         patches = await asyncio.wait_for(asyncio.gather(*[p.ref for p, _ in patched.values()]), timeout)
-        again = _rebuild(manifest, patched, list(patches), got)
+        again = await asyncio.to_thread(_rebuild, manifest, patched, list(patches), got)  # off the loop
         if again:
             got.update(await buckets(again))
     return verified(manifest, needed, [got[b] for b in needed], verify=verify)

@@ -16,7 +16,7 @@ import ray
 import torch
 
 import raysync
-from tests._support import assert_same_weights
+from tests._support import assert_same_weights, wait_for_condition
 
 HUB_SETTINGS = raysync.HubSettings(doorbell_bytes=0)  # by call: a doorbell hands out whole buckets
 BUCKET = 64 * 2**10  # bf16: a 128x256 weight per bucket, give or take
@@ -86,6 +86,11 @@ def _row(hub: raysync.HubClient, actor: Any) -> dict[str, Any]:
     return row
 
 
+def _applied(hub: raysync.HubClient, actor: Any) -> int | None:
+    rows = [r for r in hub.status()["subscribers"] if r["actor_id"] == actor._actor_id.hex()]
+    return rows[0]["applied"] if rows else None
+
+
 def test_sparse_pushes_reach_threaded_and_async_actors_as_patches_bit_equal(
     hub: raysync.HubClient, hub_name: str
 ) -> None:
@@ -130,7 +135,8 @@ def test_receivers_without_the_base_get_whole_buckets_and_a_changed_one_refuses_
         v = trainer.push()
     assert ray.get(skipper.raysync_sync.remote(timeout=30)) is True
     late = make_actor(hub_name).remote()  # joins now: the newest version
-    hub.wait(v, timeout=60)
+    assert ray.get(late.raysync_version.remote(), timeout=60) == v
+    wait_for_condition(lambda: _applied(hub, late) == v, what="the hub has the late actor's report")
     for actor in (skipper, late):  # neither held the base: every bucket whole, bit-equal
         assert_same_weights(ray.get(actor.weights.remote()), trainer.expected())
         assert ray.get(actor.raysync_version.remote()) == v

@@ -135,3 +135,26 @@ def test_delta_takes_true_false_or_sparse() -> None:
     assert delta_mode("sparse") == (True, True)
     with pytest.raises(ValueError, match=r"delta must be one of \(False, True, 'sparse'\), got 'dense'"):
         delta_mode("dense")
+
+
+def test_a_module_target_hands_back_a_bucket_only_as_applied_and_only_when_it_can() -> None:
+    from raysync.receivers.target import Incoming, ModuleTarget
+    from raysync.transports.fetch import patchable
+
+    module = torch.nn.Linear(4, 3)
+    weights = {k: v.detach().clone() + 1 for k, v in module.state_dict().items()}
+    manifest = plan_layout(weights, bucket_bytes=16)  # bias and weight in buckets of their own
+    target = ModuleTarget(module)
+    ids = [f"id{b}" for b in range(manifest.num_buckets)]
+    target.commit(Incoming(1, manifest, ids, dict(enumerate(pack(weights, manifest)))))
+    held = target.held_bucket(manifest, 0, "id0")
+    assert held is not None and bytes(held[: manifest.bucket_nbytes[0]]) == bytes(
+        pack(weights, manifest)[0][0]
+    )
+    assert target.held_bucket(manifest, 0, "another") is None  # not the base it holds
+    with torch.no_grad():
+        module.bias.add_(1)  # changed in place since it was applied: it no longer holds the base
+    bias_bucket = next(e.bucket for e in manifest.entries if e.key == "bias")
+    assert target.held_bucket(manifest, bias_bucket, ids[bias_bucket]) is None
+    assert patchable(manifest, [0, 1], object()) == {}  # a target that does not read back
+    assert not ModuleTarget(torch.nn.Linear(4, 3), view=True).reads_back
