@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from raysync import _compat
 from raysync._checks import require_ray
+from raysync._protocol import bucket_ids
 from raysync.core.checksums import bucket_checksums
 from raysync.core.layout import Manifest, SparsePatch
 from raysync.core.sparse import encode, patch_nbytes
@@ -50,14 +51,16 @@ def delta_mode(delta: Any) -> tuple[bool, bool]:
 
 
 class SparseDelta:
-    """A :data:`~raysync.transports.base.Reuse` that, for each bucket the wrapped one does not
-    re-use, puts a patch against the previous version's bucket when few elements changed.
+    """A :data:`~raysync.transports.base.Reuse` for ``delta="sparse"``: each bucket the wrapped one
+    does not re-use (a ``keys=`` push's untouched buckets) is compared with the previous version's,
+    element by element: equal, its object is re-used (as ``delta=True`` does); few elements
+    changed, a patch against it is put besides the bucket.
 
     Args:
-        reuse: the re-use of equal buckets (``delta=True``'s).
+        reuse: the re-use of a ``keys=`` push's untouched buckets (compares no bytes).
         manifest: the new version's layout (the previous version's is the same).
         previous: the previous version's buckets (lists of uint8 arrays).
-        previous_ids: their objects' ids.
+        previous_refs: their objects.
         base_version: the previous version's number.
     """
 
@@ -66,11 +69,12 @@ class SparseDelta:
         reuse: Reuse,
         manifest: Manifest,
         previous: Sequence[Any],
-        previous_ids: Sequence[str | None],
+        previous_refs: Sequence[Any],
         base_version: int,
     ) -> None:
         self._reuse, self._manifest = reuse, manifest
-        self._previous, self._ids, self._base = previous, previous_ids, base_version
+        self._previous, self._refs, self._base = previous, previous_refs, base_version
+        self._ids = bucket_ids(list(previous_refs))
         self.patches: list[SparsePatch] = []
 
     def __call__(self, b: int, bucket: list[Any]) -> Any:
@@ -78,7 +82,9 @@ class SparseDelta:
         if ref is not None:
             return ref
         base = self._ids[b]
-        encoded = encode(self._manifest, b, bucket, self._previous[b]) if base is not None else None
+        encoded = encode(self._manifest, b, bucket, self._previous[b])
+        if encoded is not None and not encoded[1]:
+            return self._refs[b]  # equal bit for bit
         if base is not None and encoded is not None:
             patch, changed = encoded
             require_ray("push")

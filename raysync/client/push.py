@@ -26,7 +26,6 @@ from ray.exceptions import ObjectLostError, RayTaskError
 
 from raysync import _compat
 from raysync._checks import require_ray
-from raysync._protocol import bucket_ids
 from raysync.client import deadline
 from raysync.client.delta import Delta, SparseDelta, delta_mode, select_keys, sparse_stats
 from raysync.client.identity import writer_identity
@@ -241,11 +240,11 @@ class PushPipeline:
                 old = unpack(prev.manifest, prev_buckets)
                 tensors = {k: (t if k in selected else old[k]) for k, t in tensors.items()}
             if prev.manifest.layout_hash == manifest.layout_hash:
-                same = prev_buckets if request.delta else None  # delta: buckets whose bytes are the same
+                # delta: buckets whose bytes are the same (sparse: compared element by element there)
+                same = prev_buckets if request.delta and not delta_mode(request.delta)[1] else None
                 reuse = reuse_unchanged(prev.refs, manifest, selected, same)
                 if delta_mode(request.delta)[1]:  # sparse: a patch besides each bucket where few changed
-                    ids = bucket_ids(list(prev.refs))
-                    reuse = SparseDelta(reuse, manifest, prev_buckets, ids, prev.version)
+                    reuse = SparseDelta(reuse, manifest, prev_buckets, prev.refs, prev.version)
         snap = transport.snapshot(model_id, tensors, manifest, checksum=request.checksum, reuse=reuse)
         if delta_mode(request.delta)[1]:
             sparse = reuse if isinstance(reuse, SparseDelta) else None

@@ -73,7 +73,8 @@ def encode(
     manifest: Manifest, bucket: int, new: Sequence[np.ndarray], old: Sequence[np.ndarray]
 ) -> tuple[list[np.ndarray], int] | None:
     """The patch turning bucket ``bucket``'s ``old`` arrays into ``new``, and the elements changed;
-    None when more than :data:`MAX_DENSITY` of them changed or the patch would not be smaller.
+    ``([], 0)`` when they are equal bit for bit; None when more than :data:`MAX_DENSITY` of them
+    changed or the patch would not be smaller than the bucket.
 
     Example:
         >>> encode(manifest, 0, pack(new, manifest)[0], pack(old, manifest)[0])   # doctest: +SKIP
@@ -99,6 +100,8 @@ def encode(
         width = 4 if a.size < 2**31 else 8
         header += [i, int(index.size), _word(entry), width]
         parts += [index.astype(_INDEX[width]), a[index]]
+    if not changed:
+        return [], 0
     header[1] = (len(header) - 2) // _ROW
     patch = [np.array(header, dtype=np.int64), *parts]
     if patch_nbytes(patch) >= manifest.bucket_nbytes[bucket]:

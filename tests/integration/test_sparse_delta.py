@@ -114,6 +114,11 @@ def test_sparse_pushes_reach_threaded_and_async_actors_as_patches_bit_equal(
             assert row["applied"] == v
             assert row["last_bytes_fetched"] == stats["bytes_patches"] < whole / 2, (row, stats)
 
+    v = trainer.push()  # no step since: every bucket re-used, as delta=True does, nothing fetched
+    assert (hub.last_push["buckets_put"], hub.last_push["buckets_sparse"]) == (0, 0)
+    for actor in actors:
+        assert ray.get(actor.raysync_version.remote()) == v and _row(hub, actor)["last_bytes_fetched"] == 0
+
     with pytest.raises(ValueError, match=r"delta must be one of \(False, True, 'sparse'\), got 'sparce'"):
         hub.push(trainer.model, delta="sparce")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sends whole versions: drop keys=, delta= and checksum="):

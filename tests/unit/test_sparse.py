@@ -64,6 +64,11 @@ def test_a_patch_rebuilds_the_new_bucket_bit_for_bit_from_the_old_one() -> None:
         assert torch.equal(got[key].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), key
 
 
+def test_equal_buckets_give_an_empty_patch() -> None:
+    manifest, _, _, old_bucket = _case()
+    assert encode(manifest, 0, old_bucket, [a.copy() for a in old_bucket]) == ([], 0)
+
+
 def test_too_many_changed_elements_give_no_patch() -> None:
     old = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
     manifest = plan_layout(old)
