@@ -14,6 +14,8 @@ put
     the pusher's bytes: whole buckets (``bytes_put``) and patches (``bytes_patches``).
 push to applied
     ``hub.push`` until both actors applied the version (``hub.wait``).
+receiver's apply
+    each actor's own ``apply_s`` (fetch, rebuild, verify, commit), as it reported it.
 pusher
     ``hub.push`` returning (the trainer blocked: cast, compare, put).
 
@@ -66,7 +68,7 @@ def measure(hub: raysync.HubClient, actors: list[Any], lr: float, delta: Any, re
     opts: dict[str, Any] = {"dtype": torch.bfloat16, "delta": delta, "bucket_bytes": BUCKET}
     hub.wait(hub.push(model, **opts), timeout=120)  # the base: whole
     ids = {a._actor_id.hex() for a in actors}
-    keys = ("changed", "fetched", "put", "patches", "sparse", "applied", "pusher")
+    keys = ("changed", "fetched", "put", "patches", "sparse", "applied", "apply", "pusher")
     rows: dict[str, list[float]] = {k: [] for k in keys}
     for step in range(repeats + 1):  # the first step is Adam's first (every element moves by lr): not kept
         before = [p.detach().to(torch.bfloat16) for p in model.parameters()]
@@ -87,8 +89,9 @@ def measure(hub: raysync.HubClient, actors: list[Any], lr: float, delta: Any, re
         if step == 0:
             continue
         rows["changed"].append(changed / sum(p.numel() for p in after))
-        fetched = [s["last_bytes_fetched"] for s in hub.status()["subscribers"] if s["actor_id"] in ids]
-        rows["fetched"].append(statistics.median(fetched))
+        mine = [s for s in hub.status()["subscribers"] if s["actor_id"] in ids]
+        rows["fetched"].append(statistics.median(s["last_bytes_fetched"] for s in mine))
+        rows["apply"].append(statistics.median(s["last_apply_s"] for s in mine))
         rows["put"].append(stats["bytes_put"])
         rows["patches"].append(stats.get("bytes_patches", 0))
         rows["sparse"].append(stats.get("buckets_sparse", 0))
@@ -129,14 +132,15 @@ def main() -> None:
         if cluster is not None:
             cluster.shutdown()
     print(
-        "| lr | delta | changed | fetched per receiver | put (buckets + patches) | push to applied | pusher |"
+        "| lr | delta | changed | fetched per receiver | put (buckets + patches) | push to applied "
+        "| receiver's apply | pusher |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(
             f"| {r['lr']:g} | `{r['delta']!r}` | {100 * r['changed']:.1f}% | {r['fetched'] / MIB:.1f} MiB "
             f"| {r['put'] / MIB:.1f} + {r['patches'] / MIB:.1f} MiB "
-            f"| {r['applied']:.3f} s | {r['pusher']:.3f} s |"
+            f"| {r['applied']:.3f} s | {r['apply']:.3f} s | {r['pusher']:.3f} s |"
         )
     print(json.dumps(results))
 
