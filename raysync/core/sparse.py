@@ -11,8 +11,11 @@ lossless, bit for bit the bucket a full push sends.
 A patch is a list of numpy arrays (what ``ray.put`` stores and ``ray.get`` returns, never
 unpickled by raysync): a header (int64: format, rows, then per tensor changed: its buffer index
 in the bucket, how many elements changed, the element size, the index width), then per row its
-indices (int32, or int64 past 2**31 elements; sorted, unique, in range) and its new values (the
-elements as unsigned integers of the element size). Numpy and zlib only: no torch.
+indices and its new values (the elements as unsigned integers of the element size). Indices are
+gaps (width 2: uint16, each the distance from the previous changed element, the first counted
+from -1, so every gap is at least 1) where every gap fits, else absolute (width 4: int32; 8:
+int64 past 2**31 elements; sorted, unique). Either way they are checked in range, sorted and
+unique before any byte is written. Numpy and zlib only: no torch.
 
 Example:
     >>> patch = encode(manifest, 0, new_bucket, old_bucket)               # doctest: +SKIP
@@ -36,15 +39,16 @@ __all__ = ["MAX_DENSITY", "PatchError", "Rebuilt", "encode", "patch_nbytes", "re
 MAX_DENSITY = 0.25
 """The largest fraction of a bucket's elements that may have changed for it to get a patch.
 
-A changed element costs its bytes plus a 4-byte index (bf16: 6 bytes instead of 2), so at 25%
-a patch is 75% of a bf16 bucket: past that, fetching the whole bucket costs about as much and
-saves the receiver the rebuild. A patch is never put when it would be as large as the bucket.
+A changed element costs its bytes plus a 2-byte gap (bf16: 4 bytes instead of 2; a 4-byte
+index where gaps past 65,535 elements occur), so at 25% a patch is half of a bf16 bucket: past
+that, fetching the whole bucket costs little more and saves the receiver the rebuild. A patch is
+never put when it would be as large as the bucket.
 """
 
 _FORMAT = 1
 _ROW = 4  # header fields per row: buffer index, count, element size, index width
 _WORDS: dict[int, Any] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_INDEX: dict[int, Any] = {4: np.int32, 8: np.int64}
+_INDEX: dict[int, Any] = {2: np.uint16, 4: np.int32, 8: np.int64}  # 2: gaps, else absolute
 _STRIDE = 251  # the quick look's sample: every 251st element (a prime: no stride lines up with rows)
 
 
@@ -97,9 +101,9 @@ def encode(
         changed += int(index.size)
         if changed > limit:
             return None
-        width = 4 if a.size < 2**31 else 8
+        width, indices = _indices(index, a.size)
         header += [i, int(index.size), _word(entry), width]
-        parts += [index.astype(_INDEX[width]), a[index]]
+        parts += [indices, a[index]]
     if not changed:
         return [], 0
     header[1] = (len(header) - 2) // _ROW
@@ -107,6 +111,14 @@ def encode(
     if patch_nbytes(patch) >= manifest.bucket_nbytes[bucket]:
         return None
     return patch, changed
+
+
+def _indices(index: np.ndarray, numel: int) -> tuple[int, np.ndarray]:
+    """``(width, indices)`` of a row: uint16 gaps where every gap fits, else absolute indices."""
+    gaps = np.diff(index, prepend=-1)
+    if int(gaps.max()) <= np.iinfo(np.uint16).max:
+        return 2, gaps.astype(np.uint16)
+    return (4, index.astype(np.int32)) if numel < 2**31 else (8, index.astype(np.int64))
 
 
 def _sampled_density(
@@ -183,10 +195,13 @@ def _rows(
             raise bad(f"row {r}'s indices are not {n} of int{8 * width}")
         if values.dtype != _WORDS[word] or values.ndim != 1 or values.size != n:
             raise bad(f"row {r}'s values are not {n} of uint{8 * word}")
+        if width == 2:  # gaps, each at least 1: sorted and unique by construction
+            index = np.cumsum(index, dtype=np.int64) - 1 if bool(np.all(index)) else index[:0]
         if (
-            int(index[0]) < 0
+            index.size != n
+            or int(index[0]) < 0
             or int(index[-1]) >= numel
-            or (n > 1 and not bool(np.all(index[1:] > index[:-1])))
+            or (width != 2 and n > 1 and not bool(np.all(index[1:] > index[:-1])))
         ):
             raise bad(f"row {r}'s indices are not sorted, unique and below {numel}")
         rows.append((i, index, values))

@@ -78,6 +78,19 @@ def test_too_many_changed_elements_give_no_patch() -> None:
         assert (encode(manifest, 0, pack(new, manifest)[0], pack(old, manifest)[0]) is not None) is patched
 
 
+def test_gaps_past_uint16_fall_back_to_absolute_indices() -> None:
+    old = {"w": torch.zeros(100_000, dtype=torch.bfloat16)}
+    new = {"w": old["w"].clone()}
+    new["w"][[3, 90_000]] = 1
+    manifest = plan_layout(old)
+    nb, ob = pack(new, manifest)[0], pack(old, manifest)[0]
+    patch, changed = encode(manifest, 0, nb, ob)  # type: ignore[misc]
+    assert changed == 2 and patch[0][5] == 4 and patch[1].tolist() == [3, 90_000]
+    crc = bucket_checksums([nb])[0]
+    rebuilt = rebuild(manifest, 0, _flat(manifest, ob), patch, crc)
+    assert torch.equal(unpack(manifest, [rebuilt])["w"].view(torch.int16), new["w"].view(torch.int16))
+
+
 def test_a_large_tensor_far_past_the_density_is_given_up_on_a_sample() -> None:
     old = {"w": torch.zeros(100_000, dtype=torch.bfloat16)}
     manifest = plan_layout(old)
@@ -118,13 +131,22 @@ def test_malformed_patches_are_refused_before_any_byte_is_written() -> None:
         out[part] = value
         return out
 
-    index = patch[1]
-    _refused(manifest, altered(1, index[::-1].copy()), crc, "not sorted, unique")
-    _refused(manifest, altered(1, np.array([0, 0, 1], dtype=index.dtype)), crc, "not sorted, unique")
-    _refused(manifest, altered(1, np.array([0, 1, 10**6], dtype=index.dtype)), crc, "below")
-    _refused(manifest, altered(1, np.array([-1, 0, 1], dtype=index.dtype)), crc, "below")
-    _refused(manifest, altered(1, index.astype(np.int64)), crc, "indices are not")
-    _refused(manifest, altered(2, patch[2].astype(np.uint32)), crc, "values are not")
+    assert patch[0][5] == 2 and patch[1].dtype == np.uint16  # row 0: gaps
+    _refused(manifest, altered(1, np.array([2, 0, 1], dtype=np.uint16)), crc, "not sorted, unique")
+    _refused(manifest, altered(1, np.array([1, 1, 65000], dtype=np.uint16)), crc, "below")
+    _refused(manifest, altered(1, patch[1].astype(np.int32)), crc, "indices are not")
+    absolute = np.cumsum(patch[1], dtype=np.int64) - 1  # the same row as absolute int32 indices
+    header = patch[0].copy()
+    header[5] = 4
+
+    def row0(indices: Any) -> list[Any]:
+        return [header, np.asarray(indices, dtype=np.int32), *[p.copy() for p in patch[2:]]]
+
+    rebuild(manifest, 0, _flat(manifest, pack(_weights(), manifest)[0]), row0(absolute), crc)  # fine
+    _refused(manifest, row0(absolute[::-1]), crc, "not sorted, unique")
+    _refused(manifest, row0([0, 0, 1]), crc, "not sorted, unique")
+    _refused(manifest, row0([0, 1, 10**6]), crc, "below")
+    _refused(manifest, row0([-1, 0, 1]), crc, "below")
     header = patch[0].copy()
     header[2] = 99  # a tensor the bucket does not have
     _refused(manifest, altered(0, header), crc, "names no tensor")
