@@ -192,7 +192,7 @@ def _rows(
         index, values = patch[1 + 2 * r], patch[2 + 2 * r]
         numel = entries[i].nbytes // word
         if index.dtype != _INDEX[width] or index.ndim != 1 or index.size != n or n < 1:
-            raise bad(f"row {r}'s indices are not {n} of int{8 * width}")
+            raise bad(f"row {r}'s indices are not {n} of {np.dtype(_INDEX[width]).name}")
         if values.dtype != _WORDS[word] or values.ndim != 1 or values.size != n:
             raise bad(f"row {r}'s values are not {n} of uint{8 * word}")
         if width == 2:  # gaps, each at least 1: sorted and unique by construction
