@@ -156,7 +156,7 @@ class HubClient:
         max_lag: int | None = None,
         keys: Iterable[str] | Callable[[str], bool] | None = None,
         dtype: torch.dtype | None = None,
-        delta: bool = False,
+        delta: bool | Literal["sparse"] = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: bool = False,
         check_finite: bool = False,
@@ -190,8 +190,10 @@ class HubClient:
                 buckets of their own, so only their bytes move.
             dtype: cast floating-point tensors to this dtype once, here
                 (subscribers' parameters must have that dtype).
-            delta: re-use the previous version's buckets whose bytes did not
-                change; subscribers holding them skip them.
+            delta: ``True``: re-use the previous version's buckets whose bytes did not
+                change; subscribers holding them skip them. ``"sparse"``: that, and for a changed
+                bucket where few elements changed, a patch too, which subscribers holding its base
+                fetch instead (docs/api.md, "only what changed").
             bucket_bytes: target bucket size (a version is a few buckets).
             checksum: add per-bucket CRC32s that ``verify=True`` subscribers check.
             check_finite: refuse NaN or Inf (naming the tensors); off: they push (the check costs ~6 pushes).

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +27,7 @@ from ray.exceptions import ObjectLostError, RayTaskError
 from raysync import _compat
 from raysync._checks import require_ray
 from raysync.client import deadline
+from raysync.client.delta import Delta, SparseDelta, delta_mode, select_keys, sparse_stats
 from raysync.client.identity import writer_identity
 from raysync.client.posted import PostedParts
 from raysync.client.sharded_push import push_shard
@@ -71,7 +71,7 @@ class PushRequest:
     model_id: str
     keys: Iterable[str] | Callable[[str], bool] | None = None
     dtype: torch.dtype | None = None
-    delta: bool = False
+    delta: Delta = False
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     checksum: bool = False
     check_finite: bool = False
@@ -174,12 +174,17 @@ class PushPipeline:
         transport = self._transports.get(request.transport) or self._transports.setdefault(
             request.transport, transport_for(request.transport)
         )
+        _, sparse = delta_mode(request.delta)  # ValueError naming the choices
         if not transport.info.partial and (request.keys is not None or request.delta or request.checksum):
             raise ValueError(
                 f"transport={request.transport!r} sends whole versions: drop keys=, delta= and checksum="
             )
         raw, order = extract_with_order(request.weights)
         if is_sharded(raw):  # DTensor weights: this rank pushes its own shards
+            if sparse:
+                raise ValueError(
+                    'delta="sparse" takes one writer\'s weights; a sharded push takes delta=True'
+                )
             ticket = self._open_round(model_id, raw, request.group_timeout)
             try:
                 if before is not None:
@@ -206,7 +211,7 @@ class PushPipeline:
     ) -> Pushed:
         model_id = request.model_id
         tensors = self._tensors(request, raw)
-        selected = _select_keys(tensors, request.keys) if request.keys is not None else None
+        selected = select_keys(tensors, request.keys) if request.keys is not None else None
         prev, prev_buckets = (
             self._previous(model_id, partial=selected is not None)
             if (request.delta or selected is not None)
@@ -235,9 +240,16 @@ class PushPipeline:
                 old = unpack(prev.manifest, prev_buckets)
                 tensors = {k: (t if k in selected else old[k]) for k, t in tensors.items()}
             if prev.manifest.layout_hash == manifest.layout_hash:
-                same = prev_buckets if request.delta else None  # delta: buckets whose bytes are the same
+                # delta: buckets whose bytes are the same (sparse: compared element by element there)
+                same = prev_buckets if request.delta and not delta_mode(request.delta)[1] else None
                 reuse = reuse_unchanged(prev.refs, manifest, selected, same)
+                if delta_mode(request.delta)[1]:  # sparse: a patch besides each bucket where few changed
+                    reuse = SparseDelta(reuse, manifest, prev_buckets, prev.refs, prev.version)
         snap = transport.snapshot(model_id, tensors, manifest, checksum=request.checksum, reuse=reuse)
+        if delta_mode(request.delta)[1]:
+            sparse = reuse if isinstance(reuse, SparseDelta) else None
+            snap.manifest = sparse.attach(snap.manifest) if sparse is not None else snap.manifest
+            snap.stats = {**snap.stats, **sparse_stats(sparse)}
         del tensors, prev_buckets
         snapshot_s = time.perf_counter() - t0
         stats = {
@@ -309,7 +321,7 @@ class PushPipeline:
         assert self._contribute is not None
         contribute = self._contribute
         model_id = request.model_id
-        selected = _select_keys(tensors, request.keys) if request.keys is not None else None
+        selected = select_keys(tensors, request.keys) if request.keys is not None else None
         # keys= pushed keys are laid apart (in the rank's layout and the whole one) from then on
         separate = self._separate.get(model_id, frozenset()) if selected is None else frozenset(selected)
 
@@ -442,26 +454,6 @@ class PushPipeline:
             manifest = plan_layout(tensors, bucket_bytes=bucket_bytes, separate=separate)
             self._layouts = {key: manifest}  # one layout cached: structure rarely changes
         return manifest
-
-
-def _select_keys(tensors: dict[str, Any], keys: Iterable[str] | Callable[[str], bool]) -> set[str]:
-    """The keys a partial push sends: exact names, fnmatch patterns, or a predicate."""
-    if callable(keys):
-        chosen = {k for k in tensors if keys(k)}
-        if not chosen:
-            raise InvalidWeightsError("push(keys=<predicate>) selected no tensor")
-        return chosen
-    if isinstance(keys, str):
-        keys = [keys]
-    chosen = set()
-    for pattern in keys:
-        hits = {k for k in tensors if fnmatch.fnmatchcase(k, pattern)}
-        if not hits:
-            raise InvalidWeightsError(
-                f"push(keys=...): {pattern!r} matches no tensor; keys look like {sorted(tensors)[:5]}"
-            )
-        chosen |= hits
-    return chosen
 
 
 _CAPACITY_TTL_S = 60.0

@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "EXTRA_STATE_MAX_BYTES",
     "Manifest",
+    "SparsePatch",
     "TensorEntry",
     "WeightsLike",
     "cast_floating",
@@ -104,6 +105,29 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class SparsePatch:
+    """A changed bucket's patch (``delta="sparse"``): its changed elements against a base bucket.
+
+    Attributes:
+        bucket: the bucket it rebuilds.
+        base_version: the version whose bucket it applies to.
+        base_id: that bucket's identity (its object's id, as receivers hold it).
+        ref: the patch's object (:mod:`raysync.core.sparse` encodes it).
+        nbytes: the patch's bytes.
+        crc: CRC32 of the whole new bucket (as ``checksum=True`` gives it): a rebuild is checked by it.
+        changed: elements changed.
+    """
+
+    bucket: int
+    base_version: int
+    base_id: str
+    ref: Any
+    nbytes: int
+    crc: int
+    changed: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The description of one version's buckets; small, picklable, torch-free.
 
@@ -128,6 +152,8 @@ class Manifest:
         order: the pushed weights' own key order (their ``state_dict()`` order), as
             indices into ``entries``; None when it is the sorted order (or unknown).
             Not part of ``layout_hash``. :meth:`pushed_keys` reads it.
+        patches: for buckets of a ``delta="sparse"`` push, their patches (:class:`SparsePatch`):
+            a receiver holding a patch's base bucket may fetch the patch instead of the bucket.
 
     Example:
         >>> m = plan_layout({"w": torch.zeros(2, 3)})
@@ -143,6 +169,7 @@ class Manifest:
     extra_state: tuple[tuple[str, bytes], ...] = ()
     shards: ShardMap | None = None
     order: tuple[int, ...] | None = None
+    patches: tuple[SparsePatch, ...] = ()
 
     @property
     def num_buckets(self) -> int:

@@ -215,6 +215,7 @@ class Applier:
 
     def commit(self, prepared: Prepared, *, guard: Guard | None = None) -> ApplyReport:
         """The target takes ``prepared`` whole under ``guard`` (default: the receiver's); the report."""
+        size = fetch.nbytes(prepared.manifest, prepared.needed, self._target, prepared.fetched)
         try:
             with (guard or self.guard)():
                 pause = self._commit(prepared)
@@ -222,7 +223,6 @@ class Applier:
             return self.report(prepared.version, prepared.t0, err)
         finally:
             prepared.fetched = {}
-        size = fetch.nbytes(prepared.manifest, prepared.needed, self._target)
         return self.report(prepared.version, prepared.t0, None, pause, len(prepared.needed), size)
 
     def _commit(self, prepared: Prepared) -> float:
@@ -417,7 +417,7 @@ class Applier:
         needed = bound.needed(ids, staging=True)
         fetched = fetch.fetch(manifest, refs, needed, timeout=self.timeout, verify=self.verify, target=target)
         bound.stage(fetched, ids, extra_state=manifest.extra_state)
-        self._staged = (version, sum(manifest.bucket_nbytes[b] for b in needed))
+        self._staged = (version, fetch.nbytes(manifest, needed, target, fetched))
         return True
 
     def swap_staged(self) -> ApplyReport | None:

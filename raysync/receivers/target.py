@@ -109,6 +109,12 @@ class Target(Protocol):
     A ``commit`` that raises must leave the target as it was, or make :meth:`intact`
     false (it then holds no version the receiver can report).
 
+    A target that can read back the bytes it holds may say so: ``reads_back = True`` and
+    ``held_bucket(manifest, bucket, bucket_id)``, the bytes of that bucket (flat uint8 numpy,
+    padding included) if it holds exactly that one as applied, else None. Of a
+    ``delta="sparse"`` version it then fetches, for such a bucket, only its patch and rebuilds
+    the bucket (:func:`~raysync.transports.fetch.patchable`); other targets get whole buckets.
+
     Example:
         >>> class Printer:                      # the smallest target: takes anything, keeps nothing
         ...     def check(self, manifest): pass
@@ -262,6 +268,24 @@ class ModuleTarget:
                 "store (the default) or from a sharded trainer",
                 shape_mismatch=split,
             )
+
+    @property
+    def reads_back(self) -> bool:
+        """Whether it hands out the bytes it holds (:meth:`held_bucket`): copies, whole tensors."""
+        return not self.view and self.placement is None
+
+    def held_bucket(self, manifest: Manifest, bucket: int, bucket_id: str) -> np.ndarray | None:
+        """Bucket ``bucket``'s bytes as held (flat uint8, read them only) if it holds ``bucket_id``
+        as applied (not changed in place since), in CPU memory; else None."""
+        bound = self._live(manifest)
+        if (
+            bound is None
+            or not self.reads_back
+            or bound.device.type != "cpu"
+            or bound.ids[bucket] != bucket_id
+        ):
+            return None
+        return None if bucket in bound.written() else bound.buffers()[bucket].numpy()
 
     def needed(self, manifest: Manifest, ids: Sequence[str | None], *, written: bool = True) -> list[int]:
         bound = self._live(manifest)

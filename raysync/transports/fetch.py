@@ -6,7 +6,9 @@ Applier`'s receivers, adapters, torchrl's receivers in Ray actors, and ``HubClie
 for the buckets wanted, as the receiver takes them (:func:`view`: its own parts of each
 tensor, for a target with a ``placement``), and :func:`verified` checks their checksums as
 asked (:data:`Verify`). :func:`at_hand` does the same for buckets a receiver has already
-(a doorbell segment's).
+(a doorbell segment's). Of a ``delta="sparse"`` version, a bucket whose base the target holds
+(:func:`patchable`) comes as its patch, rebuilt from the target's own bytes and checked
+(:mod:`raysync.core.sparse`); a patch that does not rebuild it is logged and the whole bucket fetched.
 
 Example:
     >>> fetch(ann.manifest, list(ann.refs), [0, 1], timeout=30, verify=True)  # doctest: +SKIP
@@ -16,19 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from raysync import _compat
 from raysync.core.codec import verify_checksums
-from raysync.core.layout import Manifest
+from raysync.core.layout import Manifest, SparsePatch
 from raysync.core.placement import TensorParallel, reshard
 from raysync.core.shards import ShardRefs
+from raysync.core.sparse import PatchError, rebuild
 from raysync.transports.registry import fetcher, transport_class
 from raysync.transports.registry import info as transport_info
 from raysync.transports.sharded import Assembly, verify_fetched
 from raysync.transports.store_pages import populate_store_mapping
 
-__all__ = ["Verify", "at_hand", "checked", "fetch", "fetch_async", "nbytes", "verified", "view"]
+__all__ = ["Verify", "at_hand", "checked", "fetch", "fetch_async", "nbytes", "patchable", "verified", "view"]
+
+logger = logging.getLogger(__name__)
 
 
 Verify = bool | Literal["if_present"]
@@ -83,8 +90,17 @@ def fetch(
     ``target``: whose :func:`view` of the version to fetch (its own parts of a sharded one).
     """
     manifest, refs = _as_taken(manifest, refs, target)
-    arrays = fetcher(manifest.transport)(manifest, refs, list(needed), timeout=timeout)
-    return verified(manifest, needed, arrays, verify=verify)
+    patched = patchable(manifest, needed, target)
+    whole = [b for b in needed if b not in patched]
+    got = dict(zip(whole, fetcher(manifest.transport)(manifest, refs, whole, timeout=timeout), strict=True))
+    if patched:
+        patches = _compat.get_no_start([p.ref for p, _ in patched.values()], timeout=timeout)
+        again = _rebuild(manifest, patched, patches, got)
+        if again:
+            got.update(
+                zip(again, fetcher(manifest.transport)(manifest, refs, again, timeout=timeout), strict=True)
+            )
+    return verified(manifest, needed, [got[b] for b in needed], verify=verify)
 
 
 async def fetch_async(
@@ -99,13 +115,57 @@ async def fetch_async(
     """:func:`fetch` on an event loop: without a thread where the data path can (``fetch_async``)."""
     manifest, refs = _as_taken(manifest, refs, target)
     native = getattr(transport_class(manifest.transport), "fetch_async", None)
-    if native is not None:
-        arrays = await asyncio.wait_for(native(manifest, refs, list(needed)), timeout)
-    else:
-        arrays = await asyncio.to_thread(
-            fetcher(manifest.transport), manifest, refs, list(needed), timeout=timeout
-        )
-    return verified(manifest, needed, arrays, verify=verify)
+
+    async def buckets(wanted: list[int]) -> dict[int, Any]:
+        if native is not None:
+            arrays = await asyncio.wait_for(native(manifest, refs, wanted), timeout)
+        else:
+            arrays = await asyncio.to_thread(
+                fetcher(manifest.transport), manifest, refs, wanted, timeout=timeout
+            )
+        return dict(zip(wanted, arrays, strict=True))
+
+    patched = patchable(manifest, needed, target)
+    got = await buckets([b for b in needed if b not in patched])
+    if patched:
+        patches = await asyncio.wait_for(asyncio.gather(*[p.ref for p, _ in patched.values()]), timeout)
+        again = await asyncio.to_thread(_rebuild, manifest, patched, list(patches), got)  # off the loop
+        if again:
+            got.update(await buckets(again))
+    return verified(manifest, needed, [got[b] for b in needed], verify=verify)
+
+
+def patchable(manifest: Manifest, needed: Sequence[int], target: Any) -> dict[int, tuple[SparsePatch, Any]]:
+    """The buckets of ``needed`` to take as patches: ``{bucket: (its patch, the base's bytes held)}``.
+
+    Those whose patch's base bucket ``target`` holds as it was applied: a target that can read
+    its weights back says so (``reads_back``) and hands out a bucket's bytes by the bucket's id
+    (``held_bucket(manifest, bucket, id)``); any other target gets whole buckets.
+    """
+    if not manifest.patches or not getattr(target, "reads_back", False) or manifest.shards is not None:
+        return {}
+    wanted = set(needed)
+    out = {}
+    for patch in manifest.patches:
+        if patch.bucket in wanted:
+            held = target.held_bucket(manifest, patch.bucket, patch.base_id)
+            if held is not None:
+                out[patch.bucket] = (patch, held)
+    return out
+
+
+def _rebuild(
+    manifest: Manifest, patched: dict[int, tuple[SparsePatch, Any]], patches: list[Any], got: dict[int, Any]
+) -> list[int]:
+    """Rebuild each patched bucket into ``got``; the buckets whose patch did not rebuild them (logged)."""
+    again = []
+    for (b, (patch, held)), arrays in zip(patched.items(), patches, strict=True):
+        try:
+            got[b] = rebuild(manifest, b, held, arrays, patch.crc)
+        except PatchError as err:
+            logger.warning("%s: fetching the whole bucket instead", err)
+            again.append(b)
+    return again
 
 
 def verified(
@@ -141,6 +201,8 @@ def checked(manifest: Manifest, fetched: dict[int, Any], *, verify: Verify) -> d
     return fetched
 
 
-def nbytes(manifest: Manifest, buckets: Sequence[int], target: Any = None) -> int:
-    """The bytes of those buckets, as ``target`` takes them (its parts of a sharded version: :func:`view`)."""
-    return sum(view(target, manifest).bucket_nbytes[b] for b in buckets)
+def nbytes(manifest: Manifest, buckets: Sequence[int], target: Any = None, fetched: Any = None) -> int:
+    """The bytes of those buckets, as ``target`` takes them (its parts of a sharded version: :func:`view`);
+    given what was ``fetched``, a bucket rebuilt from a patch counts the patch's bytes."""
+    sizes = view(target, manifest).bucket_nbytes
+    return sum(getattr((fetched or {}).get(b), "fetched_nbytes", sizes[b]) for b in buckets)

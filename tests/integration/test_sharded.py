@@ -271,6 +271,9 @@ def test_a_delta_push_puts_and_fetches_only_the_buckets_that_changed(ranks: list
         assert_same_weights(weights, expected)
         (row,) = hub.status()["subscribers"]
         assert row["last_buckets_fetched"] == 1 and row["last_bytes_fetched"] == expected["rows"].nbytes
+        # sparse patches are one writer's: a rank refuses them before its push is numbered
+        with pytest.raises(ValueError, match=r'delta="sparse" takes one writer.s weights; a sharded push'):
+            ray.get(ranks[0].push.remote(hub_name, delta="sparse"), timeout=TIMEOUT)
     finally:
         ray.kill(collector)
         ray.kill(hub.actor)
