@@ -170,10 +170,12 @@ class Delivery:
             newest, due = self._state.versions.due_in_group(model_id, group)
             if newest is None or not due:
                 return
-            prior = {sub: sub.sent for sub in due}
-            for sub in due:
-                sub.sent = newest.version
-            announcement = newest.announce(model_id, tuple(s.sub_id for s in due))
+            prior: Prior = {}
+            v = newest.version
+            for sub in due:  # one pass: what each had been sent, and that it is sent this one
+                prior[sub] = sub.sent
+                sub.sent = v
+            announcement = newest.announce(model_id, tuple([s.sub_id for s in due]))
             here = self.rings_here(group)
             if here != group.here:  # from the hub to its node's relay, or back: it knows none of them
                 group.known.clear()

@@ -270,16 +270,15 @@ class Versions:
         if newest is None:
             return None, []
         v, manifest, misfit = newest.version, newest.manifest, self.layouts.misfit
-        due = []
-        for s in group.members.values():  # one pass, plain fields: read per member per version
-            if (
-                v > s.sent
-                and (s.applied is None or v > s.applied)
-                and s.pushed
-                and s.reachable
-                and not s.relay_pending
-                and s.state != "dead"
-                and (s.schema is None or misfit(s, manifest) is None)
-            ):
-                due.append(s)
+        due = [  # one pass of plain fields, read per member per version
+            s
+            for s in group.members.values()
+            if v > s.sent
+            and (s.applied is None or v > s.applied)
+            and s.pushed
+            and s.reachable
+            and not s.relay_pending
+            and s.state != "dead"
+            and (s.schema is None or misfit(s, manifest) is None)
+        ]
         return newest, due
