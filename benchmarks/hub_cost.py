@@ -30,6 +30,10 @@ subscriber per version). Medians over ``--pushes`` pushes of a small model:
 ``hub_cpu_ms``
     CPU time of the hub process (its own ``time.process_time()``) from just before
     ``hub.push`` until ``hub.wait`` returned.
+``floor_hub_cpu_ms`` (relay rows)
+    the floor of a hub's work per version, measured in the same run: an async actor that sends
+    one message to each node's relay (an actor answering at once with a compact row per
+    subscription it names) and reads the replies; its CPU per round.
 ``relay_cpu_ms``
     CPU time of all relay processes over the same window (the work relays took over;
     psutil, 10 ms ticks).
@@ -117,6 +121,47 @@ class LightSubscribers:
         for sub_id in sub_ids:
             bell.register(sub_id, lambda ring, segment: ApplyReport(applied=ring.version, apply_s=0.0))
         return bell.address, bell.key
+
+
+@ray.remote(num_cpus=0)
+class FloorRelay:
+    """The floor's relay: answers each message at once with one compact row per subscription named."""
+
+    async def deliver(self, announcement: tuple[str, int, tuple[str, ...]]) -> tuple[Any, ...]:
+        return tuple((sub_id, 0.001, None, None, None) for sub_id in announcement[2])
+
+
+@ray.remote(num_cpus=0)
+class FloorHub:
+    """The floor of a hub's work per version: one message to each node's relay naming its
+    subscriptions, and their replies read (CPU time per round, this process's)."""
+
+    def __init__(self, relays: list[Any]) -> None:
+        self.relays = relays
+
+    async def round(self, per_node: list[tuple[str, ...]]) -> float:
+        t0 = time.process_time()
+        calls = [r.deliver.remote(("policy", 1, ids)) for r, ids in zip(self.relays, per_node, strict=True)]
+        await asyncio.gather(*calls)
+        return time.process_time() - t0
+
+
+def measure_floor(nodes: int, n: int, actors: dict[str, list[Any]], rounds: int) -> float:
+    """Median CPU ms per round of :class:`FloorHub` over ``nodes`` relays, ``n`` subscriptions in all."""
+    used = list(actors)[:nodes]
+    relays = [
+        FloorRelay.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()  # type: ignore[attr-defined]
+        for node in used
+    ]
+    hub = FloorHub.remote(relays)
+    per_node = [tuple(f"light-abcdef12-{i}:policy" for i in range(k, n, nodes)) for k in range(nodes)]
+    try:
+        for _ in range(3):
+            ray.get(hub.round.remote(per_node))
+        return statistics.median(ray.get(hub.round.remote(per_node)) for _ in range(rounds)) * 1e3
+    finally:
+        for actor in [hub, *relays]:
+            ray.kill(actor)
 
 
 def start_hub(name: str, delivery: str, followers: bool = False) -> raysync.HubClient:
@@ -247,6 +292,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ("msgs_expected", "d"),
         ("hub_node_used", "s"),
         ("hub_cpu_ms", ".1f"),
+        ("floor_hub_cpu_ms", ".1f"),
         ("relay_cpu_ms", ".1f"),
         ("push_ms", ".1f"),
         ("applied_ms", ".1f"),
@@ -255,7 +301,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("| " + " | ".join(c for c, _ in cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(format(r[c], f) if f != "s" else str(r[c]) for c, f in cols) + " |")
+        cells = ("-" if c not in r else format(r[c], f) if f != "s" else str(r[c]) for c, f in cols)
+        print("| " + " | ".join(cells) + " |")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -314,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in args.subscriptions:
                 for delivery in args.delivery:
                     row = measure(nodes, n, delivery, actors, args)
+                    if delivery == "relay":
+                        row["floor_hub_cpu_ms"] = measure_floor(nodes, n, actors, args.pushes)
                     print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
                     rows.append(row)
         print_table(rows)
