@@ -169,16 +169,19 @@ def test_a_node_delivery_calls_each_subscription_by_name_and_slow_acks_come_late
         acks, late, calls = await notify_members(_ann(7), members, mail.call, window=0.2)
         assert calls == 5
         assert sorted(shared.seen) == [(proto.NOTIFY, 7, ("b1:policy",)), (proto.NOTIFY, 7, ("b2:policy",))]
-        outcome = {a.sub_id: (a.outcome, a.report.applied if a.report else None) for a in acks}
+        # The slow one answers 0.4 s after it takes the call: always after the 0.2 s window. The
+        # others answer at once, but a loaded machine may hold them past it too: late, not lost.
+        assert ("s:policy",) in [ids for ids, _ in late]
+        later = [ack async for batch in late_acks(late) for ack in batch]
+        outcome = {a.sub_id: (a.outcome, a.report.applied if a.report else None) for a in acks + later}
         assert outcome == {
             "q:policy": ("ok", 7),
             "b1:policy": ("ok", 7),
             "b2:policy": ("ok", 7),
+            "s:policy": ("ok", 7),
             "x:policy": ("failed", None),
         }
-        assert [ids for ids, _ in late] == [("s:policy",)]
-        later = [ack async for batch in late_acks(late) for ack in batch]
-        assert [(a.sub_id, a.outcome, a.report.applied) for a in later] == [("s:policy", "ok", 7)]
+        assert len(acks) + len(later) == 5  # one ack each
         for t in tasks:
             t.cancel()
 
@@ -193,9 +196,11 @@ def test_a_member_that_died_mid_delivery_is_acked_as_died(monkeypatch: pytest.Mo
         mail = _mail(alive=False)
         members = {"d:policy": RelayMember("d" * 32), "p:policy": RelayMember(None)}
         acks, late, _ = await notify_members(_ann(2), members, mail.call, window=0.05)
-        assert [(a.sub_id, a.outcome) for a in acks] == [("p:policy", "unreachable")]  # no actor to call
+        assert ("p:policy", "unreachable") in [(a.sub_id, a.outcome) for a in acks]  # no actor: at once
         later = [ack async for batch in late_acks(late) for ack in batch]
-        assert [(a.sub_id, a.outcome) for a in later] == [("d:policy", "died")]
+        # The dead one is found dead within the window or after it (how soon is the machine's load).
+        outcomes = sorted((a.sub_id, a.outcome) for a in acks + later)
+        assert outcomes == [("d:policy", "died"), ("p:policy", "unreachable")]
 
     asyncio.run(main())
 
