@@ -249,9 +249,6 @@ def record_applies(hub: str, model_id: str, seconds: list[float | None]) -> None
         record_apply(hub, model_id, s)
 
 
-DBG: dict = {"n": 0, "s": 0.0}
-
-
 class HubGauges:
     """The hub's gauges (versions, lag, subscribers by state), refreshed at most every 0.5 s.
 
