@@ -210,6 +210,7 @@ class PushPipeline:
         order: list[str],
     ) -> Pushed:
         model_id = request.model_id
+        sparse = delta_mode(request.delta)[1]
         tensors = self._tensors(request, raw)
         selected = select_keys(tensors, request.keys) if request.keys is not None else None
         prev, prev_buckets = (
@@ -241,15 +242,15 @@ class PushPipeline:
                 tensors = {k: (t if k in selected else old[k]) for k, t in tensors.items()}
             if prev.manifest.layout_hash == manifest.layout_hash:
                 # delta: buckets whose bytes are the same (sparse: compared element by element there)
-                same = prev_buckets if request.delta and not delta_mode(request.delta)[1] else None
+                same = prev_buckets if request.delta and not sparse else None
                 reuse = reuse_unchanged(prev.refs, manifest, selected, same)
-                if delta_mode(request.delta)[1]:  # sparse: a patch besides each bucket where few changed
+                if sparse:  # a patch besides each bucket where few changed
                     reuse = SparseDelta(reuse, manifest, prev_buckets, prev.refs, prev.version)
         snap = transport.snapshot(model_id, tensors, manifest, checksum=request.checksum, reuse=reuse)
-        if delta_mode(request.delta)[1]:
-            sparse = reuse if isinstance(reuse, SparseDelta) else None
-            snap.manifest = sparse.attach(snap.manifest) if sparse is not None else snap.manifest
-            snap.stats = {**snap.stats, **sparse_stats(sparse)}
+        if sparse:
+            patched = reuse if isinstance(reuse, SparseDelta) else None
+            snap.manifest = patched.attach(snap.manifest) if patched is not None else snap.manifest
+            snap.stats = {**snap.stats, **sparse_stats(patched)}
         del tensors, prev_buckets
         snapshot_s = time.perf_counter() - t0
         stats = {
