@@ -186,9 +186,9 @@ class Waiter:
         """Whether it waits for ``sub``: of a mode it counts, and not a misfit (which never applies)."""
         return (self.include_pull or sub.pushed) and sub.misfit is None
 
-    def let_go(self, sub_id: str) -> None:
-        """It waits for ``sub_id`` no more; woken once it waits for no one."""
-        self.pending.discard(sub_id)
+    def let_go(self, *sub_ids: str) -> None:
+        """It waits for ``sub_ids`` no more; woken once it waits for no one."""
+        self.pending.difference_update(sub_ids)
         if not self.pending:
             self.wake()
 

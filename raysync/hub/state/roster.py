@@ -223,9 +223,7 @@ class Roster:
             times.append(apply_s)
         for waiter in list(self.tables.waiters.get(model_id, ())):
             if waiter.version <= version and waiter.pending and not waiter.pending.isdisjoint(settled):
-                waiter.pending.difference_update(settled)
-                if not waiter.pending:
-                    waiter.wake()
+                waiter.let_go(*settled)
         return times
 
     def believable(self, sub: Subscriber, version: int) -> bool:
