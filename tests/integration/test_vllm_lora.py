@@ -73,6 +73,15 @@ def merged_tokens(base_seed: int, tensors: dict[str, torch.Tensor] | None) -> li
     return hf_tokens(model)
 
 
+def push_base_and_adapter(
+    hub: raysync.HubClient, base_seed: int, adapter_seed: int
+) -> tuple[int, dict[str, torch.Tensor], int]:
+    """A base version and a first version of adapter "math": their numbers, and the adapter's tensors."""
+    base = hub.push(hf_model(base_seed))
+    tensors = adapter_tensors(adapter_seed)
+    return base, tensors, hub.push(raysync.lora_adapter(tensors, alpha=ALPHA), "math")
+
+
 def tokens(engine: VLLMEngine, adapter: str | None = None) -> tuple[list[list[int]], int, int | None]:
     params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     gen = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, adapter=adapter)
@@ -110,9 +119,7 @@ def stop_following(engine: VLLMEngine) -> None:
 def test_an_engine_serves_each_adapter_version_from_memory_stamped_with_both_versions(
     llm: Any, hub: raysync.HubClient, hub_name: str
 ) -> None:
-    base = hub.push(hf_model(10))
-    first = adapter_tensors(1)
-    a1 = hub.push(raysync.lora_adapter(first, alpha=ALPHA), "math")
+    base, first, a1 = push_base_and_adapter(hub, 10, 1)
     engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"], label="lora-test")
     try:
         assert tokens(engine, "math") == (merged_tokens(10, first), base, a1)
@@ -183,9 +190,7 @@ def test_an_engine_core_in_another_process_gets_each_adapter_version_as_bytes(
     """vLLM's default: the engine core in a process of its own (the tensors go as plain bytes
     through vLLM's messages, to raysync's worker method)."""
     llm = llm_core_elsewhere
-    base = hub.push(hf_model(40))
-    adapter = adapter_tensors(41)
-    a1 = hub.push(raysync.lora_adapter(adapter, alpha=ALPHA), "math")
+    base, adapter, a1 = push_base_and_adapter(hub, 40, 41)
     engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
     try:
         assert not engine._in_process
@@ -330,9 +335,7 @@ def test_a_peft_model_extracts_merged_as_torchrl_extracts_it() -> None:
 def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_keeps_its_version(
     llm: Any, hub: raysync.HubClient, hub_name: str, bad: Any, why: str
 ) -> None:
-    hub.push(hf_model(20))
-    good = adapter_tensors(8)
-    a1 = hub.push(raysync.lora_adapter(good, alpha=ALPHA), "math")
+    _, _, a1 = push_base_and_adapter(hub, 20, 8)
     engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
     # A second adapter the engine follows from before its first version, which is a misfit
     # (the hub checks a model's later versions against its first; the engine checks each).
@@ -356,9 +359,7 @@ def test_a_version_vllm_refuses_at_the_swap_leaves_the_old_one_served(
     full cache, a failed activation): the old one goes back, and requests keep running on it."""
     from vllm.lora.model_manager import LRUCacheLoRAModelManager
 
-    hub.push(hf_model(50))
-    good = adapter_tensors(51)
-    a1 = hub.push(raysync.lora_adapter(good, alpha=ALPHA), "math")
+    _, good, a1 = push_base_and_adapter(hub, 50, 51)
     engine = follow_engine(llm, "policy", hub=hub_name, adapters=["math"])
     try:
         before = tokens(engine, "math")
@@ -497,9 +498,7 @@ def test_an_async_engine_refuses_a_misfit_adapter_and_serves_the_one_it_had(
     async_llm: tuple[Any, asyncio.AbstractEventLoop], hub: raysync.HubClient, hub_name: str
 ) -> None:
     llm, loop = async_llm
-    base = hub.push(hf_model(120))
-    good = adapter_tensors(121)
-    a1 = hub.push(raysync.lora_adapter(good, alpha=ALPHA), "math")
+    base, good, a1 = push_base_and_adapter(hub, 120, 121)
 
     async def run() -> None:
         engine = await follow_async_engine(llm, "policy", hub=hub_name, adapters=["math"])
@@ -540,9 +539,7 @@ def test_an_async_adapter_swap_waits_for_its_requests_within_a_bound(
 
     monkeypatch.setattr(vllm_async, "SWAP_WAIT_S", 0.5)
     llm, loop = async_llm
-    base = hub.push(hf_model(130))
-    old = adapter_tensors(131)
-    a1 = hub.push(raysync.lora_adapter(old, alpha=ALPHA), "math")
+    base, old, a1 = push_base_and_adapter(hub, 130, 131)
 
     async def run() -> None:
         engine = await follow_async_engine(llm, "policy", hub=hub_name, adapters=["math"])
