@@ -130,6 +130,10 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
         assert len([ids for ver, ids in rings if ver == v]) <= 4
 
         ray.kill(doomed)
+        # ray.kill returns before the process is gone: a version pushed meanwhile may still be applied
+        # there. Once a call fails as the actor's death, its process is gone.
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(doomed.seen.remote(), timeout=60)
         v = hub.push(model, wait=True, timeout=60)  # returns: a dead actor's subscriptions are dropped
         subs = hub.status()["subscribers"]
         assert len(subs) == 900
