@@ -37,7 +37,7 @@ __all__ = ["HERE_MAX_MEMBERS", "Delivery", "Prior"]
 logger = logging.getLogger(__name__)
 
 
-HERE_MAX_MEMBERS = 2000
+HERE_MAX_MEMBERS = 256
 """The most subscriptions of one model on the hub's own node that the hub rings itself: ringing
 and reading acks cost the hub's one event loop per subscription, so a larger group is handed to
 its node's relay (one message per version, as on every other node)."""
