@@ -262,6 +262,63 @@ def local_cluster(
         ray.shutdown()
 
 
+_NODES: list[str] = []  # the custom resources that name the nodes actors are spread over (none: one node)
+
+
+def placed(i: int) -> dict[str, Any]:
+    """Actor options that put a row's ``i``-th actor on its node, round robin over the nodes of
+    :func:`simulated_nodes` (nothing on one node).
+
+    Example:
+        >>> placed(0)
+        {}
+    """
+    return {"resources": {_NODES[i % len(_NODES)]: 1}} if _NODES else {}
+
+
+@contextlib.contextmanager
+def simulated_nodes(
+    nodes: int, *, num_cpus: int, object_store_bytes: int, logging_level: int = logging.WARNING
+) -> Iterator[list[str]]:
+    """A private ``ray.cluster_utils.Cluster`` of ``nodes`` raylets on this machine (each its own
+    object store; a version crosses between them as between machines), this process connected
+    to it on the first (the head), and :func:`placed` spreading actors over them. Yields the
+    node resources (``node0`` is the head).
+
+    Example:
+        >>> with simulated_nodes(2, num_cpus=10, object_store_bytes=512 * MIB) as names:  # doctest: +SKIP
+        ...     actor = Receiver.options(**placed(1)).remote()   # on node1
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Cluster() records its address where any plain ray.init() on this machine would join it:
+    # this process connects by explicit address, so keep it private.
+    ray._private.utils.write_ray_address = lambda *_args, **_kwargs: None
+    store = max(int(object_store_bytes), 80 * MIB)
+    names = [f"node{i}" for i in range(nodes)]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": num_cpus,
+            "object_store_memory": store,
+            "resources": {names[0]: 1000},
+            "include_dashboard": False,
+        },
+    )
+    try:
+        for name in names[1:]:
+            cluster.add_node(num_cpus=num_cpus, object_store_memory=store, resources={name: 1000}, wait=False)
+        ray.init(address=cluster.address, logging_level=logging_level, log_to_driver=False)
+        cluster.wait_for_nodes()
+        _NODES[:] = names
+        yield names
+    finally:
+        _NODES.clear()
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def kill_all(actors: Iterable[Any]) -> None:
     """``ray.kill`` every actor, ignoring the ones already gone.
 

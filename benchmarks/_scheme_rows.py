@@ -185,7 +185,7 @@ def measure_torchrl_ray(sd: dict[str, torch.Tensor], n: int, repeats: int, warmu
 
     shapes = {k: v.numel() for k, v in sd.items()}
     src = _Blob({k: v.clone() for k, v in sd.items()})
-    actors = [cast(Any, TorchRLReceiver).remote(shapes) for _ in range(n)]
+    actors = [cast(Any, TorchRLReceiver).options(**harness.placed(i)).remote(shapes) for i in range(n)]
     scheme = RayWeightSyncScheme()
     receiver_scheme = RayWeightSyncScheme.__new__(RayWeightSyncScheme)
     receiver_scheme.__setstate__(scheme.__getstate__())  # same rendezvous id, no runtime state

@@ -32,6 +32,7 @@ Run::
     python benchmarks/small_versions.py                      # 4 KiB, 256 KiB, 4 MiB to 8 actors
     python benchmarks/small_versions.py --sizes-kib 256 --repeats 40
     python benchmarks/small_versions.py --blocking-only       # no actors: the trainer's block
+    python benchmarks/small_versions.py --sizes-kib 256 --nodes 2   # actors on two simulated nodes
     python benchmarks/small_versions.py --help
 
 Example:
@@ -128,7 +129,7 @@ def measure_ray_floor(sd: dict[str, torch.Tensor], n: int, repeats: int, warmup:
         >>> measure_ray_floor(harness.make_state_dict(256 * KIB, 8), 8, 20, 5)["send_s"]  # doctest: +SKIP
     """
     shapes = {k: v.numel() for k, v in sd.items()}
-    actors = [cast(Any, FloorActor).remote(shapes) for _ in range(n)]
+    actors = [cast(Any, FloorActor).options(**harness.placed(i)).remote(shapes) for i in range(n)]
     first = next(iter(sd.values()))
     try:
         ray.get([a.noop.remote() for a in actors])
@@ -191,7 +192,8 @@ def measure_hub(
     hub_name = f"bench-small-{uuid.uuid4().hex[:8]}"
     hub = raysync.connect(hub_name)
     total = harness.model_bytes(sd)
-    actors = [receiver_class(apply, hub_name).remote(total, len(sd)) for _ in range(n)]
+    receiver = receiver_class(apply, hub_name)
+    actors = [receiver.options(**harness.placed(i)).remote(total, len(sd)) for i in range(n)]
     first = next(iter(sd.values()))
     try:
         ray.get([a.ready.remote() for a in actors])
@@ -415,6 +417,14 @@ def parse_args(
     harness.add_options(p, actors=[8], repeats=20, warmup=5)
     p.add_argument("--no-torchrl", action="store_true", help="skip torchrl's row")
     p.add_argument(
+        "--nodes",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="simulated nodes (raylets with their own object stores); with 2, each row's actors "
+        "alternate between the trainer's node and the other",
+    )
+    p.add_argument(
         "--blocking-only",
         action="store_true",
         help="only the trainer blocked on a hub with no subscribers beside a bare put (no actors: quick)",
@@ -435,7 +445,12 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr)
     rows: list[dict[str, Any]] = []
     n_max = max(args.actors)
-    with harness.local_cluster(num_cpus=n_max + 2, object_store_bytes=1024 * harness.MIB):
+    cluster = (
+        harness.local_cluster(num_cpus=n_max + 2, object_store_bytes=1024 * harness.MIB)
+        if args.nodes == 1
+        else harness.simulated_nodes(args.nodes, num_cpus=n_max + 2, object_store_bytes=1024 * harness.MIB)
+    )
+    with cluster:
         for kib in args.sizes_kib:
             if args.blocking_only:
                 row = measure_blocking(harness.make_state_dict(kib * KIB, TENSORS), args.repeats, args.warmup)
@@ -443,9 +458,10 @@ def main(argv: Sequence[str] | None = None, *, results_dir: str | os.PathLike[st
                 continue
             for n in args.actors:
                 logger.info("measuring %s to %d actors", _size(kib * KIB), n)
-                rows += measure_size(
+                measured = measure_size(
                     kib * KIB, n=n, repeats=args.repeats, warmup=args.warmup, torchrl=not args.no_torchrl
                 )
+                rows += [{**row, "nodes": args.nodes} for row in measured]
     print_table(rows)
     meta = harness.run_meta("benchmarks/small_versions.py", argv, started=started, options=args)
     harness.write_json(args.json, {"meta": meta, "rows": rows, "targets": targets(rows)})
