@@ -144,9 +144,9 @@ def test_a_thousand_subscriptions_all_get_each_version(hub: raysync.HubClient) -
 
         pid = ray.get(doomed.pid.remote())
         ray.kill(doomed)
-        # ray.kill returns, and calls to the actor fail as its death, before its process is gone: a
-        # version rung meanwhile (a doorbell is no Ray call) is still applied there, and held. Two CI
-        # runs saw the 100 hold the next version. Once the process is gone, nothing can apply it.
+        # ray.kill returns before the process is gone: until then it still answers calls, and a version
+        # rung meanwhile (a doorbell is no Ray call) is applied there and held (CI runs saw both). Once
+        # the process is gone, nothing can apply it.
         wait_for_condition(lambda: _gone(pid), timeout=60, what=f"the killed actor's process {pid} gone")
         v = hub.push(model, wait=True, timeout=60)  # returns: a dead actor's subscriptions are dropped
         subs = hub.status()["subscribers"]
