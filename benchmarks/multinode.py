@@ -51,7 +51,6 @@ from typing import Any
 import ray
 import torch
 from ray._private import internal_api
-from ray.cluster_utils import Cluster
 
 import _harness as harness
 import raysync
@@ -112,24 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     store = args.store_mib * MIB
     phases: dict[str, float] = {}
     t_phase = time.perf_counter()
-    # Cluster() records its address in /tmp/ray/ray_current_cluster, where any plain
-    # ray.init() on this machine (another job, another test session) would find and
-    # join it. This script connects by explicit address: keep the cluster private.
-    ray._private.utils.write_ray_address = lambda *_args, **_kwargs: None
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "object_store_memory": store,
-            "resources": {"node0": 100},
-            "include_dashboard": False,
-        },
-    )
-    try:
-        for i, _ in enumerate(args.subs_per_node, start=1):
-            cluster.add_node(num_cpus=1, object_store_memory=store, resources={f"node{i}": 100}, wait=False)
-        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with harness.simulated_nodes(1 + len(args.subs_per_node), num_cpus=1, object_store_bytes=store):
         nodes = node_table()
         phases["cluster_s"] = time.perf_counter() - t_phase
         hub_name = f"bench-multinode-{uuid.uuid4().hex[:6]}"
@@ -179,9 +161,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "versions": versions,
             "phases": phases,
         }
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def print_table(result: dict[str, Any]) -> None:
