@@ -166,16 +166,22 @@ class Delivery:
         due again and get the newest version; a member that applied it already skips it.
         """
         assert group.node_id is not None
+        cohort = group.cohort
         while True:
-            newest, due = self._state.versions.due_in_group(model_id, group)
-            if newest is None or not due:
+            newest, whole, due = self._state.versions.due_in_group(model_id, group)
+            if newest is None or not (whole or due):
                 return
             prior: Prior = {}
             v = newest.version
             for sub in due:  # one pass: what each had been sent, and that it is sent this one
                 prior[sub] = sub.sent
                 sub.sent = v
-            announcement = newest.announce(model_id, tuple([s.sub_id for s in due]))
+            cohort_prior = cohort.sent
+            ids = tuple([s.sub_id for s in due])
+            if whole:  # the cohort's members: one field, however many
+                cohort.sent = v
+                ids = cohort.ids + ids
+            announcement = newest.announce(model_id, ids)
             here = self.rings_here(group)
             if here != group.here:  # from the hub to its node's relay, or back: it knows none of them
                 group.known.clear()
@@ -183,12 +189,13 @@ class Delivery:
             if here:
                 assert self.here is not None
                 # The hub's own node: the hub does the relay's part itself (rings doorbells, calls the rest).
-                members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
+                members = _untold(group, whole, due)
                 group.known.update(members)  # told once: later versions name them only
                 reply = await self.here.deliver(RelayDelivery(announcement, members))
                 self._acks(model_id, group, newest.version, reply, prior)
-            else:
-                await self._via_relay(group, group.node_id, newest, announcement, due, prior)
+            elif not await self._via_relay(group, group.node_id, newest, announcement, whole, due, prior):
+                if whole:
+                    cohort.sent = cohort_prior
 
     def rings_here(self, group: DeliveryGroup) -> bool:
         """Whether the hub delivers to ``group`` itself: on its own node, while the group is small
@@ -209,10 +216,12 @@ class Delivery:
         node_id: str,
         newest: Version,
         announcement: Announcement,
+        whole: bool,
         due: list[Subscriber],
         prior: Prior,
-    ) -> None:
-        """One version to ``due`` through their node's relay (or directly while it is not up)."""
+    ) -> bool:
+        """One version to ``due`` (and the cohort if ``whole``) through their node's relay (or
+        directly while it is not up); False: the relay was lost, nothing handed (``sent`` undone)."""
         model_id = announcement.model_id
         # NIXL versions go straight from the hub: their refs carry Ray's tensor transport
         # (the receiver pulls from the pusher's registered buffers), which a relay's hop loses.
@@ -220,15 +229,16 @@ class Delivery:
         if direct or not self._relays.up(node_id):  # not up yet (or NIXL): deliver directly, start it
             if not direct:
                 self._relays.start(node_id)
-            members = {s.sub_id: s.relay_member() for s in due}  # called: no doorbell from here
+            everyone = list(group.cohort.members.values()) + due if whole else due
+            members = {s.sub_id: s.relay_member() for s in everyone}  # called: no doorbell from here
             acks, late, calls = await notify_members(announcement, members, self._mail.call)
             self._state.tables.delivery_calls += calls
             pending = tuple(s for ids, _ in late for s in ids)
             self._acks(model_id, group, newest.version, compact(newest.version, acks, None, pending), prior)
             if late:
                 asyncio.get_running_loop().create_task(self._late(model_id, node_id, newest.version, late))
-            return
-        members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in group.known}
+            return True
+        members = _untold(group, whole, due)
         self._state.tables.delivery_calls += 1
         try:
             reply = await self._relays.deliver(node_id, RelayDelivery(announcement, members))
@@ -237,12 +247,13 @@ class Delivery:
             group.relay_lost()
             for sub in due:
                 sub.sent = prior[sub]
-            return
+            return False
         if group.relay_pid is not None and reply.relay_pid != group.relay_pid:
             group.relay_lost()  # it restarted since it last answered: its late acks will not come
         group.relay_pid = reply.relay_pid
         group.known.update(members)
         self._acks(model_id, group, newest.version, reply, prior)
+        return True
 
     def _acks(
         self, model_id: str, group: DeliveryGroup, version: int, reply: RelayReply, prior: Prior
@@ -253,10 +264,7 @@ class Delivery:
             if sub is not None:
                 sub.relay_pending = True
         if reply.applied:
-            now = time.time()
-            times = self._state.roster.record_applied_rows(
-                model_id, version, group.members, reply.applied, now
-            )
+            times = self._state.roster.record_group_rows(model_id, version, group, reply.applied, time.time())
             metrics.record_applies(self._name, model_id, times)
             self._gauges.changed(self._state.models, self._state.subs)
         for ack in reply.acks:
@@ -266,6 +274,7 @@ class Delivery:
             sub.relay_pending = False
             if ack.outcome == "ok" and ack.report is not None:
                 self._record(sub, ack.report)
+                group.cohort.join(sub)  # back in step, if it is
             elif ack.outcome == "unknown":  # a restarted relay: send it the handle again
                 group.known.discard(ack.sub_id)
                 sub.sent = prior.get(sub, 0)
@@ -298,6 +307,15 @@ class Delivery:
         self._acks(model_id, group, version, reply, {})
         if not self.delivering(group):
             self._start(group, self._deliver_relay(model_id, group))
+
+
+def _untold(group: DeliveryGroup, whole: bool, due: list[Subscriber]) -> dict[str, proto.RelayMember]:
+    """What the relay needs of the members it will hand a version and has not been told of."""
+    known = group.known
+    members = {s.sub_id: s.relay_member() for s in due if s.sub_id not in known}
+    if whole and not known.issuperset(group.cohort.ids):  # a new relay (or a restarted one)
+        members.update({i: s.relay_member() for i, s in group.cohort.members.items() if i not in known})
+    return members
 
 
 def _address(sub: Subscriber) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from raysync._protocol import Announcement, Laggard, WaitResult
 from raysync.hub import metrics
 from raysync.hub.state import HubState, Subscriber, Waiter
+from raysync.hub.state.cohort import Cohort
 
 __all__ = ["VersionWaits"]
 
@@ -114,14 +115,17 @@ class VersionWaits:
             state.waits.check_waitable(model_id, version, granted=False)
         waits = state.waits
         while True:
-            behind, failed = waits.unsettled(model_id, version, include_pull)  # no records made
+            cohorts: list[Cohort] = []  # nodes' cohorts that lack it: counted once each, not per member
+            behind, failed = waits.unsettled(model_id, version, include_pull, cohorts)  # no records made
             # (a scan of every subscriber: only for a wait that asked for a number of them)
             short = max(0, subscribers - waits.counted(model_id, include_pull)) if subscribers else 0
             if short and len(misfits := waits.misfits(model_id, include_pull)) >= short:
+                behind += _members(cohorts)
                 return WaitResult(_laggards(behind), _laggards(failed), misfits=tuple(misfits))  # never there
-            if behind and report_missing and not waits.kept_from(model_id, version):
+            if (behind or cohorts) and report_missing and not waits.kept_from(model_id, version):
+                behind += _members(cohorts)
                 return WaitResult(_laggards(behind), _laggards(failed), missing=True)
-            if not behind and not short:
+            if not behind and not cohorts and not short:
                 if failed:  # a dead subscriber's failure is no failure of this version
                     await self._reap([s.sub_id for s in failed])
                     behind, failed = waits.unsettled(model_id, version, include_pull)
@@ -129,7 +133,7 @@ class VersionWaits:
                     return WaitResult((), _laggards(failed))
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                await self._reap([s.sub_id for s in behind + failed])
+                await self._reap([s.sub_id for s in behind + failed + _members(cohorts)])
                 laggards, failures = waits.pending(model_id, version, include_pull)
                 counted = waits.counted(model_id, include_pull)
                 return WaitResult(tuple(laggards), tuple(failures), registered=counted)
@@ -138,7 +142,7 @@ class VersionWaits:
             # instead of re-scanning every subscriber per event.
             woken = asyncio.Event()
             waiter = Waiter(version, {s.sub_id for s in behind}, include_pull, subscribers, woken.set)
-            waits.add_waiter(model_id, waiter)
+            waits.add_waiter(model_id, waiter, cohorts)
             try:
                 while not waiter.woken:
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -153,6 +157,11 @@ class VersionWaits:
                 waits.remove_waiter(model_id, waiter)
             if waiter.woken and not waiter.pending and not (failed or waiter.failures or subscribers):
                 return WaitResult((), ())  # each one it waited for applied it: no second scan of them all
+
+
+def _members(cohorts: list[Cohort]) -> list[Subscriber]:
+    """The members of ``cohorts`` (where a wait's answer names each subscriber)."""
+    return [s for c in cohorts for s in c.members.values()]
 
 
 def _laggards(subs: list[Subscriber]) -> tuple[Laggard, ...]:

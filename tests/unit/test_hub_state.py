@@ -318,10 +318,11 @@ def test_a_node_group_delivers_the_newest_to_members_that_lack_it_and_can_be_cal
     group = state.groups["policy@node:n1"]
     group.known.update({"a:policy", "b:policy"})
     state.versions.stamp("policy", MANIFEST, ["r1"], TRAINER)
-    newest, due = state.versions.due_in_group("policy", group)
+    newest, whole, due = state.versions.due_in_group("policy", group)
     assert newest is not None and newest.version == 1 and due == [a, b]  # not the one it cannot call
+    assert not whole  # no member holds a version yet: none is in the group's cohort
     a.sent = 1
-    assert state.versions.due_in_group("policy", group)[1] == [b]
+    assert state.versions.due_in_group("policy", group)[2] == [b]
     _on_node(state, "b", "n1")  # registers again (a restarted actor): the relay must be told of it again
     assert group.known == {"a:policy"} and not restoring.reachable
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from raysync._protocol import (
     Laggard,
 )
 from raysync.errors import UnknownModelError
+from raysync.hub.state.cohort import Cohort
 from raysync.hub.state.layouts import Layouts
-from raysync.hub.state.records import Subscriber, Tables, Waiter
+from raysync.hub.state.records import Subscriber, Tables, Version, Waiter
 
 __all__ = ["Waits"]
 
@@ -59,15 +62,19 @@ class Waits:
         return [s.laggard() for s in laggards], [s.laggard() for s in failures]
 
     def unsettled(
-        self, model_id: str, version: int, include_pull: bool = True
+        self, model_id: str, version: int, include_pull: bool = True, cohorts: list[Cohort] | None = None
     ) -> tuple[list[Subscriber], list[Subscriber]]:
-        """:meth:`pending`'s subscribers themselves (one pass of plain fields; no record made)."""
+        """:meth:`pending`'s subscribers themselves (one pass of plain fields; no record made).
+
+        With ``cohorts`` (a list to fill): a node's cohort that lacks ``version`` is put there,
+        once, instead of its members (one test for all of them, see :meth:`watch`).
+        """
         laggards: list[Subscriber] = []
         failures: list[Subscriber] = []
         model = self.tables.models.get(model_id)
         kept = model.versions.get(version) if model is not None else None
         misfit = self.layouts.misfit
-        for sub in self.tables.by_model.get(model_id, {}).values():
+        for sub in self._candidates(model_id, version, kept, cohorts):
             if (sub.applied is not None and sub.applied >= version) or sub.state == "dead":
                 continue
             if not (include_pull or sub.pushed):
@@ -76,6 +83,31 @@ class Waits:
                 continue
             (failures if sub.failed >= version else laggards).append(sub)
         return laggards, failures
+
+    def _candidates(
+        self, model_id: str, version: int, kept: Version | None, cohorts: list[Cohort] | None
+    ) -> Iterable[Subscriber]:
+        """The model's subscribers, less the members of cohorts that hold ``version`` (each settled:
+        one test per node) and of those ``cohorts`` takes, where every subscriber is pushed."""
+        subs = self.tables.by_model.get(model_id, {})
+        groups = self.tables.model_groups.get(model_id, {}).values()
+        solo = self.tables.solo.get(model_id, {})
+        if sum(len(g.members) for g in groups) + len(solo) != len(subs):
+            return subs.values()  # pull subscriptions too: each one
+        parts: list[Iterable[Subscriber]] = [solo.values()]
+        skipped = False
+        for g in groups:
+            cohort = g.cohort
+            whole = bool(cohort.members)
+            if whole and not (cohort.applied is not None and cohort.applied >= version):
+                one = next(iter(cohort.members.values()))
+                fits = kept is None or self.layouts.misfit(one, kept.manifest) is None
+                whole = cohorts is not None and fits
+                if whole:
+                    cohorts.append(cohort)  # type: ignore[union-attr]
+            parts.append(g.outside.values() if whole else g.members.values())
+            skipped = skipped or whole
+        return itertools.chain.from_iterable(parts) if skipped else subs.values()
 
     def misfits(self, model_id: str, include_pull: bool = False) -> list[Laggard]:
         """The misfit subscribers of ``model_id`` a wait would count (its error: why it misfits)."""
@@ -92,10 +124,16 @@ class Waits:
             1 for s in self.tables.subscribers(model_id) if (include_pull or s.pushed) and s.misfit is None
         )
 
-    def add_waiter(self, model_id: str, waiter: Waiter) -> None:
+    def add_waiter(self, model_id: str, waiter: Waiter, cohorts: Iterable[Cohort] = ()) -> None:
+        """Register a wait; it counts each of ``cohorts`` (cohorts that lack its version) once."""
         self.tables.waiters.setdefault(model_id, set()).add(waiter)
+        for cohort in cohorts:
+            cohort.watch(waiter)
 
     def remove_waiter(self, model_id: str, waiter: Waiter) -> None:
+        for cohort in list(waiter.cohorts):
+            cohort.waiters.discard(waiter)
+        waiter.cohorts.clear()
         waiters = self.tables.waiters.get(model_id)
         if waiters is not None:
             waiters.discard(waiter)

@@ -18,6 +18,7 @@ from raysync._protocol import (
     SubscriberInfo,
 )
 from raysync.core.layout import Manifest
+from raysync.hub.state.cohort import Cohort, Kept, OfRow, Seen, Shared
 
 __all__ = ["DeliveryGroup", "Model", "Subscriber", "Tables", "Version", "Waiter"]
 
@@ -83,30 +84,37 @@ class Model:
 
 @dataclass(eq=False)
 class Subscriber:
-    """One subscription as the hub sees it."""
+    """One subscription as the hub sees it.
 
+    The fields its delivery group's cohort holds while it is in step with the others
+    (:mod:`~raysync.hub.state.cohort`) are descriptors: read and written as plain fields.
+    """
+
+    _cohort: Cohort | None = field(default=None, init=False, repr=False)  # first: set before the rest
     sub_id: str
     model_id: str
     reachable: bool  # its process polls for the hub's calls (not: restored after a restart, plain processes)
     info: SubscriberInfo
     schema: dict[str, tuple[tuple[int, ...], str]] | None = None
-    applied: int | None = None
-    sent: int = 0  # newest version handed to it (a delivery in flight or done)
+    applied: int | None = Shared(None)  # type: ignore[assignment]
+    sent: int = Shared(0)  # type: ignore[assignment]  # newest version handed to it (in flight or done)
     failed: int = 0  # newest version that failed to apply
-    last_apply_time: float | None = None
-    last_apply_s: float | None = None
-    last_pause_s: float | None = None
-    last_buckets_fetched: int | None = None
-    last_bytes_fetched: int | None = None
-    last_prefetched: bool = False
-    last_error: str | None = None
+    last_apply_time: float | None = Shared(None)  # type: ignore[assignment]
+    last_apply_s: float | None = OfRow(None, 1)  # type: ignore[assignment]
+    last_pause_s: float | None = OfRow(None, 2)  # type: ignore[assignment]
+    last_buckets_fetched: int | None = OfRow(None, 3)  # type: ignore[assignment]
+    last_bytes_fetched: int | None = OfRow(None, 4)  # type: ignore[assignment]
+    last_prefetched: bool = Kept(False)  # type: ignore[assignment]
+    last_error: str | None = Kept(None)  # type: ignore[assignment]
     error_version: int | None = None  # the version last_error is about (None: not about one)
-    modified_since: int | None = None  # the version it holds, if its own code changed it in place since
-    state: str = "live"  # live | unreachable | restoring | dead
-    misfit: str | None = None  # why its model does not fit the model id's versions (not delivered them)
+    # the version it holds, if its own code changed it in place since
+    modified_since: int | None = Kept(None)  # type: ignore[assignment]
+    state: str = Kept("live")  # type: ignore[assignment]  # live | unreachable | restoring | dead
+    # why its model does not fit the model id's versions (not delivered them)
+    misfit: str | None = Kept(None)  # type: ignore[assignment]
     receivers: list[dict[str, Any]] | None = None  # an adapter's receivers
-    last_seen: float = field(default_factory=time.monotonic)  # registration, heartbeat or reply
-    relay_pending: bool = False  # its relay is still handing it a version (its ack comes later)
+    last_seen: float = Seen(0.0)  # type: ignore[assignment]  # registration, heartbeat or reply
+    relay_pending: bool = Kept(False)  # type: ignore[assignment]  # its relay hands it a version still
     doorbell_key: bytes | None = field(default=None, repr=False)  # never persisted or shown
     # Whether the hub hands it versions: push subscribers and Followers (not pull ones); so
     # whether a wait counts it without ``include_pull``. Plain fields, read per subscriber per
@@ -120,6 +128,8 @@ class Subscriber:
 
     def __post_init__(self) -> None:
         self.pushed = self.info.mode != "pull"
+        if self.last_seen == 0.0:
+            self.last_seen = time.monotonic()
 
     def route(self, via_node: bool) -> None:
         """Deliver it through its node (its group's one message per version), or alone."""
@@ -181,6 +191,7 @@ class Waiter:
     on_wake: Callable[[], None] | None = None
     woken: bool = False
     failures: bool = False  # one it waited for failed the version (so its answer must look again)
+    cohorts: set[Cohort] = field(default_factory=set)  # nodes' cohorts it waits for (each counted once)
 
     def counts(self, sub: Subscriber) -> bool:
         """Whether it waits for ``sub``: of a mode it counts, and not a misfit (which never applies)."""
@@ -189,7 +200,7 @@ class Waiter:
     def let_go(self, *sub_ids: str) -> None:
         """It waits for ``sub_ids`` no more; woken once it waits for no one."""
         self.pending.difference_update(sub_ids)
-        if not self.pending:
+        if not self.pending and not self.cohorts:
             self.wake()
 
     def wake(self) -> None:
@@ -200,18 +211,39 @@ class Waiter:
 
 @dataclass(eq=False)
 class DeliveryGroup:
-    """One node's subscriptions of one model, delivered by one message (to its relay, or the hub's own)."""
+    """One node's subscriptions of one model, delivered by one message (to its relay, or the hub's own).
+
+    Its members in step form its :class:`~raysync.hub.state.cohort.Cohort`; the others are
+    ``outside`` it, each handed and recorded on its own.
+    """
 
     members: dict[str, Subscriber] = field(default_factory=dict)
     node_id: str | None = None  # set: the members are delivered through this node's relay
     known: set[str] = field(default_factory=set)  # members the relay has been told of
     relay_pid: int | None = None  # the relay process that answered last
     here: bool = False  # delivered by the hub itself (its own node, a small group): ``known`` is the hub's
+    outside: dict[str, Subscriber] = field(default_factory=dict)
+    cohort: Cohort = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cohort = Cohort(self.outside)
+
+    def add(self, sub: Subscriber) -> None:
+        self.members[sub.sub_id] = sub
+        self.outside[sub.sub_id] = sub
+        self.known.discard(sub.sub_id)  # a new registration may carry a new doorbell
+
+    def discard(self, sub: Subscriber) -> None:
+        if sub._cohort is self.cohort:
+            self.cohort.leave(sub)
+        del self.members[sub.sub_id]
+        self.outside.pop(sub.sub_id, None)
+        self.known.discard(sub.sub_id)
 
     def relay_lost(self) -> None:
         """The relay died or restarted: what it was still doing is lost; hand it all again."""
         self.known.clear()
-        for sub in self.members.values():
+        for sub in list(self.outside.values()):  # a cohort's members have nothing pending
             if sub.relay_pending:
                 sub.relay_pending = False
                 sub.sent = 0

@@ -65,8 +65,7 @@ class Roster:
             if group is None:
                 group = self.tables.groups[sub.group] = DeliveryGroup(node_id=sub.info.node_id)
                 self.tables.model_groups.setdefault(sub.model_id, {})[sub.group] = group
-            group.members[sub.sub_id] = sub
-            group.known.discard(sub.sub_id)  # a new registration may carry a new doorbell
+            group.add(sub)
         elif sub.pushed:
             self.tables.solo.setdefault(sub.model_id, {})[sub.sub_id] = sub
         for waiter in self.tables.waiters.get(sub.model_id, ()):
@@ -89,8 +88,7 @@ class Roster:
         key = sub.group
         group = self.tables.groups.get(key) if key is not None else None
         if group is not None and group.members.get(sub.sub_id) is sub:
-            del group.members[sub.sub_id]
-            group.known.discard(sub.sub_id)
+            group.discard(sub)
             if not group.members:
                 emptied = self.tables.groups.pop(key)  # type: ignore[arg-type]
                 _discard(self.tables.model_groups, sub.model_id, key)  # type: ignore[arg-type]
@@ -189,16 +187,18 @@ class Roster:
         members: dict[str, Subscriber],
         rows: Iterable[AppliedRow],
         now: float,
+        settled_too: tuple[str, ...] = (),
     ) -> list[float | None]:
         """:meth:`record_applied` for a node's rows of one model (a relay's reply): one pass of plain
         fields per subscriber, and each wait told once, of all of them together. Rows of
         subscriptions not among ``members`` (they left meanwhile) are skipped. The apply times recorded.
+        ``settled_too``: a cohort's members recorded already (for the waits that name them).
         """
         mono = time.monotonic()
         model = self.tables.models.get(model_id)
         issued = version <= (model.issued if model is not None else 0)  # the same for every row
         subs = self.tables.subs
-        settled: list[str] = []
+        settled: list[str] = list(settled_too)
         times: list[float | None] = []
         for sub_id, apply_s, pause_s, buckets, nbytes in rows:
             sub = members.get(sub_id)
@@ -224,6 +224,44 @@ class Roster:
         for waiter in list(self.tables.waiters.get(model_id, ())):
             if waiter.version <= version and waiter.pending and not waiter.pending.isdisjoint(settled):
                 waiter.let_go(*settled)
+        return times
+
+    def record_group_rows(
+        self, model_id: str, version: int, group: DeliveryGroup, rows: tuple[AppliedRow, ...], now: float
+    ) -> list[float | None]:
+        """:meth:`record_applied_rows` for a relay's rows of one group: its cohort's members that all
+        applied ``version`` are one write (:meth:`Cohort.applied_by_all`); a member without a row
+        leaves the cohort first; the members outside it are recorded one by one, then join it
+        if they are in step. The apply times recorded.
+        """
+        cohort = group.cohort
+        model = self.tables.models.get(model_id)
+        issued = version <= (model.issued if model is not None else 0)
+        times: list[float | None] = [r[1] for r in rows]
+        settled: tuple[str, ...] = ()
+        members = cohort.members
+        in_cohort = {r[0]: r for r in rows if r[0] in members} if members else {}
+        if in_cohort:
+            if issued and len(in_cohort) == len(members) and (cohort.applied or 0) <= version:
+                cohort.applied_by_all(version, in_cohort, now, time.monotonic())
+                settled = cohort.ids
+            else:  # not all of it applied this version (or one of them reports on its own): one by one
+                newer = issued and (cohort.applied or 0) < version
+                for sub in [s for i, s in members.items() if (i not in in_cohort) == newer]:
+                    cohort.leave(sub)  # (those that did not apply it, or those that report)
+                if newer and members:
+                    cohort.applied_by_all(version, in_cohort, now, time.monotonic())
+                    settled = cohort.ids
+                else:
+                    in_cohort = {}
+            if in_cohort:
+                rows = () if len(in_cohort) == len(rows) else tuple(r for r in rows if r[0] not in in_cohort)
+        outside = group.outside
+        self.record_applied_rows(model_id, version, outside, rows, now, settled)
+        for row in rows:
+            joining = outside.get(row[0])
+            if joining is not None and joining.applied == version:
+                cohort.join(joining)
         return times
 
     def believable(self, sub: Subscriber, version: int) -> bool:

@@ -265,14 +265,25 @@ class Versions:
             return None  # another layout (kept from another job): it waits for one that fits
         return newest
 
-    def due_in_group(self, model_id: str, group: DeliveryGroup) -> tuple[Version | None, list[Subscriber]]:
+    def due_in_group(
+        self, model_id: str, group: DeliveryGroup
+    ) -> tuple[Version | None, bool, list[Subscriber]]:
+        """The newest version; whether the group's cohort lacks it (all of it, one test); and the
+        members outside the cohort that lack it (one pass of plain fields each)."""
         newest = self.newest(model_id)
         if newest is None:
-            return None, []
+            return None, False, []
         v, manifest, misfit = newest.version, newest.manifest, self.layouts.misfit
-        due = [  # one pass of plain fields, read per member per version
+        cohort = group.cohort
+        whole = (
+            bool(cohort.members)
+            and v > cohort.sent
+            and (cohort.applied is None or v > cohort.applied)
+            and (cohort.schema_key is None or misfit(next(iter(cohort.members.values())), manifest) is None)
+        )
+        due = [
             s
-            for s in group.members.values()
+            for s in group.outside.values()
             if v > s.sent
             and (s.applied is None or v > s.applied)
             and s.pushed
@@ -281,4 +292,4 @@ class Versions:
             and s.state != "dead"
             and (s.schema is None or misfit(s, manifest) is None)
         ]
-        return newest, due
+        return newest, whole, due
