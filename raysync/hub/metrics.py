@@ -330,16 +330,30 @@ class HubGauges:
             m.latest_version.set(float(model.latest or 0), tags={"hub": self.hub, "model_id": model_id})
             counts.setdefault(model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
         by_model: dict[str, list[Any]] = {}
+        cohorts: dict[Any, str] = {}  # a node's subscribers in step: all live, one version held
         for sub in subs:
-            if sub.state != "dead":
+            cohort = sub._cohort
+            if cohort is not None:
+                cohorts[cohort] = sub.model_id
+            elif sub.state != "dead":
                 by_model.setdefault(sub.model_id, []).append(sub)
-        for model_id, members in by_model.items():
+        in_cohorts: dict[str, int] = {}
+        for cohort, model_id in cohorts.items():
+            in_cohorts[model_id] = in_cohorts.get(model_id, 0) + len(cohort.members)
+        for model_id in set(by_model) | set(in_cohorts):
+            members = by_model.get(model_id, [])
             model = models.get(model_id)
             per_model = counts.setdefault(model_id, dict.fromkeys(SUBSCRIBER_STATES, 0))
+            per_model["live"] += in_cohorts.get(model_id, 0)
             stamps = model.stamps if model is not None else []
             # a fleet's subscribers at most one version behind (holding the second newest published or
             # newer) get no series: only its laggards do (those set before read 0, below)
-            close_from = (stamps[-2] if len(stamps) >= 2 else 0) if len(members) > LAG_SERIES_MAX else None
+            fleet = len(members) + in_cohorts.get(model_id, 0) > LAG_SERIES_MAX
+            close_from = (stamps[-2] if len(stamps) >= 2 else 0) if fleet else None
+            for cohort, of in cohorts.items():  # a cohort that lags: a series for each member
+                if of == model_id and (close_from is None or (cohort.applied or 0) < close_from):
+                    members.extend(cohort.members.values())
+                    per_model["live"] -= len(cohort.members)  # counted below, one by one
             for sub in members:
                 state = sub.state
                 if state == "live" and (sub.misfit or sub.last_error):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raysync._protocol import ApplyReport, Registration, SubscriberInfo
 from raysync.core.layout import plan_layout
+from raysync.hub import metrics
 from raysync.hub.state import HubState, Subscriber, Waiter
 from raysync.hub.state.records import DeliveryGroup
 
@@ -153,3 +155,44 @@ def test_a_wait_counts_a_cohort_once_and_each_member_that_leaves_it_on_its_own()
     assert waiter.woken and not waiter.pending
     state.waits.remove_waiter("policy", waiter)
     assert not group.cohort.waiters
+
+
+def test_the_gauges_count_a_cohort_and_give_its_members_lag_series_only_when_it_lags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.unit.test_metrics import _Recorder
+
+    fake = metrics._Metrics(*(_Recorder() for _ in range(8)))
+    monkeypatch.setattr(metrics, "_get", lambda: fake)
+    state, group, subs = _fleet()
+    v1 = _push(state)
+    _hand(state, group)
+    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    state.roster.delivery_failed(subs[0], v1 + 1, RuntimeError("no"))  # one outside it, failing
+    gauges = metrics.HubGauges("h")
+    gauges.changed(state.models, state.subs)
+    assert (fake.subscribers.get(state="live"), fake.subscribers.get(state="failing")) == (N - 1, 1)
+    assert fake.subscriber_lag.get(subscriber=subs[5].sub_id) == 0  # a small fleet: a series each
+    for _ in range(3):
+        _push(state)  # the cohort now lags by 3 versions
+    gauges.changed(state.models, state.subs)
+    assert fake.subscriber_lag.get(subscriber=subs[5].sub_id) == 3
+    assert fake.subscribers.get(state="live") == N - 1
+
+
+def test_a_fleets_cohort_in_step_costs_the_gauges_no_series(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.unit.test_metrics import _Recorder
+
+    fake = metrics._Metrics(*(_Recorder() for _ in range(8)))
+    monkeypatch.setattr(metrics, "_get", lambda: fake)
+    n = metrics.LAG_SERIES_MAX + 100
+    state, group, subs = _fleet(n)
+    v1 = _push(state)
+    _hand(state, group)
+    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    metrics.HubGauges("h").changed(state.models, state.subs)
+    assert fake.subscribers.get(state="live") == n and fake.subscriber_lag.get(model_id="policy") is None
+    for _ in range(2):
+        _push(state)  # two behind: a laggard fleet, each member named
+    metrics.HubGauges("h").changed(state.models, state.subs)
+    assert fake.subscriber_lag.get(subscriber=subs[-1].sub_id) == 2

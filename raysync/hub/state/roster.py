@@ -247,8 +247,12 @@ class Roster:
                 settled = cohort.ids
             else:  # not all of it applied this version (or one of them reports on its own): one by one
                 newer = issued and (cohort.applied or 0) < version
-                for sub in [s for i, s in members.items() if (i not in in_cohort) == newer]:
-                    cohort.leave(sub)  # (those that did not apply it, or those that report)
+                if newer:  # those that did not apply it leave
+                    going = [s for i, s in members.items() if i not in in_cohort]
+                else:  # an older or repeated report: those that report leave, and are recorded alone
+                    going = [members[i] for i in in_cohort]
+                for sub in going:
+                    cohort.leave(sub)
                 if newer and members:
                     cohort.applied_by_all(version, in_cohort, now, time.monotonic())
                     settled = cohort.ids
