@@ -41,6 +41,15 @@ def _rows(subs: list[Subscriber], apply_s: float = 0.01) -> tuple[tuple, ...]:
     return tuple((s.sub_id, apply_s + i * 1e-4, 0.0, 2, 24) for i, s in enumerate(subs))
 
 
+def _in_step(state: HubState, group: DeliveryGroup, subs: list[Subscriber]) -> int:
+    """Push a version that every member applies (so they are its cohort); its number."""
+    version = _push(state)
+    _hand(state, group)
+    state.roster.record_group_rows("policy", version, group, _rows(subs), now=1.0)
+    assert len(group.cohort.members) == len(subs)
+    return version
+
+
 def _push(state: HubState) -> int:
     return state.versions.stamp("policy", MANIFEST, ["r"], TRAINER).version
 
@@ -69,9 +78,7 @@ def test_members_that_applied_the_same_version_form_the_cohort_and_are_then_hand
 
 def test_a_member_that_fails_leaves_the_cohort_and_is_named_while_the_others_go_on() -> None:
     state, group, subs = _fleet()
-    v1 = _push(state)
-    _hand(state, group)
-    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    v1 = _in_step(state, group, subs)
     v2 = _push(state)
     _hand(state, group)
     bad = subs[7]
@@ -96,9 +103,7 @@ def test_a_member_that_fails_leaves_the_cohort_and_is_named_while_the_others_go_
 
 def test_members_without_a_row_leave_the_cohort_and_are_due_again() -> None:
     state, group, subs = _fleet()
-    v1 = _push(state)
-    _hand(state, group)
-    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    v1 = _in_step(state, group, subs)
     v2 = _push(state)
     _hand(state, group)
     slow = subs[:5]
@@ -118,9 +123,7 @@ def test_members_without_a_row_leave_the_cohort_and_are_due_again() -> None:
 
 def test_a_member_removed_or_registered_again_leaves_no_trace_in_the_cohort() -> None:
     state, group, subs = _fleet()
-    v1 = _push(state)
-    _hand(state, group)
-    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    v1 = _in_step(state, group, subs)
     state.roster.drop(subs[0], "actor died")
     assert subs[0].sub_id not in group.members and subs[0].sub_id not in group.cohort.ids
     assert subs[0].applied == v1 and subs[0].state == "dead"  # what it held when it went
@@ -132,9 +135,7 @@ def test_a_member_removed_or_registered_again_leaves_no_trace_in_the_cohort() ->
 
 def test_a_wait_counts_a_cohort_once_and_each_member_that_leaves_it_on_its_own() -> None:
     state, group, subs = _fleet()
-    v1 = _push(state)
-    _hand(state, group)
-    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    _in_step(state, group, subs)
     v2 = _push(state)
     _hand(state, group)
     cohorts: list = []
@@ -165,9 +166,7 @@ def test_the_gauges_count_a_cohort_and_give_its_members_lag_series_only_when_it_
     fake = metrics._Metrics(*(_Recorder() for _ in range(8)))
     monkeypatch.setattr(metrics, "_get", lambda: fake)
     state, group, subs = _fleet()
-    v1 = _push(state)
-    _hand(state, group)
-    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    v1 = _in_step(state, group, subs)
     state.roster.delivery_failed(subs[0], v1 + 1, RuntimeError("no"))  # one outside it, failing
     gauges = metrics.HubGauges("h")
     gauges.changed(state.models, state.subs)
@@ -187,9 +186,7 @@ def test_a_fleets_cohort_in_step_costs_the_gauges_no_series(monkeypatch: pytest.
     monkeypatch.setattr(metrics, "_get", lambda: fake)
     n = metrics.LAG_SERIES_MAX + 100
     state, group, subs = _fleet(n)
-    v1 = _push(state)
-    _hand(state, group)
-    state.roster.record_group_rows("policy", v1, group, _rows(subs), now=1.0)
+    _in_step(state, group, subs)
     metrics.HubGauges("h").changed(state.models, state.subs)
     assert fake.subscribers.get(state="live") == n and fake.subscriber_lag.get(model_id="policy") is None
     for _ in range(2):
