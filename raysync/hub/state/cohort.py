@@ -16,10 +16,12 @@ in step (:meth:`Cohort.join`). So every reader sees exactly what it saw before c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from raysync._protocol import AppliedRow
+from raysync.core.layout import Manifest
 
 if TYPE_CHECKING:
     from raysync.hub.state.records import Subscriber, Waiter
@@ -116,6 +118,14 @@ class Cohort:
         if self._ids is None:
             self._ids = tuple(self.members)
         return self._ids
+
+    def holds(self, version: int) -> bool:
+        """Whether its members hold ``version`` (or newer)."""
+        return self.applied is not None and self.applied >= version
+
+    def fits(self, manifest: Manifest, misfit: Callable[[Subscriber, Manifest], str | None]) -> bool:
+        """Whether a version's layout fits its members (one schema: one member's check says)."""
+        return misfit(next(iter(self.members.values())), manifest) is None
 
     def join(self, sub: Subscriber) -> bool:
         """Take ``sub`` in if it is in step (the first member sets the step); whether it joined."""

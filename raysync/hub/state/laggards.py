@@ -99,9 +99,8 @@ class Waits:
         for g in groups:
             cohort = g.cohort
             whole = bool(cohort.members)
-            if whole and not (cohort.applied is not None and cohort.applied >= version):
-                one = next(iter(cohort.members.values()))
-                fits = kept is None or self.layouts.misfit(one, kept.manifest) is None
+            if whole and not cohort.holds(version):
+                fits = kept is None or cohort.fits(kept.manifest, self.layouts.misfit)
                 whole = cohorts is not None and fits
                 if whole:
                     cohorts.append(cohort)  # type: ignore[union-attr]

@@ -276,10 +276,7 @@ class Versions:
         v, manifest, misfit = newest.version, newest.manifest, self.layouts.misfit
         cohort = group.cohort
         whole = (
-            bool(cohort.members)
-            and v > cohort.sent
-            and (cohort.applied is None or v > cohort.applied)
-            and (cohort.schema_key is None or misfit(next(iter(cohort.members.values())), manifest) is None)
+            bool(cohort.members) and v > cohort.sent and not cohort.holds(v) and cohort.fits(manifest, misfit)
         )
         due = [
             s
